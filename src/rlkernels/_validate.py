@@ -1,0 +1,54 @@
+"""Input validation shared by every public op.
+
+Every check runs on the host before any kernel launch, so bad input never reaches
+a kernel (nothing is written out of bounds, nothing is silently truncated).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# float64 is accepted by the torch backend only (gradcheck, references).
+FLOAT_DTYPES_WITH_FP64 = FLOAT_DTYPES + (torch.float64,)
+
+
+def require_tensor(op: str, name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"rlkernels.{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def require_float(op: str, name: str, t: torch.Tensor, dtypes: Iterable[torch.dtype] = FLOAT_DTYPES_WITH_FP64) -> None:
+    require_tensor(op, name, t)
+    dtypes = tuple(dtypes)
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"rlkernels.{op}: {name} has dtype {t.dtype}; supported: {names}")
+
+
+def require_ndim(op: str, name: str, t: torch.Tensor, min_ndim: int, max_ndim: int | None = None) -> None:
+    if t.dim() < min_ndim or (max_ndim is not None and t.dim() > max_ndim):
+        want = f"{min_ndim}" if max_ndim == min_ndim else f">= {min_ndim}" if max_ndim is None else f"{min_ndim}..{max_ndim}"
+        raise ValueError(f"rlkernels.{op}: {name} must have {want} dims, got shape {tuple(t.shape)}")
+
+
+def require_same_device(op: str, **tensors: torch.Tensor | None) -> torch.device:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {k: v.device for k, v in present.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        desc = ", ".join(f"{k} on {d}" for k, d in devices.items())
+        raise ValueError(f"rlkernels.{op}: all tensors must be on one device, got {desc}")
+    return first
+
+
+def require_same_dtype(op: str, **tensors: torch.Tensor | None) -> torch.dtype:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    dtypes = {k: v.dtype for k, v in present.items()}
+    first = next(iter(dtypes.values()))
+    if any(d != first for d in dtypes.values()):
+        desc = ", ".join(f"{k} {d}" for k, d in dtypes.items())
+        raise ValueError(f"rlkernels.{op}: tensors must share one dtype, got {desc}")
+    return first

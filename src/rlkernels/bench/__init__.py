@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m rlkernels.bench {gemm,training,logprob,bmm,all} [--json PATH]``."""

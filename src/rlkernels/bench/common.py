@@ -1,0 +1,116 @@
+"""Shared benchmark plumbing: device-event medians, environment record, JSON, tables.
+
+Performance lives here, not in tests: every benchmark times with
+``triton.testing.do_bench`` (CUDA events, warm-up, median) -- or CUDA-graph
+replay for launch-bound ops -- puts stock cuBLAS (torch) and any installed peer
+in the same run, and writes JSON with the device and library versions.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import platform
+from typing import Any, Callable
+
+import torch
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    for mod in ("triton", "rlkernels", "transformers", "liger_kernel", "cut_cross_entropy", "sgemm_bi"):
+        try:
+            m = importlib.import_module(mod)
+            env[mod] = getattr(m, "__version__", "installed")
+        except Exception:
+            env[mod] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env["sm_count"] = p.multi_processor_count
+        env["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
+    return env
+
+
+def optional_import(name: str) -> Any | None:
+    """A peer library if installed, else None (benchmarks run without peers)."""
+    try:
+        return importlib.import_module(name)
+    except Exception:
+        return None
+
+
+def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 200) -> float:
+    """Median time of ``fn`` in ms by CUDA events after warm-up."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graph_median_us(fn: Callable[[], Any], replays: int = 200, trials: int = 15) -> float:
+    """Median per-call time in µs from CUDA-graph replays of ``fn`` (for launch-bound ops)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / replays)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def peak_extra_memory_gib(fn: Callable[[], Any]) -> float:
+    """Peak device memory allocated during ``fn`` beyond what was allocated before, GiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def write_json(path: str | None, name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
+    if not path:
+        return
+    doc = {"benchmark": name, "environment": environment(), "rows": rows, **(extra or {})}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+
+
+def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(*[_fmt(r.get(c)) for c in columns])
+    Console(width=200).print(table)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)

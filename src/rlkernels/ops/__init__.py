@@ -1,0 +1,2 @@
+"""Op implementations; importing this package registers every backend."""
+from . import matmul  # noqa: F401

@@ -1,0 +1,105 @@
+"""cuBLASLt with split-K forbidden: a second producer of the canonical K-chain bits.
+
+Stock cuBLAS picks split-K by M, so rows change with the batch size. With
+``preferred_blas_library("cublaslt")`` and reduced-precision (split-K) reductions
+disallowed, bf16/fp16 results were measured bit-identical to the Triton chain on
+H100. That is a property of one library build on one GPU, so it is never assumed:
+:func:`cublaslt_verified` compares the two on a probe the first time a
+(device, dtype, K, bias) is seen, and a mismatch retires this backend for that key
+(logged once). The flags are process-global, so they are set and restored around
+each call under a lock, and the call is a ``torch.library`` custom op that
+``torch.compile`` keeps opaque.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger("rlkernels")
+
+_FLAG_LOCK = threading.Lock()
+_VERIFIED: dict[tuple, bool] = {}
+_VERIFY_LOCK = threading.Lock()
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _reduction_flag(dtype: torch.dtype) -> str:
+    return ("allow_bf16_reduced_precision_reduction" if dtype == torch.bfloat16
+            else "allow_fp16_reduced_precision_reduction")
+
+
+@contextlib.contextmanager
+def no_split_k(dtype: torch.dtype) -> Iterator[None]:
+    """cuBLASLt as the BLAS library and split-K disallowed for ``dtype``; restored on exit."""
+    matmul_flags = torch.backends.cuda.matmul
+    name = _reduction_flag(dtype)
+    with _FLAG_LOCK:
+        prev_lib = torch.backends.cuda.preferred_blas_library()
+        prev_flag = getattr(matmul_flags, name)
+        try:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            # (allow_reduced_precision, allow_splitk): the tuple form exists in torch >= 2.9.
+            setattr(matmul_flags, name, (False, False))
+            yield
+        finally:
+            setattr(matmul_flags, name, prev_flag)
+            torch.backends.cuda.preferred_blas_library(prev_lib)
+
+
+@torch.library.custom_op("rlkernels::cublaslt_linear", mutates_args=())
+def cublaslt_linear(x: torch.Tensor, weight_nk: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight_nk[N, K]^T (+ bias) through cuBLASLt, no split-K."""
+    with no_split_k(x.dtype):
+        return torch.nn.functional.linear(x, weight_nk, bias)
+
+
+@cublaslt_linear.register_fake
+def _(x: torch.Tensor, weight_nk: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight_nk.shape[0]))
+
+
+def cublaslt_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cuda" and torch.version.cuda is not None and dtype in SUPPORTED_DTYPES
+
+
+PROBE_ROWS = (131, 1031)
+PROBE_N = 384
+
+
+def cublaslt_verified(device: torch.device, dtype: torch.dtype, k: int, has_bias: bool) -> bool:
+    """True if cuBLASLt-no-split gives the Triton chain's bits for this (device, dtype, K, bias)."""
+    if not cublaslt_available(device, dtype):
+        return False
+    key = (str(device), torch.cuda.get_device_name(device), dtype, k, has_bias)
+    if key in _VERIFIED:
+        return _VERIFIED[key]
+    with _VERIFY_LOCK:
+        if key not in _VERIFIED:
+            _VERIFIED[key] = _probe(device, dtype, k, has_bias)
+            if not _VERIFIED[key]:
+                log.warning("rlkernels: cuBLASLt without split-K does not reproduce the canonical K-chain "
+                            "on %s for %s K=%d bias=%s; using the Triton GEMM for it", key[1], dtype, k, has_bias)
+    return _VERIFIED[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype, k: int, has_bias: bool) -> bool:
+    from .gemm import triton_gemm
+
+    gen = torch.Generator(device=device).manual_seed(1234 + k)
+    w = torch.randn(PROBE_N, k, device=device, generator=gen).to(dtype)
+    bias = torch.randn(PROBE_N, device=device, generator=gen).to(dtype) if has_bias else None
+    for m in PROBE_ROWS:
+        x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+        if not torch.equal(cublaslt_linear(x, w, bias), triton_gemm(x, w.t(), bias=bias)):
+            return False
+    return True
+
+
+def verification_report() -> dict[str, bool]:
+    """What has been verified in this process (for ``rlkernels info``)."""
+    return {f"{name} {str(dt).replace('torch.', '')} K={k} bias={b}": ok for (_, name, dt, k, b), ok in _VERIFIED.items()}

@@ -1,0 +1,230 @@
+"""The canonical K-chain GEMM in Triton, and its checked-in dispatch table.
+
+Every output element is the fp32 accumulation of its dot product over K in
+ascending order -- ``acc = tl.dot(a_blk, b_blk, acc)`` for k-blocks 0, 1, 2, ... --
+with no split over K, rounded once at the end. On Hopper the bits of that chain
+do not depend on the tile shape (the tensor cores step through K in fixed 16-wide
+pieces whatever BLOCK_K is; measured: 22 configs and cuBLASLt without split-K
+give identical bits), so the dispatch table may pick tiles by M without changing
+a row's result; ``tests/test_matmul_gpu.py`` proves it for every config here.
+
+The same kernel serves every GEMM in the library:
+  * forward / dX:  C = A @ B (+ bias), any strides, optional batch axis;
+  * dW:            C += A @ B with A = dY^T, reduction over tokens, the fp32
+                   accumulator loaded from C (``weight.main_grad``) so that
+                   micro-batches chain exactly like one big batch;
+  * dbias:         the row sums of A (= column sums of dY) through the same
+                   tensor-core chain (a dot with a ones block), fused in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ..registry import triton_interpret
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - triton is a hard dependency on Linux
+    triton = None
+    tl = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def short(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}"
+
+
+# The dispatch table: (dtype kind, upper bound on M) -> tile config, first match wins.
+# Pure and checked in -- never tuned at run time (a timing-based pick can differ
+# between processes). Picked offline on H100 by benchmarks/tune_gemm.py; the
+# canonical K-chain makes every entry produce the same bits (tested on GPU).
+GEMM_TABLE_16BIT: tuple[tuple[int, GemmConfig], ...] = (
+    (16, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
+    (64, GemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+    (256, GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4)),
+    (1 << 62, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)),
+)
+GEMM_TABLE_FP32: tuple[tuple[int, GemmConfig], ...] = (
+    (16, GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
+    (1 << 62, GemmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
+)
+# The interpreter computes each tl.dot with numpy's BLAS, whose rounding depends
+# on a row's position inside the tile (measured: chunked rows changed bits at
+# BLOCK_M=16). One row per program keeps every row's numpy call identical, so the
+# interpreter checks the kernel's logic and invariance; the tile-shape claim of
+# the canonical chain is a GPU property and is tested there.
+GEMM_INTERPRETER_CONFIG = GemmConfig(1, 64, 64, group_m=1, num_warps=4, num_stages=1)
+
+
+def gemm_table(dtype: torch.dtype) -> tuple[tuple[int, GemmConfig], ...]:
+    return GEMM_TABLE_FP32 if dtype == torch.float32 else GEMM_TABLE_16BIT
+
+
+def gemm_config(m: int, dtype: torch.dtype) -> GemmConfig:
+    """The tile config the table assigns to a problem with ``m`` rows."""
+    if triton_interpret():
+        return GEMM_INTERPRETER_CONFIG
+    for bound, cfg in gemm_table(dtype):
+        if m <= bound:
+            return cfg
+    raise AssertionError("unreachable: the last bucket is unbounded")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemm_kernel(
+        a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr,
+        M, N, K,
+        stride_ab, stride_am, stride_ak,
+        stride_bb, stride_bk, stride_bn,
+        stride_cb, stride_cm, stride_cn,
+        HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, ROWSUM: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        batch = tl.program_id(1).to(tl.int64)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        # Grouped tile order: only affects which tiles share L2, never the K order.
+        num_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_in_group
+        first_m = group_id * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % num_in_group) % group_size)
+        pid_n = (pid % num_in_group) // group_size
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        # Rows/cols past the edge re-read valid memory (wrapped) instead of masking;
+        # their results are never stored. int64: lm-head outputs exceed 2^31 elements.
+        rm = (offs_m % M).to(tl.int64)
+        rn = (offs_n % N).to(tl.int64)
+        a_ptrs = a_ptr + batch * stride_ab + rm[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
+        b_ptrs = b_ptr + batch * stride_bb + offs_k[:, None].to(tl.int64) * stride_bk + rn[None, :] * stride_bn
+
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        c_ptrs = c_ptr + batch * stride_cb + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
+        if ACC_FROM_C:
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if ROWSUM:
+            do_rowsum = pid_n == 0
+            rs_acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
+            ones = tl.full((BLOCK_K, 16), 1.0, dtype=a_ptr.dtype.element_ty)
+
+        # The canonical chain: one ascending pass over K, one fp32 accumulator.
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if ROWSUM:
+                if do_rowsum:
+                    if IEEE:
+                        rs_acc = tl.dot(a, ones, rs_acc, input_precision="ieee")
+                    else:
+                        rs_acc = tl.dot(a, ones, rs_acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        if ROWSUM:
+            if do_rowsum:
+                # All 16 columns of rs_acc hold the same chain; keep column 0 (exact).
+                col = tl.arange(0, 16)
+                rs = tl.sum(tl.where(col[None, :] == 0, rs_acc, 0.0), axis=1)
+                rs_ptrs = rowsum_ptr + batch * M + offs_m
+                rs = rs + tl.load(rs_ptrs, mask=offs_m < M, other=0.0)
+                tl.store(rs_ptrs, rs, mask=offs_m < M)
+
+
+def _as3d(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    return (t, True) if t.dim() == 3 else (t.unsqueeze(0), False)
+
+
+def triton_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    rowsum: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """C = A @ B (+ bias) by the canonical K-chain; shapes already validated.
+
+    a: [M, K] or [Bt, M, K]; b: [K, N] or [Bt, K, N] (a 2-D b is shared by every
+    batch element, stride 0); any strides. With ``accumulate`` the fp32 ``out`` is
+    the chain's starting value and is updated in place. ``rowsum`` (fp32 [M] or
+    [Bt, M], contiguous) gets the row sums of A added, through the same chain.
+    """
+    a3, batched = _as3d(a)
+    Bt, M, K = a3.shape
+    N = b.shape[-1]
+    if b.dim() == 2:
+        sbb, sbk, sbn = 0, b.stride(0), b.stride(1)
+    else:
+        sbb, sbk, sbn = b.stride(0), b.stride(1), b.stride(2)
+        batched = True
+    if out is None:
+        out_dtype = out_dtype or a.dtype
+        out = torch.empty((Bt, M, N) if batched else (M, N), dtype=out_dtype, device=a.device)
+    out3, _ = _as3d(out)
+    if accumulate and out.dtype != torch.float32:
+        raise ValueError("rlkernels: accumulation target must be float32")
+    if M == 0 or N == 0 or Bt == 0:
+        return out
+    if K == 0:
+        if not accumulate:
+            out.zero_()
+            if bias is not None:
+                out += bias
+        return out
+    cfg = config or gemm_config(M, a.dtype)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), Bt)
+    _gemm_kernel[grid](
+        a3, b, out3, bias if bias is not None else out3, rowsum if rowsum is not None else out3,
+        M, N, K,
+        a3.stride(0), a3.stride(1), a3.stride(2),
+        sbb, sbk, sbn,
+        out3.stride(0), out3.stride(1), out3.stride(2),
+        HAS_BIAS=bias is not None, ACC_FROM_C=accumulate, ROWSUM=rowsum is not None,
+        IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def all_configs(dtype: torch.dtype) -> tuple[GemmConfig, ...]:
+    """Every config the table can pick for ``dtype`` (what GPU tests must cover)."""
+    return tuple(dict.fromkeys(cfg for _, cfg in gemm_table(dtype)))

@@ -1,0 +1,241 @@
+"""``matmul`` / ``linear``: the batch-invariant GEMM and its training triad.
+
+Engines (one per backend) expose a single primitive, :meth:`gemm`, used for the
+forward, for dX and for dW; backends differ in *how* they produce the canonical
+bits, never in which bits a row gets:
+
+* ``TritonEngine`` -- the Triton chain (``ops.gemm``) from a checked-in table by M,
+  and cuBLASLt without split-K for large M where a probe proved the same bits.
+* ``TorchEngine`` -- the ascending elementwise chain (``ops.chain``), any device.
+
+Backward: dX = dY @ W is a GEMM like the forward (rows batch-invariant);
+dW = dY^T @ X reduces over tokens in ascending order into an fp32 accumulator that
+starts from ``weight.main_grad`` when present, so micro-batches whose token counts
+are multiples of :data:`TOKEN_BLOCK` chain exactly like one big batch; dbias is
+the row sum of dY^T through the same chain, fused into the dW kernel.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import _validate as V
+from ..registry import OpImpl, register, select_backend, implementation
+from .chain import accumulator_dtype, chain_matmul, chain_sum
+
+# Token granularity of the dW/dbias chain: the tensor-core K step for 16-bit
+# inputs (measured on H100: splits at multiples of 16 tokens reproduce the
+# one-shot dW bit for bit, splits at 1000 or 1016 do not). The torch backend and
+# the fp32 FMA chain are exact at any split; 16 is the one promise for all.
+TOKEN_BLOCK = 16
+
+CUBLASLT_MIN_M = 128  # below this the Triton decode tiles win (and never need a probe)
+
+
+class TorchEngine:
+    name = "torch"
+
+    def gemm(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             accumulate: bool = False, rowsum: torch.Tensor | None = None) -> torch.Tensor:
+        acc = chain_matmul(a, b, acc=out if accumulate else None)
+        if rowsum is not None:
+            chain_sum(a, -1, acc=rowsum)
+        if accumulate:
+            return acc
+        if bias is not None:
+            acc = acc + bias.to(acc.dtype)
+        result = acc.to(out_dtype or a.dtype)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+
+def gemm_backend_mode() -> str:
+    mode = os.environ.get("RLKERNELS_GEMM_BACKEND", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "triton", "cublaslt"):
+        raise ValueError(f"RLKERNELS_GEMM_BACKEND={mode!r}: expected auto, triton or cublaslt")
+    return mode
+
+
+class TritonEngine:
+    name = "triton"
+
+    def use_cublaslt(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        from .cublaslt import cublaslt_available, cublaslt_verified
+
+        mode = gemm_backend_mode()
+        if mode == "triton":
+            return False
+        ok = cublaslt_available(a.device, a.dtype)
+        if mode == "cublaslt":
+            if not ok or not cublaslt_verified(a.device, a.dtype, a.shape[-1], bias is not None):
+                raise RuntimeError(
+                    f"rlkernels.matmul: RLKERNELS_GEMM_BACKEND=cublaslt but cuBLASLt-no-split is not verified "
+                    f"to give the canonical bits for {a.dtype} K={a.shape[-1]} on {a.device}")
+            return True
+        return ok and a.shape[0] >= CUBLASLT_MIN_M and cublaslt_verified(a.device, a.dtype, a.shape[-1], bias is not None)
+
+    def gemm(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             accumulate: bool = False, rowsum: torch.Tensor | None = None) -> torch.Tensor:
+        from .gemm import triton_gemm
+
+        plain = (out is None and not accumulate and rowsum is None and a.dim() == 2 and b.dim() == 2
+                 and out_dtype in (None, a.dtype) and a.shape[0] > 0 and a.shape[1] > 0)
+        if plain and self.use_cublaslt(a, b, bias):
+            from .cublaslt import cublaslt_linear
+            return cublaslt_linear(a, b.t(), bias)
+        return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum)
+
+
+def validate_matmul(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, *, weight_nk: bool) -> None:
+    V.require_float(op, "a" if not weight_nk else "x", a)
+    V.require_float(op, "b" if not weight_nk else "weight", b)
+    if bias is not None:
+        V.require_float(op, "bias", bias)
+    V.require_ndim(op, "x" if weight_nk else "a", a, 1)
+    V.require_ndim(op, "weight" if weight_nk else "b", b, 2, 2)
+    V.require_same_device(op, a=a, b=b, bias=bias)
+    V.require_same_dtype(op, a=a, b=b, bias=bias)
+    k_b, n = (b.shape[1], b.shape[0]) if weight_nk else (b.shape[0], b.shape[1])
+    if a.shape[-1] != k_b:
+        raise ValueError(f"rlkernels.{op}: inner dimensions differ: input {tuple(a.shape)} has K={a.shape[-1]}, "
+                         f"{'weight' if weight_nk else 'b'} {tuple(b.shape)} has K={k_b}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"rlkernels.{op}: bias must have shape ({n},), got {tuple(bias.shape)}")
+
+
+def _grad_target(param: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor | None:
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        return None
+    if main_grad.dtype != torch.float32 or tuple(main_grad.shape) != shape:
+        raise ValueError(f"rlkernels.linear: {what}.main_grad must be float32 of shape {shape}, "
+                         f"got {main_grad.dtype} {tuple(main_grad.shape)}")
+    return main_grad
+
+
+class GemmFunction(torch.autograd.Function):
+    """y = x @ W^T + bias (``weight_nk``) or y = x @ b + bias, with the invariant triad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_nk: bool, out_dtype, engine):  # type: ignore[override]
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        b = weight.t() if weight_nk else weight
+        y = engine.gemm(x2, b, bias=bias, out_dtype=out_dtype)
+        ctx.save_for_backward(x2, weight, bias)
+        ctx.weight_nk, ctx.engine, ctx.in_shape = weight_nk, engine, x.shape
+        return y.reshape(*x.shape[:-1], b.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x2, weight, bias = ctx.saved_tensors
+        engine, weight_nk = ctx.engine, ctx.weight_nk
+        w_nk = weight if weight_nk else weight.t()  # [N, K] view either way
+        N, K = w_nk.shape
+        dy = grad_out.reshape(-1, N).to(x2.dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = engine.gemm(dy, w_nk).reshape(ctx.in_shape)
+        need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        if need_w or need_b:
+            acc_dt = accumulator_dtype(x2.dtype)
+            w_main = _grad_target(weight, tuple(weight.shape), "weight") if need_w else None
+            b_main = _grad_target(bias, (N,), "bias") if need_b else None
+            if need_b and b_main is not None and not b_main.is_contiguous():
+                raise ValueError("rlkernels.linear: bias.main_grad must be contiguous")
+            rowsum = (b_main if b_main is not None else torch.zeros(N, dtype=acc_dt, device=dy.device)) if need_b else None
+            if need_w:
+                dw = (w_main if weight_nk else w_main.t()) if w_main is not None else torch.zeros(N, K, dtype=acc_dt, device=dy.device)
+                # dW = dY^T @ X: the reduction runs over tokens, ascending, from the current accumulator.
+                engine.gemm(dy.t(), x2, out=dw, accumulate=True, rowsum=rowsum)
+                if w_main is None:
+                    grad_w = (dw if weight_nk else dw.t()).to(weight.dtype)
+            else:
+                # dbias alone: the same fused row-sum chain, against a one-column B.
+                engine.gemm(dy.t(), x2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
+            if need_b and b_main is None:
+                grad_b = rowsum.to(bias.dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _MatmulBase(OpImpl):
+    op_class = "gemm"
+    engine: TorchEngine | TritonEngine
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+                out_dtype: torch.dtype | None = None, weight_nk: bool = False) -> torch.Tensor:
+        return _run("linear" if weight_nk else "matmul", a, b, bias, weight_nk, out_dtype, self.backend)
+
+    def forward_fp32(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     weight_nk: bool = False) -> torch.Tensor:
+        return self.forward(a, b, bias, out_dtype=accumulator_dtype(a.dtype), weight_nk=weight_nk)
+
+    def invariance_case(self, device: torch.device, dtype: torch.dtype, generator: torch.Generator):
+        k, n = (96, 80) if device.type == "cpu" else (1024, 512)
+        x = torch.randn(33, k, generator=generator).to(device=device, dtype=dtype)
+        w = (torch.randn(n, k, generator=generator) / k ** 0.5).to(device=device, dtype=dtype)
+        bias = torch.randn(n, generator=generator).to(device=device, dtype=dtype)
+        return (lambda rows: self.forward(rows, w, bias, weight_nk=True)), x
+
+
+@register("matmul", "triton")
+class MatmulTriton(_MatmulBase):
+    engine = TritonEngine()
+
+
+@register("matmul", "torch")
+class MatmulTorch(_MatmulBase):
+    engine = TorchEngine()
+
+
+def engine_for(device: torch.device, backend: str | None = None) -> TorchEngine | TritonEngine:
+    """The GEMM engine the registry picks for ``device`` (used by other ops' backward)."""
+    name, _ = select_backend("matmul", device, backend)
+    return implementation("matmul", name).engine  # type: ignore[attr-defined]
+
+
+def _autocast(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    first = next(t for t in tensors if t is not None)
+    dev = first.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return [t.to(dt) if t is not None and t.is_floating_point() else t for t in tensors]
+    return list(tensors)
+
+
+def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
+    V.require_tensor(op, "input", a)
+    V.require_tensor(op, "weight" if weight_nk else "b", b)
+    a, b, bias = _autocast(a, b, bias)
+    validate_matmul(op, a, b, bias, weight_nk=weight_nk)
+    if out_dtype is not None and out_dtype not in V.FLOAT_DTYPES_WITH_FP64:
+        raise ValueError(f"rlkernels.{op}: out_dtype must be a float dtype, got {out_dtype}")
+    name, _ = select_backend("matmul", a.device, backend)
+    if name == "triton" and a.dtype == torch.float64:
+        raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
+    impl = implementation("matmul", name)
+    return GemmFunction.apply(a, b, bias, weight_nk, out_dtype, impl.engine)
+
+
+@torch.compiler.disable
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``a @ b + bias``.
+
+    a: [..., K] (bf16/fp16/fp32; fp64 on the torch backend), b: [K, N], bias: [N] or
+    None, all one dtype and device; any strides. Returns [..., N] in ``out_dtype``
+    (default a.dtype). Each output row is a function of its own input row alone.
+    """
+    return _run("matmul", a, b, bias, False, out_dtype, backend)
+
+
+@torch.compiler.disable
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``F.linear``: x [..., K], weight [N, K], bias [N] -> [..., N]."""
+    return _run("linear", x, weight, bias, True, None, backend)

@@ -1,0 +1,50 @@
+"""Float64 ground truth for every op (any device; inputs are upcast, never rounded)."""
+from __future__ import annotations
+
+import torch
+
+
+def matmul_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [..., K] @ b [K, N] (+ bias [N]) in float64."""
+    out = a.double() @ b.double()
+    return out + bias.double() if bias is not None else out
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in float64: x [..., K], weight [N, K]."""
+    return matmul_ref(x, weight.t(), bias)
+
+
+def bmm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, m, k] @ b [B, k, n] or [k, n] in float64."""
+    return a.double() @ b.double()
+
+
+def linear_logprob_ref(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                       bias: torch.Tensor | None = None, *, temperature: float = 1.0,
+                       ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) in float64, each shaped like ``target``; ignored positions give 0."""
+    logits = matmul_ref(hidden.reshape(-1, hidden.shape[-1]), weight.t(), bias) / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    t = target.reshape(-1)
+    valid = t != ignore_index
+    picked = logits.gather(1, torch.where(valid, t, 0).long()[:, None])[:, 0]
+    logp = torch.where(valid, picked - logz, torch.zeros_like(logz))
+    p = torch.softmax(logits, dim=-1)
+    entropy = torch.where(valid, logz - (p * logits).sum(-1), torch.zeros_like(logz))
+    return logp.reshape(target.shape), entropy.reshape(target.shape)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float64."""
+    xd = x.double()
+    y = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    return y * weight.double() if weight is not None else y
+
+
+def softmax_ref(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(x.double(), dim=dim)
+
+
+def log_softmax_ref(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.log_softmax(x.double(), dim=dim)

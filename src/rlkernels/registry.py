@@ -1,0 +1,219 @@
+"""Backend registry: ops by name, one ``nn.Module`` implementation per backend.
+
+Backends:
+  * ``triton`` -- Triton kernels; CUDA/ROCm tensors, or CPU tensors when
+    ``TRITON_INTERPRET=1`` (the interpreter runs the real kernels on numpy, which is
+    how CI exercises kernel logic).
+  * ``torch`` -- ascending-chain PyTorch implementation (``rlkernels.ops.chain``);
+    any device, float64 included. It keeps the invariance contract too.
+
+Choice, per call, from the first tensor argument: ``RLKERNELS_BACKEND`` if set,
+else ``triton`` on GPUs and ``torch`` elsewhere. A forced backend that cannot run
+on the inputs raises :class:`BackendUnavailableError`; nothing falls back silently
+to a path that would break the contract.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+BACKENDS = ("triton", "torch")
+
+
+class BackendUnavailableError(RuntimeError):
+    """A requested backend cannot run on the given inputs."""
+
+
+class OpImpl(nn.Module):
+    """Base class of every backend implementation of an op.
+
+    Subclasses set ``op_name``, ``backend`` and ``op_class`` (the tolerance class
+    in :mod:`rlkernels.contract`) and implement ``forward`` (native dtype out) and
+    ``forward_fp32`` (the same math, output kept in fp32: the ground-truth path).
+    """
+
+    op_name: str = ""
+    backend: str = ""
+    op_class: str = ""
+
+    def forward_fp32(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def invariance_case(self, device: torch.device, dtype: torch.dtype,
+                        generator: torch.Generator) -> tuple[Callable[[torch.Tensor], Any], torch.Tensor]:
+        """A representative call for ``rlkernels check``: (fn of a row batch, the rows).
+
+        Rows are dim 0 of the returned tensor; fn must treat them as independent.
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no invariance case")
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        """None if this backend can run on ``device``, else why not."""
+        return backend_unavailable_reason(cls.backend, device)
+
+    def extra_repr(self) -> str:
+        return f"op={self.op_name!r}, backend={self.backend!r}, op_class={self.op_class!r}"
+
+
+_REGISTRY: dict[str, dict[str, type[OpImpl]]] = {}
+
+
+def register(op_name: str, backend: str) -> Callable[[type[OpImpl]], type[OpImpl]]:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+    def deco(cls: type[OpImpl]) -> type[OpImpl]:
+        cls.op_name, cls.backend = op_name, backend
+        _REGISTRY.setdefault(op_name, {})[backend] = cls
+        return cls
+
+    return deco
+
+
+def _load_ops() -> None:
+    # Importing the op modules runs their @register decorators.
+    from . import ops  # noqa: F401
+
+
+def registered_ops() -> dict[str, tuple[str, ...]]:
+    _load_ops()
+    return {name: tuple(sorted(impls)) for name, impls in sorted(_REGISTRY.items())}
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def backend_unavailable_reason(backend: str, device: torch.device) -> str | None:
+    if backend == "torch":
+        return None
+    if backend == "triton":
+        if not _triton_importable():
+            return "triton is not installed"
+        if device.type == "cuda":
+            return None
+        if device.type == "cpu" and triton_interpret():
+            return None
+        return f"triton needs a CUDA/ROCm device (got {device}); set TRITON_INTERPRET=1 to run it on the CPU"
+    return f"unknown backend {backend!r}"
+
+
+def forced_backend() -> str | None:
+    value = os.environ.get("RLKERNELS_BACKEND", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in BACKENDS:
+        raise BackendUnavailableError(f"RLKERNELS_BACKEND={value!r}: expected one of {BACKENDS} or 'auto'")
+    return value
+
+
+def select_backend(op_name: str, device: torch.device, backend: str | None = None) -> tuple[str, str]:
+    """(backend, reason) for ``op_name`` on ``device``; raises if a forced backend can't run."""
+    _load_ops()
+    if op_name not in _REGISTRY:
+        raise KeyError(f"rlkernels: no op named {op_name!r}; registered: {sorted(_REGISTRY)}")
+    impls = _REGISTRY[op_name]
+    wanted, why = (backend, "requested") if backend else (forced_backend(), "RLKERNELS_BACKEND")
+    if wanted is not None:
+        if wanted not in impls:
+            raise BackendUnavailableError(f"rlkernels.{op_name}: no {wanted!r} implementation ({why})")
+        reason = impls[wanted].unavailable_reason(device)
+        if reason is not None:
+            raise BackendUnavailableError(f"rlkernels.{op_name}: backend {wanted!r} ({why}) cannot run: {reason}")
+        return wanted, why
+    if device.type == "cuda" and "triton" in impls and impls["triton"].unavailable_reason(device) is None:
+        return "triton", "CUDA device"
+    return "torch", f"{device.type} device" if device.type != "cuda" else "triton unavailable on this GPU"
+
+
+def implementation(op_name: str, backend: str) -> type[OpImpl]:
+    _load_ops()
+    try:
+        return _REGISTRY[op_name][backend]
+    except KeyError:
+        raise BackendUnavailableError(f"rlkernels.{op_name}: no {backend!r} implementation") from None
+
+
+def _first_device(args: tuple, kwargs: dict) -> torch.device:
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
+class OpDispatcher(nn.Module):
+    """An op whose backend is chosen per call from the inputs' device."""
+
+    def __init__(self, op_name: str) -> None:
+        super().__init__()
+        self.op_name = op_name
+        self._impls = nn.ModuleDict()
+
+    def impl_for(self, device: torch.device) -> OpImpl:
+        backend, _ = select_backend(self.op_name, device)
+        if backend not in self._impls:
+            self._impls[backend] = implementation(self.op_name, backend)()
+        return self._impls[backend]  # type: ignore[return-value]
+
+    @property
+    def op_class(self) -> str:
+        return next(iter(_REGISTRY[self.op_name].values())).op_class
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.impl_for(_first_device(args, kwargs))(*args, **kwargs)
+
+    def forward_fp32(self, *args: Any, **kwargs: Any) -> Any:
+        return self.impl_for(_first_device(args, kwargs)).forward_fp32(*args, **kwargs)
+
+
+def get_op(name: str, backend: str | None = None) -> nn.Module:
+    """The op ``name``: a per-call dispatcher, or the implementation of ``backend``.
+
+    A forced backend is checked when called (it raises
+    :class:`BackendUnavailableError` if it cannot run on the inputs given).
+    """
+    _load_ops()
+    if name not in _REGISTRY:
+        raise KeyError(f"rlkernels: no op named {name!r}; registered: {sorted(_REGISTRY)}")
+    if backend is None:
+        return OpDispatcher(name)
+    if backend not in BACKENDS:
+        raise BackendUnavailableError(f"rlkernels.{name}: unknown backend {backend!r}; expected one of {BACKENDS}")
+    impl = implementation(name, backend)()
+    return _Checked(impl)
+
+
+class _Checked(nn.Module):
+    """A forced backend: refuses loudly instead of running somewhere it can't."""
+
+    def __init__(self, impl: OpImpl) -> None:
+        super().__init__()
+        self.impl = impl
+        self.op_class = impl.op_class
+        self.backend = impl.backend
+
+    def _check(self, args: tuple, kwargs: dict) -> None:
+        device = _first_device(args, kwargs)
+        reason = self.impl.unavailable_reason(device)
+        if reason is not None:
+            raise BackendUnavailableError(f"rlkernels.{self.impl.op_name}: backend {self.impl.backend!r} cannot run: {reason}")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check(args, kwargs)
+        return self.impl(*args, **kwargs)
+
+    def forward_fp32(self, *args: Any, **kwargs: Any) -> Any:
+        self._check(args, kwargs)
+        return self.impl.forward_fp32(*args, **kwargs)
