@@ -1,0 +1,200 @@
+"""rms_norm / softmax / log_softmax: accuracy vs fp64, bitwise invariance, backward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkernels import reference, testing
+from rlkernels.ops import norms
+
+from .conftest import cpu_backend_cases, randn
+
+# (dtype) -> rel tolerance used here; measured values are reported by test_report_errors.
+TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16, torch.bfloat16, torch.float64)))
+@pytest.mark.parametrize("rows,n", [(1, 1), (7, 13), (33, 97), (5, 1100)])
+def test_norm_accuracy(backend, dtype, rows, n, gen):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("fp64 runs on the torch backend")
+    x = randn(rows, n, dtype=dtype, generator=gen, scale=3.0)
+    w = (1 + 0.1 * randn(n, generator=gen)).to(dtype)
+    y = norms.rms_norm(x, w, 1e-6, backend=backend)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert testing.rel_error(y, reference.rms_norm_ref(x, w, 1e-6)) <= TOL[dtype]
+    for log, ref in ((False, reference.softmax_ref), (True, reference.log_softmax_ref)):
+        fn = norms.log_softmax if log else norms.softmax
+        out = fn(x, -1, backend=backend)
+        assert out.dtype == dtype
+        assert testing.rel_error(out, ref(x, -1)) <= TOL[dtype]
+        out32 = fn(x, 0, dtype=torch.float32 if dtype != torch.float64 else None, backend=backend)
+        assert testing.rel_error(out32, ref(x, 0)) <= TOL[torch.float32 if dtype != torch.float64 else dtype]
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases())
+@pytest.mark.parametrize("op", ["rms_norm", "softmax", "log_softmax"])
+def test_norm_row_invariance(backend, dtype, op, gen):
+    n = 77
+    x = randn(40, n, dtype=dtype, generator=gen, scale=2.0)
+    w = (1 + 0.1 * randn(n, generator=gen)).to(dtype)
+    if op == "rms_norm":
+        def fn(rows):
+            return norms.rms_norm(rows, w, 1e-6, backend=backend)
+    else:
+        f = getattr(norms, op)
+
+        def fn(rows):
+            return f(rows, -1, backend=backend)
+    testing.assert_batch_invariant(fn, x)
+    testing.assert_chunk_invariant(fn, x, chunks=[5, 1, 17, 17])
+    testing.assert_padding_invariant(fn, x[:9], before=4, after=11)
+    testing.assert_order_invariant(fn, x)
+    testing.assert_deterministic(fn, x, runs=2)
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_trailing_mask_invariance(backend, dtype, log, gen):
+    # An attention row scored over more (masked) keys must keep its bits: the masked
+    # keys give exp() == 0 exactly, and zeros after the row end add exactly 0.
+    x = randn(6, 50, dtype=dtype, generator=gen, scale=2.0)
+    fn = norms.log_softmax if log else norms.softmax
+    base = fn(x, -1, dtype=torch.float32, backend=backend)
+    for extra in (1, 14, 1100):
+        pad = torch.full((6, extra), torch.finfo(dtype).min, dtype=dtype)
+        longer = fn(torch.cat([x, pad], -1), -1, dtype=torch.float32, backend=backend)
+        if log:
+            assert torch.equal(longer[:, :50], base)
+        else:
+            assert torch.equal(longer[:, :50], base) and torch.equal(longer[:, 50:], torch.zeros_like(longer[:, 50:]))
+
+
+def test_softmax_leading_mask_invariance_torch_backend(gen):
+    # The torch chain is a plain sequential sum: zeros in front add exactly 0 too.
+    x = randn(6, 50, generator=gen, scale=2.0)
+    base = norms.softmax(x, -1, backend="torch")
+    pad = torch.full((6, 9), torch.finfo(torch.float32).min)
+    assert torch.equal(norms.softmax(torch.cat([pad, x], -1), -1, backend="torch")[:, 9:], base)
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float64)))
+def test_norm_backward(backend, dtype, gen):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("fp64 runs on the torch backend")
+    x = randn(9, 23, dtype=dtype, generator=gen).requires_grad_()
+    w = (1 + 0.1 * randn(23, generator=gen)).to(dtype).requires_grad_()
+    g = randn(9, 23, dtype=dtype, generator=gen)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    y = norms.rms_norm(x, w, 1e-6, backend=backend)
+    dx, dw = torch.autograd.grad(y, (x, w), g)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    rdx, rdw = torch.autograd.grad(reference.rms_norm_ref(xr, wr, 1e-6), (xr, wr), g.double())
+    assert testing.rel_error(dx, rdx) <= tol and testing.rel_error(dw, rdw) <= tol
+    for log, ref in ((False, reference.softmax_ref), (True, reference.log_softmax_ref)):
+        fn = norms.log_softmax if log else norms.softmax
+        (d,) = torch.autograd.grad(fn(x, -1, backend=backend), (x,), g)
+        (rd,) = torch.autograd.grad(ref(xr, -1), (xr,), g.double())
+        assert testing.rel_error(d, rd) <= tol
+
+
+def test_rms_norm_gradcheck():
+    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: norms.rms_norm(a, b, 1e-6, backend="torch"), (x, w))
+    assert torch.autograd.gradcheck(lambda a: norms.log_softmax(a, 0, backend="torch"), (x,))
+    assert torch.autograd.gradcheck(lambda a: norms.softmax(a, 1, backend="torch"), (x,))
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_rms_norm_dw_microbatch_invariance(backend, dtype, gen):
+    # dW reduces over tokens one row at a time: the grads of row subsets add up in the same chain.
+    x = randn(30, 19, generator=gen)
+    w = (1 + 0.1 * randn(19, generator=gen)).requires_grad_()
+    g = randn(30, 19, generator=gen)
+    f = norms.RMSNormTorch if backend == "torch" else norms.RMSNormTriton
+    full = f.reducer.col_sum(g * x)
+    acc = torch.zeros(19)
+    for i in range(30):
+        acc = acc + (g[i] * x[i])
+    assert torch.equal(full, acc)
+    # and the per-row dx is batch invariant
+    testing.assert_batch_invariant(
+        lambda rows: torch.autograd.grad(norms.rms_norm(rows.requires_grad_(), w, 1e-6, backend=backend),
+                                         rows, torch.ones_like(rows))[0], x)
+
+
+def test_rms_norm_module_from_hf_like():
+    class Fake(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8))
+            self.variance_epsilon = 1e-5
+    src = Fake()
+    mod = norms.RMSNorm.from_module(src)
+    assert mod.weight is src.weight and mod.variance_epsilon == 1e-5
+    x = torch.randn(3, 8)
+    assert testing.rel_error(mod(x), reference.rms_norm_ref(x, src.weight, 1e-5)) < 2e-6
+
+
+def test_invalid_inputs():
+    with pytest.raises(ValueError):
+        norms.rms_norm(torch.randn(3, 4), torch.randn(5))
+    with pytest.raises(ValueError):
+        norms.softmax(torch.arange(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_report_errors(dtype, gen, capsys):
+    # Measured errors vs fp64 on the CPU (torch backend), for the contract table.
+    errs = {}
+    for n in (64, 1000, 4099):
+        x = randn(16, n, dtype=dtype, generator=gen, scale=3.0)
+        w = (1 + 0.1 * randn(n, generator=gen)).to(dtype)
+        errs.setdefault("rms_norm", []).append(testing.rel_error(norms.rms_norm(x, w, 1e-6), reference.rms_norm_ref(x, w, 1e-6)))
+        errs.setdefault("softmax", []).append(testing.rel_error(norms.softmax(x), reference.softmax_ref(x)))
+        errs.setdefault("log_softmax", []).append(testing.rel_error(norms.log_softmax(x), reference.log_softmax_ref(x)))
+    with capsys.disabled():
+        print(f"\n[contract] {dtype}: " + ", ".join(f"{k} rel {max(v):.2e}" for k, v in errs.items()))
+    for v in errs.values():
+        assert max(v) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("op", ["rms_norm", "softmax", "log_softmax"])
+def test_norms_gpu(dtype, op):
+    g = torch.Generator().manual_seed(7)
+    n = 4099
+    x = randn(300, n, dtype=dtype, device="cuda", generator=g, scale=3.0)
+    w = (1 + 0.1 * randn(n, generator=g)).to(device="cuda", dtype=dtype)
+    if op == "rms_norm":
+        def fn(rows):
+            return norms.rms_norm(rows, w, 1e-6)
+        ref = reference.rms_norm_ref(x, w, 1e-6)
+    else:
+        f = getattr(norms, op)
+
+        def fn(rows):
+            return f(rows, -1)
+        ref = getattr(reference, op + "_ref")(x, -1)
+    err = testing.rel_error(fn(x), ref)
+    print(f"[contract gpu] {op} {dtype}: rel {err:.2e}")
+    assert err <= TOL[dtype]
+    testing.assert_batch_invariant(fn, x, sizes=[1, 2, 3, 7, 16, 17, 129, 299])
+    testing.assert_chunk_invariant(fn, x, chunks=[5, 1, 100, 194])
+    testing.assert_order_invariant(fn, x)
+    testing.assert_deterministic(fn, x)
+    if op != "rms_norm":
+        base = f(x[:8, :1000], -1, dtype=torch.float32)
+        pad = torch.full((8, 3000), torch.finfo(dtype).min, dtype=dtype, device="cuda")
+        assert torch.equal(f(torch.cat([x[:8, :1000], pad], -1), -1, dtype=torch.float32)[:, :1000], base)
+    else:
+        xg = x.detach().requires_grad_()
+        wg = w.detach().requires_grad_()
+        gy = torch.randn_like(x)
+        dx, dw = torch.autograd.grad(norms.rms_norm(xg, wg, 1e-6), (xg, wg), gy)
+        dx2, dw2 = torch.autograd.grad(norms.rms_norm(xg, wg, 1e-6), (xg, wg), gy)
+        assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
+        dx7 = torch.autograd.grad(norms.rms_norm(xg[:7], wg, 1e-6), xg, gy[:7])[0]
+        assert torch.equal(dx7[:7], dx[:7])
