@@ -64,8 +64,10 @@ GEMM_TABLE_FP32: tuple[tuple[int, GemmConfig], ...] = (
 # on a row's position inside the tile (measured: chunked rows changed bits at
 # BLOCK_M=16). One row per program keeps every row's numpy call identical, so the
 # interpreter checks the kernel's logic and invariance; the tile-shape claim of
-# the canonical chain is a GPU property and is tested there.
-GEMM_INTERPRETER_CONFIG = GemmConfig(1, 64, 64, group_m=1, num_warps=4, num_stages=1)
+# the canonical chain is a GPU property and is tested there. numpy also sums a
+# whole BLOCK_K per step, so BLOCK_K = 16 mirrors the tensor cores' 16-wide K step
+# (the TOKEN_BLOCK granularity of dW accumulation).
+GEMM_INTERPRETER_CONFIG = GemmConfig(1, 64, 16, group_m=1, num_warps=4, num_stages=1)
 
 
 def gemm_table(dtype: torch.dtype) -> tuple[tuple[int, GemmConfig], ...]:
@@ -124,8 +126,12 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if ROWSUM:
+            # The row-sum chain starts from the current value (bias.main_grad), like acc.
             do_rowsum = pid_n == 0
-            rs_acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
+            rs_ptrs = rowsum_ptr + batch * M + offs_m
+            rs_col = tl.arange(0, 16)
+            rs_start = tl.load(rs_ptrs, mask=offs_m < M, other=0.0)
+            rs_acc = tl.where(rs_col[None, :] == 0, rs_start[:, None], 0.0)
             ones = tl.full((BLOCK_K, 16), 1.0, dtype=a_ptr.dtype.element_ty)
 
         # The canonical chain: one ascending pass over K, one fp32 accumulator.
@@ -156,11 +162,8 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
         if ROWSUM:
             if do_rowsum:
-                # All 16 columns of rs_acc hold the same chain; keep column 0 (exact).
-                col = tl.arange(0, 16)
-                rs = tl.sum(tl.where(col[None, :] == 0, rs_acc, 0.0), axis=1)
-                rs_ptrs = rowsum_ptr + batch * M + offs_m
-                rs = rs + tl.load(rs_ptrs, mask=offs_m < M, other=0.0)
+                # Column 0 holds the chain; the others are exact zeros plus the same sums.
+                rs = tl.sum(tl.where(rs_col[None, :] == 0, rs_acc, 0.0), axis=1)
                 tl.store(rs_ptrs, rs, mask=offs_m < M)
 
 

@@ -124,7 +124,7 @@ class GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, weight_nk: bool, out_dtype, engine):  # type: ignore[override]
         K = x.shape[-1]
-        x2 = x.reshape(-1, K)
+        x2 = x.reshape(x.shape[:-1].numel(), K)
         b = weight.t() if weight_nk else weight
         y = engine.gemm(x2, b, bias=bias, out_dtype=out_dtype)
         ctx.save_for_backward(x2, weight, bias)
