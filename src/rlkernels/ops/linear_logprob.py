@@ -1,1 +1,651 @@
-"""(in progress)"""
+"""``linear_logprob``: per-token log-prob (and entropy) of an lm head, without [N, V] logits.
+
+    logp, entropy = linear_logprob(hidden, weight, target, bias, temperature=T,
+                                   return_entropy=True)
+
+computes, for every token row ``h`` and its target id ``t``,
+
+    z       = (h @ W^T + b) / T                 (V logits, never stored as a whole)
+    logp    = z_t - logsumexp(z)
+    entropy = logsumexp(z) - sum_j softmax(z)_j * z_j
+
+Both backends stream the vocabulary in fixed pieces and keep per-row running
+statistics (max ``m``, ``s = sum exp(z - m)`` and ``u = sum exp(z - m) * (z - m)``),
+so the extra memory is O(N) plus one tile, never O(N * V).
+
+Invariance: every piece boundary is a function of V alone (never of N or of a
+row's position), the logits are the canonical ascending D-chain (``ops.gemm``
+conventions), and every per-row reduction runs over that row's own values in an
+order fixed by V. So a row's logp/entropy -- and its dhidden row -- are bitwise the
+same whatever else is in the batch. dW reduces over tokens in one ascending fp32
+chain per vocabulary chunk (the GEMM engine, no atomics), so it is run-to-run
+deterministic and rounded once.
+
+Backward (shared by both backends): for V chunks of ``Cv`` columns, a fused kernel
+recomputes the chunk's logits and writes ``g = dL/d(h W^T + b)`` ([N, Cv], hidden
+dtype); then ``dH += g @ W[chunk]`` (fp32 [N, D] accumulator chained over V
+ascending), ``dW[chunk] = g^T @ H`` (one fp32 chain over tokens, rounded once, or
+accumulated into ``weight.main_grad``), ``dbias[chunk] = column sums of g``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .. import _validate as V_
+from ..registry import OpImpl, implementation, register, select_backend, triton_interpret
+from .chain import accumulator_dtype, chain_matmul
+from .matmul import _autocast, engine_for
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - triton is a hard dependency on Linux
+    triton = None
+    tl = None
+
+OP = "linear_logprob"
+
+# ---------------------------------------------------------------------------------------
+# Constants. Each is a function of nothing but the dtype (and V for the split count):
+# a row's bits must never depend on N.
+# ---------------------------------------------------------------------------------------
+
+# torch backend: vocabulary piece of the online softmax. The per-row sums inside a
+# piece are pairwise trees whose shape depends only on the piece width (so on V).
+TORCH_V_CHUNK = 1024
+# torch backend: token rows per step (memory only; every op is elementwise per row).
+TORCH_ROW_CHUNK = 128
+
+# Backward: the g buffer [N, Cv] (hidden dtype) is sized to this many bytes, with Cv a
+# multiple of BWD_CHUNK_ALIGN in [BWD_MIN_CHUNK, BWD_MAX_CHUNK]. Cv may depend on N:
+# g's elements do not depend on Cv, and the dH chain over V is split at multiples of
+# 256 (a multiple of every K step of the GEMM engines), which leaves its bits unchanged.
+BWD_CHUNK_BYTES = 64 << 20
+BWD_CHUNK_ALIGN = 256
+BWD_MIN_CHUNK = 2048
+BWD_MAX_CHUNK = 32768
+
+
+def backward_chunk(n_rows: int, vocab: int, elem_size: int) -> int:
+    """Columns per backward V chunk (a multiple of 256, or all of V when V is smaller)."""
+    cv = BWD_CHUNK_BYTES // max(1, n_rows * elem_size)
+    return max(BWD_MIN_CHUNK, min(BWD_MAX_CHUNK, cv)) // BWD_CHUNK_ALIGN * BWD_CHUNK_ALIGN
+
+
+# ---------------------------------------------------------------------------------------
+# Validation (host side, before any launch).
+# ---------------------------------------------------------------------------------------
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def validate(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+             temperature: float, ignore_index: int) -> None:
+    """Raise ValueError/TypeError (naming the op) on any bad input; syncs once to check ids."""
+    V_.require_tensor(OP, "hidden", hidden)
+    V_.require_tensor(OP, "weight", weight)
+    V_.require_tensor(OP, "target", target)
+    if bias is not None:
+        V_.require_tensor(OP, "bias", bias)
+    V_.require_float(OP, "hidden", hidden)
+    V_.require_float(OP, "weight", weight)
+    if bias is not None:
+        V_.require_float(OP, "bias", bias)
+    if target.dtype not in _INT_DTYPES:
+        raise ValueError(f"rlkernels.{OP}: target must be an integer tensor of token ids, got {target.dtype}")
+    V_.require_ndim(OP, "hidden", hidden, 1)
+    V_.require_ndim(OP, "weight", weight, 2, 2)
+    if bias is not None:
+        V_.require_ndim(OP, "bias", bias, 1, 1)
+    V_.require_same_device(OP, hidden=hidden, weight=weight, target=target, bias=bias)
+    V_.require_same_dtype(OP, hidden=hidden, weight=weight, bias=bias)
+    vocab, dim = weight.shape
+    if hidden.shape[-1] != dim:
+        raise ValueError(f"rlkernels.{OP}: hidden {tuple(hidden.shape)} has D={hidden.shape[-1]} but weight "
+                         f"{tuple(weight.shape)} (lm_head layout [V, D]) has D={dim}")
+    if vocab == 0:
+        raise ValueError(f"rlkernels.{OP}: weight has an empty vocabulary (V=0)")
+    if bias is not None and tuple(bias.shape) != (vocab,):
+        raise ValueError(f"rlkernels.{OP}: bias must have shape ({vocab},) to match weight's V, "
+                         f"got {tuple(bias.shape)}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"rlkernels.{OP}: target shape {tuple(target.shape)} must equal hidden's leading "
+                         f"shape {tuple(hidden.shape[:-1])}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"rlkernels.{OP}: temperature must be a finite number > 0, got {temperature!r}")
+    if target.numel():
+        t = target.reshape(-1)
+        bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
+        if bool(bad.any()):  # the one host sync of the call
+            pos = int(bad.nonzero()[0, 0])
+            raise ValueError(f"rlkernels.{OP}: target id {int(t[pos])} at flat position {pos} is outside "
+                             f"[0, {vocab}) and is not ignore_index={ignore_index}")
+
+
+# ---------------------------------------------------------------------------------------
+# torch backend: ascending chains and pairwise trees of elementwise ops only.
+# ---------------------------------------------------------------------------------------
+
+def _tree_rowsum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 1 by a pairwise tree of elementwise adds (shape-fixed order per row).
+
+    ATen's reductions pick their order from the whole tensor; an elementwise add
+    rounds each element alone, so a row's sum depends on its own values only.
+    """
+    while x.shape[1] > 1:
+        half = x.shape[1] // 2
+        folded = x[:, :half] + x[:, half:2 * half]
+        x = torch.cat([folded, x[:, 2 * half:]], dim=1) if x.shape[1] % 2 else folded
+    return x[:, 0]
+
+
+def _torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  v0: int, v1: int, temperature: float) -> torch.Tensor:
+    """z = (h W[v0:v1]^T + b) / T for a block of rows, fp32 (fp64 for fp64), ascending D-chain."""
+    z = chain_matmul(h_rows, weight[v0:v1].t())
+    if bias is not None:
+        z.add_(bias[v0:v1].to(z.dtype))
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+class TorchKernels:
+    """The two fused steps of the op, as chained elementwise torch ops (any device)."""
+
+    name = "torch"
+
+    def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, lse) [N] in fp32 (fp64 for fp64 inputs); tgt is -1 where ignored."""
+        N = h2.shape[0]
+        vocab = weight.shape[0]
+        adt = accumulator_dtype(h2.dtype)
+        logp = torch.zeros(N, dtype=adt, device=h2.device)
+        ent = torch.zeros_like(logp)
+        lse = torch.zeros_like(logp)
+        for r0 in range(0, N, TORCH_ROW_CHUNK):
+            h_rows, t = h2[r0:r0 + TORCH_ROW_CHUNK], tgt[r0:r0 + TORCH_ROW_CHUNK]
+            R = h_rows.shape[0]
+            m = torch.full((R,), -math.inf, dtype=adt, device=h2.device)
+            s = torch.zeros(R, dtype=adt, device=h2.device)
+            u = torch.zeros_like(s)
+            zt = torch.zeros_like(s)
+            for v0 in range(0, vocab, TORCH_V_CHUNK):
+                v1 = min(vocab, v0 + TORCH_V_CHUNK)
+                z = _torch_logits(h_rows, weight, bias, v0, v1, temperature)
+                m_new = torch.maximum(m, z.amax(dim=1))  # max is exact: any order is fine
+                d = z - m_new[:, None]
+                e = torch.exp(d)
+                alpha = torch.exp(m - m_new)
+                # u is kept relative to the running max: u = sum e^(z-m) (z-m). Rescaled
+                # to a new max: alpha * (u + (m_old - m_new) * s). Before the first piece
+                # s == 0 (and m_old = -inf), so the term is 0, not NaN.
+                u = torch.where(s > 0, alpha * (u + (m - m_new) * s), torch.zeros_like(u)) + _tree_rowsum(e * d)
+                s = alpha * s + _tree_rowsum(e)
+                m = m_new
+                inside = (t >= v0) & (t < v1)
+                picked = z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+                zt = torch.where(inside, picked, zt)
+            log_s = torch.log(s)
+            valid = t >= 0
+            zero = torch.zeros_like(s)
+            logp[r0:r0 + R] = torch.where(valid, (zt - m) - log_s, zero)
+            ent[r0:r0 + R] = torch.where(valid, log_s - u / s, zero)
+            lse[r0:r0 + R] = m + log_s
+        return logp, ent, lse
+
+    def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
+                    lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
+                    temperature: float, v0: int, v1: int, out: torch.Tensor) -> None:
+        """out[:, :] = dL/d(raw logits)[:, v0:v1] in out.dtype (see :func:`_grad_formula`)."""
+        for r0 in range(0, h2.shape[0], TORCH_ROW_CHUNK):
+            rows = slice(r0, r0 + TORCH_ROW_CHUNK)
+            z = _torch_logits(h2[rows], weight, bias, v0, v1, temperature)
+            t = tgt[rows]
+            lp = z - lse[rows].to(z.dtype)[:, None]
+            p = torch.exp(lp)
+            gl = g_logp[rows].to(z.dtype)[:, None]
+            coef = gl if g_ent is None else gl + g_ent[rows].to(z.dtype)[:, None] * (lp + ent[rows].to(z.dtype)[:, None])
+            g = -(p * coef)
+            cols = torch.arange(v0, v1, device=z.device)
+            g = torch.where(cols[None, :] == t[:, None], g + gl, g)
+            if temperature != 1.0:
+                g = g / temperature
+            out[rows].copy_(g)
+
+
+# ---------------------------------------------------------------------------------------
+# Triton backend.
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+    """Tile config of the fused logits kernels. Fixed per dtype: the in-tile row
+    reductions (max, sums) follow the register layout, which follows the config, so a
+    config picked by N would make a row's bits depend on N."""
+
+    block_m: int
+    block_v: int
+    block_k: int
+    split_v: int  # forward: columns per program (a multiple of block_v); depends on nothing else
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    def short(self) -> str:
+        return (f"{self.block_m}x{self.block_v}x{self.block_k}/split{self.split_v}/g{self.group_m}"
+                f"/w{self.num_warps}/s{self.num_stages}")
+
+
+# Checked in, never tuned at run time. The 16-bit entry matches the large-M tile of the
+# GEMM table (128x256x64, 8 warps, 3 stages): the fused kernels are GEMMs with an epilogue.
+FUSED_16BIT = FusedConfig(128, 256, 64, split_v=2048, group_m=16, num_warps=8, num_stages=3)
+FUSED_FP32 = FusedConfig(64, 64, 32, split_v=2048, group_m=8, num_warps=4, num_stages=3)
+# The interpreter's tl.dot is numpy's BLAS, whose rounding depends on a row's place in
+# the tile (see ops.gemm): one row per program keeps every row's numpy calls identical.
+# split_v=128 makes the small test vocabularies span several splits.
+FUSED_INTERPRETER = FusedConfig(1, 64, 32, split_v=128, group_m=1, num_warps=4, num_stages=1)
+
+
+def fused_config(dtype: torch.dtype) -> FusedConfig:
+    if triton_interpret():
+        return FUSED_INTERPRETER
+    return FUSED_FP32 if dtype == torch.float32 else FUSED_16BIT
+
+
+COMBINE_BLOCK = 256
+
+if triton is not None:
+
+    @triton.jit
+    def _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, V, D, temperature,
+                     stride_hn, stride_hd, stride_wv, stride_wd,
+                     HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+        """z[BLOCK_M, BLOCK_V] = (h[rm] @ W[offs_v]^T + b) / T: the canonical ascending D-chain."""
+        rv = (offs_v % V).to(tl.int64)  # columns past V re-read valid rows of W; masked by the caller
+        offs_k = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + rm[:, None] * stride_hn + offs_k[None, :].to(tl.int64) * stride_hd
+        w_ptrs = w_ptr + offs_k[:, None].to(tl.int64) * stride_wd + rv[None, :] * stride_wv
+        acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if EVEN_D:
+                h = tl.load(h_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_left = D - k * BLOCK_K
+                h = tl.load(h_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if IEEE:
+                acc = tl.dot(h, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(h, w, acc)
+            h_ptrs += BLOCK_K * stride_hd
+            w_ptrs += BLOCK_K * stride_wd
+        if HAS_BIAS:
+            b = tl.load(b_ptr + rv)
+            acc = acc + b.to(tl.float32)[None, :]
+        if HAS_TEMP:
+            # Exactly as samplers do: logits / T, correctly rounded (not a multiply by 1/T).
+            acc = tl.math.div_rn(acc, tl.full((BLOCK_M, BLOCK_V), temperature, tl.float32))
+        return acc
+
+    @triton.jit
+    def _fwd_partial_kernel(
+        h_ptr, w_ptr, b_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
+        N, V, D, temperature,
+        stride_hn, stride_hd, stride_wv, stride_wd,
+        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+        SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(N, BLOCK_M)
+        num_split = tl.cdiv(V, SPLIT_V)
+        # Grouped order: GROUP_M token blocks share the streamed W tiles in L2. Placement
+        # only; a row's arithmetic is the same in any program order.
+        num_in_group = GROUP_M * num_split
+        group_id = pid // num_in_group
+        first_m = group_id * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % num_in_group) % group_size)
+        pid_s = (pid % num_in_group) // group_size
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < N
+        rm = (offs_m % N).to(tl.int64)  # rows past N re-read valid rows; never stored
+        tgt = tl.load(t_ptr + rm)
+        v_start = pid_s * SPLIT_V
+        n_tiles = tl.cdiv(tl.minimum(V - v_start, SPLIT_V), BLOCK_V)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        s_i = tl.zeros((BLOCK_M,), tl.float32)
+        u_i = tl.zeros((BLOCK_M,), tl.float32)
+        zt = tl.zeros((BLOCK_M,), tl.float32)
+        # Tiles in ascending column order: the row's statistics are one fixed chain.
+        for j in range(0, n_tiles):
+            offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
+            z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, V, D, temperature,
+                             stride_hn, stride_hd, stride_wv, stride_wd,
+                             HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, BLOCK_M, BLOCK_V, BLOCK_K)
+            col_ok = offs_v < V
+            z = tl.where(col_ok[None, :], z, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z, axis=1))
+            d = z - m_new[:, None]
+            e = tl.exp(d)
+            alpha = tl.exp(m_i - m_new)
+            ed = tl.where(col_ok[None, :], e * d, 0.0)
+            u_i = tl.where(s_i > 0, alpha * (u_i + (m_i - m_new) * s_i), 0.0) + tl.sum(ed, axis=1)
+            s_i = alpha * s_i + tl.sum(e, axis=1)
+            m_i = m_new
+            # At most one column matches: the sum is that logit exactly.
+            zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+        part = pid_s.to(tl.int64) * N + offs_m
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(s_ptr + part, s_i, mask=row_ok)
+        tl.store(u_ptr + part, u_i, mask=row_ok)
+        in_split = row_ok & (tgt >= v_start) & (tgt < v_start + SPLIT_V)
+        tl.store(zt_ptr + offs_m, zt, mask=in_split)
+
+    @triton.jit
+    def _combine_kernel(m_ptr, s_ptr, u_ptr, zt_ptr, t_ptr, logp_ptr, ent_ptr, lse_ptr, N, n_split,
+                        BLOCK: tl.constexpr):
+        """Merge the per-split statistics of each row in ascending split order."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        rows = offs.to(tl.int64)
+        mx = tl.full((BLOCK,), float("-inf"), tl.float32)
+        # Pointers advance by N per split: 64-bit pointer arithmetic, no int32 k * N product.
+        m_ptrs = m_ptr + rows
+        for k in range(0, n_split):
+            mx = tl.maximum(mx, tl.load(m_ptrs, mask=ok, other=0.0))
+            m_ptrs += N
+        s = tl.zeros((BLOCK,), tl.float32)
+        u = tl.zeros((BLOCK,), tl.float32)
+        m_ptrs = m_ptr + rows
+        s_ptrs = s_ptr + rows
+        u_ptrs = u_ptr + rows
+        for k in range(0, n_split):
+            mk = tl.load(m_ptrs, mask=ok, other=0.0)
+            sk = tl.load(s_ptrs, mask=ok, other=1.0)
+            uk = tl.load(u_ptrs, mask=ok, other=0.0)
+            a = tl.exp(mk - mx)
+            u += a * (uk + (mk - mx) * sk)
+            s += a * sk
+            m_ptrs += N
+            s_ptrs += N
+            u_ptrs += N
+        log_s = tl.log(s)
+        valid = ok & (tl.load(t_ptr + rows, mask=ok, other=-1) >= 0)
+        zt = tl.load(zt_ptr + rows, mask=ok, other=0.0)
+        tl.store(logp_ptr + rows, tl.where(valid, (zt - mx) - log_s, 0.0), mask=ok)
+        tl.store(ent_ptr + rows, tl.where(valid, log_s - u / s, 0.0), mask=ok)
+        tl.store(lse_ptr + rows, mx + log_s, mask=ok)
+
+    @triton.jit
+    def _grad_logits_kernel(
+        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr,
+        N, V, D, v0, v1, temperature,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
+        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
+        EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        """g[:, v - v0] = dL/d(h W^T + b)[:, v] for v in [v0, v1), recomputing the logits tile."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(N, BLOCK_M)
+        num_pid_v = tl.cdiv(v1 - v0, BLOCK_V)
+        num_in_group = GROUP_M * num_pid_v
+        group_id = pid // num_in_group
+        first_m = group_id * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % num_in_group) % group_size)
+        pid_v = (pid % num_in_group) // group_size
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = (offs_m % N).to(tl.int64)
+        offs_v = v0 + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, V, D, temperature,
+                         stride_hn, stride_hd, stride_wv, stride_wd,
+                         HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, BLOCK_M, BLOCK_V, BLOCK_K)
+        lp = z - tl.load(lse_ptr + rm)[:, None]
+        p = tl.exp(lp)
+        gl = tl.load(gl_ptr + rm)  # already zero on ignored rows
+        if HAS_GE:
+            ge = tl.load(ge_ptr + rm)
+            coef = gl[:, None] + ge[:, None] * (lp + tl.load(ent_ptr + rm)[:, None])
+        else:
+            coef = gl[:, None] + tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
+        g = -(p * coef)
+        tgt = tl.load(t_ptr + rm)
+        g = tl.where(offs_v[None, :] == tgt[:, None], g + gl[:, None], g)
+        if HAS_TEMP:
+            g = tl.math.div_rn(g, tl.full((BLOCK_M, BLOCK_V), temperature, tl.float32))
+        g_ptrs = (g_ptr + offs_m[:, None].to(tl.int64) * stride_gn
+                  + (offs_v - v0)[None, :].to(tl.int64) * stride_gv)
+        mask = (offs_m[:, None] < N) & (offs_v[None, :] < v1)
+        tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+class TritonKernels:
+    """The two fused steps of the op as Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def __init__(self, config: FusedConfig | None = None) -> None:
+        self.config = config
+
+    def _cfg(self, dtype: torch.dtype) -> FusedConfig:
+        return self.config or fused_config(dtype)
+
+    def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        N, D = h2.shape
+        vocab = weight.shape[0]
+        dev = h2.device
+        cfg = self._cfg(h2.dtype)
+        n_split = triton.cdiv(vocab, cfg.split_v)
+        logp = torch.empty(N, dtype=torch.float32, device=dev)
+        ent = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        if N == 0:
+            return logp, ent, lse
+        # Partials: O(N * ceil(V / split_v)) fp32, the only O(N) state of the forward.
+        m = torch.empty(n_split, N, dtype=torch.float32, device=dev)
+        s = torch.empty_like(m)
+        u = torch.empty_like(m)
+        zt = torch.zeros(N, dtype=torch.float32, device=dev)
+        grid = (triton.cdiv(N, cfg.block_m) * n_split,)
+        _fwd_partial_kernel[grid](
+            h2, weight, bias if bias is not None else h2, tgt, m, s, u, zt,
+            N, vocab, D, float(temperature),
+            h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1),
+            HAS_BIAS=bias is not None, HAS_TEMP=temperature != 1.0, IEEE=h2.dtype == torch.float32,
+            EVEN_D=D % cfg.block_k == 0, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
+            m, s, u, zt, tgt, logp, ent, lse, N, n_split, BLOCK=COMBINE_BLOCK, num_warps=4)
+        return logp, ent, lse
+
+    def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
+                    lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
+                    temperature: float, v0: int, v1: int, out: torch.Tensor) -> None:
+        N, D = h2.shape
+        if N == 0 or v1 <= v0:
+            return
+        cfg = self._cfg(h2.dtype)
+        grid = (triton.cdiv(N, cfg.block_m) * triton.cdiv(v1 - v0, cfg.block_v),)
+        _grad_logits_kernel[grid](
+            h2, weight, bias if bias is not None else h2, tgt, lse, ent, g_logp,
+            g_ent if g_ent is not None else g_logp, out,
+            N, weight.shape[0], D, v0, v1, float(temperature),
+            h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, HAS_TEMP=temperature != 1.0, HAS_GE=g_ent is not None,
+            IEEE=h2.dtype == torch.float32, EVEN_D=D % cfg.block_k == 0,
+            BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Autograd.
+# ---------------------------------------------------------------------------------------
+
+def _main_grad(param: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor | None:
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        return None
+    if main_grad.dtype != torch.float32 or tuple(main_grad.shape) != shape or not main_grad.is_contiguous():
+        raise ValueError(f"rlkernels.{OP}: {what}.main_grad must be contiguous float32 of shape {shape}, "
+                         f"got {main_grad.dtype} {tuple(main_grad.shape)}")
+    return main_grad
+
+
+class LinearLogprobFunction(torch.autograd.Function):
+    """(logp, entropy) [N] of rows h2 [N, D] against weight [V, D]; see the module doc."""
+
+    @staticmethod
+    def forward(ctx, h2, weight, bias, tgt, temperature: float, kernels, engine):  # type: ignore[override]
+        logp, ent, lse = kernels.forward(h2, weight, bias, tgt, temperature)
+        ctx.save_for_backward(h2, weight, bias, tgt, lse, ent)
+        ctx.temperature, ctx.kernels, ctx.engine = temperature, kernels, engine
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):  # type: ignore[override]
+        h2, weight, bias, tgt, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        if grad_logp is None and grad_ent is None or not (need_h or need_w or need_b):
+            return None, None, None, None, None, None, None
+        N, D = h2.shape
+        vocab = weight.shape[0]
+        dev, acc_dt = h2.device, lse.dtype
+        valid = tgt >= 0
+        # Ignored rows get exactly zero upstream gradient (so g's row is exactly 0).
+        zero = torch.zeros(N, dtype=acc_dt, device=dev)
+        g_logp = torch.where(valid, grad_logp.to(acc_dt), zero) if grad_logp is not None else zero
+        g_ent = torch.where(valid, grad_ent.to(acc_dt), zero) if grad_ent is not None else None
+        kernels, engine, T = ctx.kernels, ctx.engine, ctx.temperature
+
+        dh_acc = torch.zeros(N, D, dtype=acc_dt, device=dev) if need_h else None
+        w_main = _main_grad(weight, (vocab, D), "weight") if need_w else None
+        b_main = _main_grad(bias, (vocab,), "bias") if need_b else None
+        dw = None
+        if need_w and w_main is None:
+            dw = torch.empty(vocab, D, dtype=weight.dtype, device=dev)
+        db = (b_main if b_main is not None else torch.zeros(vocab, dtype=acc_dt, device=dev)) if need_b else None
+
+        cv = backward_chunk(N, vocab, h2.element_size())
+        g_buf = torch.empty(N, min(cv, vocab), dtype=h2.dtype, device=dev)
+        for v0 in range(0, vocab, cv):
+            v1 = min(vocab, v0 + cv)
+            g = g_buf[:, :v1 - v0]
+            kernels.grad_logits(h2, weight, bias, tgt, lse, ent, g_logp, g_ent, T, v0, v1, g)
+            if need_h:
+                # dH chained over V ascending, chunk after chunk, in one fp32 accumulator.
+                engine.gemm(g, weight[v0:v1], out=dh_acc, accumulate=True)
+            rowsum = db[v0:v1] if need_b else None
+            if need_w:
+                # dW[chunk]: one fp32 chain over all tokens (ascending), rounded once;
+                # with main_grad the chain starts from it (Megatron convention).
+                if w_main is not None:
+                    engine.gemm(g.t(), h2, out=w_main[v0:v1], accumulate=True, rowsum=rowsum)
+                else:
+                    engine.gemm(g.t(), h2, out=dw[v0:v1], rowsum=rowsum)
+            elif need_b:
+                engine.gemm(g.t(), h2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
+        del g_buf
+        grad_h = dh_acc.to(h2.dtype) if need_h else None
+        grad_b = db.to(bias.dtype) if need_b and b_main is None else None
+        return grad_h, dw, grad_b, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------
+# Registry entries and the public function.
+# ---------------------------------------------------------------------------------------
+
+class _LinearLogprobBase(OpImpl):
+    op_class = "linear_logprob"
+    kernels: TorchKernels | TritonKernels
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
+                return_entropy: bool = False):
+        return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, self.backend)
+
+    def forward_fp32(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                     bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
+                     return_entropy: bool = False):
+        # Outputs are fp32 already (fp64 for fp64 inputs): the same path.
+        return self.forward(hidden, weight, target, bias, temperature=temperature,
+                            ignore_index=ignore_index, return_entropy=return_entropy)
+
+    def invariance_case(self, device: torch.device, dtype: torch.dtype, generator: torch.Generator):
+        n, d, v = (33, 40, 257) if device.type == "cpu" else (256, 1024, 32003)
+        hidden = torch.randn(n, d, generator=generator).to(device=device, dtype=dtype)
+        weight = (torch.randn(v, d, generator=generator) / d ** 0.5).to(device=device, dtype=dtype)
+        bias = torch.randn(v, generator=generator).to(device=device, dtype=dtype)
+        target = torch.randint(0, v, (n,), generator=generator).to(device)
+        target[::5] = -100
+
+        def fn(rows: torch.Tensor):
+            return self.forward(hidden[rows], weight, target[rows], bias, temperature=0.7, return_entropy=True)
+
+        # Rows are indices into (hidden, target), so padding/shuffling moves both together.
+        return fn, torch.arange(n, device=device)
+
+
+@register(OP, "triton")
+class LinearLogprobTriton(_LinearLogprobBase):
+    kernels = TritonKernels()
+
+
+@register(OP, "torch")
+class LinearLogprobTorch(_LinearLogprobBase):
+    kernels = TorchKernels()
+
+
+def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend):
+    V_.require_tensor(OP, "hidden", hidden)
+    V_.require_tensor(OP, "weight", weight)
+    if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor) and hidden.is_floating_point() \
+            and weight.is_floating_point():
+        hidden, weight, bias = _autocast(hidden, weight, bias)
+    validate(hidden, weight, target, bias, temperature, ignore_index)
+    name, _ = select_backend(OP, hidden.device, backend)
+    if name == "triton" and hidden.dtype == torch.float64:
+        raise ValueError(f"rlkernels.{OP}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
+    impl = implementation(OP, name)
+    lead = target.shape
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    t1 = target.reshape(-1).to(torch.int64)
+    # Kernels see -1 for ignored rows (ignore_index may itself be a valid id in [0, V)).
+    tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
+    logp, ent = LinearLogprobFunction.apply(h2, weight, bias, tgt, float(temperature), impl.kernels,
+                                            engine_for(hidden.device, name))
+    logp, ent = logp.reshape(lead), ent.reshape(lead)
+    return (logp, ent) if return_entropy else logp
+
+
+@torch.compiler.disable
+def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                   bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
+                   return_entropy: bool = False, backend: str | None = None):
+    """Per-token log-prob (and entropy) of ``target`` under ``softmax((hidden @ weight.T + bias) / T)``.
+
+    hidden: [..., D] bf16/fp16/fp32 (fp64 on the torch backend); weight: [V, D]
+    (lm_head layout); bias: [V] or None (same dtype/device); target: [...] integer ids
+    in [0, V) or ``ignore_index``. Returns logp [...] fp32 (fp64 for fp64 inputs), or
+    ``(logp, entropy)`` with ``return_entropy``; ignored positions give 0 and get zero
+    gradient. Differentiable w.r.t. hidden, weight, bias. Never materializes [N, V];
+    each row's outputs (and dhidden row) are bitwise independent of the rest of the batch.
+    """
+    return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend)
