@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call verifies everything: offline setup, the gpu-marked tests, the
+# benchmarks; logs and JSON land in $OUT. Usage (repo root, on the GPU machine):
+#   bash benchmarks/gpu_suite.sh [tests] [bench] [tune] [check]      (default: tests bench check)
+# Extra pytest arguments: GPU_PYTEST_ARGS="-k matmul". Peers and other wheels the
+# GPU machine lacks are taken from .whl/ when present (../shared/peers/fetch_wheels.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/rlkernels_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+# No network there: torch/triton are preinstalled, so run from the source tree.
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+status=0
+for stage in ${*:-tests bench check}; do
+  echo "=== $stage"
+  case "$stage" in
+    tests) python3 -m pytest -m gpu tests -q -p no:cacheprovider -o addopts="" ${GPU_PYTEST_ARGS:-} \
+             --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
+    bench) python3 -m rlkernels.bench all --json "$OUT/bench" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    tune)  python3 benchmarks/tune_gemm.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
+    check) python3 -m rlkernels.cli check --json "$OUT/check.json" 2>&1 | tail -30 || status=1 ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,128 @@
+"""Offline tuning of the checked-in GEMM dispatch table (run on the GPU, never at import).
+
+For each shape and M it times candidate tile configs of the canonical-chain Triton
+kernel against stock cuBLAS and cuBLASLt-no-split, and checks every candidate's
+bits against cuBLASLt-no-split (a candidate that differs is disqualified). The
+winners are copied by hand into ``GEMM_TABLE_*`` in ``rlkernels/ops/gemm.py``.
+
+    python benchmarks/tune_gemm.py --json $OUT/tune.json [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from rlkernels.bench.common import environment, median_ms
+from rlkernels.ops import cublaslt
+from rlkernels.ops.gemm import GemmConfig, triton_gemm
+
+C = GemmConfig
+CANDIDATES_16 = [
+    C(16, 32, 256, 1, 4, 5), C(16, 64, 256, 1, 4, 4), C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 5),
+    C(16, 128, 128, 1, 4, 4), C(16, 32, 512, 1, 4, 3), C(32, 64, 128, 4, 4, 4), C(32, 32, 256, 4, 4, 4),
+    C(64, 64, 128, 8, 4, 4), C(64, 128, 64, 8, 4, 4), C(64, 128, 128, 8, 4, 3), C(64, 256, 64, 8, 8, 3),
+    C(128, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 64, 64, 8, 4, 4),
+    C(128, 256, 64, 8, 8, 3), C(256, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4), C(128, 128, 128, 8, 8, 3),
+]
+CANDIDATES_32 = [C(16, 64, 32, 1, 4, 3), C(32, 64, 32, 4, 4, 3), C(64, 64, 32, 8, 4, 3), C(64, 128, 32, 8, 8, 3),
+                 C(128, 128, 32, 8, 8, 3), C(128, 64, 32, 8, 4, 3), C(64, 64, 16, 8, 4, 4)]
+SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
+MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
+
+
+def plausible(cfg: GemmConfig, m: int) -> bool:
+    if m <= 16:
+        return cfg.block_m <= 32
+    if m <= 64:
+        return cfg.block_m <= 64
+    if m <= 256:
+        return cfg.block_m <= 128
+    return cfg.block_m >= 64
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    for k, n in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+        xs = torch.randn(max(MS), k, device="cuda", generator=g).bfloat16()
+        for m in MS:
+            x = xs[:m]
+            ref = cublaslt.cublaslt_linear(x, w, None)
+            row = {"K": k, "N": n, "M": m,
+                   "stock_ms": median_ms(lambda: torch.nn.functional.linear(x, w)),
+                   "cublaslt_ms": median_ms(lambda: cublaslt.cublaslt_linear(x, w, None)), "triton": {}}
+            for cfg in CANDIDATES_16:
+                if not plausible(cfg, m):
+                    continue
+                try:
+                    out = triton_gemm(x, w.t(), config=cfg)
+                    same = bool(torch.equal(out, ref))
+                    t = median_ms(lambda: triton_gemm(x, w.t(), config=cfg))
+                except Exception as e:  # out of shared memory etc.
+                    row["triton"][cfg.short()] = {"error": str(e)[:120]}
+                    continue
+                row["triton"][cfg.short()] = {"ms": t, "same_bits": same}
+            ok = {c: v["ms"] for c, v in row["triton"].items() if v.get("same_bits")}
+            best = min(ok, key=ok.get) if ok else None
+            row["best"], row["best_ms"] = best, ok.get(best)
+            rows.append(row)
+            print(f"K={k:6d} N={n:6d} M={m:6d} stock {row['stock_ms']*1e3:9.1f}us lt {row['cublaslt_ms']*1e3:9.1f}us "
+                  f"best {best} {row['best_ms']*1e3 if best else float('nan'):9.1f}us "
+                  f"ratio {row['best_ms']/row['stock_ms'] if best else float('nan'):.3f} "
+                  f"mismatch {[c for c, v in row['triton'].items() if v.get('same_bits') is False]}", flush=True)
+    fp32 = []
+    k, n = 4096, 4096
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5)
+    for m in [1, 16, 128, 1024, 4096]:
+        x = torch.randn(m, k, device="cuda")
+        row = {"M": m, "stock_ms": median_ms(lambda: torch.nn.functional.linear(x, w)), "triton": {}}
+        outs = {}
+        for cfg in CANDIDATES_32:
+            try:
+                outs[cfg.short()] = triton_gemm(x, w.t(), config=cfg)
+                row["triton"][cfg.short()] = median_ms(lambda: triton_gemm(x, w.t(), config=cfg))
+            except Exception as e:
+                row["triton"][cfg.short()] = str(e)[:100]
+        first = next(iter(outs.values()))
+        row["all_same_bits"] = all(torch.equal(o, first) for o in outs.values())
+        best = min((c for c in row["triton"] if isinstance(row["triton"][c], float)), key=lambda c: row["triton"][c])
+        row["best"], row["best_ms"] = best, row["triton"][best]
+        fp32.append(row)
+        print(f"fp32 M={m:5d} stock {row['stock_ms']*1e3:9.1f}us best {best} {row['best_ms']*1e3:9.1f}us "
+              f"ratio {row['best_ms']/row['stock_ms']:.3f} same_bits {row['all_same_bits']}", flush=True)
+    # dW = dY^T @ X over T tokens, fp32 accumulator (the training kernel)
+    dw = []
+    T = 8192
+    for n, k in [(4096, 4096), (12288, 4096), (4096, 12288)]:
+        x = torch.randn(T, k, device="cuda").bfloat16()
+        dy = torch.randn(T, n, device="cuda").bfloat16()
+        acc = torch.zeros(n, k, device="cuda")
+        row = {"T": T, "N": n, "K": k, "torch_ms": median_ms(lambda: dy.t() @ x), "triton": {}}
+        for cfg in CANDIDATES_16:
+            if cfg.block_m < 64:
+                continue
+            try:
+                row["triton"][cfg.short()] = median_ms(lambda: triton_gemm(dy.t(), x, out=acc, accumulate=True, config=cfg))
+            except Exception as e:
+                row["triton"][cfg.short()] = str(e)[:100]
+        best = min((c for c in row["triton"] if isinstance(row["triton"][c], float)), key=lambda c: row["triton"][c])
+        row["best"], row["best_ms"] = best, row["triton"][best]
+        dw.append(row)
+        print(f"dW N={n} K={k}: torch {row['torch_ms']*1e3:.1f}us best {best} {row['best_ms']*1e3:.1f}us "
+              f"ratio {row['best_ms']/row['torch_ms']:.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(), "bf16": rows, "fp32": fp32, "dw": dw}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
