@@ -1,0 +1,155 @@
+"""Hugging Face causal LMs: ``patch_model`` and ``token_logprobs``.
+
+``patch_model`` swaps every ``nn.Linear`` for :class:`rlkernels.Linear` and every
+``*RMSNorm`` module (Llama, Qwen2, Qwen3, Mistral, ... -- anything with ``weight``
+and ``variance_epsilon``/``eps`` computing the HF RMSNorm formula) for
+:class:`rlkernels.ops.norms.RMSNorm`, sharing the Parameter objects, and selects
+``attn_implementation="eager"`` so attention is ``matmul -> softmax -> matmul``,
+which :func:`rlkernels.set_batch_invariant_mode` covers. SDPA / flash kernels pick
+their split and tile strategy from the batch and sequence shape, so they are not
+batch-invariant; eager attention under the mode is.
+
+``token_logprobs`` runs the decoder under the mode and scores the next tokens with
+:func:`rlkernels.ops.linear_logprob.linear_logprob` on the final hidden states, so
+the [tokens, vocab] logits are never materialised.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from .batch_invariant import set_batch_invariant_mode
+from .nn import Linear
+from .ops.norms import RMSNorm
+
+IGNORE_INDEX = -100
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return (type(module).__name__.endswith("RMSNorm") and not isinstance(module, RMSNorm)
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))
+            # Gemma-style (1 + weight) norms compute a different formula: leave them alone.
+            and "Gemma" not in type(module).__name__)
+
+
+def patch_model(model: nn.Module, *, attn_implementation: str | None = "eager") -> nn.Module:
+    """Make an HF causal LM's Linear and RMSNorm layers batch-invariant, in place; returns ``model``.
+
+    Parameters are shared, never copied (tied embeddings stay tied; optimizer state
+    keeps pointing at the same tensors). ``attn_implementation`` ("eager" by
+    default, the invariant one; None leaves it unchanged) is set on the model.
+    """
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and not isinstance(child, Linear):
+                setattr(parent, name, Linear.from_torch(child))
+            elif _is_rms_norm(child):
+                setattr(parent, name, RMSNorm.from_module(child))
+    if attn_implementation is not None:
+        _set_attention(model, attn_implementation)
+    return model
+
+
+def _set_attention(model: nn.Module, impl: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(impl)
+    else:  # older transformers: the config field is what the attention layers read
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                config._attn_implementation = impl
+
+
+def attention_implementation(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The base decoder (``model.model`` for ``*ForCausalLM``) that returns final hidden states."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) and base is not model else model
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only real tokens (left padding starts each sequence at 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                  position_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                  use_cache: bool = False) -> torch.Tensor:
+    """Final (post-norm) hidden states [B, L, H] of the decoder; no logits."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if position_ids is None:
+        if past_key_values is not None:
+            raise ValueError("rlkernels.hidden_states: pass position_ids when continuing from a KV cache")
+        position_ids = positions_from_mask(attention_mask)
+    out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, use_cache=use_cache)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def next_token_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """targets[:, t] = input_ids[:, t+1], or IGNORE_INDEX where t or t+1 is padding."""
+    target = input_ids[:, 1:].clone()
+    if attention_mask is not None:
+        valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+        target = target.masked_fill(~valid, IGNORE_INDEX)
+    return target
+
+
+def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.Tensor, *,
+                         temperature: float = 1.0, return_entropy: bool = False):
+    """linear_logprob of ``target`` [B, T] from ``hidden`` [B, T, H] through the LM head."""
+    from .ops.linear_logprob import linear_logprob
+
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise TypeError(f"rlkernels.token_logprobs: {type(model).__name__} has no linear output embedding")
+    B, T = target.shape
+    h2 = hidden.reshape(B * T, hidden.shape[-1])
+    out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None),
+                         temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=return_entropy)
+    if return_entropy:
+        logp, ent = out
+        return logp.reshape(B, T), ent.reshape(B, T)
+    return out.reshape(B, T)
+
+
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                   temperature: float = 1.0, return_entropy: bool = False,
+                   batch_invariant: bool = True):
+    """Per-token log-probs of ``input_ids`` under ``model``: [B, L-1] float32.
+
+    Position t scores ``input_ids[:, t+1]`` given ``input_ids[:, :t+1]``; targets
+    that are padding (or follow padding) give 0 (and entropy 0). Positions are
+    recomputed from ``attention_mask``, so left and right padding mean the same
+    sequences. The decoder runs under :func:`set_batch_invariant_mode`
+    (``batch_invariant=False`` leaves the current mode alone); the LM head and
+    log-softmax are the fused :func:`~rlkernels.ops.linear_logprob.linear_logprob`.
+    For whole-model invariance, also :func:`patch_model` the model (or use eager
+    attention); see docs/operators/batch_invariant_mode.md for what is covered.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"rlkernels.token_logprobs: input_ids must be [B, L], got {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError("rlkernels.token_logprobs: attention_mask must match input_ids' shape")
+    if temperature <= 0:
+        raise ValueError(f"rlkernels.token_logprobs: temperature must be > 0, got {temperature}")
+    B, L = input_ids.shape
+    if L < 2:
+        empty = torch.zeros(B, 0, dtype=torch.float32, device=input_ids.device)
+        return (empty, empty.clone()) if return_entropy else empty
+    guard = set_batch_invariant_mode(True) if batch_invariant else contextlib.nullcontext()
+    with guard:
+        hidden = hidden_states(model, input_ids, attention_mask)
+        target = next_token_targets(input_ids, attention_mask)
+        return logprobs_from_hidden(model, hidden[:, :-1], target, temperature=temperature,
+                                    return_entropy=return_entropy)
