@@ -12,7 +12,7 @@ op                                         implementation
 ``_softmax``, ``_log_softmax``             ``ops.norms`` (fixed-order row sum)
 ``_softmax_backward_data``,                ``ops.norms`` backward
 ``_log_softmax_backward_data``
-``mean.dim``                               fixed-order sum / count (``ops.norms``)
+``mean.dim``, ``mean``                     fixed-order sum / count (``ops.norms``)
 ``silu``, ``silu_backward`` (CPU only)     ``x / (1 + exp(-x))`` from single-rounding ops
 =========================================  ==========================================
 
@@ -48,7 +48,7 @@ __all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled", "COVER
 
 COVERED_OPS: tuple[str, ...] = (
     "mm", "addmm", "bmm", "baddbmm", "_softmax", "_log_softmax", "_softmax_backward_data",
-    "_log_softmax_backward_data", "mean.dim", "silu (CPU)", "silu_backward (CPU)",
+    "_log_softmax_backward_data", "mean.dim", "mean", "silu (CPU)", "silu_backward (CPU)",
 )
 
 _LOCK = threading.RLock()
@@ -149,14 +149,20 @@ def _mean_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False,
     count = 1
     for d in dims:
         count *= x.shape[d]
-    rows = xt.reshape(-1, count) if count else xt.reshape(-1, 0)
     adt = accumulator_dtype(torch.promote_types(x.dtype, out_dtype))
-    total = _reducer(x).row_dot(rows.to(adt)).to(adt)
-    out = (total / count).to(out_dtype).reshape(kept_shape)
+    if count == 0:  # the mean of nothing is NaN, as in stock torch
+        out = torch.full(kept_shape, float("nan"), dtype=out_dtype, device=x.device)
+    else:
+        total = _reducer(x).row_dot(xt.reshape(-1, count).to(adt)).to(adt)
+        out = (total / count).to(out_dtype).reshape(kept_shape)
     if keepdim:
         for d in dims:
             out = out.unsqueeze(d)
     return out
+
+
+def _mean_all(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _mean_dim(x, None, False, dtype=dtype)
 
 
 def _silu(x: torch.Tensor) -> torch.Tensor:
@@ -180,6 +186,7 @@ _OVERRIDES = (
     ("_softmax_backward_data", _softmax_bwd, ("CPU", "CUDA")),
     ("_log_softmax_backward_data", _log_softmax_bwd, ("CPU", "CUDA")),
     ("mean.dim", _mean_dim, ("CPU", "CUDA")),
+    ("mean", _mean_all, ("CPU", "CUDA")),
     ("silu", _silu, ("CPU",)),
     ("silu_backward", _silu_backward, ("CPU",)),
 )

@@ -166,9 +166,9 @@ def softmax_forward(x: torch.Tensor, dim: int, out_dtype: torch.dtype | None, lo
     shape = xt.shape
     R = shape[-1]
     adt = accumulator_dtype(torch.promote_types(x.dtype, out_dtype))
-    xf = xt.reshape(-1, R).to(adt)
-    if xf.numel() == 0:
+    if xt.numel() == 0:
         return torch.empty(shape, dtype=out_dtype, device=x.device).movedim(-1, dim)
+    xf = xt.reshape(-1, R).to(adt)
     # max is exact in any order; a row of -inf keeps a finite shift (stock gives NaN there too).
     m = torch.amax(xf, dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -190,9 +190,9 @@ def softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, log: bool,
     shape = yt.shape
     R = shape[-1]
     adt = accumulator_dtype(out.dtype)
-    g, y = gt.reshape(-1, R).to(adt), yt.reshape(-1, R).to(adt)
-    if g.numel() == 0:
+    if yt.numel() == 0:
         return torch.zeros(shape, dtype=in_dtype, device=out.device).movedim(-1, dim)
+    g, y = gt.reshape(-1, R).to(adt), yt.reshape(-1, R).to(adt)
     if log:
         dx = g - torch.exp(y) * reducer.row_dot(g)[:, None]
     else:

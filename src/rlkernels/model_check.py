@@ -1,0 +1,342 @@
+"""``rlkernels check``: whole-model per-token log-prob invariance, stock PyTorch vs rlkernels.
+
+A small random-initialised Qwen3 (transformers' own modelling code, config
+``configs/qwen3_tiny.json``, fixed seed; no download) -- or a local checkpoint --
+scores the same sequences four ways:
+
+  (a) one sequence at a time                       (the reference)
+  (b) all sequences in one right-padded batch
+  (c) each sequence in chunked-prefill pieces through a KV cache
+  (d) shuffled into a different order, in smaller right-padded micro-batches
+
+and reports, for stock PyTorch and for rlkernels, the fraction of tokens whose
+log-prob is bitwise equal in all four ways, the largest |delta log-prob| against
+(a), and the time. Stock = the model as loaded (its default attention), full
+logits, ``log_softmax``. rlkernels = :func:`rlkernels.hf.patch_model` (eager
+attention) under :func:`rlkernels.set_batch_invariant_mode`, log-probs from
+``linear_logprob``.
+
+Padding is on the right: on GPUs the tensor-core chain of P @ V and the fixed-tile
+softmax sum are invariant to trailing zeros (masked keys) but not to leading ones,
+so left padding is not covered there (it is on the CPU torch backend).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Callable
+
+import torch
+
+from .batch_invariant import set_batch_invariant_mode
+from .hf import hidden_states, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
+
+DEFAULT_SEQS = 8
+SEED = 1234
+WAYS = ("single", "padded", "chunked", "shuffled")
+WAY_LABELS = {"single": "(a) one at a time", "padded": "(b) padded batch",
+              "chunked": "(c) chunked prefill", "shuffled": "(d) shuffled batches"}
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[str(dtype).lower().replace("torch.", "")]
+    except KeyError:
+        raise ValueError(f"rlkernels check: unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def tiny_config_path() -> str:
+    return str(resources.files("rlkernels") / "configs" / "qwen3_tiny.json")
+
+
+def build_model(device: torch.device, dtype: torch.dtype, model_path: str | None = None,
+                config_overrides: dict | None = None) -> torch.nn.Module:
+    """A local checkpoint, or the tiny random Qwen3 (seeded, built on the CPU so every device gets the same weights)."""
+    if model_path:
+        from transformers import AutoModelForCausalLM
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
+        except TypeError:  # older transformers spell it torch_dtype
+            model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=dtype, local_files_only=True)
+        return model.to(device).eval()
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    with open(tiny_config_path()) as f:
+        cfg = json.load(f)
+    cfg.pop("architectures", None)
+    cfg.pop("model_type", None)
+    cfg.update(config_overrides or {})
+    torch.manual_seed(SEED)
+    model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def draw_sequences(n: int, vocab: int, min_len: int, max_len: int, seed: int = SEED) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (L,), generator=g) for L in lengths]
+
+
+def _right_pad(seqs: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = s
+        mask[i, :len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _chunks(n: int, g: torch.Generator) -> list[int]:
+    sizes, left = [], n
+    while left:
+        c = int(torch.randint(1, max(2, n // 2 + 1), (1,), generator=g))
+        sizes.append(min(c, left))
+        left -= sizes[-1]
+    return sizes
+
+
+# ---------------------------------------------------------------- the two implementations
+
+
+class _Scorer:
+    """Per-token log-probs of a [B, L] batch, and of one sequence fed in chunks."""
+
+    name = ""
+
+    def batch(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def chunked(self, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+class StockScorer(_Scorer):
+    name = "stock PyTorch"
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        valid = target != -100
+        picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+        return torch.where(valid, picked, torch.zeros_like(picked))
+
+    def batch(self, ids, mask):
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        return self._pick(logits[:, :-1], next_token_targets(ids, mask))
+
+    def chunked(self, ids, sizes):
+        cache, parts, start = _new_cache(self.model), [], 0
+        for c in sizes:
+            piece = ids[:, start:start + c]
+            mask = torch.ones(1, start + c, dtype=torch.long, device=ids.device)
+            pos = torch.arange(start, start + c, device=ids.device)[None]
+            out = self.model(input_ids=piece, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            parts.append(out.logits)
+            start += c
+        logits = torch.cat(parts, dim=1)
+        return self._pick(logits[:, :-1], next_token_targets(ids, None))
+
+
+class RlkernelsScorer(_Scorer):
+    name = "rlkernels"
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def batch(self, ids, mask):
+        return token_logprobs(self.model, ids, mask)
+
+    def chunked(self, ids, sizes):
+        with set_batch_invariant_mode(True):
+            cache, parts, start = _new_cache(self.model), [], 0
+            for c in sizes:
+                piece = ids[:, start:start + c]
+                mask = torch.ones(1, start + c, dtype=torch.long, device=ids.device)
+                pos = torch.arange(start, start + c, device=ids.device)[None]
+                parts.append(hidden_states(self.model, piece, mask, position_ids=pos,
+                                           past_key_values=cache, use_cache=True))
+                start += c
+            hidden = torch.cat(parts, dim=1)
+            return logprobs_from_hidden(self.model, hidden[:, :-1], next_token_targets(ids, None))
+
+
+# ---------------------------------------------------------------- running the four ways
+
+
+@dataclass
+class ImplResult:
+    name: str
+    tokens: int = 0
+    equal_by_way: dict[str, int] = field(default_factory=dict)
+    equal_all: int = 0
+    max_abs_diff: float = 0.0
+    max_abs_diff_by_way: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def fraction(self) -> float:
+        return self.equal_all / self.tokens if self.tokens else 1.0
+
+    def as_dict(self) -> dict:
+        return {"implementation": self.name, "tokens": self.tokens, "bitwise_equal_tokens": self.equal_all,
+                "bitwise_equal_fraction": self.fraction,
+                "bitwise_equal_fraction_by_way": {w: n / self.tokens if self.tokens else 1.0
+                                                  for w, n in self.equal_by_way.items()},
+                "max_abs_logprob_diff": self.max_abs_diff, "max_abs_logprob_diff_by_way": self.max_abs_diff_by_way,
+                "seconds": self.seconds}
+
+
+def score_four_ways(scorer: _Scorer, seqs: list[torch.Tensor], device: torch.device, *,
+                    micro_batch: int, seed: int, advance: Callable[[int], None]) -> tuple[dict[str, list[torch.Tensor]], float]:
+    """{way: [per-sequence log-probs [len-1] fp32 on the CPU]} and the wall time."""
+    n = len(seqs)
+    out: dict[str, list[torch.Tensor]] = {}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out["single"] = []
+        for s in seqs:
+            out["single"].append(scorer.batch(s[None].to(device), torch.ones(1, len(s), dtype=torch.long, device=device))[0].cpu())
+            advance(1)
+        ids, mask = _right_pad(seqs, device)
+        full = scorer.batch(ids, mask).cpu()
+        out["padded"] = [full[i, :len(s) - 1] for i, s in enumerate(seqs)]
+        advance(n)
+        g = torch.Generator().manual_seed(seed + 1)
+        out["chunked"] = []
+        for s in seqs:
+            out["chunked"].append(scorer.chunked(s[None].to(device), _chunks(len(s), g))[0].cpu())
+            advance(1)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 2)).tolist()
+        shuffled: list[torch.Tensor | None] = [None] * n
+        for b0 in range(0, n, micro_batch):
+            idx = perm[b0:b0 + micro_batch]
+            ids, mask = _right_pad([seqs[i] for i in idx], device)
+            res = scorer.batch(ids, mask).cpu()
+            for r, i in enumerate(idx):
+                shuffled[i] = res[r, :len(seqs[i]) - 1]
+            advance(len(idx))
+        out["shuffled"] = shuffled  # type: ignore[assignment]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+def compare(name: str, ways: dict[str, list[torch.Tensor]], seconds: float) -> ImplResult:
+    res = ImplResult(name, seconds=seconds)
+    ref = ways["single"]
+    res.tokens = sum(r.numel() for r in ref)
+    all_eq = [torch.ones(r.shape, dtype=torch.bool) for r in ref]
+    for way in WAYS[1:]:
+        eq_count, worst = 0, 0.0
+        for i, r in enumerate(ref):
+            got = ways[way][i]
+            # bitwise: compare the raw bits (catches -0.0 vs 0.0 and NaN payloads)
+            eq = got.view(torch.int32) == r.view(torch.int32)
+            all_eq[i] &= eq
+            eq_count += int(eq.sum())
+            if r.numel():
+                worst = max(worst, float((got.double() - r.double()).abs().nan_to_num(nan=float("inf")).max()))
+        res.equal_by_way[way], res.max_abs_diff_by_way[way] = eq_count, worst
+        res.max_abs_diff = max(res.max_abs_diff, worst)
+    res.equal_all = sum(int(e.sum()) for e in all_eq)
+    return res
+
+
+def _table(results: list[ImplResult], title: str):
+    from rich.table import Table
+
+    table = Table(title=title, caption="columns (b)-(d): tokens bitwise equal to (a) one-at-a-time")
+    table.add_column("implementation", no_wrap=True)
+    for way, label in (("padded", "(b) padded"), ("chunked", "(c) chunked"), ("shuffled", "(d) shuffled")):
+        table.add_column(label, justify="right", no_wrap=True)
+    table.add_column("all 4 equal", justify="right", no_wrap=True)
+    table.add_column("max |Δ logp|", justify="right", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    for r in results:
+        style = "green" if r.equal_all == r.tokens else "red"
+        cells = [f"{r.equal_by_way[w] / r.tokens:.2%}" if r.tokens else "-" for w in WAYS[1:]]
+        table.add_row(r.name, *cells, f"[{style}]{r.fraction:.2%}[/]", f"{r.max_abs_diff:.2e}", f"{r.seconds:.1f} s")
+    return table
+
+
+def run(device: str | None = None, dtype: str | None = None, seqs: int | None = None,
+        model_path: str | None = None, json_path: str | None = None, *,
+        min_len: int | None = None, max_len: int | None = None, micro_batch: int = 3,
+        config_overrides: dict | None = None, console=None) -> bool:
+    """Run the check, print the table; True if rlkernels' four answers are bitwise equal for every token."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    n = int(seqs) if seqs else DEFAULT_SEQS
+    if n < 1:
+        raise ValueError("rlkernels check: seqs must be >= 1")
+    stock_model = build_model(dev, dt, model_path, config_overrides)
+    vocab = int(stock_model.config.vocab_size)
+    lo = min_len or (4 if model_path is None else 16)
+    hi = max_len or (48 if model_path is None else 256)
+    sequences = draw_sequences(n, vocab, lo, max(lo, hi))
+    ours = patch_model(copy.deepcopy(stock_model))
+    stock_attn = getattr(stock_model.config, "_attn_implementation", None)
+    scorers = [StockScorer(stock_model), RlkernelsScorer(ours)]
+    per_impl = 3 * n + n  # single + chunked (one step per sequence), padded + shuffled (n each)
+
+    results: list[ImplResult] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        for scorer in scorers:
+            task = progress.add_task(f"{scorer.name:>14}", total=per_impl)
+            ways, secs = score_four_ways(scorer, sequences, dev, micro_batch=micro_batch, seed=SEED,
+                                         advance=lambda k, t=task: progress.advance(t, k))
+            results.append(compare(scorer.name, ways, secs))
+
+    what = model_path or f"tiny random Qwen3 ({tiny_config_path().rsplit('/', 1)[-1]}, seed {SEED})"
+    title = (f"per-token log-prob invariance\n{what}\n{n} sequences ({sum(len(s) - 1 for s in sequences)} scored tokens), "
+             f"lengths {lo}..{hi}, {dev.type} {str(dt)[6:]}\nattention: stock {stock_attn}, rlkernels eager")
+    console.print(_table(results, title))
+    ok = results[-1].equal_all == results[-1].tokens
+    console.print(f"rlkernels: {'[green]all tokens bitwise equal[/]' if ok else '[red]MISMATCH[/]'} across "
+                  f"one-at-a-time, padded, chunked-prefill and shuffled batches.")
+    if json_path:
+        import transformers
+        payload = {
+            "ok": ok, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+            "dtype": str(dt)[6:], "model": what, "seqs": n, "lengths": [len(s) for s in sequences],
+            "stock_attention": stock_attn, "micro_batch": micro_batch,
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "results": [r.as_dict() for r in results],
+        }
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=2)
+    return ok
