@@ -247,8 +247,8 @@ FUSED_16BIT = FusedConfig(128, 256, 64, split_v=2048, group_m=16, num_warps=8, n
 FUSED_FP32 = FusedConfig(64, 64, 32, split_v=2048, group_m=8, num_warps=4, num_stages=3)
 # The interpreter's tl.dot is numpy's BLAS, whose rounding depends on a row's place in
 # the tile (see ops.gemm): one row per program keeps every row's numpy calls identical.
-# split_v=128 makes the small test vocabularies span several splits.
-FUSED_INTERPRETER = FusedConfig(1, 64, 32, split_v=128, group_m=1, num_warps=4, num_stages=1)
+# split_v=64 makes the small test vocabularies span several splits.
+FUSED_INTERPRETER = FusedConfig(1, 64, 32, split_v=64, group_m=1, num_warps=4, num_stages=1)
 
 
 def fused_config(dtype: torch.dtype) -> FusedConfig:
@@ -291,7 +291,8 @@ if triton is not None:
             acc = acc + b.to(tl.float32)[None, :]
         if HAS_TEMP:
             # Exactly as samplers do: logits / T, correctly rounded (not a multiply by 1/T).
-            acc = tl.math.div_rn(acc, tl.full((BLOCK_M, BLOCK_V), temperature, tl.float32))
+            # (div_rn wants operands of one shape: broadcast T explicitly.)
+            acc = tl.math.div_rn(acc, tl.zeros((BLOCK_M, BLOCK_V), tl.float32) + temperature)
         return acc
 
     @triton.jit
@@ -319,7 +320,7 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N
         rm = (offs_m % N).to(tl.int64)  # rows past N re-read valid rows; never stored
-        tgt = tl.load(t_ptr + rm)
+        tgt = tl.load(t_ptr + rm).to(tl.int32)  # ids < V < 2^31; 32-bit compares are cheaper
         v_start = pid_s * SPLIT_V
         n_tiles = tl.cdiv(tl.minimum(V - v_start, SPLIT_V), BLOCK_V)
 
@@ -337,10 +338,12 @@ if triton is not None:
             z = tl.where(col_ok[None, :], z, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(z, axis=1))
             d = z - m_new[:, None]
-            e = tl.exp(d)
+            e = tl.exp(d)  # 0 on columns past V (z = -inf there)
             alpha = tl.exp(m_i - m_new)
-            ed = tl.where(col_ok[None, :], e * d, 0.0)
-            u_i = tl.where(s_i > 0, alpha * (u_i + (m_i - m_new) * s_i), 0.0) + tl.sum(ed, axis=1)
+            ed = e * tl.where(col_ok[None, :], d, 0.0)
+            # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
+            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+            u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
             s_i = alpha * s_i + tl.sum(e, axis=1)
             m_i = m_new
             # At most one column matches: the sum is that logit exactly.
@@ -422,14 +425,18 @@ if triton is not None:
         else:
             coef = gl[:, None] + tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
         g = -(p * coef)
-        tgt = tl.load(t_ptr + rm)
+        tgt = tl.load(t_ptr + rm).to(tl.int32)
         g = tl.where(offs_v[None, :] == tgt[:, None], g + gl[:, None], g)
         if HAS_TEMP:
-            g = tl.math.div_rn(g, tl.full((BLOCK_M, BLOCK_V), temperature, tl.float32))
-        g_ptrs = (g_ptr + offs_m[:, None].to(tl.int64) * stride_gn
-                  + (offs_v - v0)[None, :].to(tl.int64) * stride_gv)
-        mask = (offs_m[:, None] < N) & (offs_v[None, :] < v1)
-        tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=mask)
+            g = tl.math.div_rn(g, tl.zeros((BLOCK_M, BLOCK_V), tl.float32) + temperature)
+        # Tile base as one 64-bit scalar, in-tile offsets in 32 bits (BLOCK_M * stride_gn
+        # is far below 2^31): fewer live 64-bit values in the epilogue.
+        g_base = g_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_gn + (pid_v * BLOCK_V).to(tl.int64) * stride_gv
+        loc_m = tl.arange(0, BLOCK_M)
+        loc_v = tl.arange(0, BLOCK_V)
+        mask = ((pid_m * BLOCK_M + loc_m)[:, None] < N) & ((offs_v < v1)[None, :])
+        tl.store(g_base + loc_m[:, None] * stride_gn + loc_v[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 class TritonKernels:
@@ -562,7 +569,7 @@ class LinearLogprobFunction(torch.autograd.Function):
                     engine.gemm(g.t(), h2, out=dw[v0:v1], rowsum=rowsum)
             elif need_b:
                 engine.gemm(g.t(), h2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
-        del g_buf
+        del g, g_buf  # free the g buffer before the dH output is allocated (peak memory)
         grad_h = dh_acc.to(h2.dtype) if need_h else None
         grad_b = db.to(bias.dtype) if need_b and b_main is None else None
         return grad_h, dw, grad_b, None, None, None, None
