@@ -1,0 +1,166 @@
+"""patch_model / token_logprobs / model_check on tiny HF causal LMs built from configs (no download)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import rlkernels  # noqa: E402
+from rlkernels import model_check  # noqa: E402
+from rlkernels.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode  # noqa: E402
+from rlkernels.hf import patch_model, token_logprobs  # noqa: E402
+from rlkernels.ops.norms import RMSNorm  # noqa: E402
+
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+            tie_word_embeddings=True)
+
+
+def _tiny(arch: str, dtype=torch.float32, device="cpu", **over):
+    cfg = dict(TINY, **over)
+    torch.manual_seed(0)
+    if arch == "qwen3":
+        cfg.setdefault("head_dim", 8 if cfg["hidden_size"] == 32 else 64)
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _seqs(n=5, lo=3, hi=20, vocab=300, seed=0):
+    return model_check.draw_sequences(n, vocab, lo, hi, seed=seed)
+
+
+def _four_ways(model, seqs, device="cpu"):
+    scorer = model_check.RlkernelsScorer(model)
+    ways, _ = model_check.score_four_ways(scorer, seqs, torch.device(device), micro_batch=2, seed=3,
+                                          advance=lambda k: None)
+    return model_check.compare("rlkernels", ways, 0.0), ways
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_patch_model_swaps_modules_and_shares_params(arch):
+    model = _tiny(arch)
+    params = {n: p for n, p in model.named_parameters()}
+    assert patch_model(model) is model
+    mods = list(model.modules())
+    assert not any(type(m) is torch.nn.Linear for m in mods)
+    assert any(isinstance(m, rlkernels.Linear) for m in mods)
+    assert not any(type(m).__name__.endswith("RMSNorm") and not isinstance(m, RMSNorm) for m in mods)
+    for n, p in model.named_parameters():
+        assert p is params[n]
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embeddings stay tied
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_four_ways_bitwise(arch):
+    model = patch_model(_tiny(arch))
+    res, ways = _four_ways(model, _seqs())
+    assert res.tokens > 0 and res.equal_all == res.tokens, res.as_dict()
+    assert not is_batch_invariant_mode_enabled()  # token_logprobs restores the mode
+
+
+def test_left_padding_bitwise_on_cpu():
+    # The CPU chain ignores zeros at either end, so left padding is invariant here too.
+    model = patch_model(_tiny("qwen3"))
+    seqs = _seqs(4)
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(4, L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):], mask[i, L - len(s):] = s, 1
+    with torch.no_grad():
+        left = token_logprobs(model, ids, mask)
+        for i, s in enumerate(seqs):
+            one = token_logprobs(model, s[None])[0]
+            assert torch.equal(left[i, L - len(s):], one)
+            assert torch.equal(left[i, :L - len(s)], torch.zeros(L - len(s)))
+
+
+def test_token_logprobs_shape_masking_and_values():
+    model = _tiny("qwen3")
+    seqs = _seqs(3)
+    ids, mask = model_check._right_pad(seqs, torch.device("cpu"))
+    with torch.no_grad():
+        stock = model_check.StockScorer(model).batch(ids, mask)
+        patch_model(model)
+        lp, ent = token_logprobs(model, ids, mask, return_entropy=True)
+        hot = token_logprobs(model, ids, mask, temperature=0.7)
+    B, L = ids.shape
+    assert lp.shape == ent.shape == hot.shape == (B, L - 1) and lp.dtype == torch.float32
+    for i, s in enumerate(seqs):
+        n = len(s)
+        assert torch.equal(lp[i, n - 1:], torch.zeros(L - n)) and torch.equal(ent[i, n - 1:], torch.zeros(L - n))
+        assert (lp[i, :n - 1] < 0).all() and (ent[i, :n - 1] > 0).all()
+    assert (lp - stock).abs().max() < 1e-4  # same model, same math up to rounding
+    assert not torch.equal(hot, lp)
+    assert token_logprobs(model, ids[:, :1]).shape == (B, 0)
+    with pytest.raises(ValueError):
+        token_logprobs(model, ids[0])
+
+
+def test_backward_through_patched_model():
+    model = patch_model(_tiny("qwen3"))
+    ids, mask = model_check._right_pad(_seqs(3), torch.device("cpu"))
+    lp = token_logprobs(model, ids, mask)
+    lp.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_model_check_run_cpu(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    ok = model_check.run("cpu", None, 4, None, str(out))
+    assert ok is True
+    data = json.loads(out.read_text())
+    assert data["ok"] and data["dtype"] == "float32"
+    ours = [r for r in data["results"] if r["implementation"] == "rlkernels"][0]
+    assert ours["bitwise_equal_fraction"] == 1.0 and ours["max_abs_logprob_diff"] == 0.0
+    assert "rlkernels" in capsys.readouterr().out
+
+
+def test_tiny_config_is_packaged():
+    cfg = json.load(open(model_check.tiny_config_path()))
+    assert cfg["model_type"] == "qwen3"
+
+
+GPU_SIZES = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=8192)
+
+
+def _gpu_model(arch: str):
+    return _tiny(arch, dtype=torch.bfloat16, device="cuda", **GPU_SIZES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_four_ways_bitwise_gpu_bf16(arch):
+    model = patch_model(_gpu_model(arch))
+    res, _ = _four_ways(model, _seqs(12, 8, 200, vocab=8192), device="cuda")
+    assert res.equal_all == res.tokens, res.as_dict()
+
+
+@pytest.mark.gpu
+def test_model_check_run_gpu(tmp_path):
+    ok = model_check.run("cuda", "bfloat16", 16, None, str(tmp_path / "gpu.json"), max_len=256,
+                         config_overrides=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                                               num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                               vocab_size=8192))
+    assert ok is True
+
+
+@pytest.mark.gpu
+def test_backward_gpu_bf16_batch_invariant_grads_of_inputs():
+    model = patch_model(_gpu_model("qwen3"))
+    seqs = _seqs(4, 8, 64, vocab=8192)
+    ids, mask = model_check._right_pad(seqs, torch.device("cuda"))
+    with set_batch_invariant_mode():
+        lp = token_logprobs(model, ids, mask)
+        lp.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in model.parameters())
