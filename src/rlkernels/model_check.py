@@ -135,7 +135,7 @@ def _new_cache(model):
 
 
 class StockScorer(_Scorer):
-    name = "stock PyTorch"
+    name = "stock torch"
 
     def __init__(self, model) -> None:
         self.model = model
@@ -274,11 +274,12 @@ def compare(name: str, ways: dict[str, list[torch.Tensor]], seconds: float) -> I
 def _table(results: list[ImplResult], title: str):
     from rich.table import Table
 
-    table = Table(title=title, caption="columns (b)-(d): tokens bitwise equal to (a) one-at-a-time")
-    table.add_column("implementation", no_wrap=True)
-    for way, label in (("padded", "(b) padded"), ("chunked", "(c) chunked"), ("shuffled", "(d) shuffled")):
+    table = Table(title=title, caption="share of tokens whose log-prob is bitwise equal to (a) one-at-a-time;\n"
+                  "(b) padded batch, (c) chunked prefill, (d) shuffled micro-batches")
+    table.add_column("", no_wrap=True)
+    for label in ("(b)", "(c)", "(d)"):
         table.add_column(label, justify="right", no_wrap=True)
-    table.add_column("all 4 equal", justify="right", no_wrap=True)
+    table.add_column("all 4", justify="right", no_wrap=True)
     table.add_column("max |Δ logp|", justify="right", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
     for r in results:
