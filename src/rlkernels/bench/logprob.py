@@ -1,0 +1,177 @@
+"""Benchmark: fused lm-head log-prob (+ entropy) vs materialized logits and peers.
+
+    python -m rlkernels.bench logprob [--quick] [--json PATH] [--no-peers] [--config BM,BV,BK,SPLIT,GROUP,WARPS,STAGES]
+
+bf16 inputs, per-token random upstream gradients on logp (and entropy for
+rlkernels / naive torch). Columns: forward ms, forward+backward ms (grads of hidden
+and weight), extra peak GiB of forward+backward (everything allocated during the
+call, dW and dhidden included). Peers, when importable: Liger's fused linear CE and
+Apple's Cut Cross-Entropy (both give -logp, no entropy; CCE is not row-invariant).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+from typing import Any, Callable
+
+import torch
+
+from .common import median_ms, optional_import, peak_extra_memory_gib, print_table, write_json
+
+FULL_SHAPES = ((1024, 4096, 151936), (8192, 4096, 151936), (32768, 4096, 151936), (8192, 4096, 32000))
+QUICK_SHAPES = ((8192, 4096, 151936),)
+TEMPERATURE = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-peers", action="store_true", help="skip Liger / CCE / naive torch")
+    parser.add_argument("--config", default=None,
+                        help="try another fused tile config: BM,BV,BK,SPLIT_V,GROUP_M,WARPS,STAGES (bits change)")
+    parser.add_argument("--shape", action="append", default=None, help="N,D,V (repeatable)")
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _measure(name: str, fwd: Callable[[], Any] | None, fwd_bwd: Callable[[], Any] | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"impl": name}
+    try:
+        if fwd is not None:
+            row["fwd_ms"] = median_ms(fwd)
+        if fwd_bwd is not None:
+            row["fwd_bwd_ms"] = median_ms(fwd_bwd)
+            _free()
+            row["peak_extra_gib"] = peak_extra_memory_gib(fwd_bwd)
+    except torch.cuda.OutOfMemoryError:
+        row["note"] = "OOM"
+    except Exception as exc:  # a peer's API drift must not kill the run
+        row["note"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    _free()
+    return row
+
+
+def _rlkernels_case(h, w, t, gl, ge):
+    from ..ops.linear_logprob import linear_logprob
+
+    def fwd():
+        with torch.no_grad():
+            return linear_logprob(h, w, t, temperature=TEMPERATURE, return_entropy=True)
+
+    def fwd_bwd():
+        hh, ww = h.requires_grad_(), w.requires_grad_()
+        lp, ent = linear_logprob(hh, ww, t, temperature=TEMPERATURE, return_entropy=True)
+        return torch.autograd.grad((lp, ent), (hh, ww), (gl, ge))
+
+    return fwd, fwd_bwd
+
+
+def _naive_case(h, w, t, gl, ge):
+    def compute(hh, ww):
+        z = (hh @ ww.t()).float() / TEMPERATURE
+        logz = torch.logsumexp(z, dim=-1)
+        lp = z.gather(1, t[:, None])[:, 0] - logz
+        ent = logz - (torch.softmax(z, dim=-1) * z).sum(-1)
+        return lp, ent
+
+    def fwd():
+        with torch.no_grad():
+            return compute(h, w)
+
+    def fwd_bwd():
+        hh, ww = h.requires_grad_(), w.requires_grad_()
+        lp, ent = compute(hh, ww)
+        return torch.autograd.grad((lp, ent), (hh, ww), (gl, ge))
+
+    return fwd, fwd_bwd
+
+
+def _liger_case(h, w, t, gl):
+    mod = optional_import("liger_kernel.transformers")
+    if mod is None:
+        return None
+    loss_fn = mod.LigerFusedLinearCrossEntropyLoss(reduction="none")
+
+    def fwd():
+        with torch.no_grad():
+            return -loss_fn(w, h, t)
+
+    def fwd_bwd():
+        hh, ww = h.requires_grad_(), w.requires_grad_()
+        loss = loss_fn(ww, hh, t)
+        return torch.autograd.grad(loss, (hh, ww), -gl)
+
+    return fwd, fwd_bwd
+
+
+def _cce_case(h, w, t, gl):
+    mod = optional_import("cut_cross_entropy")
+    if mod is None:
+        return None
+
+    def fwd():
+        with torch.no_grad():
+            return -mod.linear_cross_entropy(h, w, t, reduction="none")
+
+    def fwd_bwd():
+        hh, ww = h.requires_grad_(), w.requires_grad_()
+        loss = mod.linear_cross_entropy(hh, ww, t, reduction="none")
+        return torch.autograd.grad(loss, (hh, ww), -gl)
+
+    return fwd, fwd_bwd
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from ..ops import linear_logprob as L
+
+    if getattr(args, "config", None):
+        a = [int(x) for x in args.config.split(",")]
+        L.LinearLogprobTriton.kernels = L.TritonKernels(L.FusedConfig(a[0], a[1], a[2], split_v=a[3], group_m=a[4],
+                                                                      num_warps=a[5], num_stages=a[6]))
+    if getattr(args, "shape", None):
+        shapes = tuple(tuple(int(x) for x in s.split(",")) for s in args.shape)
+    else:
+        shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    cfg = L.LinearLogprobTriton.kernels._cfg(torch.bfloat16)
+    rows: list[dict[str, Any]] = []
+    for n, d, v in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = (torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=g) * (3 * d ** -0.5)).to(torch.bfloat16)
+        t = torch.randint(0, v, (n,), device="cuda", generator=g)
+        gl = torch.randn(n, device="cuda", generator=g)
+        ge = torch.randn(n, device="cuda", generator=g)
+        cases: list[tuple[str, Any]] = [("rlkernels", _rlkernels_case(h, w, t, gl, ge))]
+        if not getattr(args, "no_peers", False):
+            free, _ = torch.cuda.mem_get_info()
+            # fp32 logits, softmax, their grads and the bf16 copy: about 18 bytes per logit.
+            if n * v * 18 < 0.8 * free:
+                cases.append(("torch (materialized)", _naive_case(h, w, t, gl, ge)))
+            else:
+                rows.append({"N": n, "D": d, "V": v, "impl": "torch (materialized)", "note": "skipped: would OOM"})
+            for name, case in (("liger FLCE", _liger_case(h, w, t, gl)), ("cut-cross-entropy", _cce_case(h, w, t, gl))):
+                if case is None:
+                    rows.append({"N": n, "D": d, "V": v, "impl": name, "note": "not installed"})
+                else:
+                    cases.append((name, case))
+        for name, (fwd, fwd_bwd) in cases:
+            h.requires_grad_(False)
+            w.requires_grad_(False)
+            row = {"N": n, "D": d, "V": v, **_measure(name, fwd, fwd_bwd)}
+            if name == "rlkernels":
+                row["config"] = cfg.short()
+                flops = 2.0 * n * d * v
+                if "fwd_ms" in row:
+                    row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+                if "fwd_bwd_ms" in row:
+                    row["fwd_bwd_tflops"] = 4 * flops / row["fwd_bwd_ms"] / 1e9
+            rows.append(row)
+            print(row, flush=True)
+        del h, w, t, gl, ge, cases
+        _free()
+    print_table("linear_logprob (bf16, per-token upstream grads)", rows,
+                ["N", "D", "V", "impl", "fwd_ms", "fwd_bwd_ms", "peak_extra_gib", "fwd_tflops", "fwd_bwd_tflops",
+                 "note"])
+    write_json(args.json, "logprob", rows, {"fused_config": cfg.short(), "temperature": TEMPERATURE})
+    return rows

@@ -1,0 +1,491 @@
+"""linear_logprob: accuracy vs float64, bitwise row invariance, deterministic backward, errors.
+
+CPU: the torch backend always; the Triton kernels under TRITON_INTERPRET=1 (fp32/fp16;
+the interpreter is slow, so its cases use the smallest shapes that still span
+several vocabulary splits). GPU tests (``-m gpu``) run the real sizes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkernels.ops.linear_logprob import (
+    FUSED_16BIT, LinearLogprobFunction, TorchKernels, TritonKernels, backward_chunk, linear_logprob,
+)
+from rlkernels.reference import linear_logprob_ref
+from rlkernels.registry import get_op, registered_ops, triton_interpret
+from rlkernels.testing import (
+    assert_batch_invariant, assert_chunk_invariant, assert_deterministic, assert_order_invariant,
+    assert_padding_invariant, rel_error,
+)
+
+from .conftest import cpu_backend_cases, randn
+
+F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+
+# Tolerances, named like the contract table (rlkernels.contract) until they move there.
+# Forward: max |logp - ref| and max |entropy - ref| (abs). The reference runs on the
+# same (already rounded) inputs, so 16-bit inputs only add the fp32 D-chain error.
+LINEAR_LOGPROB_ABS = {F64: 1e-10, F32: 1e-4, F16: 1e-4, BF16: 1e-4}
+# Backward: rel_error of dhidden/dweight/dbias vs float64 autograd of the reference.
+# g = dL/dlogits is rounded to the input dtype before the two GEMMs: 16-bit grads
+# carry that rounding (unit roundoff 4.9e-4 fp16, 3.9e-3 bf16).
+LINEAR_LOGPROB_GRAD_REL = {F64: 1e-10, F32: 1e-5, F16: 2e-3, BF16: 1.6e-2}
+
+TEMP = 0.7
+
+
+def _cases(dtypes):
+    """cpu_backend_cases minus triton-float64 (float64 is a torch-backend-only dtype)."""
+    return [c for c in cpu_backend_cases(dtypes) if not (c.values[0] == "triton" and c.values[1] == F64)]
+
+
+def _is_triton(backend: str) -> bool:
+    return backend == "triton"
+
+
+def _data(n, d, v, dtype, gen, *, bias=True, ignore=True, shape=None, device="cpu"):
+    h = randn(*(shape or (n,)), d, dtype=dtype, generator=gen, device=device)
+    w = randn(v, d, dtype=dtype, generator=gen, scale=d ** -0.5 * 3, device=device)
+    b = randn(v, dtype=dtype, generator=gen, device=device) if bias else None
+    t = torch.randint(0, v, tuple(shape or (n,)), generator=gen).to(device)
+    if ignore and t.numel() > 2:
+        t.view(-1)[1::4] = -100
+    return h, w, b, t
+
+
+def _check_forward(h, w, b, t, backend, **kw):
+    lp, ent = linear_logprob(h, w, t, b, return_entropy=True, backend=backend, **kw)
+    rl, re = linear_logprob_ref(h, w, t, b, **kw)
+    tol = LINEAR_LOGPROB_ABS[h.dtype]
+    assert lp.dtype == (F64 if h.dtype == F64 else F32) and lp.shape == t.shape and ent.shape == t.shape
+    e_lp = (lp.double() - rl).abs().max().item() if lp.numel() else 0.0
+    e_h = (ent.double() - re).abs().max().item() if ent.numel() else 0.0
+    assert e_lp <= tol, f"logp abs error {e_lp:.3e} > {tol}"
+    assert e_h <= tol, f"entropy abs error {e_h:.3e} > {tol}"
+    return lp, ent
+
+
+# ------------------------------------------------------------------------------- forward
+
+SHAPES = [(1, 16, 17), (7, 40, 100), (33, 16, 257)]
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F16, BF16, F64)))
+@pytest.mark.parametrize("n,d,v", SHAPES, ids=lambda s: str(s))
+def test_forward_accuracy(backend, dtype, n, d, v, gen):
+    if _is_triton(backend) and n * v > 2000 and dtype != F32:
+        pytest.skip("interpreter time: the largest shape runs for fp32 only")
+    h, w, b, t = _data(n, d, v, dtype, gen)
+    lp, ent = _check_forward(h, w, b, t, backend, temperature=TEMP)
+    ignored = t == -100
+    assert torch.all(lp[ignored] == 0) and torch.all(ent[ignored] == 0)
+    assert torch.all(lp[~ignored] <= 0) and torch.all(ent[~ignored] >= 0)
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32,)))
+def test_forward_no_bias_no_temperature_and_logp_only(backend, dtype, gen):
+    h, w, _, t = _data(7, 40, 100, dtype, gen, bias=False)
+    _check_forward(h, w, None, t, backend)
+    lp = linear_logprob(h, w, t, backend=backend)
+    assert isinstance(lp, torch.Tensor) and lp.shape == t.shape
+    assert torch.equal(lp, linear_logprob(h, w, t, backend=backend, return_entropy=True)[0])
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32,)))
+def test_leading_dims_and_ignore_index_inside_vocab(backend, dtype, gen):
+    h, w, b, t = _data(0, 16, 100, dtype, gen, shape=(2, 5), ignore=False)
+    t[0, 1] = 3
+    t[1, 4] = 3
+    lp, ent = _check_forward(h, w, b, t, backend, ignore_index=3)
+    assert lp.shape == (2, 5) and lp[0, 1] == 0 and ent[1, 4] == 0
+    # Same rows flattened: identical bits.
+    lp2, ent2 = linear_logprob(h.reshape(10, 16), w, t.reshape(10), b, ignore_index=3, return_entropy=True,
+                               backend=backend)
+    assert torch.equal(lp.reshape(10), lp2) and torch.equal(ent.reshape(10), ent2)
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F64)))
+def test_empty_batch(backend, dtype, gen):
+    _, w, b, _ = _data(1, 16, 17, dtype, gen)
+    w.requires_grad_()
+    h = torch.empty(0, 16, dtype=dtype, requires_grad=True)
+    t = torch.empty(0, dtype=torch.int64)
+    lp, ent = linear_logprob(h, w, t, b, return_entropy=True, backend=backend)
+    assert lp.shape == (0,) and ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_large_logits_stay_finite(gen):
+    # Logits around +-1e4: the online max keeps every exp in range; the error is the
+    # fp32 rounding of the logits themselves (relative to their size).
+    h, w, b, t = _data(5, 16, 300, F32, gen)
+    h = h * 300
+    lp, ent = linear_logprob(h, w, t, b, return_entropy=True)
+    rl, re = linear_logprob_ref(h, w, t, b)
+    scale = (h.double() @ w.double().t()).abs().max().item()
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    assert (lp.double() - rl).abs().max().item() <= 1e-6 * scale
+    assert (ent.double() - re).abs().max().item() <= 1e-6 * scale
+
+
+# ----------------------------------------------------------------------------- invariance
+
+def _row_fn(h, w, b, t, backend, **kw):
+    def fn(rows: torch.Tensor):
+        return linear_logprob(h[rows], w, t[rows], b, return_entropy=True, backend=backend, **kw)
+    return fn
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F16, BF16)))
+def test_forward_invariance(backend, dtype, gen):
+    n, d, v = (13, 40, 150) if _is_triton(backend) else (33, 40, 257)
+    h, w, b, t = _data(n, d, v, dtype, gen)
+    fn = _row_fn(h, w, b, t, backend, temperature=TEMP)
+    rows = torch.arange(n)
+    sizes = [1, 6, n - 1] if _is_triton(backend) else None
+    assert_batch_invariant(fn, rows, sizes=sizes)
+    assert_chunk_invariant(fn, rows)
+    assert_padding_invariant(fn, rows, before=2, after=3)
+    assert_order_invariant(fn, rows)
+    assert_deterministic(fn, rows, runs=2)
+
+
+# ------------------------------------------------------------------------------- backward
+
+def _grads(h, w, b, t, backend, gl, ge, **kw):
+    """(dh, dw, db) of sum(gl * logp + ge * entropy); gl/ge may be None (output unused)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (h, w, b) if x is not None]
+    hh, ww = leaves[0], leaves[1]
+    bb = leaves[2] if b is not None else None
+    lp, ent = linear_logprob(hh, ww, t, bb, return_entropy=True, backend=backend, **kw)
+    loss = 0
+    if gl is not None:
+        loss = loss + (lp * gl.to(lp.dtype)).sum()
+    if ge is not None:
+        loss = loss + (ent * ge.to(ent.dtype)).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def _ref_grads(h, w, b, t, gl, ge, **kw):
+    leaves = [x.detach().double().requires_grad_() for x in (h, w, b) if x is not None]
+    lp, ent = linear_logprob_ref(leaves[0], leaves[1], t, leaves[2] if b is not None else None, **kw)
+    loss = 0
+    if gl is not None:
+        loss = loss + (lp * gl.double()).sum()
+    if ge is not None:
+        loss = loss + (ent * ge.double()).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F16, BF16, F64)))
+@pytest.mark.parametrize("which", ["both", "logp", "entropy"])
+def test_backward_accuracy(backend, dtype, which, gen):
+    if _is_triton(backend) and which != "both" and dtype != F32:
+        pytest.skip("interpreter time")
+    n, d, v = (9, 40, 100) if _is_triton(backend) else (33, 40, 257)
+    h, w, b, t = _data(n, d, v, dtype, gen)
+    gl = torch.randn(n, generator=gen) if which != "entropy" else None
+    ge = torch.randn(n, generator=gen) if which != "logp" else None
+    got = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
+    want = _ref_grads(h, w, b, t, gl, ge, temperature=TEMP)
+    for name, g, r in zip(("dhidden", "dweight", "dbias"), got, want):
+        assert g.dtype == dtype
+        err = rel_error(g, r)
+        assert err <= LINEAR_LOGPROB_GRAD_REL[dtype], f"{name}: rel error {err:.3e}"
+    # Ignored rows get exactly zero gradient.
+    assert torch.all(got[0][t == -100] == 0)
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F16)))
+def test_backward_deterministic_and_dhidden_invariant(backend, dtype, gen):
+    n, d, v = (9, 40, 100) if _is_triton(backend) else (33, 40, 257)
+    h, w, b, t = _data(n, d, v, dtype, gen)
+    gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+
+    def all_grads(rows):
+        return _grads(h[rows], w, b, t[rows], backend, gl[rows], ge[rows], temperature=TEMP)
+
+    rows = torch.arange(n)
+    assert_deterministic(all_grads, rows, runs=2)
+
+    def dhidden(rows):
+        return all_grads(rows)[0]
+
+    sizes = [1, n - 2] if _is_triton(backend) else None
+    assert_batch_invariant(dhidden, rows, sizes=sizes)
+    if not _is_triton(backend):
+        assert_padding_invariant(dhidden, rows)
+        assert_order_invariant(dhidden, rows)
+
+
+def test_backward_no_bias_hidden_only_and_weight_only(gen):
+    h, w, _, t = _data(7, 16, 100, F32, gen, bias=False)
+    gl = torch.randn(7, generator=gen)
+    want = _ref_grads(h, w, None, t, gl, None)
+    hh = h.clone().requires_grad_()
+    linear_logprob(hh, w, t).mul(gl).sum().backward()
+    assert rel_error(hh.grad, want[0]) <= LINEAR_LOGPROB_GRAD_REL[F32]
+    ww = w.clone().requires_grad_()
+    linear_logprob(h, ww, t).mul(gl).sum().backward()
+    assert rel_error(ww.grad, want[1]) <= LINEAR_LOGPROB_GRAD_REL[F32]
+
+
+def test_bias_grad_only(gen):
+    h, w, b, t = _data(7, 16, 100, F32, gen)
+    gl = torch.randn(7, generator=gen)
+    bb = b.clone().requires_grad_()
+    linear_logprob(h, w, t, bb).mul(gl).sum().backward()
+    assert rel_error(bb.grad, _ref_grads(h, w, b, t, gl, None)[2]) <= LINEAR_LOGPROB_GRAD_REL[F32]
+
+
+def test_main_grad_chains_like_one_batch(gen):
+    """weight.main_grad (fp32) accumulates micro-batches exactly like one big batch."""
+    h, w, b, t = _data(32, 16, 100, F32, gen)
+    gl = torch.randn(32, generator=gen)
+
+    def run(parts):
+        ww = w.clone().requires_grad_()
+        ww.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        for sl in parts:
+            linear_logprob(h[sl], ww, t[sl], b).mul(gl[sl]).sum().backward()
+        assert ww.grad is None
+        return ww.main_grad
+
+    one = run([slice(0, 32)])
+    two = run([slice(0, 16), slice(16, 32)])
+    assert torch.equal(one, two)
+    assert rel_error(one, _ref_grads(h, w, b, t, gl, None)[1]) <= LINEAR_LOGPROB_GRAD_REL[F32]
+
+
+def test_backward_chunk_size_does_not_change_bits(gen, monkeypatch):
+    """The dH chain is split at backward V chunks; the split point must not matter."""
+    import rlkernels.ops.linear_logprob as mod
+
+    h, w, b, t = _data(9, 16, 600, F32, gen)
+    gl, ge = torch.randn(9, generator=gen), torch.randn(9, generator=gen)
+    base = _grads(h, w, b, t, "torch", gl, ge)
+    monkeypatch.setattr(mod, "backward_chunk", lambda n, v, s: 256)
+    assert all(torch.equal(x, y) for x, y in zip(base, _grads(h, w, b, t, "torch", gl, ge)))
+
+
+def test_backward_chunk_rule():
+    assert backward_chunk(8192, 151936, 2) == 4096
+    assert backward_chunk(32768, 151936, 2) == 2048
+    assert backward_chunk(1024, 151936, 2) == 32768
+    assert all(backward_chunk(n, 151936, 2) % 256 == 0 for n in (1, 7, 100, 5000, 1 << 20))
+
+
+def _det_case(rows: torch.Tensor):
+    """Module-level for assert_deterministic(processes=1): grads of a fixed problem."""
+    g = torch.Generator().manual_seed(7)
+    h, w, b, t = _data(17, 16, 100, F32, g)
+    gl, ge = torch.randn(17, generator=g), torch.randn(17, generator=g)
+    return _grads(h[rows], w, b, t[rows], "torch", gl[rows], ge[rows], temperature=TEMP)
+
+
+def test_backward_deterministic_across_processes():
+    assert_deterministic(_det_case, torch.arange(17), runs=2, processes=1)
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_triton_grad_kernel_matches_torch_kernel(dtype, gen):
+    """The fused g kernel against the torch backend's g, chunk by chunk (no GEMM engine)."""
+    n, d, v = 5, 40, 150
+    h, w, b, t = _data(n, d, v, dtype, gen)
+    tgt = torch.where(t == -100, -1, t)
+    logp, ent, lse = TorchKernels().forward(h, w, b, tgt, TEMP)
+    gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    gl = torch.where(tgt >= 0, gl, 0.0)
+    for v0, v1 in [(0, 100), (100, 150)]:
+        a = torch.empty(n, v1 - v0, dtype=dtype)
+        c = torch.empty_like(a)
+        TritonKernels().grad_logits(h, w, b, tgt, lse, ent, gl, ge, TEMP, v0, v1, a)
+        TorchKernels().grad_logits(h, w, b, tgt, lse, ent, gl, ge, TEMP, v0, v1, c)
+        assert rel_error(a, c) <= (1e-5 if dtype == F32 else 2e-3)
+
+
+# ------------------------------------------------------------------------------ errors
+
+def test_errors(gen):
+    h, w, b, t = _data(6, 16, 50, F32, gen, ignore=False)
+    t_bad = t.clone()
+    t_bad[2], t_bad[4] = 53, -7
+    with pytest.raises(ValueError, match=r"linear_logprob.*target id 53"):
+        linear_logprob(h, w, t_bad, b)
+    t_neg = t.clone()
+    t_neg[3] = -7
+    with pytest.raises(ValueError, match=r"target id -7"):
+        linear_logprob(h, w, t_neg, b)
+    with pytest.raises(ValueError, match="linear_logprob.*D="):
+        linear_logprob(h[:, :15], w, t, b)
+    with pytest.raises(ValueError, match="linear_logprob.*bias"):
+        linear_logprob(h, w, t, b[:49])
+    with pytest.raises(ValueError, match="linear_logprob.*dtype"):
+        linear_logprob(h, w.half(), t, b)
+    with pytest.raises(ValueError, match="linear_logprob.*dtype"):
+        linear_logprob(h.to(torch.int32), w, t, b)
+    with pytest.raises(ValueError, match="linear_logprob.*target"):
+        linear_logprob(h, w, t.float(), b)
+    with pytest.raises(ValueError, match="linear_logprob.*target shape"):
+        linear_logprob(h, w, t[:5], b)
+    with pytest.raises(ValueError, match="linear_logprob.*device"):
+        linear_logprob(h, w.to("meta"), t, b)
+    with pytest.raises(ValueError, match="linear_logprob.*temperature"):
+        linear_logprob(h, w, t, b, temperature=0.0)
+    with pytest.raises(TypeError, match="linear_logprob"):
+        linear_logprob(h.tolist(), w, t, b)
+    # An id equal to ignore_index is fine even when it is out of range.
+    t_ign = t.clone()
+    t_ign[0] = -1
+    linear_logprob(h, w, t_ign, b, ignore_index=-1)
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+def test_triton_rejects_fp64(gen):
+    h, w, b, t = _data(3, 16, 20, F64, gen)
+    with pytest.raises(ValueError, match="float64"):
+        linear_logprob(h, w, t, b, backend="triton")
+
+
+def test_registry():
+    assert registered_ops()["linear_logprob"] == ("torch", "triton")
+    op = get_op("linear_logprob")
+    g = torch.Generator().manual_seed(1)
+    h, w, b, t = _data(5, 16, 40, F32, g)
+    assert torch.equal(op(h, w, t, b), linear_logprob(h, w, t, b))
+    impl = get_op("linear_logprob", "torch").impl
+    fn, rows = impl.invariance_case(torch.device("cpu"), F32, g)
+    assert_batch_invariant(fn, rows, sizes=[1, 5])
+    assert torch.equal(impl.forward_fp32(h, w, t, b), linear_logprob(h, w, t, b))
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+def _cuda_data(n, d, v, dtype, seed=0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    return _data(n, d, v, dtype, g, bias=bias, device="cuda")
+
+
+def _ref_rows(h, w, b, t, rows, **kw):
+    """float64 reference for selected rows only (the reference materializes [rows, V])."""
+    return linear_logprob_ref(h[rows], w, t[rows], b, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [32000, 151936])
+def test_gpu_bf16_accuracy_real_sizes(v):
+    n, d = 4096, 4096
+    h, w, b, t = _cuda_data(n, d, v, BF16, bias=False)
+    lp, ent = linear_logprob(h, w, t, return_entropy=True, temperature=TEMP)
+    errs = []
+    for r0 in range(0, n, 512):
+        rows = torch.arange(r0, r0 + 512, device="cuda")
+        rl, re = _ref_rows(h, w, None, t, rows, temperature=TEMP)
+        errs.append(max((lp[rows].double() - rl).abs().max().item(), (ent[rows].double() - re).abs().max().item()))
+    print(f"bf16 V={v}: max abs error {max(errs):.3e}")
+    assert max(errs) <= LINEAR_LOGPROB_ABS[BF16] * 10  # 1e-3 at D=4096 on GPU until measured
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_gpu_accuracy_and_backward(dtype):
+    n, d, v = 512, 1024, 32003
+    h, w, b, t = _cuda_data(n, d, v, dtype, seed=1, bias=True)
+    _check_forward(h, w, b, t, "triton", temperature=TEMP)
+    g = torch.Generator().manual_seed(2)
+    gl, ge = torch.randn(n, generator=g).cuda(), torch.randn(n, generator=g).cuda()
+    got = _grads(h, w, b, t, "triton", gl, ge, temperature=TEMP)
+    want = _ref_grads(h, w, b, t, gl, ge, temperature=TEMP)
+    for name, x, r in zip(("dhidden", "dweight", "dbias"), got, want):
+        err = rel_error(x, r)
+        print(f"{dtype} {name}: rel error {err:.3e}")
+        assert err <= LINEAR_LOGPROB_GRAD_REL[dtype]
+    again = _grads(h, w, b, t, "triton", gl, ge, temperature=TEMP)
+    assert all(torch.equal(x, y) for x, y in zip(got, again)), "backward not run-to-run deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [32000, 151936])
+def test_gpu_invariance_bitwise(v):
+    n, d = 2048, 4096
+    h, w, b, t = _cuda_data(n, d, v, BF16, seed=3)
+    fn = _row_fn(h, w, b, t, "triton", temperature=TEMP)
+    rows = torch.arange(n, device="cuda")
+    assert_batch_invariant(fn, rows, sizes=[1, 2, 17, 128, 129, 1000, n - 1])
+    assert_chunk_invariant(fn, rows, chunks=[1, 127, 300, 1620])
+    assert_padding_invariant(fn, rows, before=5, after=77)
+    assert_order_invariant(fn, rows)
+    assert_deterministic(fn, rows, runs=3)
+
+
+@pytest.mark.gpu
+def test_gpu_dhidden_invariance_and_determinism():
+    n, d, v = 1024, 4096, 32000
+    h, w, b, t = _cuda_data(n, d, v, BF16, seed=4)
+    g = torch.Generator().manual_seed(5)
+    gl, ge = torch.randn(n, generator=g).cuda(), torch.randn(n, generator=g).cuda()
+
+    def all_grads(rows):
+        return _grads(h[rows], w, b, t[rows], "triton", gl[rows], ge[rows], temperature=TEMP)
+
+    rows = torch.arange(n, device="cuda")
+    assert_deterministic(all_grads, rows, runs=3)
+    assert_batch_invariant(lambda r: all_grads(r)[0], rows, sizes=[1, 17, 300, n - 1])
+    assert_order_invariant(lambda r: all_grads(r)[0], rows)
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets():
+    """N * V > 2^31: rows at the far end are still right."""
+    n, d, v = 16384, 1024, 151936
+    assert n * v > 2 ** 31
+    h, w, b, t = _cuda_data(n, d, v, BF16, seed=6)
+    lp, ent = linear_logprob(h, w, t, return_entropy=True)
+    rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device="cuda")
+    rl, re = _ref_rows(h, w, None, t, rows)
+    assert (lp[rows].double() - rl).abs().max() <= 1e-3
+    assert (ent[rows].double() - re).abs().max() <= 1e-3
+    lp_tail = linear_logprob(h[-3:], w, t[-3:])
+    assert torch.equal(lp_tail, lp[-3:])
+    hh = h.clone().requires_grad_()
+    linear_logprob(hh, w, t).sum().backward()
+    assert torch.isfinite(hh.grad).all()
+
+
+def forward_extra_bytes(n: int, v: int) -> int:
+    """The forward's documented extra memory: partials + target logit + ids, plus slack."""
+    n_split = -(-v // FUSED_16BIT.split_v)
+    return n * (12 * n_split + 4 + 8 + 8 + 16) + (1 << 20)
+
+
+def backward_extra_bytes(n: int, d: int, v: int, elem: int) -> int:
+    """The backward's documented peak: dW + dbias + fp32 dH + max(g buffer, dH output) + [N] vectors."""
+    cv = backward_chunk(n, v, elem)
+    return v * d * elem + v * 4 + n * d * 4 + max(n * min(cv, v) * elem, n * d * elem) + 64 * n + (8 << 20)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_bound():
+    n, d, v = 8192, 4096, 151936
+    h, w, b, t = _cuda_data(n, d, v, BF16, seed=7)
+    h.requires_grad_()
+    w.requires_grad_()
+    gl = torch.randn(n, device="cuda")
+    ge = torch.randn(n, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lp, ent = linear_logprob(h, w, t, return_entropy=True)
+    torch.cuda.synchronize()
+    fwd_peak = torch.cuda.max_memory_allocated() - base
+    logits_bytes = n * v * 2
+    print(f"forward extra peak {fwd_peak / 2**20:.1f} MiB (bound {forward_extra_bytes(n, v) / 2**20:.1f} MiB)")
+    assert fwd_peak <= forward_extra_bytes(n, v) < logits_bytes // 50
+    dh, dw = torch.autograd.grad((lp * gl).sum() + (ent * ge).sum(), (h, w))
+    torch.cuda.synchronize()
+    total = torch.cuda.max_memory_allocated() - base
+    print(f"fwd+bwd extra peak {total / 2**30:.3f} GiB (bound {backward_extra_bytes(n, d, v, 2) / 2**30:.3f} GiB)")
+    assert total <= forward_extra_bytes(n, v) + backward_extra_bytes(n, d, v, 2)
