@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from rlkernels import testing
 from rlkernels.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
+from rlkernels.registry import triton_interpret
 
 from .conftest import HAS_CUDA, randn
 
@@ -68,6 +69,20 @@ def test_mode_makes_calls_invariant(name, dtype):
     assert got.dtype == want.dtype and got.shape == want.shape
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     assert testing.rel_error(got, want) <= tol
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name", ["mm", "addmm", "linear_3d", "bmm", "softmax", "log_softmax", "mean_last"])
+def test_mode_triton_backend_interpreter(name, monkeypatch):
+    # The CUDA code path of the overrides (Triton GEMM + fixed-tile row sums), run by the interpreter.
+    monkeypatch.setenv("RLKERNELS_BACKEND", "triton")
+    fn, x = _cases(torch.float32)[name]
+    x = x[:12]
+    with set_batch_invariant_mode():
+        testing.assert_batch_invariant(fn, x, sizes=[1, 2, 7])
+        testing.assert_order_invariant(fn, x)
+        got = fn(x)
+    assert testing.rel_error(got, fn(x)) <= 2e-6
 
 
 @pytest.mark.parametrize("m", [1, 2, 7])

@@ -28,8 +28,9 @@ def test_norm_accuracy(backend, dtype, rows, n, gen):
         out = fn(x, -1, backend=backend)
         assert out.dtype == dtype
         assert testing.rel_error(out, ref(x, -1)) <= TOL[dtype]
-        out32 = fn(x, 0, dtype=torch.float32 if dtype != torch.float64 else None, backend=backend)
-        assert testing.rel_error(out32, ref(x, 0)) <= TOL[torch.float32 if dtype != torch.float64 else dtype]
+        xs = x[:, :50]  # dim 0: one program per column under the interpreter, keep it small
+        out32 = fn(xs, 0, dtype=torch.float32 if dtype != torch.float64 else None, backend=backend)
+        assert testing.rel_error(out32, ref(xs, 0)) <= TOL[torch.float32 if dtype != torch.float64 else dtype]
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases())
