@@ -114,6 +114,32 @@ def test_backward_through_patched_model():
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
+def _input_grads(model, ids, mask):
+    """d(sum of token log-probs)/d(input embeddings): every backward formula of the model in play."""
+    from rlkernels.hf import logprobs_from_hidden, next_token_targets, positions_from_mask
+
+    emb = model.model.embed_tokens(ids).detach().requires_grad_()
+    h = model.model(inputs_embeds=emb, attention_mask=mask, position_ids=positions_from_mask(mask)).last_hidden_state
+    lp = logprobs_from_hidden(model, h[:, :-1], next_token_targets(ids, mask))
+    (g,) = torch.autograd.grad(lp.sum(), emb)
+    return g
+
+
+def _backward_invariance(model, seqs, device):
+    ids, mask = model_check._right_pad(seqs, torch.device(device))
+    with set_batch_invariant_mode():
+        batched = _input_grads(model, ids, mask)
+        for i, s in enumerate(seqs):
+            one = _input_grads(model, s[None].to(device), torch.ones(1, len(s), dtype=torch.long, device=device))
+            assert torch.equal(one[0], batched[i, :len(s)]), f"sequence {i}"
+
+
+def test_backward_bitwise_under_mode():
+    # Attention's bmm/softmax backward and silu backward go through the overrides only while
+    # the mode is on: run backward inside it too.
+    _backward_invariance(patch_model(_tiny("qwen3")), _seqs(4), "cpu")
+
+
 def test_model_check_run_cpu(tmp_path, capsys):
     out = tmp_path / "check.json"
     ok = model_check.run("cpu", None, 4, None, str(out))
@@ -156,7 +182,12 @@ def test_model_check_run_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_backward_gpu_bf16_batch_invariant_grads_of_inputs():
+def test_backward_bitwise_under_mode_gpu_bf16():
+    _backward_invariance(patch_model(_gpu_model("qwen3")), _seqs(4, 8, 120, vocab=8192), "cuda")
+
+
+@pytest.mark.gpu
+def test_backward_gpu_bf16_runs():
     model = patch_model(_gpu_model("qwen3"))
     seqs = _seqs(4, 8, 64, vocab=8192)
     ids, mask = model_check._right_pad(seqs, torch.device("cuda"))
