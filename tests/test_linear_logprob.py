@@ -105,6 +105,23 @@ def test_leading_dims_and_ignore_index_inside_vocab(backend, dtype, gen):
     assert torch.equal(lp.reshape(10), lp2) and torch.equal(ent.reshape(10), ent2)
 
 
+@pytest.mark.parametrize("backend,dtype", _cases((F32,)))
+def test_strided_inputs(backend, dtype, gen):
+    """Non-contiguous hidden, weight and bias give the bits of their contiguous copies."""
+    h, w, b, t = _data(7, 40, 100, dtype, gen)
+    hs = torch.stack([h, -h], dim=-1)[..., 0]
+    ws = w.t().contiguous().t()
+    bs = torch.stack([b, b], dim=1)[:, 0]
+    assert not (hs.is_contiguous() or ws.is_contiguous() or bs.is_contiguous())
+    got = linear_logprob(hs, ws, t, bs, temperature=TEMP, return_entropy=True, backend=backend)
+    want = linear_logprob(h, w, t, b, temperature=TEMP, return_entropy=True, backend=backend)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    gl = torch.randn(7, generator=gen)
+    gs = _grads(hs, ws, bs, t, backend, gl, None)
+    gw = _grads(h, w, b, t, backend, gl, None)
+    assert all(torch.equal(x, y) for x, y in zip(gs, gw))
+
+
 @pytest.mark.parametrize("backend,dtype", _cases((F32, F64)))
 def test_empty_batch(backend, dtype, gen):
     _, w, b, _ = _data(1, 16, 17, dtype, gen)

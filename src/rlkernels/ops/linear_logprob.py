@@ -467,6 +467,7 @@ class TritonKernels:
         s = torch.empty_like(m)
         u = torch.empty_like(m)
         zt = torch.zeros(N, dtype=torch.float32, device=dev)
+        bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         grid = (triton.cdiv(N, cfg.block_m) * n_split,)
         _fwd_partial_kernel[grid](
             h2, weight, bias if bias is not None else h2, tgt, m, s, u, zt,
@@ -487,6 +488,7 @@ class TritonKernels:
         if N == 0 or v1 <= v0:
             return
         cfg = self._cfg(h2.dtype)
+        bias = bias.contiguous() if bias is not None else None
         grid = (triton.cdiv(N, cfg.block_m) * triton.cdiv(v1 - v0, cfg.block_v),)
         _grad_logits_kernel[grid](
             h2, weight, bias if bias is not None else h2, tgt, lse, ent, g_logp,
