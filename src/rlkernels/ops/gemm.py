@@ -46,19 +46,29 @@ class GemmConfig:
         return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}"
 
 
-# The dispatch table: (dtype kind, upper bound on M) -> tile config, first match wins.
-# Pure and checked in -- never tuned at run time (a timing-based pick can differ
-# between processes). Picked offline on H100 by benchmarks/tune_gemm.py; the
-# canonical K-chain makes every entry produce the same bits (tested on GPU).
-GEMM_TABLE_16BIT: tuple[tuple[int, GemmConfig], ...] = (
-    (16, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
-    (64, GemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
-    (256, GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4)),
-    (1 << 62, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)),
+# The dispatch table: (dtype kind) -> rows of (largest M, smallest N, config); the
+# first row with m <= largest M and n >= smallest N wins. Pure and checked in --
+# never tuned at run time (a timing-based pick can differ between processes).
+# Picked offline on H100 by benchmarks/tune_gemm.py (results under
+# benchmarks/results/); the canonical K-chain makes every entry produce the same
+# bits (measured: 19 candidate configs x 8 M x 4 shapes, 0 mismatches vs
+# cuBLASLt-no-split; tests/test_matmul_gpu.py re-proves it for each entry).
+WIDE_N = 8192  # wide outputs (MLP up-projections, lm heads) want wider N tiles at decode
+GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
+    (16, WIDE_N, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
+    (16, 0, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
+    (64, WIDE_N, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=3)),
+    (64, 0, GemmConfig(32, 32, 256, group_m=4, num_warps=4, num_stages=4)),
+    (256, WIDE_N, GemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)),
+    (256, 0, GemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+    (1 << 62, 0, GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3)),
 )
-GEMM_TABLE_FP32: tuple[tuple[int, GemmConfig], ...] = (
-    (16, GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
-    (1 << 62, GemmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
+# dW = dY^T @ X (A read transposed, fp32 accumulator in C): its own best tile.
+GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
+    (16, 0, GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
+    (256, 0, GemmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
+    (1 << 62, 0, GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3)),
 )
 # The interpreter computes each tl.dot with numpy's BLAS, whose rounding depends
 # on a row's position inside the tile (measured: chunked rows changed bits at
@@ -70,18 +80,20 @@ GEMM_TABLE_FP32: tuple[tuple[int, GemmConfig], ...] = (
 GEMM_INTERPRETER_CONFIG = GemmConfig(1, 64, 16, group_m=1, num_warps=4, num_stages=1)
 
 
-def gemm_table(dtype: torch.dtype) -> tuple[tuple[int, GemmConfig], ...]:
+def gemm_table(dtype: torch.dtype) -> tuple[tuple[int, int, GemmConfig], ...]:
     return GEMM_TABLE_FP32 if dtype == torch.float32 else GEMM_TABLE_16BIT
 
 
-def gemm_config(m: int, dtype: torch.dtype) -> GemmConfig:
-    """The tile config the table assigns to a problem with ``m`` rows."""
+def gemm_config(m: int, n: int, dtype: torch.dtype, accumulate: bool = False) -> GemmConfig:
+    """The tile config the table assigns to an [m, K] x [K, n] problem."""
     if triton_interpret():
         return GEMM_INTERPRETER_CONFIG
-    for bound, cfg in gemm_table(dtype):
-        if m <= bound:
+    if accumulate and dtype != torch.float32 and m > 256:
+        return GEMM_ACCUMULATE_16BIT
+    for m_max, n_min, cfg in gemm_table(dtype):
+        if m <= m_max and n >= n_min:
             return cfg
-    raise AssertionError("unreachable: the last bucket is unbounded")
+    raise AssertionError("unreachable: the last row is unbounded")
 
 
 if triton is not None:
@@ -211,7 +223,7 @@ def triton_gemm(
             if bias is not None:
                 out += bias
         return out
-    cfg = config or gemm_config(M, a.dtype)
+    cfg = config or gemm_config(M, N, a.dtype, accumulate)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), Bt)
     _gemm_kernel[grid](
         a3, b, out3, bias if bias is not None else out3, rowsum if rowsum is not None else out3,
@@ -230,4 +242,5 @@ def triton_gemm(
 @functools.lru_cache(maxsize=None)
 def all_configs(dtype: torch.dtype) -> tuple[GemmConfig, ...]:
     """Every config the table can pick for ``dtype`` (what GPU tests must cover)."""
-    return tuple(dict.fromkeys(cfg for _, cfg in gemm_table(dtype)))
+    extra = (GEMM_ACCUMULATE_16BIT,) if dtype != torch.float32 else ()
+    return tuple(dict.fromkeys([cfg for _, _, cfg in gemm_table(dtype)] + list(extra)))

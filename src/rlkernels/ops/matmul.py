@@ -30,7 +30,11 @@ from .chain import accumulator_dtype, chain_matmul, chain_sum
 # the fp32 FMA chain are exact at any split; 16 is the one promise for all.
 TOKEN_BLOCK = 16
 
-CUBLASLT_MIN_M = 128  # below this the Triton decode tiles win (and never need a probe)
+# cuBLASLt-no-split from this M up (same bits, proven by a probe): measured on H100
+# it matches stock cuBLAS within ~3% for M >= 128, while the Triton decode tiles
+# beat both at M <= 16 and cuBLASLt's heuristics can pick badly there (M=16,
+# K=12288: 263 us vs 49 us). See benchmarks/results/tune_gemm_h100_run1.json.
+CUBLASLT_MIN_M = 65
 
 
 class TorchEngine:

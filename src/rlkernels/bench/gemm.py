@@ -1,0 +1,100 @@
+"""GEMM forward: rlkernels (auto, Triton-only) vs stock cuBLAS, cuBLASLt-no-split, sgemm-bi.
+
+bf16 over K x N in {4096x4096, 4096x12288, 12288x4096, 4096x151936} and
+M in {1, 4, 16, 64, 128, 1024, 4096, 16384}; fp32 (IEEE, TF32 off) on 4096x4096.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+from .common import median_ms, optional_import, print_table, write_json
+
+SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
+MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ms", default=None, help="comma-separated M values")
+
+
+def _forced(mode: str, fn):
+    def run():
+        old = os.environ.get("RLKERNELS_GEMM_BACKEND")
+        os.environ["RLKERNELS_GEMM_BACKEND"] = mode
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["RLKERNELS_GEMM_BACKEND"]
+            else:
+                os.environ["RLKERNELS_GEMM_BACKEND"] = old
+    return run
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import rlkernels
+    from rlkernels.ops.cublaslt import cublaslt_linear
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sgemm_bi = optional_import("sgemm_bi")
+    ms = [int(m) for m in args.ms.split(",")] if getattr(args, "ms", None) else ([1, 16, 1024, 4096] if args.quick else MS)
+    rows: list[dict] = []
+    for k, n in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+        w_kn = w.t().contiguous() if sgemm_bi is not None else None
+        xs = torch.randn(max(ms), k, device="cuda", generator=g).bfloat16()
+        for m in ms:
+            x = xs[:m]
+            flops, nbytes = 2.0 * m * n * k, 2.0 * (m * k + k * n + m * n)
+            t = {
+                "stock": median_ms(lambda: torch.nn.functional.linear(x, w)),
+                "cublaslt_nosplit": median_ms(lambda: cublaslt_linear(x, w, None)),
+                "rlkernels": median_ms(lambda: rlkernels.linear(x, w)),
+                "rlkernels_triton": median_ms(_forced("triton", lambda: rlkernels.linear(x, w))),
+            }
+            if sgemm_bi is not None:
+                try:
+                    t["sgemm_bi"] = median_ms(lambda: sgemm_bi.deterministic_linear(x, w_kn, None, tensor_cores=True))
+                except Exception as e:  # a peer failing must not stop the run
+                    t["sgemm_bi"] = None
+                    print(f"sgemm-bi failed at M={m}: {e}")
+            row = {"dtype": "bf16", "K": k, "N": n, "M": m}
+            for name, ms_ in t.items():
+                row[f"{name}_us"] = None if ms_ is None else ms_ * 1e3
+            row["rlk_tflops"] = flops / (t["rlkernels"] * 1e-3) / 1e12
+            row["rlk_gbps"] = nbytes / (t["rlkernels"] * 1e-3) / 1e9
+            row["ratio_vs_stock"] = t["rlkernels"] / t["stock"]
+            row["triton_ratio_vs_stock"] = t["rlkernels_triton"] / t["stock"]
+            row["cublaslt_ratio_vs_stock"] = t["cublaslt_nosplit"] / t["stock"]
+            if t.get("sgemm_bi"):
+                row["sgemm_bi_ratio_vs_stock"] = t["sgemm_bi"] / t["stock"]
+            rows.append(row)
+            print(f"K={k} N={n} M={m}: stock {row['stock_us']:.1f}us rlk {row['rlkernels_us']:.1f}us "
+                  f"({row['ratio_vs_stock']:.3f}x) triton-only {row['triton_ratio_vs_stock']:.3f}x", flush=True)
+    fp32_rows = []
+    k = n = 4096
+    w = torch.randn(n, k, device="cuda") / k ** 0.5
+    for m in ([1, 1024] if args.quick else [1, 16, 128, 1024, 4096]):
+        x = torch.randn(m, k, device="cuda")
+        ts, tr = median_ms(lambda: torch.nn.functional.linear(x, w)), median_ms(lambda: rlkernels.linear(x, w))
+        fp32_rows.append({"dtype": "fp32", "K": k, "N": n, "M": m, "stock_us": ts * 1e3, "rlkernels_us": tr * 1e3,
+                          "ratio_vs_stock": tr / ts, "rlk_tflops": 2.0 * m * n * k / (tr * 1e-3) / 1e12})
+    geo = math.exp(sum(math.log(r["ratio_vs_stock"]) for r in rows) / len(rows))
+    summary = {
+        "geomean_ratio_vs_stock": geo,
+        "max_ratio_vs_stock": max(r["ratio_vs_stock"] for r in rows),
+        "max_ratio_m_le_16": max((r["ratio_vs_stock"] for r in rows if r["M"] <= 16), default=None),
+        "min_triton_throughput_vs_stock_m_ge_1024": min((1 / r["triton_ratio_vs_stock"] for r in rows if r["M"] >= 1024), default=None),
+    }
+    print_table("GEMM bf16 (us; ratio = time / stock cuBLAS)", rows,
+                ["K", "N", "M", "stock_us", "cublaslt_nosplit_us", "rlkernels_us", "rlkernels_triton_us", "sgemm_bi_us",
+                 "ratio_vs_stock", "triton_ratio_vs_stock", "rlk_tflops", "rlk_gbps"])
+    print_table("GEMM fp32 IEEE (TF32 off)", fp32_rows, ["M", "stock_us", "rlkernels_us", "ratio_vs_stock", "rlk_tflops"])
+    print(summary)
+    write_json(args.json, "gemm", rows + fp32_rows, {"summary": summary})
+    return rows + fp32_rows
