@@ -6,8 +6,8 @@ op; ``exp``/``log``/``rsqrt`` measured position-independent on CPU and CUDA), so
 invariance only needs the per-row sum to have a fixed order:
 
 * ``torch`` backend (any device): a sequential chain over the row,
-  ``fl(...fl(fl(x_0) + x_1)... + x_{R-1})`` in fp32 (fp64 for fp64), one
-  elementwise add per step over all rows at once. The order depends on R alone,
+  ``fl(...fl(fl(x_0) + x_1)... + x_{R-1})`` in fp64, rounded once to fp32 at the
+  end, one elementwise add per step over all rows at once. The order depends on R alone,
   and zeros at *either* end add exactly 0, so left- and right-padded attention
   rows match. Rows longer than :data:`CHAIN_MAX` switch (by R alone) to
   :data:`LANES` lane accumulators stepped tile by tile, then a chain over lanes:
@@ -81,35 +81,37 @@ if triton is not None:
 
 
 class TorchReducer:
-    """Sequential-chain sums (any device, fp64 included)."""
+    """Sequential-chain sums (any device). Accumulates in fp64 and rounds once to the
+    op's accumulator dtype (fp32; fp64 for fp64): products of fp32 values are exact in
+    fp64 and a long sequential fp32 chain loses accuracy (measured 6.9e-6 rel on a
+    16384-wide softmax), while the order -- and so the invariance -- is unchanged."""
 
     name = "torch"
 
     def row_dot(self, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """sum_j a[i, j] * b[i, j] (or sum_j a[i, j]) for a 2-D ``a``; fp32 (fp64 for fp64)."""
-        adt = accumulator_dtype(a.dtype)
-        x = a.to(adt) if b is None else a.to(adt) * b.to(adt)
+        out_dt = accumulator_dtype(a.dtype)
+        x = a.double() if b is None else a.double() * b.double()
         M, R = x.shape
-        acc = torch.zeros(M, dtype=adt, device=x.device)
+        acc = torch.zeros(M, dtype=torch.float64, device=x.device)
         if R <= CHAIN_MAX:
             for j in range(R):
                 acc.add_(x[:, j])
-            return acc
-        lanes = torch.zeros(M, LANES, dtype=adt, device=x.device)
+            return acc.to(out_dt)
+        lanes = torch.zeros(M, LANES, dtype=torch.float64, device=x.device)
         for start in range(0, R, LANES):
             tile = x[:, start:start + LANES]
             lanes[:, :tile.shape[1]].add_(tile)
         for j in range(LANES):
             acc.add_(lanes[:, j])
-        return acc
+        return acc.to(out_dt)
 
     def col_sum(self, x: torch.Tensor) -> torch.Tensor:
         """sum_i x[i, j] over rows, ascending; fp32 (fp64 for fp64)."""
-        adt = accumulator_dtype(x.dtype)
-        acc = torch.zeros(x.shape[1], dtype=adt, device=x.device)
+        acc = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
         for i in range(x.shape[0]):
-            acc.add_(x[i].to(adt))
-        return acc
+            acc.add_(x[i].double())
+        return acc.to(accumulator_dtype(x.dtype))
 
 
 class TritonReducer:
