@@ -195,3 +195,10 @@ def test_backward_gpu_bf16_runs():
         lp = token_logprobs(model, ids, mask)
         lp.sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in model.parameters())
+
+
+def test_token_logprobs_warns_on_non_eager_attention():
+    model = _tiny("qwen3", attn_implementation="sdpa")
+    ids = torch.randint(3, 300, (2, 6))
+    with pytest.warns(UserWarning, match="not batch-invariant"), torch.no_grad():
+        token_logprobs(model, ids)

@@ -16,6 +16,7 @@ the [tokens, vocab] logits are never materialised.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -147,6 +148,10 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     if L < 2:
         empty = torch.zeros(B, 0, dtype=torch.float32, device=input_ids.device)
         return (empty, empty.clone()) if return_entropy else empty
+    impl = attention_implementation(model)
+    if batch_invariant and impl not in (None, "eager"):
+        warnings.warn(f"rlkernels.token_logprobs: attention implementation {impl!r} is not batch-invariant; "
+                      "call rlkernels.patch_model(model) (eager attention) first", stacklevel=2)
     guard = set_batch_invariant_mode(True) if batch_invariant else contextlib.nullcontext()
     with guard:
         hidden = hidden_states(model, input_ids, attention_mask)
