@@ -1,1 +1,408 @@
-"""(in progress)"""
+"""``bmm``: batch-invariant batched GEMM, with a one-launch kernel for tiny matrices.
+
+    C[i] = A[i] @ B[i]        a [B, m, k], b [B, k, n]  (or a shared b [k, n])
+
+Every output element is the fp32 accumulation of its dot product over k in
+ascending order, rounded once to the input dtype -- the library's canonical
+chain (see ``ops/gemm.py``). Each batch element is computed by code that sees
+only that element, so its bits do not depend on B, on its position, or on the
+other elements.
+
+Paths (triton backend):
+  * tiny -- ``m, n, k <= 64``: one launch, one program per fixed group of G batch
+    elements, whole operands staged in registers. ``tl.dot`` on operands
+    zero-padded to powers of two >= 16 (zeros past k extend the chain harmlessly:
+    fl(acc + 0) = acc), or, for fp32, an explicit ascending-k FMA loop, which is
+    the same sequential FMA chain that fp32 ``tl.dot(input_precision="ieee")``
+    lowers to. The config (G, warps, mode) comes from a checked-in table keyed by
+    (m, n, k, dtype) only -- never by B, never by timing at run time -- so the
+    grid is ``cdiv(B, G)`` and nothing else about the launch depends on B.
+    The tiny path serves every B >= 1 with fitting dims (B == 1 included), so an
+    element's kernel never changes with the batch size.
+  * general -- larger dims, ``RLKERNELS_DISABLE_TINY_GEMM=1``, or a failed tiny
+    launch (logged once per shape): ``triton_gemm`` with its batch axis.
+    Never cuBLAS/torch.bmm, whose algorithm choice depends on B.
+
+The torch backend is ``chain_matmul`` (ascending elementwise chain, batch dims).
+
+Backward uses the same entry point: dA = dC @ B^T (per element), dB = A^T @ dC
+per element for a 3-D b; for a shared 2-D b, dB = sum_i A_i^T dC_i is one GEMM
+over the flattened (batch, m) axis, reduced in ascending order (batch-major).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+
+from .. import _validate as V
+from ..registry import OpImpl, register, select_backend
+from .chain import accumulator_dtype, chain_matmul
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - triton is a hard dependency on Linux
+    triton = None
+    tl = None
+
+OP = "bmm"
+TINY_MAX_DIM = 64
+DISABLE_ENV = "RLKERNELS_DISABLE_TINY_GEMM"
+# CUDA caps grid axis 1 (where triton_gemm puts the batch) at 65535 programs.
+GENERAL_MAX_BATCH = 65535
+
+_log = logging.getLogger("rlkernels")
+_failed_tiny: set[tuple] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyConfig:
+    """Launch config of the tiny kernel for one (m, n, k, dtype).
+
+    group: batch elements per program (power of two); num_warps: warps per
+    program; use_dot: ``tl.dot`` on padded operands (required for 16-bit: the
+    tensor-core chain is the canonical one), else the explicit fp32 FMA loop
+    (fp32 only; no padding of m and n to 16).
+    """
+
+    group: int
+    num_warps: int
+    use_dot: bool = True
+
+    def short(self) -> str:
+        return f"G{self.group}/w{self.num_warps}/{'dot' if self.use_dot else 'fma'}"
+
+
+def _pow2(x: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+def tiny_blocks(m: int, n: int, k: int, cfg: TinyConfig) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) the kernel stages for an m x k @ k x n element."""
+    floor = 16 if cfg.use_dot else 1  # tl.dot needs >= 16 per dim on every Triton we support
+    return _pow2(m, floor), _pow2(n, floor), _pow2(k, 16 if cfg.use_dot else 1)
+
+
+_F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# Per-shape configs: (m, n, k, dtype) -> TinyConfig. Checked in, never tuned at run
+# time. PROVISIONAL: written without GPU access; ``python -m rlkernels.bench bmm
+# --sweep`` times every candidate on the H100, checks that all give identical
+# bits, and prints replacement lines for this table.
+TINY_TABLE: dict[tuple[int, int, int, torch.dtype], TinyConfig] = {
+    (12, 12, 64, _F32): TinyConfig(4, 4, True),
+    (12, 12, 64, _BF16): TinyConfig(4, 4, True),
+    (12, 64, 12, _F32): TinyConfig(4, 4, True),
+    (12, 64, 12, _BF16): TinyConfig(4, 4, True),
+    (16, 16, 16, _F32): TinyConfig(8, 4, True),
+    (16, 16, 16, _BF16): TinyConfig(8, 4, True),
+    (64, 64, 64, _F32): TinyConfig(1, 4, True),
+    (64, 64, 64, _BF16): TinyConfig(1, 4, True),
+    (8, 8, 32, _F32): TinyConfig(8, 4, False),
+    (8, 8, 32, _BF16): TinyConfig(8, 4, True),
+}
+
+
+def default_tiny_config(m: int, n: int, k: int, dtype: torch.dtype) -> TinyConfig:
+    """The rule for shapes not in :data:`TINY_TABLE` (a pure function of the shape)."""
+    # fp32 with a tiny m or n: the FMA loop avoids padding them to 16 (up to 16x less work).
+    use_dot = not (dtype == torch.float32 and min(m, n) <= 8)
+    probe = TinyConfig(1, 4, use_dot)
+    bm, bn, bk = tiny_blocks(m, n, k, probe)
+    tile = max(bm * bk, bk * bn, bm * bn)
+    # About 4K staged elements per operand per program: enough work per program
+    # to amortise its start-up, few enough registers to keep occupancy.
+    group = max(1, min(16, 4096 // tile))
+    return TinyConfig(group, 4, use_dot)
+
+
+def tiny_config(m: int, n: int, k: int, dtype: torch.dtype) -> TinyConfig:
+    """The config for an (m, n, k, dtype) element; depends on nothing else."""
+    cfg = TINY_TABLE.get((m, n, k, dtype))
+    if cfg is None and dtype == torch.float16:
+        cfg = TINY_TABLE.get((m, n, k, torch.bfloat16))  # same tensor-core chain and layout
+    return cfg or default_tiny_config(m, n, k, dtype)
+
+
+def tiny_enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "0").strip() in ("", "0")
+
+
+def uses_tiny_path(m: int, n: int, k: int) -> bool:
+    return tiny_enabled() and max(m, n, k) <= TINY_MAX_DIM
+
+
+if triton is not None:
+
+    @triton.jit
+    def _bmm_tiny_kernel(
+        a_ptr, b_ptr, c_ptr,
+        B, M, N, K,
+        stride_ab, stride_am, stride_ak,
+        stride_bb, stride_bk, stride_bn,
+        stride_cb, stride_cm, stride_cn,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        # Program p owns elements [p*GROUP, p*GROUP + GROUP); every element runs
+        # the same instructions whatever its slot, so its bits ignore the slot.
+        pid = tl.program_id(0).to(tl.int64)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        if GROUP == 1:
+            # 2-D tiles: the plain tl.dot lowering for one element per program.
+            a_base = a_ptr + pid * stride_ab
+            b_base = b_ptr + pid * stride_bb
+            c_base = c_ptr + pid * stride_cb
+            c_ptrs = c_base + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+            c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            if USE_DOT:
+                a = tl.load(a_base + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+                b = tl.load(b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                            mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, b, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                a_col = a_base + offs_m * stride_am
+                b_row = b_base + offs_n * stride_bn
+                for kk in range(0, K):
+                    a_k = tl.load(a_col, mask=offs_m < M, other=0.0).to(tl.float32)
+                    b_k = tl.load(b_row, mask=offs_n < N, other=0.0).to(tl.float32)
+                    acc = tl.fma(a_k[:, None], b_k[None, :], acc)
+                    a_col += stride_ak
+                    b_row += stride_bk
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        else:
+            g = pid * GROUP + tl.arange(0, GROUP).to(tl.int64)
+            g3 = g[:, None, None]
+            g_ok = g3 < B
+            m3 = offs_m[None, :, None]
+            n3 = offs_n[None, None, :]
+            c_ptrs = c_ptr + g3 * stride_cb + m3 * stride_cm + n3 * stride_cn
+            c_mask = g_ok & (m3 < M) & (n3 < N)
+            if USE_DOT:
+                k_col = offs_k[None, None, :]  # k along the last axis of A
+                k_row = offs_k[None, :, None]  # k along the middle axis of B
+                a = tl.load(a_ptr + g3 * stride_ab + m3 * stride_am + k_col * stride_ak,
+                            mask=g_ok & (m3 < M) & (k_col < K), other=0.0)
+                b = tl.load(b_ptr + g3 * stride_bb + k_row * stride_bk + n3 * stride_bn,
+                            mask=g_ok & (k_row < K) & (n3 < N), other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, b, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b)
+            else:
+                acc = tl.zeros((GROUP, BLOCK_M, BLOCK_N), dtype=tl.float32)
+                a_col = a_ptr + g3 * stride_ab + m3 * stride_am  # [G, BM, 1]
+                b_row = b_ptr + g3 * stride_bb + n3 * stride_bn  # [G, 1, BN]
+                a_mask = g_ok & (m3 < M)
+                b_mask = g_ok & (n3 < N)
+                for kk in range(0, K):
+                    a_k = tl.load(a_col, mask=a_mask, other=0.0).to(tl.float32)
+                    b_k = tl.load(b_row, mask=b_mask, other=0.0).to(tl.float32)
+                    acc = tl.fma(a_k, b_k, acc)
+                    a_col += stride_ak
+                    b_row += stride_bk
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _b_strides(b: torch.Tensor) -> tuple[int, int, int]:
+    # A shared 2-D b is every element's b: batch stride 0.
+    return (0, b.stride(0), b.stride(1)) if b.dim() == 2 else (b.stride(0), b.stride(1), b.stride(2))
+
+
+def _launch_tiny(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TinyConfig) -> None:
+    """Run the tiny kernel: a [B, m, k], b [B, k, n] or [k, n], out [B, m, n] (B, m, n, k >= 1)."""
+    Bt, M, K = a.shape
+    N = b.shape[-1]
+    if not cfg.use_dot and a.dtype != torch.float32:
+        raise ValueError("rlkernels.bmm: the FMA mode is fp32 only (16-bit uses the tensor-core chain)")
+    bm, bn, bk = tiny_blocks(M, N, K, cfg)
+    sbb, sbk, sbn = _b_strides(b)
+    grid = (triton.cdiv(Bt, cfg.group),)
+    _bmm_tiny_kernel[grid](
+        a, b, out,
+        Bt, M, N, K,
+        a.stride(0), a.stride(1), a.stride(2),
+        sbb, sbk, sbn,
+        out.stride(0), out.stride(1), out.stride(2),
+        GROUP=cfg.group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        USE_DOT=cfg.use_dot, IEEE=a.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=1,
+    )
+
+
+def _general_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """The batch-invariant general GEMM into ``out`` [B, m, n], in batch chunks (grid limit)."""
+    from .gemm import triton_gemm
+
+    for s in range(0, a.shape[0], GENERAL_MAX_BATCH):
+        e = min(a.shape[0], s + GENERAL_MAX_BATCH)
+        triton_gemm(a[s:e], b if b.dim() == 2 else b[s:e], out=out[s:e])
+
+
+def _triton_bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
+                config: TinyConfig | None = None, force_general: bool = False) -> torch.Tensor:
+    """a [B, m, k] @ b [B, k, n] or [k, n] -> [B, m, n] in ``out_dtype`` on the triton backend.
+
+    ``config``: run the tiny kernel with exactly this config; ``force_general``:
+    the general path whatever the dims (both for benchmarks and tests).
+    """
+    Bt, M, K = a.shape
+    N = b.shape[-1]
+    out = torch.empty((Bt, M, N), dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    if config is not None:
+        # An explicit config (benchmark sweeps, tests) must run as asked: no fallback.
+        _launch_tiny(a, b, out, config)
+        return out
+    if not force_general and uses_tiny_path(M, N, K):
+        cfg = tiny_config(M, N, K, a.dtype)
+        key = (M, N, K, a.dtype, a.device.type, cfg)
+        if key not in _failed_tiny:
+            try:
+                _launch_tiny(a, b, out, cfg)
+                return out
+            except Exception as exc:  # noqa: BLE001 - any launch failure: compile, resources, driver
+                _failed_tiny.add(key)
+                _log.warning("rlkernels.bmm: tiny-GEMM kernel failed for m=%d n=%d k=%d %s (%s: %s); "
+                             "using the batch-invariant general GEMM for this shape from now on",
+                             M, N, K, a.dtype, type(exc).__name__, exc)
+    _general_triton(a, b, out)
+    return out
+
+
+def _torch_bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return chain_matmul(a, b).to(out_dtype)
+
+
+def _compute(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    if backend == "triton":
+        return _triton_bmm(a, b, out_dtype)
+    return _torch_bmm(a, b, out_dtype)
+
+
+def _reduce_shared_b_grad(a: torch.Tensor, grad: torch.Tensor, backend: str) -> torch.Tensor:
+    """sum_i A_i^T dC_i for a shared b: fp32 [k, n], one ascending chain over (batch, m)."""
+    Bt, M, K = a.shape
+    N = grad.shape[-1]
+    a2 = a.reshape(Bt * M, K)
+    g2 = grad.reshape(Bt * M, N)
+    if backend == "triton":
+        from .gemm import triton_gemm
+
+        return triton_gemm(a2.t(), g2, out_dtype=torch.float32)
+    return chain_matmul(a2.t(), g2)
+
+
+class BmmFunction(torch.autograd.Function):
+    """C = A @ B per batch element; the backward runs the same kernels."""
+
+    @staticmethod
+    def forward(ctx, a, b, out_dtype, backend):  # type: ignore[override]
+        ctx.save_for_backward(a, b)
+        ctx.backend = backend
+        return _compute(a, b, out_dtype, backend)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        backend = ctx.backend
+        dc = grad_out.to(a.dtype)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dA_i = dC_i @ B_i^T: another bmm of tiny elements (k x n transposed view).
+            grad_a = _compute(dc, b.transpose(-1, -2), a.dtype, backend)
+        if ctx.needs_input_grad[1]:
+            if b.dim() == 2:
+                if a.shape[0] == 0 or a.shape[1] == 0:
+                    grad_b = torch.zeros_like(b)
+                else:
+                    grad_b = _reduce_shared_b_grad(a, dc, backend).to(b.dtype)
+            else:
+                grad_b = _compute(a.transpose(-1, -2), dc, b.dtype, backend)
+        return grad_a, grad_b, None, None
+
+
+def validate_bmm(a: Any, b: Any) -> None:
+    """Raise ValueError/TypeError naming ``bmm`` on anything the kernels can't take."""
+    V.require_tensor(OP, "a", a)
+    V.require_tensor(OP, "b", b)
+    V.require_float(OP, "a", a)
+    V.require_float(OP, "b", b)
+    V.require_ndim(OP, "a", a, 3, 3)
+    V.require_ndim(OP, "b", b, 2, 3)
+    V.require_same_device(OP, a=a, b=b)
+    V.require_same_dtype(OP, a=a, b=b)
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"rlkernels.{OP}: inner dimensions differ: a {tuple(a.shape)} has k={a.shape[-1]}, "
+                         f"b {tuple(b.shape)} has k={b.shape[-2]}")
+    if b.dim() == 3 and b.shape[0] != a.shape[0]:
+        raise ValueError(f"rlkernels.{OP}: batch sizes differ: a {tuple(a.shape)}, b {tuple(b.shape)} "
+                         f"(a shared b must be 2-D [k, n])")
+
+
+def _run(a: Any, b: Any, out_dtype: torch.dtype | None, backend: str | None) -> torch.Tensor:
+    from .matmul import _autocast
+
+    V.require_tensor(OP, "a", a)
+    V.require_tensor(OP, "b", b)
+    if a.is_floating_point() and b.is_floating_point():
+        a, b = _autocast(a, b)
+    validate_bmm(a, b)
+    name, _ = select_backend(OP, a.device, backend)
+    if name == "triton" and a.dtype == torch.float64:
+        raise ValueError(f"rlkernels.{OP}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
+    return BmmFunction.apply(a, b, out_dtype or a.dtype, name)
+
+
+class _BmmBase(OpImpl):
+    op_class = "gemm"
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a [B, m, k] @ b [B, k, n] or [k, n] -> [B, m, n] in a.dtype."""
+        return _run(a, b, None, self.backend)
+
+    def forward_fp32(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The same chain with the fp32 accumulator kept (fp64 for fp64 inputs)."""
+        return _run(a, b, accumulator_dtype(a.dtype), self.backend)
+
+    def invariance_case(self, device: torch.device, dtype: torch.dtype,
+                        generator: torch.Generator) -> tuple[Callable[[torch.Tensor], Any], torch.Tensor]:
+        a = torch.randn(37, 12, 64, generator=generator).to(device=device, dtype=dtype)
+        b = (torch.randn(64, 12, generator=generator) / 8.0).to(device=device, dtype=dtype)
+        return (lambda rows: self.forward(rows, b)), a
+
+
+@register(OP, "triton")
+class BmmTriton(_BmmBase):
+    pass
+
+
+@register(OP, "torch")
+class BmmTorch(_BmmBase):
+    pass
+
+
+@torch.compiler.disable
+def bmm(a: torch.Tensor, b: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant batched matmul.
+
+    a: [B, m, k]; b: [B, k, n], or [k, n] shared by every element; bf16/fp16/fp32
+    (fp64 on the torch backend), one dtype and device, any strides. Returns
+    [B, m, n] in a.dtype: each element's fp32 ascending-k chain rounded once,
+    a function of that element's operands alone. Differentiable in a and b.
+    """
+    return _run(a, b, None, backend)
