@@ -36,6 +36,7 @@ from .batch_invariant import set_batch_invariant_mode
 from .hf import hidden_states, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
 
 DEFAULT_SEQS = 8
+LAST_REPORT: dict = {}  # the JSON payload of the latest run(), for callers that write their own report
 SEED = 1234
 WAYS = ("single", "padded", "chunked", "shuffled")
 WAY_LABELS = {"single": "(a) one at a time", "padded": "(b) padded batch",
@@ -329,15 +330,17 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
     ok = results[-1].equal_all == results[-1].tokens
     console.print(f"rlkernels: {'[green]all tokens bitwise equal[/]' if ok else '[red]MISMATCH[/]'} across "
                   f"one-at-a-time, padded, chunked-prefill and shuffled batches.")
+    import transformers
+    payload = {
+        "ok": ok, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+        "dtype": str(dt)[6:], "model": what, "seqs": n, "lengths": [len(s) for s in sequences],
+        "stock_attention": stock_attn, "micro_batch": micro_batch,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "results": [r.as_dict() for r in results],
+    }
+    LAST_REPORT.clear()
+    LAST_REPORT.update(payload)
     if json_path:
-        import transformers
-        payload = {
-            "ok": ok, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
-            "dtype": str(dt)[6:], "model": what, "seqs": n, "lengths": [len(s) for s in sequences],
-            "stock_attention": stock_attn, "micro_batch": micro_batch,
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-            "results": [r.as_dict() for r in results],
-        }
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=2)
     return ok
