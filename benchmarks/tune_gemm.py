@@ -28,11 +28,22 @@ CANDIDATES_16 = [
 ]
 CANDIDATES_32 = [C(16, 64, 32, 1, 4, 3), C(32, 64, 32, 4, 4, 3), C(64, 64, 32, 8, 4, 3), C(64, 128, 32, 8, 8, 3),
                  C(128, 128, 32, 8, 8, 3), C(128, 64, 32, 8, 4, 3), C(64, 64, 16, 8, 4, 4)]
+# --decode: more small-M candidates (more programs in flight per SM; no split-K is
+# allowed, so parallelism at decode comes only from N / BLOCK_N).
+CANDIDATES_DECODE = [
+    C(16, 16, 256, 1, 2, 6), C(16, 16, 512, 1, 4, 4), C(16, 16, 256, 1, 4, 6), C(16, 32, 256, 1, 2, 6),
+    C(16, 32, 256, 1, 4, 6), C(16, 32, 256, 1, 8, 5), C(16, 64, 256, 1, 8, 4), C(16, 32, 512, 1, 8, 4),
+    C(16, 64, 128, 1, 4, 6), C(16, 32, 256, 1, 4, 5), C(16, 64, 256, 1, 4, 4), C(32, 32, 256, 4, 4, 4),
+    C(32, 64, 256, 4, 4, 3), C(64, 64, 128, 8, 4, 4), C(64, 128, 128, 8, 4, 3), C(32, 32, 128, 4, 4, 5),
+]
 SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
+MS_DECODE = [1, 4, 16, 24, 32, 48, 64, 96]
 
 
 def plausible(cfg: GemmConfig, m: int) -> bool:
+    if m <= 16 and cfg.block_m == 16:
+        return True
     if m <= 16:
         return cfg.block_m <= 32
     if m <= 64:
@@ -46,7 +57,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--decode", action="store_true", help="small-M candidates and M values only")
     args = p.parse_args()
+    global CANDIDATES_16, MS
+    if args.decode:
+        CANDIDATES_16, MS = CANDIDATES_DECODE, MS_DECODE
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     shapes = SHAPES[:2] if args.quick else SHAPES
@@ -75,10 +90,18 @@ def main() -> None:
             best = min(ok, key=ok.get) if ok else None
             row["best"], row["best_ms"] = best, ok.get(best)
             rows.append(row)
+            if args.decode:
+                top = sorted((v["ms"], c) for c, v in row["triton"].items() if v.get("same_bits"))[:3]
+                print("   top:", [(c, round(t * 1e3, 1)) for t, c in top])
             print(f"K={k:6d} N={n:6d} M={m:6d} stock {row['stock_ms']*1e3:9.1f}us lt {row['cublaslt_ms']*1e3:9.1f}us "
                   f"best {best} {row['best_ms']*1e3 if best else float('nan'):9.1f}us "
                   f"ratio {row['best_ms']/row['stock_ms'] if best else float('nan'):.3f} "
                   f"mismatch {[c for c, v in row['triton'].items() if v.get('same_bits') is False]}", flush=True)
+    if args.decode:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": environment(), "bf16": rows}, f, indent=1)
+        return
     fp32 = []
     k, n = 4096, 4096
     w = (torch.randn(n, k, device="cuda") / k ** 0.5)

@@ -63,7 +63,7 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
     (256, 0, GemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
     (1 << 62, 0, GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3)),
 )
-# dW = dY^T @ X (A read transposed, fp32 accumulator in C): its own best tile.
+# dW = dY^T @ X (A read transposed, reduction over tokens): its own best tile.
 GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
 GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     (16, 0, GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
@@ -84,11 +84,14 @@ def gemm_table(dtype: torch.dtype) -> tuple[tuple[int, int, GemmConfig], ...]:
     return GEMM_TABLE_FP32 if dtype == torch.float32 else GEMM_TABLE_16BIT
 
 
-def gemm_config(m: int, n: int, dtype: torch.dtype, accumulate: bool = False) -> GemmConfig:
-    """The tile config the table assigns to an [m, K] x [K, n] problem."""
+def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = False) -> GemmConfig:
+    """The tile config the table assigns to an [m, K] x [K, n] problem.
+
+    ``token_reduction``: A is read transposed (dW = dY^T @ X), which has its own tile.
+    """
     if triton_interpret():
         return GEMM_INTERPRETER_CONFIG
-    if accumulate and dtype != torch.float32 and m > 256:
+    if token_reduction and dtype != torch.float32 and m > 256:
         return GEMM_ACCUMULATE_16BIT
     for m_max, n_min, cfg in gemm_table(dtype):
         if m <= m_max and n >= n_min:
@@ -223,7 +226,7 @@ def triton_gemm(
             if bias is not None:
                 out += bias
         return out
-    cfg = config or gemm_config(M, N, a.dtype, accumulate)
+    cfg = config or gemm_config(M, N, a.dtype, token_reduction=a3.stride(1) == 1 and a3.stride(2) != 1)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), Bt)
     _gemm_kernel[grid](
         a3, b, out3, bias if bias is not None else out3, rowsum if rowsum is not None else out3,

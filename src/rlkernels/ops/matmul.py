@@ -87,8 +87,11 @@ class TritonEngine:
              accumulate: bool = False, rowsum: torch.Tensor | None = None) -> torch.Tensor:
         from .gemm import triton_gemm
 
+        # cuBLASLt only for activation-major A. A transposed A is a reduction over
+        # tokens (dW): it stays on the Triton chain, whose TOKEN_BLOCK continuation is
+        # proven, and needs no cuBLASLt probe per token count.
         plain = (out is None and not accumulate and rowsum is None and a.dim() == 2 and b.dim() == 2
-                 and out_dtype in (None, a.dtype) and a.shape[0] > 0 and a.shape[1] > 0)
+                 and a.stride(-1) == 1 and out_dtype in (None, a.dtype) and a.shape[0] > 0 and a.shape[1] > 0)
         if plain and self.use_cublaslt(a, b, bias):
             from .cublaslt import cublaslt_linear
             return cublaslt_linear(a, b.t(), bias)
@@ -153,12 +156,13 @@ class GemmFunction(torch.autograd.Function):
             if need_b and b_main is not None and not b_main.is_contiguous():
                 raise ValueError("rlkernels.linear: bias.main_grad must be contiguous")
             rowsum = (b_main if b_main is not None else torch.zeros(N, dtype=acc_dt, device=dy.device)) if need_b else None
-            if need_w:
-                dw = (w_main if weight_nk else w_main.t()) if w_main is not None else torch.zeros(N, K, dtype=acc_dt, device=dy.device)
-                # dW = dY^T @ X: the reduction runs over tokens, ascending, from the current accumulator.
-                engine.gemm(dy.t(), x2, out=dw, accumulate=True, rowsum=rowsum)
-                if w_main is None:
-                    grad_w = (dw if weight_nk else dw.t()).to(weight.dtype)
+            if need_w and w_main is not None:
+                # dW = dY^T @ X: the reduction runs over tokens, ascending, continuing main_grad's chain.
+                engine.gemm(dy.t(), x2, out=w_main if weight_nk else w_main.t(), accumulate=True, rowsum=rowsum)
+            elif need_w:
+                # The same fp32 chain from zero, rounded once to the parameter dtype at the store.
+                dw = engine.gemm(dy.t(), x2, out_dtype=weight.dtype, rowsum=rowsum)
+                grad_w = dw if weight_nk else dw.t()
             else:
                 # dbias alone: the same fused row-sum chain, against a one-column B.
                 engine.gemm(dy.t(), x2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
