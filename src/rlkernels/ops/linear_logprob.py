@@ -335,6 +335,9 @@ if triton is not None:
                              stride_hn, stride_hd, stride_wv, stride_wd,
                              HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, BLOCK_M, BLOCK_V, BLOCK_K)
             col_ok = offs_v < V
+            # At most one column matches: the sum is that logit exactly. Taken first so
+            # z's registers can be reused by the statistics below.
+            zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
             z = tl.where(col_ok[None, :], z, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(z, axis=1))
             d = z - m_new[:, None]
@@ -346,8 +349,6 @@ if triton is not None:
             u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
             s_i = alpha * s_i + tl.sum(e, axis=1)
             m_i = m_new
-            # At most one column matches: the sum is that logit exactly.
-            zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
         part = pid_s.to(tl.int64) * N + offs_m
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(s_ptr + part, s_i, mask=row_ok)
