@@ -1,6 +1,7 @@
 """Benchmark: fused lm-head log-prob (+ entropy) vs materialized logits and peers.
 
-    python -m rlkernels.bench logprob [--quick] [--json PATH] [--no-peers] [--config BM,BV,BK,SPLIT,GROUP,WARPS,STAGES]
+    python -m rlkernels.bench logprob [--quick] [--json PATH] [--no-peers] [--temperature T]
+        [--shape N,D,V ...] [--config BM,BV,BK,SPLIT,GROUP,WARPS,STAGES]
 
 bf16 inputs, per-token random upstream gradients on logp (and entropy for
 rlkernels / naive torch). Columns: forward ms, forward+backward ms (grads of hidden
@@ -28,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None,
                         help="try another fused tile config: BM,BV,BK,SPLIT_V,GROUP_M,WARPS,STAGES (bits change)")
     parser.add_argument("--shape", action="append", default=None, help="N,D,V (repeatable)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="T != 1 adds a correctly rounded division per logit (rlkernels and naive torch)")
 
 
 def _free() -> None:
@@ -124,6 +127,9 @@ def _cce_case(h, w, t, gl):
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..ops import linear_logprob as L
+
+    global TEMPERATURE
+    TEMPERATURE = float(getattr(args, "temperature", 1.0) or 1.0)
 
     if getattr(args, "config", None):
         a = [int(x) for x in args.config.split(",")]
