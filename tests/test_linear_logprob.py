@@ -276,20 +276,24 @@ def test_main_grad_chains_like_one_batch(gen):
     assert rel_error(one, _ref_grads(h, w, b, t, gl, None)[1]) <= LINEAR_LOGPROB_GRAD_REL[F32]
 
 
-def test_backward_chunk_size_does_not_change_bits(gen, monkeypatch):
-    """The dH chain is split at backward V chunks; the split point must not matter."""
+@pytest.mark.parametrize("backend,dtype", _cases((F32,)))
+def test_backward_chunk_size_does_not_change_bits(backend, dtype, gen, monkeypatch):
+    """The dH chain is split at backward V chunks; the split points must not change any bit."""
     import rlkernels.ops.linear_logprob as mod
 
-    h, w, b, t = _data(9, 16, 600, F32, gen)
-    gl, ge = torch.randn(9, generator=gen), torch.randn(9, generator=gen)
-    base = _grads(h, w, b, t, "torch", gl, ge)
-    monkeypatch.setattr(mod, "backward_chunk", lambda n, v, s: 256)
-    assert all(torch.equal(x, y) for x, y in zip(base, _grads(h, w, b, t, "torch", gl, ge)))
+    n, v = (5, 150) if _is_triton(backend) else (9, 600)
+    h, w, b, t = _data(n, 16, v, dtype, gen)
+    gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    base = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)  # one chunk
+    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: 64)
+    chunked = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)  # partial last chunk too
+    for name, x, y in zip(("dhidden", "dweight", "dbias"), base, chunked):
+        assert torch.equal(x, y), name
 
 
 def test_backward_chunk_rule():
     assert backward_chunk(8192, 151936, 2) == 4096
-    assert backward_chunk(32768, 151936, 2) == 2048
+    assert backward_chunk(32768, 151936, 2) == 4096
     assert backward_chunk(1024, 151936, 2) == 32768
     assert all(backward_chunk(n, 151936, 2) % 256 == 0 for n in (1, 7, 100, 5000, 1 << 20))
 
@@ -452,6 +456,25 @@ def test_gpu_dhidden_invariance_and_determinism():
     assert_deterministic(all_grads, rows, runs=3)
     assert_batch_invariant(lambda r: all_grads(r)[0], rows, sizes=[1, 17, 300, n - 1])
     assert_order_invariant(lambda r: all_grads(r)[0], rows)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_chunking_bitwise(monkeypatch):
+    """Backward V chunks (multiples of 256, partial last chunk) give the one-chunk bits."""
+    import rlkernels.ops.linear_logprob as mod
+
+    n, d, v = 1000, 4096, 32000
+    h, w, b, t = _cuda_data(n, d, v, BF16, seed=8, bias=True)
+    g = torch.Generator().manual_seed(9)
+    gl, ge = torch.randn(n, generator=g).cuda(), torch.randn(n, generator=g).cuda()
+    base = _grads(h, w, b, t, "triton", gl, ge, temperature=TEMP)
+    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: 768)
+    chunked = _grads(h, w, b, t, "triton", gl, ge, temperature=TEMP)
+    for name, x, y in zip(("dhidden", "dweight", "dbias"), base, chunked):
+        assert torch.equal(x, y), name
+    want = _ref_grads(h, w, b, t, gl, ge, temperature=TEMP)
+    for name, x, r in zip(("dhidden", "dweight", "dbias"), chunked, want):
+        assert rel_error(x, r) <= LINEAR_LOGPROB_GRAD_REL[BF16], name
 
 
 @pytest.mark.gpu

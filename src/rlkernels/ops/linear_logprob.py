@@ -65,7 +65,7 @@ TORCH_ROW_CHUNK = 128
 # 256 (a multiple of every K step of the GEMM engines), which leaves its bits unchanged.
 BWD_CHUNK_BYTES = 64 << 20
 BWD_CHUNK_ALIGN = 256
-BWD_MIN_CHUNK = 2048
+BWD_MIN_CHUNK = 4096  # below this the fp32 dH read+write per chunk costs more than the GEMM saves
 BWD_MAX_CHUNK = 32768
 
 
