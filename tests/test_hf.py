@@ -142,8 +142,9 @@ def test_backward_bitwise_under_mode():
 
 def test_model_check_run_cpu(tmp_path, capsys):
     out = tmp_path / "check.json"
+    threads = torch.get_num_threads()
     ok = model_check.run("cpu", None, 4, None, str(out))
-    assert ok is True
+    assert ok is True and torch.get_num_threads() == threads
     data = json.loads(out.read_text())
     assert data["ok"] and data["dtype"] == "float32"
     ours = [r for r in data["results"] if r["implementation"] == "rlkernels"][0]

@@ -293,8 +293,15 @@ def _table(results: list[ImplResult], title: str):
 def run(device: str | None = None, dtype: str | None = None, seqs: int | None = None,
         model_path: str | None = None, json_path: str | None = None, *,
         min_len: int | None = None, max_len: int | None = None, micro_batch: int = 3,
-        config_overrides: dict | None = None, console=None) -> bool:
-    """Run the check, print the table; True if rlkernels' four answers are bitwise equal for every token."""
+        config_overrides: dict | None = None, console=None, cpu_threads: int | None = 1) -> bool:
+    """Run the check, print the table; True if rlkernels' four answers are bitwise equal for every token.
+
+    ``cpu_threads``: torch intra-op threads while scoring on the CPU (restored after;
+    None leaves torch's setting). 1 by default: the tiny model's ops are too small to
+    gain from threads, and on a busy 2-core machine OpenMP's spinning made the check
+    5-10x slower. Stock PyTorch still shows mismatches single-threaded (its kernels
+    pick blocking from the shape); rlkernels' bits do not depend on threads.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -314,18 +321,25 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
     scorers = [StockScorer(stock_model), RlkernelsScorer(ours)]
     per_impl = 3 * n + n  # single + chunked (one step per sequence), padded + shuffled (n each)
 
+    prev_threads = torch.get_num_threads()
+    if dev.type == "cpu" and cpu_threads:
+        torch.set_num_threads(cpu_threads)
+    threads = torch.get_num_threads()
     results: list[ImplResult] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=False) as progress:
-        for scorer in scorers:
-            task = progress.add_task(f"{scorer.name:>14}", total=per_impl)
-            ways, secs = score_four_ways(scorer, sequences, dev, micro_batch=micro_batch, seed=SEED,
-                                         advance=lambda k, t=task: progress.advance(t, k))
-            results.append(compare(scorer.name, ways, secs))
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console, transient=False) as progress:
+            for scorer in scorers:
+                task = progress.add_task(f"{scorer.name:>14}", total=per_impl)
+                ways, secs = score_four_ways(scorer, sequences, dev, micro_batch=micro_batch, seed=SEED,
+                                             advance=lambda k, t=task: progress.advance(t, k))
+                results.append(compare(scorer.name, ways, secs))
+    finally:
+        torch.set_num_threads(prev_threads)
 
     what = model_path or f"tiny random Qwen3 ({tiny_config_path().rsplit('/', 1)[-1]}, seed {SEED})"
     title = (f"per-token log-prob invariance\n{what}\n{n} sequences ({sum(len(s) - 1 for s in sequences)} scored tokens), "
-             f"lengths {lo}..{hi}, {dev.type} {str(dt)[6:]}\nattention: stock {stock_attn}, rlkernels eager")
+             f"lengths {lo}..{hi}, {dev.type}{f' ({threads} thread(s))' if dev.type == 'cpu' else ''} {str(dt)[6:]}\nattention: stock {stock_attn}, rlkernels eager")
     console.print(_table(results, title))
     ok = results[-1].equal_all == results[-1].tokens
     console.print(f"rlkernels: {'[green]all tokens bitwise equal[/]' if ok else '[red]MISMATCH[/]'} across "
@@ -335,6 +349,7 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
         "ok": ok, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
         "dtype": str(dt)[6:], "model": what, "seqs": n, "lengths": [len(s) for s in sequences],
         "stock_attention": stock_attn, "micro_batch": micro_batch,
+        "cpu_threads": threads if dev.type == "cpu" else None,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "results": [r.as_dict() for r in results],
     }
