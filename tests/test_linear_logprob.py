@@ -217,6 +217,8 @@ def test_backward_accuracy(backend, dtype, which, gen):
 
 @pytest.mark.parametrize("backend,dtype", _cases((F32, F16)))
 def test_backward_deterministic_and_dhidden_invariant(backend, dtype, gen):
+    if _is_triton(backend) and dtype != F32:
+        pytest.skip("interpreter time: fp16 kernel logic is covered by the accuracy tests")
     n, d, v = (9, 40, 100) if _is_triton(backend) else (33, 40, 257)
     h, w, b, t = _data(n, d, v, dtype, gen)
     gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
