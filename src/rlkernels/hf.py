@@ -40,13 +40,17 @@ def _is_rms_norm(module: nn.Module) -> bool:
 def patch_model(model: nn.Module, *, attn_implementation: str | None = "eager") -> nn.Module:
     """Make an HF causal LM's Linear and RMSNorm layers batch-invariant, in place; returns ``model``.
 
+    Only modules whose type is exactly ``nn.Linear`` are swapped (quantized, LoRA or
+    tensor-parallel subclasses are left alone and are not covered).
+
     Parameters are shared, never copied (tied embeddings stay tied; optimizer state
     keeps pointing at the same tensors). ``attn_implementation`` ("eager" by
     default, the invariant one; None leaves it unchanged) is set on the model.
     """
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and not isinstance(child, Linear):
+            # Exact type: subclasses (quantized / LoRA / parallel linears) compute something else.
+            if type(child) is nn.Linear:
                 setattr(parent, name, Linear.from_torch(child))
             elif _is_rms_norm(child):
                 setattr(parent, name, RMSNorm.from_module(child))
