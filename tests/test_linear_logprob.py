@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlkernels.ops.linear_logprob import (
-    FUSED_16BIT, LinearLogprobFunction, TorchKernels, TritonKernels, backward_chunk, linear_logprob,
+    FUSED_16BIT, TorchKernels, TritonKernels, backward_chunk, linear_logprob,
 )
 from rlkernels.reference import linear_logprob_ref
 from rlkernels.registry import get_op, registered_ops, triton_interpret
