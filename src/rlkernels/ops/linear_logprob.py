@@ -65,12 +65,14 @@ TORCH_ROW_CHUNK = 128
 # 256 (a multiple of every K step of the GEMM engines), which leaves its bits unchanged.
 BWD_CHUNK_BYTES = 64 << 20
 BWD_CHUNK_ALIGN = 256
-BWD_MIN_CHUNK = 4096  # below this the fp32 dH read+write per chunk costs more than the GEMM saves
+# Each chunk re-reads and re-writes the fp32 dH accumulator (N*D*8 bytes): keep chunks
+# wide even at large N, where that traffic would rival the dH GEMM (estimate, not tuned).
+BWD_MIN_CHUNK = 4096
 BWD_MAX_CHUNK = 32768
 
 
 def backward_chunk(n_rows: int, vocab: int, elem_size: int) -> int:
-    """Columns per backward V chunk (a multiple of 256, or all of V when V is smaller)."""
+    """Columns per backward V chunk: a multiple of 256 (the caller clamps it to V)."""
     cv = BWD_CHUNK_BYTES // max(1, n_rows * elem_size)
     return max(BWD_MIN_CHUNK, min(BWD_MAX_CHUNK, cv)) // BWD_CHUNK_ALIGN * BWD_CHUNK_ALIGN
 
