@@ -5,8 +5,13 @@ padding, row position, run and process -- on every backend.
 """
 from __future__ import annotations
 
-from .ops.matmul import TOKEN_BLOCK, linear, matmul
+from .batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
+from .hf import patch_model, token_logprobs
 from .nn import Linear
+from .ops.bmm import bmm
+from .ops.linear_logprob import linear_logprob
+from .ops.matmul import TOKEN_BLOCK, linear, matmul
+from .ops.norms import RMSNorm, log_softmax, rms_norm, softmax
 from .registry import BackendUnavailableError, get_op, registered_ops, select_backend
 
 __version__ = "0.1.0"
@@ -15,9 +20,19 @@ __all__ = [
     "TOKEN_BLOCK",
     "BackendUnavailableError",
     "Linear",
+    "RMSNorm",
+    "bmm",
     "get_op",
+    "is_batch_invariant_mode_enabled",
     "linear",
+    "linear_logprob",
+    "log_softmax",
     "matmul",
+    "patch_model",
     "registered_ops",
+    "rms_norm",
     "select_backend",
+    "set_batch_invariant_mode",
+    "softmax",
+    "token_logprobs",
 ]

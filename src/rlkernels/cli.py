@@ -115,6 +115,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
             model_ok = model_check.run(device=str(device), dtype=args.dtype, seqs=args.seqs,
                                        model_path=args.model, json_path=None, console=console)
             report["model_ok"] = model_ok
+            report["model"] = getattr(model_check, "LAST_REPORT", None)
             ok &= model_ok
     report["ok"] = ok
     if args.json:

@@ -88,8 +88,16 @@ def cublaslt_verified(device: torch.device, dtype: torch.dtype, k: int, has_bias
 
 
 def _probe(device: torch.device, dtype: torch.dtype, k: int, has_bias: bool) -> bool:
+    from ..batch_invariant import set_batch_invariant_mode
     from .gemm import triton_gemm
 
+    # Inside the batch-invariant mode F.linear itself routes to Triton, and the
+    # probe would compare Triton with Triton: always probe the real cuBLASLt.
+    with set_batch_invariant_mode(False):
+        return _probe_bits(device, dtype, k, has_bias, triton_gemm)
+
+
+def _probe_bits(device: torch.device, dtype: torch.dtype, k: int, has_bias: bool, triton_gemm) -> bool:
     gen = torch.Generator(device=device).manual_seed(1234 + k)
     w = torch.randn(PROBE_N, k, device=device, generator=gen).to(dtype)
     bias = torch.randn(PROBE_N, device=device, generator=gen).to(dtype) if has_bias else None

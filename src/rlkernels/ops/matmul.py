@@ -70,8 +70,11 @@ class TritonEngine:
     def use_cublaslt(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
         from .cublaslt import cublaslt_available, cublaslt_verified
 
+        from ..batch_invariant import is_batch_invariant_mode_enabled
+
         mode = gemm_backend_mode()
-        if mode == "triton":
+        # In the mode F.linear is itself overridden (to Triton): no detour through it.
+        if mode == "triton" or is_batch_invariant_mode_enabled():
             return False
         ok = cublaslt_available(a.device, a.dtype)
         if mode == "cublaslt":
