@@ -2,7 +2,8 @@
 # One device call verifies everything: offline setup, the gpu-marked tests, the
 # benchmarks; logs and JSON land in $OUT. Usage (repo root, on the GPU machine):
 #   bash benchmarks/gpu_suite.sh [tests] [bench] [tune] [check]      (default: tests bench check)
-# Extra pytest arguments: GPU_PYTEST_ARGS="-k matmul". Peers and other wheels the
+# Test selection: GPU_TESTS="tests/test_matmul_gpu.py ..." (default: tests); extra pytest
+# arguments: GPU_PYTEST_ARGS="-k matmul"; extra bench arguments: GPU_BENCH_ARGS. Peers and other wheels the
 # GPU machine lacks are taken from .whl/ when present (../shared/peers/fetch_wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,11 +21,13 @@ status=0
 for stage in ${*:-tests bench check}; do
   echo "=== $stage"
   case "$stage" in
-    tests) python3 -m pytest -m gpu tests -q -p no:cacheprovider -o addopts="" ${GPU_PYTEST_ARGS:-} \
+    tests) python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -p no:cacheprovider -o addopts="" ${GPU_PYTEST_ARGS:-} \
              --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
-    bench) python3 -m rlkernels.bench all --json "$OUT/bench" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    bench) mkdir -p "$OUT/bench"; python3 -m rlkernels.bench ${GPU_BENCH:-all} --json "$OUT/bench" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    decode) python3 benchmarks/tune_gemm.py --decode --json "$OUT/tune_decode.json" 2>&1 | tee "$OUT/tune_decode.log" || status=1 ;;
+    contract) python3 benchmarks/measure_contract.py --device cuda --trials 10 --json "$OUT/contract_gpu.json" 2>&1 | tail -40 || status=1 ;;
     tune)  python3 benchmarks/tune_gemm.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
-    check) python3 -m rlkernels.cli check --json "$OUT/check.json" 2>&1 | tail -30 || status=1 ;;
+    check) python3 -m rlkernels.cli check --json "$OUT/check.json" 2>&1 | tail -40 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
