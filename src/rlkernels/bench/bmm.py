@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="time every candidate tiny config and print table lines for ops/bmm.py")
     parser.add_argument("--replays", type=int, default=200, help="kernel calls per CUDA graph")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated indices into SHAPES (e.g. 0,2) to split a long --sweep")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtype names")
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype) -> list[Any]:
@@ -49,8 +52,10 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype) -> list[Any]:
                 cfg = TinyConfig(group, warps, use_dot)
                 bm, bn, bk = tiny_blocks(m, n, k, cfg)
                 staged = group * max(bm * bk, bk * bn, bm * bn)
-                # Skip configs that cannot fit in registers or leave most threads idle.
-                if staged > 16384 or staged < 32 * warps:
+                # Skip configs that spill (> 64 staged elements of one operand per
+                # thread; such kernels also take ptxas minutes to compile) or
+                # leave most threads idle.
+                if staged > 64 * 32 * warps or staged < 32 * warps:
                     continue
                 out.append(cfg)
     table = tiny_config(m, n, k, dtype)
@@ -112,11 +117,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     replays = getattr(args, "replays", 200)
     copy_gbs = copy_bandwidth_gbs()
     shapes = SHAPES[:2] if args.quick else SHAPES
+    if getattr(args, "shapes", None):
+        shapes = tuple(SHAPES[int(i)] for i in args.shapes.split(","))
+    dtypes = tuple(getattr(torch, name.strip()) for name in getattr(args, "dtypes", "float32,bfloat16").split(","))
     rows: list[dict[str, Any]] = []
     sweeps: dict[str, Any] = {}
     table_lines: list[str] = []
     for (B, m, n, k) in shapes:
-        for dtype in DTYPES:
+        for dtype in dtypes:
             a, b = _operands(B, m, n, k, dtype)
             with torch.no_grad():
                 ours = bmm(a, b)
