@@ -17,6 +17,9 @@ from .conftest import cpu_backend_cases, randn
 # "bmm" entry; measured worst cases are in docs/operators/bmm.md.
 TOL = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float64: 1e-13}
 GRAD_TOL = {torch.float32: 4e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-13}
+# dB of a shared b is one sequential fp32 chain over B*m terms (65536 at the GPU
+# benchmark shapes): its fp32 error grows like sqrt(B*m) (measured 2.3e-6 at 16384).
+SHARED_DB_TOL = {**GRAD_TOL, torch.float32: 3e-5}
 
 # (B, m, n, k): the benchmark shapes, at the benchmark B (GPU) and at small B (CPU).
 BENCH_SHAPES = [(1024, 12, 12, 64), (1024, 12, 64, 12), (4096, 16, 16, 16), (256, 64, 64, 64), (8192, 8, 8, 32)]
@@ -240,9 +243,10 @@ def test_autograd_vs_fp64(backend, dtype, shared_b, m, n, k, gen):
     out.backward(grad)
     ga, gb = _grads_ref(a, b, grad)
     assert a.grad.dtype == dtype and b.grad.dtype == dtype and b.grad.shape == b.shape
-    for got, want, what in ((a.grad, ga, "dA"), (b.grad, gb, "dB")):
+    db_tol = SHARED_DB_TOL if shared_b else GRAD_TOL
+    for got, want, what, tol in ((a.grad, ga, "dA", GRAD_TOL), (b.grad, gb, "dB", db_tol)):
         err = testing.rel_error(got, want)
-        assert err <= GRAD_TOL[dtype], f"{what} rel error {err:.3e}"
+        assert err <= tol[dtype], f"{what} rel error {err:.3e}"
     # per-element gradients are batch-invariant too (dA always; dB for a batched b)
     a2 = a.detach()[:2].clone().requires_grad_()
     b2 = (b.detach() if shared_b else b.detach()[:2]).clone().requires_grad_()
@@ -366,5 +370,7 @@ def test_gpu_autograd(dtype, shape, gen):
         grad = randn(*out.shape, dtype=dtype, generator=gen, device="cuda")
         out.backward(grad)
         ga, gb = _grads_ref(a, b, grad)
-        for got, want in ((a.grad, ga), (b.grad, gb)):
-            assert testing.rel_error(got, want) <= GRAD_TOL[dtype]
+        db_tol = SHARED_DB_TOL if shared_b else GRAD_TOL
+        for got, want, what, tol in ((a.grad, ga, "dA", GRAD_TOL), (b.grad, gb, "dB", db_tol)):
+            err = testing.rel_error(got, want)
+            assert err <= tol[dtype], f"{what} ({'shared' if shared_b else 'batched'} b) rel error {err:.3e}"

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .common import environment, graph_median_us, median_ms, print_table, write_json
+from .common import graph_median_us, median_ms, print_table, write_json
 
 SHAPES: tuple[tuple[int, int, int, int], ...] = (  # (B, m, n, k)
     (1024, 12, 12, 64),
@@ -159,5 +159,5 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print("Suggested TINY_TABLE entries (fastest config with the table's bits):")
         print("\n".join(table_lines))
     write_json(args.json, "bmm", rows, {"copy_bandwidth_gbs": copy_gbs, "sweeps": sweeps,
-                                        "suggested_table": table_lines, "env": environment()})
+                                        "suggested_table": table_lines})
     return rows
