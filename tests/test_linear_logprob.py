@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlkernels import contract
 from rlkernels.ops.linear_logprob import (
     FUSED_16BIT, TorchKernels, TritonKernels, backward_chunk, linear_logprob,
 )
@@ -26,11 +27,11 @@ F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat1
 # Tolerances, named like the contract table (rlkernels.contract) until they move there.
 # Forward: max |logp - ref| and max |entropy - ref| (abs). The reference runs on the
 # same (already rounded) inputs, so 16-bit inputs only add the fp32 D-chain error.
-LINEAR_LOGPROB_ABS = {F64: 1e-10, F32: 1e-4, F16: 1e-4, BF16: 1e-4}
+LINEAR_LOGPROB_ABS = {dt: t.tolerance for dt, t in contract.CONTRACT["linear_logprob"].items()}
 # Backward: rel_error of dhidden/dweight/dbias vs float64 autograd of the reference.
 # g = dL/dlogits is rounded to the input dtype before the two GEMMs: 16-bit grads
 # carry that rounding (unit roundoff 4.9e-4 fp16, 3.9e-3 bf16).
-LINEAR_LOGPROB_GRAD_REL = {F64: 1e-10, F32: 1e-5, F16: 2e-3, BF16: 1.6e-2}
+LINEAR_LOGPROB_GRAD_REL = {dt: t.tolerance for dt, t in contract.CONTRACT["linear_logprob_grad"].items()}
 
 TEMP = 0.7
 

@@ -14,7 +14,8 @@ invariance only needs the per-row sum to have a fixed order:
   still R-only and invariant to trailing zeros.
 * ``triton`` backend (CUDA, or CPU under ``TRITON_INTERPRET=1``): one program per
   row, a fp32 accumulator vector of fixed width :data:`ROW_BLOCK` stepped over the
-  row's tiles in ascending order, then one fixed-shape ``tl.sum``. Trailing zeros
+  row's tiles in ascending order, then a fixed pairwise tree over lane indices
+  (layout-independent, unlike ``tl.sum``). Trailing zeros
   (masked keys, right padding, a longer KV length) land in extra tiles or masked
   lanes and add exactly 0; *leading* zeros shift lanes, so left padding is not
   bit-invariant here (nor in the tensor-core P@V).
@@ -39,12 +40,30 @@ except Exception:  # pragma: no cover - triton is a hard dependency on Linux
     triton = None
     tl = None
 
-ROW_BLOCK = 1024  # Triton tile width of the per-row sum (fixed: the order must not depend on R's size class)
+ROW_BLOCK = 1024  # must match _pairwise_sum_1024; Triton tile width of the per-row sum (fixed: the order must not depend on R's size class)
 COL_BLOCK = 128   # Triton column block of the dW row loop (any width gives the same bits)
 CHAIN_MAX = 16384  # torch backend: sequential chain up to this row length
 LANES = 1024       # torch backend: lane count of the long-row sum
 
 if triton is not None:
+
+    @triton.jit
+    def _pairwise_sum_1024(x):
+        # A fixed pairwise tree over lane *indices*: each level adds x[2i] + x[2i+1].
+        # tl.sum's own tree follows the register layout, which Triton derives from how
+        # the arguments specialize (R and strides divisible by 16 or not), so a padded
+        # row could be summed in another order (seen on H100). A two-element sum is
+        # commutative, so this tree has one result whatever the layout.
+        x = tl.sum(tl.reshape(x, (512, 2)), axis=1)
+        x = tl.sum(tl.reshape(x, (256, 2)), axis=1)
+        x = tl.sum(tl.reshape(x, (128, 2)), axis=1)
+        x = tl.sum(tl.reshape(x, (64, 2)), axis=1)
+        x = tl.sum(tl.reshape(x, (32, 2)), axis=1)
+        x = tl.sum(tl.reshape(x, (16, 2)), axis=1)
+        x = tl.sum(tl.reshape(x, (8, 2)), axis=1)
+        x = tl.sum(tl.reshape(x, (4, 2)), axis=1)
+        x = tl.sum(tl.reshape(x, (2, 2)), axis=1)
+        return tl.sum(x, axis=0)
 
     @triton.jit
     def _row_dot_kernel(a_ptr, b_ptr, out_ptr, R, stride_a, stride_b,
@@ -61,7 +80,7 @@ if triton is not None:
                 b = tl.load(b_ptr + row * stride_b + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
                 a = a * b
             acc += a
-        tl.store(out_ptr + row, tl.sum(acc, axis=0))
+        tl.store(out_ptr + row, _pairwise_sum_1024(acc))
 
     @triton.jit
     def _col_sum_kernel(x_ptr, out_ptr, M, N, stride_m, BLOCK_N: tl.constexpr):
