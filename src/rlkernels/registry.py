@@ -119,8 +119,24 @@ def forced_backend() -> str | None:
     return value
 
 
+_SELECTED: dict[tuple, tuple[str, str]] = {}
+
+
 def select_backend(op_name: str, device: torch.device, backend: str | None = None) -> tuple[str, str]:
-    """(backend, reason) for ``op_name`` on ``device``; raises if a forced backend can't run."""
+    """(backend, reason) for ``op_name`` on ``device``; raises if a forced backend can't run.
+
+    Memoized on everything the answer depends on (the op, the device type, the
+    request and the two environment switches), since it runs on every call.
+    """
+    key = (op_name, device.type, backend, os.environ.get("RLKERNELS_BACKEND"), os.environ.get("TRITON_INTERPRET"))
+    hit = _SELECTED.get(key)
+    if hit is None:
+        hit = _select_backend(op_name, device, backend)
+        _SELECTED[key] = hit
+    return hit
+
+
+def _select_backend(op_name: str, device: torch.device, backend: str | None) -> tuple[str, str]:
     _load_ops()
     if op_name not in _REGISTRY:
         raise KeyError(f"rlkernels: no op named {op_name!r}; registered: {sorted(_REGISTRY)}")

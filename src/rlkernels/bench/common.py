@@ -49,6 +49,11 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 200) -> 
     """Median time of ``fn`` in ms by CUDA events after warm-up."""
     import triton.testing
 
+    # do_bench sizes its loops from one first call; a first call that JIT-compiles
+    # would leave it timing one or two cold calls. Compile and warm caches first.
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 

@@ -230,6 +230,10 @@ def _autocast(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     return list(tensors)
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
     V.require_tensor(op, "input", a)
     V.require_tensor(op, "weight" if weight_nk else "b", b)
@@ -240,8 +244,14 @@ def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
     name, _ = select_backend("matmul", a.device, backend)
     if name == "triton" and a.dtype == torch.float64:
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
-    impl = implementation("matmul", name)
-    return GemmFunction.apply(a, b, bias, weight_nk, out_dtype, impl.engine)
+    engine = implementation("matmul", name).engine
+    if _needs_grad(a, b, bias):
+        return GemmFunction.apply(a, b, bias, weight_nk, out_dtype, engine)
+    # Inference (rollouts, decode): the same engine call without autograd's bookkeeping,
+    # which costs more host time than a decode-size GEMM takes on the GPU.
+    K = a.shape[-1]
+    y = engine.gemm(a.reshape(a.shape[:-1].numel(), K), b.t() if weight_nk else b, bias=bias, out_dtype=out_dtype)
+    return y.reshape(*a.shape[:-1], y.shape[-1])
 
 
 @torch.compiler.disable
