@@ -83,8 +83,10 @@ def _pow2(x: int, floor: int) -> int:
 
 def tiny_blocks(m: int, n: int, k: int, cfg: TinyConfig) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) the kernel stages for an m x k @ k x n element."""
-    floor = 16 if cfg.use_dot else 1  # tl.dot needs >= 16 per dim on every Triton we support
-    return _pow2(m, floor), _pow2(n, floor), _pow2(k, 16 if cfg.use_dot else 1)
+    if cfg.use_dot:  # tl.dot needs >= 16 per dim on every Triton we support
+        return _pow2(m, 16), _pow2(n, 16), _pow2(k, 16)
+    # The FMA loop is unrolled over exactly k steps: BLOCK_K is k itself (no arange over it).
+    return _pow2(m, 1), _pow2(n, 1), k
 
 
 _F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -153,7 +155,6 @@ if triton is not None:
         pid = tl.program_id(0).to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         if GROUP == 1:
             # 2-D tiles: the plain tl.dot lowering for one element per program.
             a_base = a_ptr + pid * stride_ab
@@ -162,6 +163,7 @@ if triton is not None:
             c_ptrs = c_base + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
             c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             if USE_DOT:
+                offs_k = tl.arange(0, BLOCK_K)
                 a = tl.load(a_base + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
                             mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
                 b = tl.load(b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
@@ -172,14 +174,14 @@ if triton is not None:
                     acc = tl.dot(a, b)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                a_col = a_base + offs_m * stride_am
-                b_row = b_base + offs_n * stride_bn
-                for kk in range(0, K):
-                    a_k = tl.load(a_col, mask=offs_m < M, other=0.0).to(tl.float32)
-                    b_k = tl.load(b_row, mask=offs_n < N, other=0.0).to(tl.float32)
+                # Unrolled over exactly K (= BLOCK_K here) steps with no stores in
+                # between, so every load can be issued up front.
+                for kk in tl.static_range(BLOCK_K):
+                    a_k = tl.load(a_base + offs_m * stride_am + kk * stride_ak,
+                                  mask=offs_m < M, other=0.0).to(tl.float32)
+                    b_k = tl.load(b_base + kk * stride_bk + offs_n * stride_bn,
+                                  mask=offs_n < N, other=0.0).to(tl.float32)
                     acc = tl.fma(a_k[:, None], b_k[None, :], acc)
-                    a_col += stride_ak
-                    b_row += stride_bk
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
         else:
             g = pid * GROUP + tl.arange(0, GROUP).to(tl.int64)
@@ -190,6 +192,7 @@ if triton is not None:
             c_ptrs = c_ptr + g3 * stride_cb + m3 * stride_cm + n3 * stride_cn
             c_mask = g_ok & (m3 < M) & (n3 < N)
             if USE_DOT:
+                offs_k = tl.arange(0, BLOCK_K)
                 k_col = offs_k[None, None, :]  # k along the last axis of A
                 k_row = offs_k[None, :, None]  # k along the middle axis of B
                 a = tl.load(a_ptr + g3 * stride_ab + m3 * stride_am + k_col * stride_ak,
@@ -206,12 +209,10 @@ if triton is not None:
                 b_row = b_ptr + g3 * stride_bb + n3 * stride_bn  # [G, 1, BN]
                 a_mask = g_ok & (m3 < M)
                 b_mask = g_ok & (n3 < N)
-                for kk in range(0, K):
-                    a_k = tl.load(a_col, mask=a_mask, other=0.0).to(tl.float32)
-                    b_k = tl.load(b_row, mask=b_mask, other=0.0).to(tl.float32)
+                for kk in tl.static_range(BLOCK_K):  # unrolled, as in the 2-D branch
+                    a_k = tl.load(a_col + kk * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
+                    b_k = tl.load(b_row + kk * stride_bk, mask=b_mask, other=0.0).to(tl.float32)
                     acc = tl.fma(a_k, b_k, acc)
-                    a_col += stride_ak
-                    b_row += stride_bk
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
