@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rlkernels.ops.bmm as bmm_mod
-from rlkernels import reference, testing
+from rlkernels import contract, reference, testing
 from rlkernels.ops.bmm import TINY_TABLE, TinyConfig, bmm, tiny_config
 from rlkernels.registry import get_op, triton_interpret
 
@@ -15,8 +15,8 @@ from .conftest import cpu_backend_cases, randn
 
 # Local tolerances (rel. Frobenius error vs float64) until contract.py gets a
 # "bmm" entry; measured worst cases are in docs/operators/bmm.md.
-TOL = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float64: 1e-13}
-GRAD_TOL = {torch.float32: 4e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-13}
+TOL = {dt: t.tolerance for dt, t in contract.CONTRACT["bmm"].items()}
+GRAD_TOL = {dt: t.tolerance for dt, t in contract.CONTRACT["bmm_grad"].items()}
 # dB of a shared b is one sequential fp32 chain over B*m terms (65536 at the GPU
 # benchmark shapes): its fp32 error grows like sqrt(B*m) (measured 2.3e-6 at 16384).
 SHARED_DB_TOL = {**GRAD_TOL, torch.float32: 3e-5}

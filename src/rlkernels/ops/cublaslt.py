@@ -13,6 +13,7 @@ each call under a lock, and the call is a ``torch.library`` custom op that
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from typing import Iterator
@@ -63,6 +64,13 @@ def _(x: torch.Tensor, weight_nk: torch.Tensor, bias: torch.Tensor | None) -> to
     return x.new_empty((x.shape[0], weight_nk.shape[0]))
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    # Queried once per device: asking the driver on every call costs more host time
+    # than a decode-size GEMM takes on the GPU.
+    return torch.cuda.get_device_name(index)
+
+
 def cublaslt_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and torch.version.cuda is not None and dtype in SUPPORTED_DTYPES
 
@@ -75,9 +83,11 @@ def cublaslt_verified(device: torch.device, dtype: torch.dtype, k: int, has_bias
     """True if cuBLASLt-no-split gives the Triton chain's bits for this (device, dtype, K, bias)."""
     if not cublaslt_available(device, dtype):
         return False
-    key = (str(device), torch.cuda.get_device_name(device), dtype, k, has_bias)
-    if key in _VERIFIED:
-        return _VERIFIED[key]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _device_name(index), dtype, k, has_bias)
+    hit = _VERIFIED.get(key)
+    if hit is not None:
+        return hit
     with _VERIFY_LOCK:
         if key not in _VERIFIED:
             _VERIFIED[key] = _probe(device, dtype, k, has_bias)

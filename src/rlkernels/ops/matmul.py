@@ -23,6 +23,8 @@ import torch
 from .. import _validate as V
 from ..registry import OpImpl, register, select_backend, implementation
 from .chain import accumulator_dtype, chain_matmul, chain_sum
+from .cublaslt import cublaslt_available, cublaslt_linear, cublaslt_verified
+from .gemm import triton_gemm
 
 # Token granularity of the dW/dbias chain: the tensor-core K step for 16-bit
 # inputs (measured on H100: splits at multiples of 16 tokens reproduce the
@@ -99,15 +101,12 @@ class TritonEngine:
     def gemm(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
              accumulate: bool = False, rowsum: torch.Tensor | None = None) -> torch.Tensor:
-        from .gemm import triton_gemm
-
         # cuBLASLt only for activation-major A. A transposed A is a reduction over
         # tokens (dW): it stays on the Triton chain, whose TOKEN_BLOCK continuation is
         # proven, and needs no cuBLASLt probe per token count.
         plain = (out is None and not accumulate and rowsum is None and a.dim() == 2 and b.dim() == 2
                  and a.stride(-1) == 1 and out_dtype in (None, a.dtype) and a.shape[0] > 0 and a.shape[1] > 0)
         if plain and self.use_cublaslt(a, b, bias):
-            from .cublaslt import cublaslt_linear
             return cublaslt_linear(a, b.t(), bias)
         return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum)
 
