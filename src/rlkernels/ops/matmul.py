@@ -85,6 +85,8 @@ class TritonEngine:
         from ..batch_invariant import is_batch_invariant_mode_enabled
 
         mode = gemm_backend_mode()
+        if mode == "auto" and a.shape[0] < CUBLASLT_MIN_M:
+            return False  # decode sizes: decided before anything costlier
         # In the mode F.linear is itself overridden (to Triton): no detour through it.
         if mode == "triton" or is_batch_invariant_mode_enabled():
             return False
@@ -109,6 +111,20 @@ class TritonEngine:
         if plain and self.use_cublaslt(a, b, bias):
             return cublaslt_linear(a, b.t(), bias)
         return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum)
+
+
+_FAST_DTYPES = frozenset(V.FLOAT_DTYPES_WITH_FP64)
+
+
+def _obviously_valid(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, weight_nk: bool) -> bool:
+    """The common case in a few attribute reads (decode calls are host-bound);
+    anything else goes through :func:`validate_matmul` for a precise error."""
+    if a.dtype is not b.dtype or a.dtype not in _FAST_DTYPES or a.device != b.device or b.dim() != 2 or a.dim() < 1:
+        return False
+    if a.shape[-1] != (b.shape[1] if weight_nk else b.shape[0]):
+        return False
+    return bias is None or (bias.dtype is a.dtype and bias.device == a.device and bias.dim() == 1
+                            and bias.shape[0] == (b.shape[0] if weight_nk else b.shape[1]))
 
 
 def validate_matmul(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, *, weight_nk: bool) -> None:
@@ -220,13 +236,12 @@ def engine_for(device: torch.device, backend: str | None = None) -> TorchEngine 
     return implementation("matmul", name).engine  # type: ignore[attr-defined]
 
 
-def _autocast(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    first = next(t for t in tensors if t is not None)
-    dev = first.device.type
+def _autocast(*tensors: torch.Tensor | None) -> list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]:
+    dev = tensors[0].device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
-        return [t.to(dt) if t is not None and t.is_floating_point() else t for t in tensors]
-    return list(tensors)
+        return [t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
+    return tensors
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -237,7 +252,8 @@ def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
     V.require_tensor(op, "input", a)
     V.require_tensor(op, "weight" if weight_nk else "b", b)
     a, b, bias = _autocast(a, b, bias)
-    validate_matmul(op, a, b, bias, weight_nk=weight_nk)
+    if not (isinstance(bias, torch.Tensor) or bias is None) or not _obviously_valid(a, b, bias, weight_nk):
+        validate_matmul(op, a, b, bias, weight_nk=weight_nk)
     if out_dtype is not None and out_dtype not in V.FLOAT_DTYPES_WITH_FP64:
         raise ValueError(f"rlkernels.{op}: out_dtype must be a float dtype, got {out_dtype}")
     name, _ = select_backend("matmul", a.device, backend)
