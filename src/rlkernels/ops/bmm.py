@@ -42,12 +42,7 @@ from .. import _validate as V
 from ..registry import OpImpl, register, select_backend
 from .chain import accumulator_dtype, chain_matmul
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - triton is a hard dependency on Linux
-    triton = None
-    tl = None
+from ._triton import tl, triton
 
 OP = "bmm"
 TINY_MAX_DIM = 64

@@ -25,12 +25,7 @@ import torch
 
 from ..registry import triton_interpret
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - triton is a hard dependency on Linux
-    triton = None
-    tl = None
+from ._triton import tl, triton
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,12 +39,7 @@ from ..registry import OpImpl, implementation, register, select_backend, triton_
 from .chain import accumulator_dtype, chain_matmul
 from .matmul import _autocast, engine_for
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - triton is a hard dependency on Linux
-    triton = None
-    tl = None
+from ._triton import tl, triton
 
 OP = "linear_logprob"
 

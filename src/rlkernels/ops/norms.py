@@ -33,12 +33,7 @@ from .. import _validate as V
 from ..registry import OpImpl, implementation, register, select_backend
 from .chain import accumulator_dtype
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - triton is a hard dependency on Linux
-    triton = None
-    tl = None
+from ._triton import tl, triton
 
 ROW_BLOCK = 1024  # must match _pairwise_sum_1024; Triton tile width of the per-row sum (fixed: the order must not depend on R's size class)
 COL_BLOCK = 128   # Triton column block of the dW row loop (any width gives the same bits)
