@@ -139,3 +139,16 @@ def test_forced_triton_without_gpu_refuses(monkeypatch):
     monkeypatch.setenv("RLKERNELS_BACKEND", "triton")
     with pytest.raises(BackendUnavailableError, match="RLKERNELS_BACKEND"):
         rlkernels.matmul(torch.randn(2, 3), torch.randn(3, 4))
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+def test_batch_axis_chunked_past_grid_limit(gen, monkeypatch):
+    # The launcher splits batches larger than CUDA's grid-axis-1 limit; chunks are
+    # independent, so every element's bits are those of the unchunked launch.
+    from rlkernels.ops import gemm
+
+    a, b = randn(5, 3, 8, generator=gen), randn(5, 8, 4, generator=gen)
+    whole = gemm.triton_gemm(a, b)
+    monkeypatch.setattr(gemm, "MAX_GRID_BATCH", 2)
+    assert torch.equal(gemm.triton_gemm(a, b), whole)
+    assert torch.equal(gemm.triton_gemm(a, b[0]), gemm.triton_gemm(a.reshape(1, 15, 8), b[0]).reshape(5, 3, 4))

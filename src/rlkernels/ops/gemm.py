@@ -182,6 +182,9 @@ if triton is not None:
                 tl.store(rs_ptrs, rs, mask=offs_m < M)
 
 
+MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
+
+
 def _as3d(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (t, True) if t.dim() == 3 else (t.unsqueeze(0), False)
 
@@ -227,6 +230,16 @@ def triton_gemm(
                 out += bias
         return out
     cfg = config or gemm_config(M, N, a.dtype, token_reduction=a3.stride(1) == 1 and a3.stride(2) != 1)
+    if Bt > MAX_GRID_BATCH:
+        # CUDA caps grid axis 1; batch elements are independent, so chunking the batch
+        # changes no element's bits.
+        for lo in range(0, Bt, MAX_GRID_BATCH):
+            hi = min(Bt, lo + MAX_GRID_BATCH)
+            b_part = b if b.dim() == 2 else b[lo:hi]
+            rs_part = rowsum[lo:hi] if rowsum is not None and rowsum.dim() == 2 else rowsum
+            triton_gemm(a3[lo:hi], b_part, bias=bias, out=out3[lo:hi], accumulate=accumulate, rowsum=rs_part,
+                        config=cfg)
+        return out
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), Bt)
     _gemm_kernel[grid](
         a3, b, out3, bias if bias is not None else out3, rowsum if rowsum is not None else out3,
