@@ -40,7 +40,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .ops.chain import accumulator_dtype, chain_matmul
+from .ops.chain import accumulator_dtype
+from .ops.matmul import engine_for
 from .ops.norms import TorchReducer, TritonReducer, softmax_backward, softmax_forward
 from .registry import select_backend
 
@@ -59,27 +60,20 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # ---------------------------------------------------------------- engines
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    if t.dtype == torch.float64:
-        return False
-    name, _ = select_backend("matmul", t.device)
-    return name == "triton"
-
-
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """a [M,K] or [B,M,K] @ b [K,N] or [B,K,N] (+ 1-D bias) by the canonical K-chain."""
+    """a [M,K] or [B,M,K] @ b [K,N] or [B,K,N] (+ 1-D bias) by the canonical K-chain.
+
+    The registry's GEMM engine for the device (fp64: the torch chain); inside the
+    mode the Triton engine never detours through cuBLASLt, whose entry point
+    (F.linear) is itself overridden here.
+    """
     if a.dtype not in _FLOAT or b.dtype not in _FLOAT:
         # Integer products are exact: any summation order gives the same bits.
         out = (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
         return out + bias if bias is not None else out
-    if _use_triton(a):
-        from .ops.gemm import triton_gemm
-        return triton_gemm(a, b, bias=bias, out_dtype=out_dtype)
-    acc = chain_matmul(a, b)
-    if bias is not None:
-        acc = acc + bias.to(acc.dtype)
-    return acc.to(out_dtype or a.dtype)
+    engine = engine_for(a.device, "torch" if a.dtype == torch.float64 else None)
+    return engine.gemm(a, b, bias=bias, out_dtype=out_dtype)
 
 
 def _reducer(t: torch.Tensor) -> TorchReducer | TritonReducer:
