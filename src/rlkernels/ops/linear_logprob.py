@@ -37,7 +37,7 @@ import torch
 from .. import _validate as V_
 from ..registry import OpImpl, implementation, register, select_backend, triton_interpret
 from .chain import accumulator_dtype, chain_matmul
-from .matmul import _autocast, engine_for
+from .matmul import _autocast, engine_for, main_grad_target
 
 from ._triton import tl, triton
 
@@ -504,16 +504,6 @@ class TritonKernels:
 # Autograd.
 # ---------------------------------------------------------------------------------------
 
-def _main_grad(param: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor | None:
-    main_grad = getattr(param, "main_grad", None)
-    if main_grad is None:
-        return None
-    if main_grad.dtype != torch.float32 or tuple(main_grad.shape) != shape or not main_grad.is_contiguous():
-        raise ValueError(f"rlkernels.{OP}: {what}.main_grad must be contiguous float32 of shape {shape}, "
-                         f"got {main_grad.dtype} {tuple(main_grad.shape)}")
-    return main_grad
-
-
 class LinearLogprobFunction(torch.autograd.Function):
     """(logp, entropy) [N] of rows h2 [N, D] against weight [V, D]; see the module doc."""
 
@@ -543,8 +533,8 @@ class LinearLogprobFunction(torch.autograd.Function):
         kernels, engine, T = ctx.kernels, ctx.engine, ctx.temperature
 
         dh_acc = torch.zeros(N, D, dtype=acc_dt, device=dev) if need_h else None
-        w_main = _main_grad(weight, (vocab, D), "weight") if need_w else None
-        b_main = _main_grad(bias, (vocab,), "bias") if need_b else None
+        w_main = main_grad_target(OP, weight, (vocab, D), "weight", contiguous=True) if need_w else None
+        b_main = main_grad_target(OP, bias, (vocab,), "bias", contiguous=True) if need_b else None
         dw = None
         if need_w and w_main is None:
             dw = torch.empty(vocab, D, dtype=weight.dtype, device=dev)

@@ -144,12 +144,15 @@ def validate_matmul(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"rlkernels.{op}: bias must have shape ({n},), got {tuple(bias.shape)}")
 
 
-def _grad_target(param: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor | None:
+def main_grad_target(op: str, param: torch.Tensor, shape: tuple[int, ...], what: str, *,
+                     contiguous: bool = False) -> torch.Tensor | None:
+    """``param.main_grad`` (Megatron-LM's fp32 gradient buffer) if present, validated; else None."""
     main_grad = getattr(param, "main_grad", None)
     if main_grad is None:
         return None
-    if main_grad.dtype != torch.float32 or tuple(main_grad.shape) != shape:
-        raise ValueError(f"rlkernels.linear: {what}.main_grad must be float32 of shape {shape}, "
+    if main_grad.dtype != torch.float32 or tuple(main_grad.shape) != shape or (contiguous and not main_grad.is_contiguous()):
+        kind = "contiguous float32" if contiguous else "float32"
+        raise ValueError(f"rlkernels.{op}: {what}.main_grad must be {kind} of shape {shape}, "
                          f"got {main_grad.dtype} {tuple(main_grad.shape)}")
     return main_grad
 
@@ -180,10 +183,9 @@ class GemmFunction(torch.autograd.Function):
         need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         if need_w or need_b:
             acc_dt = accumulator_dtype(x2.dtype)
-            w_main = _grad_target(weight, tuple(weight.shape), "weight") if need_w else None
-            b_main = _grad_target(bias, (N,), "bias") if need_b else None
-            if need_b and b_main is not None and not b_main.is_contiguous():
-                raise ValueError("rlkernels.linear: bias.main_grad must be contiguous")
+            w_main = main_grad_target("linear", weight, tuple(weight.shape), "weight") if need_w else None
+            # The fused row-sum writes the bias chain through a flat pointer: contiguous only.
+            b_main = main_grad_target("linear", bias, (N,), "bias", contiguous=True) if need_b else None
             rowsum = (b_main if b_main is not None else torch.zeros(N, dtype=acc_dt, device=dy.device)) if need_b else None
             if need_w and w_main is not None:
                 # dW = dY^T @ X: the reduction runs over tokens, ascending, continuing main_grad's chain.
