@@ -1,18 +1,23 @@
 """Host-side cost of one decode-size call (GPU machine): where the microseconds go.
 
-    python benchmarks/profile_host.py
+    python benchmarks/profile_host.py [--json PATH]
+
+Microseconds per call of back-to-back calls (host time, or the GPU time where the
+GPU is the slower side) for F.linear, the Triton GEMM with Triton's normal launch,
+the same with the cached launch (ops._launch), and the public rlkernels.linear;
+then a cProfile of rlkernels.linear.
 """
+import argparse
 import cProfile
+import json
 import pstats
 import time
 
 import torch
 
 import rlkernels
-from rlkernels.ops.gemm import triton_gemm
-
-x = torch.randn(1, 4096, device="cuda").bfloat16()
-w = torch.randn(4096, 4096, device="cuda").bfloat16()
+from rlkernels.ops import gemm
+from rlkernels.ops._launch import CachedLauncher
 
 
 def per_call_us(fn, n=2000):
@@ -27,13 +32,40 @@ def per_call_us(fn, n=2000):
     return host
 
 
-print("host us/call: F.linear %.1f | triton_gemm %.1f | rlkernels.linear %.1f" % (
-    per_call_us(lambda: torch.nn.functional.linear(x, w)), per_call_us(lambda: triton_gemm(x, w.t())),
-    per_call_us(lambda: rlkernels.linear(x, w))))
-pr = cProfile.Profile()
-pr.enable()
-for _ in range(2000):
-    rlkernels.linear(x, w)
-pr.disable()
-torch.cuda.synchronize()
-pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for m, k, n in ((1, 4096, 4096), (16, 4096, 4096), (1, 4096, 12288)):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        w = torch.randn(n, k, device="cuda").bfloat16()
+        row = {"shape": f"M={m} K={k} N={n}"}
+        row["F.linear_us"] = per_call_us(lambda: torch.nn.functional.linear(x, w))
+        fast = gemm._launch_gemm
+        slow = CachedLauncher(gemm._gemm_kernel)
+        slow.enabled = False
+        gemm._launch_gemm = slow
+        row["triton_gemm_jit_launch_us"] = per_call_us(lambda: gemm.triton_gemm(x, w.t()))
+        gemm._launch_gemm = fast
+        row["triton_gemm_cached_launch_us"] = per_call_us(lambda: gemm.triton_gemm(x, w.t()))
+        row["rlkernels.linear_us"] = per_call_us(lambda: rlkernels.linear(x, w))
+        rows.append(row)
+        print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__}, f, indent=1)
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    w = torch.randn(4096, 4096, device="cuda").bfloat16()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(2000):
+        rlkernels.linear(x, w)
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()

@@ -73,6 +73,13 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def launch_floor_us(replays: int) -> float:
+    """GPU time per kernel of a trivial kernel (a 1-element fill) under graph replay:
+    the least any kernel costs here, whatever it computes."""
+    x = torch.empty(1, device="cuda")
+    return graph_median_us(lambda: x.fill_(1.0), replays=replays)
+
+
 def _operands(B: int, m: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(B * 7 + m * 5 + n * 3 + k)
     a = torch.randn(B, m, k, device="cuda", generator=g).to(dtype)
@@ -116,6 +123,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 torch.bmm must be IEEE like ours
     replays = getattr(args, "replays", 200)
     copy_gbs = copy_bandwidth_gbs()
+    floor_us = launch_floor_us(replays)
     shapes = SHAPES[:2] if args.quick else SHAPES
     if getattr(args, "shapes", None):
         shapes = tuple(SHAPES[int(i)] for i in args.shapes.split(","))
@@ -143,6 +151,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "rlkernels_us": us, "torch_bmm_us": us_torch, "general_us": us_general,
                 "speedup": us_torch / us, "GB/s": gbs, "copy_%": 100.0 * gbs / copy_gbs,
                 "bits_eq_general": torch.equal(ours, general),
+                # No kernel beats max(launch floor, bytes at copy bandwidth): the speedup
+                # over torch.bmm that any kernel could reach on this shape.
+                "hbm_floor_us": _bytes(B, m, n, k, dtype) / (copy_gbs * 1e3),
+                "max_possible_speedup": us_torch / max(floor_us, _bytes(B, m, n, k, dtype) / (copy_gbs * 1e3)),
                 "goal_met": (us_torch / us >= MIN_SPEEDUP) and (goal is None or us <= goal),
             }
             rows.append(row)
@@ -152,12 +164,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 table_lines.append(line)
                 print_table(f"bmm sweep {row['shape']} {row['dtype']}", sweep_rows,
                             ["config", "us", "same_bits", "error"])
-    print_table(f"bmm (CUDA-graph replay; copy bandwidth {copy_gbs:.0f} GB/s)", rows,
+    print_table(f"bmm (CUDA-graph replay; copy bandwidth {copy_gbs:.0f} GB/s; launch floor {floor_us:.2f} us)", rows,
                 ["shape", "dtype", "config", "path", "rlkernels_us", "torch_bmm_us", "general_us", "speedup",
-                 "GB/s", "copy_%", "bits_eq_general", "goal_met"])
+                 "max_possible_speedup", "GB/s", "copy_%", "bits_eq_general", "goal_met"])
     if table_lines:
         print("Suggested TINY_TABLE entries (fastest config with the table's bits):")
         print("\n".join(table_lines))
-    write_json(args.json, "bmm", rows, {"copy_bandwidth_gbs": copy_gbs, "sweeps": sweeps,
+    write_json(args.json, "bmm", rows, {"copy_bandwidth_gbs": copy_gbs, "launch_floor_us": floor_us, "sweeps": sweeps,
                                         "suggested_table": table_lines})
     return rows

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import itertools
 import json
 import platform
 from typing import Any, Callable
@@ -81,6 +82,22 @@ def graph_median_us(fn: Callable[[], Any], replays: int = 200, trials: int = 15)
         times.append(start.elapsed_time(end) * 1000.0 / replays)
     times.sort()
     return times[len(times) // 2]
+
+
+def l2_cold_copies(t: torch.Tensor, total_bytes: int = 512 << 20) -> list[torch.Tensor]:
+    """Copies of ``t`` totalling at least ``total_bytes`` (10x an H100's 50 MB L2).
+
+    Decode runs every layer's weight once per step, so a weight is read from HBM; a
+    benchmark that calls one weight back to back reads it from L2 when it fits there.
+    """
+    copies = -(-total_bytes // max(1, t.numel() * t.element_size()))
+    return [t] + [t.clone() for _ in range(copies - 1)]
+
+
+def cycling(fn_of: Callable[[Any], Any], items: list[Any]) -> Callable[[], Any]:
+    """A no-argument ``fn_of(item)`` that takes the next item on every call."""
+    it = itertools.cycle(items)
+    return lambda: fn_of(next(it))
 
 
 def peak_extra_memory_gib(fn: Callable[[], Any]) -> float:

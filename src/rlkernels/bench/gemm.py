@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .common import graph_median_us, median_ms, optional_import, print_table, write_json
+from .common import cycling, graph_median_us, l2_cold_copies, median_ms, optional_import, print_table, write_json
 
 SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         g = torch.Generator(device="cuda").manual_seed(0)
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
         w_kn = w.t().contiguous() if sgemm_bi is not None else None
+        w_cold = l2_cold_copies(w) if min(ms) <= 128 else [w]
         xs = torch.randn(max(ms), k, device="cuda", generator=g).bfloat16()
         for m in ms:
             x = xs[:m]
@@ -68,6 +69,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                 # GPU time from host overhead, which eager timing includes.
                 t["stock_graph"] = graph_median_us(lambda: torch.nn.functional.linear(x, w), replays=50) / 1e3
                 t["rlkernels_graph"] = graph_median_us(lambda: rlkernels.linear(x, w), replays=50) / 1e3
+                # ... and with the weight read from HBM, as in a real decode step (a
+                # 32 MB weight called back to back stays in the 50 MB L2).
+                t["stock_graph_cold"] = graph_median_us(
+                    cycling(lambda wc: torch.nn.functional.linear(x, wc), w_cold), replays=50) / 1e3
+                t["rlkernels_graph_cold"] = graph_median_us(cycling(lambda wc: rlkernels.linear(x, wc), w_cold),
+                                                            replays=50) / 1e3
             row = {"dtype": "bf16", "K": k, "N": n, "M": m}
             for name, ms_ in t.items():
                 row[f"{name}_us"] = None if ms_ is None else ms_ * 1e3
@@ -78,6 +85,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             row["cublaslt_ratio_vs_stock"] = t["cublaslt_nosplit"] / t["stock"]
             if "rlkernels_graph" in t:
                 row["graph_ratio_vs_stock"] = t["rlkernels_graph"] / t["stock_graph"]
+                row["graph_cold_ratio_vs_stock"] = t["rlkernels_graph_cold"] / t["stock_graph_cold"]
             if t.get("sgemm_bi"):
                 row["sgemm_bi_ratio_vs_stock"] = t["sgemm_bi"] / t["stock"]
             rows.append(row)
@@ -96,13 +104,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     summary = {
         "geomean_ratio_vs_stock": geo,
         "max_graph_ratio_m_le_16": max((r["graph_ratio_vs_stock"] for r in graph_rows if r["M"] <= 16), default=None),
+        "max_graph_cold_ratio_m_le_16": max((r["graph_cold_ratio_vs_stock"] for r in graph_rows if r["M"] <= 16),
+                                            default=None),
+        "geomean_graph_cold_ratio_m_le_128": (math.exp(sum(math.log(r["graph_cold_ratio_vs_stock"]) for r in graph_rows)
+                                                        / len(graph_rows)) if graph_rows else None),
         "max_ratio_vs_stock": max(r["ratio_vs_stock"] for r in rows),
         "max_ratio_m_le_16": max((r["ratio_vs_stock"] for r in rows if r["M"] <= 16), default=None),
         "min_triton_throughput_vs_stock_m_ge_1024": min((1 / r["triton_ratio_vs_stock"] for r in rows if r["M"] >= 1024), default=None),
     }
     print_table("GEMM bf16 (us; ratio = time / stock cuBLAS)", rows,
                 ["K", "N", "M", "stock_us", "cublaslt_nosplit_us", "rlkernels_us", "rlkernels_triton_us", "sgemm_bi_us",
-                 "ratio_vs_stock", "triton_ratio_vs_stock", "stock_graph_us", "rlkernels_graph_us", "graph_ratio_vs_stock",
+                 "ratio_vs_stock", "triton_ratio_vs_stock", "graph_ratio_vs_stock", "graph_cold_ratio_vs_stock",
                  "rlk_tflops", "rlk_gbps"])
     print_table("GEMM fp32 IEEE (TF32 off)", fp32_rows, ["M", "stock_us", "rlkernels_us", "ratio_vs_stock", "rlk_tflops"])
     print(summary)

@@ -80,13 +80,11 @@ class TritonEngine:
     name = "triton"
 
     def use_cublaslt(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        from .cublaslt import cublaslt_available, cublaslt_verified
-
-        from ..batch_invariant import is_batch_invariant_mode_enabled
-
         mode = gemm_backend_mode()
         if mode == "auto" and a.shape[0] < CUBLASLT_MIN_M:
             return False  # decode sizes: decided before anything costlier
+        from ..batch_invariant import is_batch_invariant_mode_enabled  # (a cycle at import time)
+
         # In the mode F.linear is itself overridden (to Triton): no detour through it.
         if mode == "triton" or is_batch_invariant_mode_enabled():
             return False

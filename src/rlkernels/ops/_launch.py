@@ -1,0 +1,87 @@
+"""Launching a compiled Triton kernel again without Triton's per-call binder.
+
+Why: a decode-size GEMM takes 20-50 us on the GPU, and ``kernel[grid](...)`` spends
+51-108 us of host Python per call on the H100 host we measured (binding and
+specializing every argument, hashing a cache key, looking up device and stream),
+against 18-20 us for ``F.linear``. Eager decode calls were host-bound, so a kernel
+that is faster on the GPU lost on the clock.
+
+How: the first call for a given *specialization key* goes through the normal
+``JITFunction`` path, which compiles (or finds) the kernel, launches it and returns
+the ``CompiledKernel``; we keep that object. Later calls with the same key call its
+launcher directly, with the same arguments in the same order -- the same binary and
+the same launch, so the same bits (a GPU test compares the object with what
+Triton's own cache returns for many argument variants).
+
+The key is at least as fine as Triton's specialization: the device, the compile
+options, every constexpr, each tensor's dtype and 16-byte alignment, and for each
+integer whether it is 1, a multiple of 16, or outside int32 -- the properties
+Triton specializes integers and pointers on. Launch hooks (profilers such as
+proton) and ``RLKERNELS_FAST_LAUNCH=0`` take the normal path every time.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ._triton import triton
+
+FAST_LAUNCH_ENV = "RLKERNELS_FAST_LAUNCH"
+
+try:  # Triton >= 3.4 keeps the launch hooks in knobs
+    from triton import knobs as _knobs
+except Exception:  # pragma: no cover - older or absent Triton
+    _knobs = None
+
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def fast_launch_enabled() -> bool:
+    return (_knobs is not None and os.environ.get(FAST_LAUNCH_ENV, "1").strip() not in ("0", "false", "no")
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
+def _arg_key(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() & 15 == 0)
+    if type(arg) is int:
+        # Triton: == 1 -> compiled in as a constant; % 16 == 0 -> divisibility hint;
+        # outside int32 -> an i64 parameter.
+        return 2 if arg == 1 else (4 if arg < _I32_MIN or arg > _I32_MAX else 0) | (arg & 15 == 0)
+    return type(arg)  # floats, None: Triton does not specialize them by value
+
+
+class CachedLauncher:
+    """``launcher(grid, args, constexprs, num_warps=, num_stages=)`` == ``fn[grid](*args, *constexprs, ...)``.
+
+    ``args`` are the kernel's runtime parameters and ``constexprs`` the values of its
+    constexpr parameters, both in declaration order (runtime ones first).
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.kernels: dict[tuple, Any] = {}
+        self.enabled = fast_launch_enabled()
+
+    def key(self, args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> tuple:
+        return (torch.cuda.current_device(), num_warps, num_stages, constexprs, tuple(_arg_key(a) for a in args))
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, *, num_warps: int,
+                 num_stages: int) -> None:
+        if not self.enabled or _knobs.runtime.launch_enter_hook is not None:
+            self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        key = self.key(args, constexprs, num_warps, num_stages)
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            self.kernels[key] = self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        stream = torch._C._cuda_getCurrentRawStream(key[0])
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                   kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
+
+
+def cached_launcher(fn: Any) -> CachedLauncher | None:
+    return CachedLauncher(fn) if triton is not None else None

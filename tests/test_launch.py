@@ -1,0 +1,104 @@
+"""ops._launch: the cached launch is Triton's own kernel, launched the same way.
+
+CPU: the specialization key separates every property Triton specializes on.
+GPU: for many argument variants the cached kernel *is* the object Triton's cache
+returns for those arguments, and the GEMM bits equal the normal launch's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkernels.ops import _launch, gemm
+
+
+@pytest.mark.parametrize("a,b", [
+    (1, 2),              # 1 is compiled in as a constant
+    (16, 17),            # divisibility by 16
+    (32, 48 + 1),
+    ((1 << 31) - 16, 1 << 31),  # int32 vs int64 parameter (both multiples of 16)
+    (-(1 << 31), -(1 << 31) - 16),
+])
+def test_key_separates_integer_specializations(a, b):
+    assert _launch._arg_key(a) != _launch._arg_key(b)
+
+
+def test_key_separates_tensor_alignment_and_dtype():
+    x = torch.randn(64, dtype=torch.float32)
+    assert x.data_ptr() % 16 == 0
+    assert _launch._arg_key(x) != _launch._arg_key(x[1:])           # 4-byte offset: not 16-byte aligned
+    assert _launch._arg_key(x) == _launch._arg_key(x[4:])           # 16-byte offset: aligned
+    assert _launch._arg_key(x) != _launch._arg_key(x.to(torch.float16))
+
+
+def test_key_keeps_bools_and_floats_apart_from_ints():
+    assert _launch._arg_key(True) != _launch._arg_key(1)
+    assert _launch._arg_key(2.0) == _launch._arg_key(3.5)  # Triton does not specialize floats by value
+
+
+def test_disabled_by_env_and_interpreter(monkeypatch):
+    monkeypatch.setenv(_launch.FAST_LAUNCH_ENV, "0")
+    assert not _launch.fast_launch_enabled()
+    monkeypatch.setenv(_launch.FAST_LAUNCH_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not _launch.fast_launch_enabled()
+
+
+# ---------------------------------------------------------------------------- GPU
+
+def _variants():
+    """(a, b, kwargs) covering the specializations: M/N/K of 1, odd and multiples of 16,
+    misaligned pointers, transposed operands, bias, accumulate, row sums, batches."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for m, k, n in ((1, 4096, 4096), (2, 4096, 4096), (16, 4096, 12288), (17, 1001, 131),
+                        (64, 256, 1), (1, 1, 64), (300, 4096, 4096), (33, 512, 8191)):
+            a, w = rnd(m, k, dtype=dtype), rnd(n, k, dtype=dtype)
+            yield a, w.t(), {}
+            yield a, w.t(), {"bias": rnd(n, dtype=dtype)}
+            wide = rnd(m, k + 1, dtype=dtype)
+            yield wide[:, 1:], w.t(), {}  # a starts 2-4 bytes off: not 16-byte aligned
+            yield a, w.t().contiguous(), {}  # b as [K, N] row-major
+        dy, x = rnd(96, 256, dtype=dtype), rnd(96, 80, dtype=dtype)
+        acc = torch.randn(256, 80, device="cuda", generator=g)
+        yield dy.t(), x, {"out": acc, "accumulate": True, "rowsum": torch.randn(256, device="cuda", generator=g)}
+        yield rnd(5, 12, 64, dtype=dtype), rnd(5, 64, 12, dtype=dtype), {}
+        yield rnd(5, 12, 64, dtype=dtype), rnd(64, 12, dtype=dtype), {}
+
+
+def _clone_kwargs(kwargs):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) and k in ("out", "rowsum") else v) for k, v in kwargs.items()}
+
+
+@pytest.mark.gpu
+def test_cached_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
+    checked = []
+
+    class CheckingLauncher(_launch.CachedLauncher):
+        def __call__(self, grid, args, constexprs, *, num_warps, num_stages):
+            super().__call__(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages)
+            key = self.key(args, constexprs, num_warps, num_stages)
+            ours = self.kernels[key]
+            theirs = self.fn.warmup(*args, *constexprs, grid=grid, num_warps=num_warps, num_stages=num_stages)
+            assert ours is theirs, f"cached kernel differs from Triton's for key {key}"
+            checked.append(key)
+
+    launcher = CheckingLauncher(gemm._gemm_kernel)
+    assert launcher.enabled
+    for a, b, kwargs in _variants():
+        normal_kwargs = _clone_kwargs(kwargs)
+        monkeypatch.setattr(gemm, "_launch_gemm", _launch.CachedLauncher(gemm._gemm_kernel))
+        gemm._launch_gemm.enabled = False
+        want = gemm.triton_gemm(a, b, **normal_kwargs)
+        monkeypatch.setattr(gemm, "_launch_gemm", launcher)
+        for _ in range(2):  # the first call compiles through Triton, the second is the cached launch
+            kw = _clone_kwargs(kwargs)
+            got = gemm.triton_gemm(a, b, **kw)
+            assert torch.equal(got, want), (tuple(a.shape), tuple(b.shape), sorted(kwargs))
+            if "rowsum" in kwargs:
+                assert torch.equal(kw["rowsum"], normal_kwargs["rowsum"])
+    assert len(checked) > 50 and len(set(checked)) > 20
