@@ -36,6 +36,9 @@ CANDIDATES_DECODE = [
     C(16, 32, 256, 1, 4, 6), C(16, 32, 256, 1, 8, 5), C(16, 64, 256, 1, 8, 4), C(16, 32, 512, 1, 8, 4),
     C(16, 64, 128, 1, 4, 6), C(16, 32, 256, 1, 4, 5), C(16, 64, 256, 1, 4, 4), C(32, 32, 256, 4, 4, 4),
     C(32, 64, 256, 4, 4, 3), C(64, 64, 128, 8, 4, 4), C(64, 128, 128, 8, 4, 3), C(32, 32, 128, 4, 4, 5),
+    # M in (32, 64] on 4096-wide outputs: 64-row tiles with narrow N keep >= 128 programs.
+    C(64, 32, 256, 1, 4, 4), C(64, 32, 128, 1, 4, 5), C(64, 16, 256, 1, 4, 4), C(64, 32, 256, 1, 8, 4),
+    C(64, 16, 512, 1, 4, 3), C(32, 16, 256, 1, 4, 5),
 ]
 SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
@@ -59,13 +62,19 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--decode", action="store_true", help="small-M candidates and M values only")
+    p.add_argument("--ms", default=None, help="comma-separated M values (default: the mode's list)")
+    p.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
     args = p.parse_args()
     global CANDIDATES_16, MS
     if args.decode:
         CANDIDATES_16, MS = CANDIDATES_DECODE, MS_DECODE
+    if args.ms:
+        MS = [int(m) for m in args.ms.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     shapes = SHAPES[:2] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     for k, n in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()

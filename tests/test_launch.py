@@ -102,3 +102,26 @@ def test_cached_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
             if "rowsum" in kwargs:
                 assert torch.equal(kw["rowsum"], normal_kwargs["rowsum"])
     assert len(checked) > 50 and len(set(checked)) > 20
+
+
+@pytest.mark.skipif(_launch._knobs is None, reason="this Triton has no knobs module")
+def test_launch_hooks_detected():
+    runtime = _launch._knobs.runtime
+    before = runtime.launch_enter_hook
+    assert not _launch.launch_hooks_active()
+
+    def hook(metadata):
+        return None
+
+    try:
+        if hasattr(before, "add"):  # Triton >= 3.5: a HookChain
+            before.add(hook)
+        else:
+            runtime.launch_enter_hook = hook
+        assert _launch.launch_hooks_active()
+    finally:
+        if hasattr(before, "remove"):
+            before.remove(hook)
+        else:
+            runtime.launch_enter_hook = before
+    assert not _launch.launch_hooks_active()

@@ -152,3 +152,14 @@ def test_batch_axis_chunked_past_grid_limit(gen, monkeypatch):
     monkeypatch.setattr(gemm, "MAX_GRID_BATCH", 2)
     assert torch.equal(gemm.triton_gemm(a, b), whole)
     assert torch.equal(gemm.triton_gemm(a, b[0]), gemm.triton_gemm(a.reshape(1, 15, 8), b[0]).reshape(5, 3, 4))
+
+
+def test_env_get_follows_os_environ(monkeypatch):
+    from rlkernels.registry import env_get
+
+    monkeypatch.setenv("RLKERNELS_TEST_SWITCH", "on")
+    assert env_get("RLKERNELS_TEST_SWITCH") == "on"
+    monkeypatch.setenv("RLKERNELS_TEST_SWITCH", "off")
+    assert env_get("RLKERNELS_TEST_SWITCH") == "off"
+    monkeypatch.delenv("RLKERNELS_TEST_SWITCH")
+    assert env_get("RLKERNELS_TEST_SWITCH") is None

@@ -84,8 +84,22 @@ def registered_ops() -> dict[str, tuple[str, ...]]:
     return {name: tuple(sorted(impls)) for name, impls in sorted(_REGISTRY.items())}
 
 
+# os.environ.get re-encodes the name and wraps the lookup in three Python calls; the
+# switches below are read on every op call, which for decode-size GEMMs is host-bound.
+# On POSIX, os.environ keeps its bytes dict in ``_data`` (updated by every assignment).
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def env_get(name: str) -> str | None:
+    """``os.environ.get(name)``, cheaply."""
+    if _ENV_DATA is None:
+        return os.environ.get(name)
+    value = _ENV_DATA.get(name.encode())
+    return None if value is None else value.decode("utf-8", "surrogateescape")
+
+
 def triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env_get("TRITON_INTERPRET") not in (None, "", "0")
 
 
 def _triton_importable() -> bool:
@@ -111,7 +125,7 @@ def backend_unavailable_reason(backend: str, device: torch.device) -> str | None
 
 
 def forced_backend() -> str | None:
-    value = os.environ.get("RLKERNELS_BACKEND", "").strip().lower()
+    value = (env_get("RLKERNELS_BACKEND") or "").strip().lower()
     if value in ("", "auto"):
         return None
     if value not in BACKENDS:
@@ -128,7 +142,7 @@ def select_backend(op_name: str, device: torch.device, backend: str | None = Non
     Memoized on everything the answer depends on (the op, the device type, the
     request and the two environment switches), since it runs on every call.
     """
-    key = (op_name, device.type, backend, os.environ.get("RLKERNELS_BACKEND"), os.environ.get("TRITON_INTERPRET"))
+    key = (op_name, device.type, backend, env_get("RLKERNELS_BACKEND"), env_get("TRITON_INTERPRET"))
     hit = _SELECTED.get(key)
     if hit is None:
         hit = _select_backend(op_name, device, backend)
@@ -155,9 +169,12 @@ def _select_backend(op_name: str, device: torch.device, backend: str | None) -> 
 
 
 def implementation(op_name: str, backend: str) -> type[OpImpl]:
-    _load_ops()
+    impls = _REGISTRY.get(op_name)
+    if impls is None or backend not in impls:
+        _load_ops()
+        impls = _REGISTRY.get(op_name, {})
     try:
-        return _REGISTRY[op_name][backend]
+        return impls[backend]
     except KeyError:
         raise BackendUnavailableError(f"rlkernels.{op_name}: no {backend!r} implementation") from None
 

@@ -44,13 +44,26 @@ def fast_launch_enabled() -> bool:
 
 
 def _arg_key(arg: Any) -> Any:
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() & 15 == 0)
-    if type(arg) is int:
-        # Triton: == 1 -> compiled in as a constant; % 16 == 0 -> divisibility hint;
-        # outside int32 -> an i64 parameter.
-        return 2 if arg == 1 else (4 if arg < _I32_MIN or arg > _I32_MAX else 0) | (arg & 15 == 0)
-    return type(arg)  # floats, None: Triton does not specialize them by value
+    """One argument's part of the key (the per-call hot path inlines the same rules)."""
+    return _args_key((arg,))[0]
+
+
+def _args_key(args: tuple) -> tuple:
+    # ints: == 1 is compiled in as a constant, % 16 == 0 is a divisibility hint, and
+    # outside int32 makes an i64 parameter; tensors: dtype and 16-byte alignment;
+    # floats and None are not specialized by value.
+    return tuple(
+        (2 if a == 1 else (a & 15 == 0) | (4 if a < _I32_MIN or a > _I32_MAX else 0)) if type(a) is int
+        else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+        else type(a)
+        for a in args)
+
+
+def launch_hooks_active() -> bool:
+    """A profiler's launch hook is installed (Triton >= 3.5 keeps an empty HookChain
+    when there is none; older versions keep None)."""
+    hook = _knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class CachedLauncher:
@@ -66,11 +79,11 @@ class CachedLauncher:
         self.enabled = fast_launch_enabled()
 
     def key(self, args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> tuple:
-        return (torch.cuda.current_device(), num_warps, num_stages, constexprs, tuple(_arg_key(a) for a in args))
+        return (torch.cuda.current_device(), num_warps, num_stages, constexprs, _args_key(args))
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, *, num_warps: int,
                  num_stages: int) -> None:
-        if not self.enabled or _knobs.runtime.launch_enter_hook is not None:
+        if not self.enabled or launch_hooks_active():
             self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         key = self.key(args, constexprs, num_warps, num_stages)

@@ -87,20 +87,19 @@ def tiny_blocks(m: int, n: int, k: int, cfg: TinyConfig) -> tuple[int, int, int]
 _F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
 
 # Per-shape configs: (m, n, k, dtype) -> TinyConfig. Checked in, never tuned at run
-# time. PROVISIONAL: written without GPU access; ``python -m rlkernels.bench bmm
-# --sweep`` times every candidate on the H100, checks that all give identical
-# bits, and prints replacement lines for this table.
+# time: the fastest candidate of ``python -m rlkernels.bench bmm --sweep`` on H100
+# (benchmarks/results/bmm_sweep_h100.json; every candidate gave identical bits).
 TINY_TABLE: dict[tuple[int, int, int, torch.dtype], TinyConfig] = {
-    (12, 12, 64, _F32): TinyConfig(4, 4, True),
-    (12, 12, 64, _BF16): TinyConfig(4, 4, True),
-    (12, 64, 12, _F32): TinyConfig(4, 4, True),
-    (12, 64, 12, _BF16): TinyConfig(4, 4, True),
-    (16, 16, 16, _F32): TinyConfig(8, 4, True),
-    (16, 16, 16, _BF16): TinyConfig(8, 4, True),
-    (64, 64, 64, _F32): TinyConfig(1, 4, True),
-    (64, 64, 64, _BF16): TinyConfig(1, 4, True),
-    (8, 8, 32, _F32): TinyConfig(8, 4, False),
-    (8, 8, 32, _BF16): TinyConfig(8, 4, True),
+    (12, 12, 64, _F32): TinyConfig(1, 1, True),
+    (12, 12, 64, _BF16): TinyConfig(1, 2, True),
+    (12, 64, 12, _F32): TinyConfig(2, 1, False),
+    (12, 64, 12, _BF16): TinyConfig(1, 4, True),
+    (16, 16, 16, _F32): TinyConfig(1, 1, True),
+    (16, 16, 16, _BF16): TinyConfig(2, 2, True),
+    (64, 64, 64, _F32): TinyConfig(1, 8, True),
+    (64, 64, 64, _BF16): TinyConfig(1, 8, True),
+    (8, 8, 32, _F32): TinyConfig(1, 1, True),
+    (8, 8, 32, _BF16): TinyConfig(1, 2, True),
 }
 
 

@@ -51,6 +51,9 @@ class GemmConfig:
 # cuBLASLt-no-split; tests/test_matmul_gpu.py re-proves it for each entry).
 WIDE_N = 8192  # wide outputs (MLP up-projections, lm heads) want wider N tiles at decode
 GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
+    # M = 1 (one decode token): 64-wide N tiles won on every shape (graph replay, weight
+    # from HBM: benchmarks/results/tune_gemm_decode_h100.json).
+    (1, 0, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
     (16, WIDE_N, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
     (16, 0, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
     (64, WIDE_N, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=3)),
@@ -190,10 +193,6 @@ if triton is not None:
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
 
 
-def _as3d(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    return (t, True) if t.dim() == 3 else (t.unsqueeze(0), False)
-
-
 def triton_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -212,18 +211,20 @@ def triton_gemm(
     the chain's starting value and is updated in place. ``rowsum`` (fp32 [M] or
     [Bt, M], contiguous) gets the row sums of A added, through the same chain.
     """
-    a3, batched = _as3d(a)
-    Bt, M, K = a3.shape
-    N = b.shape[-1]
-    if b.dim() == 2:
-        sbb, sbk, sbn = 0, b.stride(0), b.stride(1)
+    # Strides read directly (a 2-D operand has batch stride 0): no views are made,
+    # since every host microsecond shows at decode sizes.
+    if a.dim() == 3:
+        Bt, M, K = a.shape
+        sab, sam, sak = a.stride()
     else:
-        sbb, sbk, sbn = b.stride(0), b.stride(1), b.stride(2)
-        batched = True
+        (M, K), Bt = a.shape, 1
+        sab, (sam, sak) = 0, a.stride()
+    N = b.shape[-1]
+    sbb, sbk, sbn = (0, *b.stride()) if b.dim() == 2 else b.stride()
     if out is None:
-        out_dtype = out_dtype or a.dtype
-        out = torch.empty((Bt, M, N) if batched else (M, N), dtype=out_dtype, device=a.device)
-    out3, _ = _as3d(out)
+        shape = (Bt, M, N) if a.dim() == 3 or b.dim() == 3 else (M, N)
+        out = torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
+    scb, scm, scn = (0, *out.stride()) if out.dim() == 2 else out.stride()
     if accumulate and out.dtype != torch.float32:
         raise ValueError("rlkernels: accumulation target must be float32")
     if M == 0 or N == 0 or Bt == 0:
@@ -234,7 +235,7 @@ def triton_gemm(
             if bias is not None:
                 out += bias
         return out
-    cfg = config or gemm_config(M, N, a.dtype, token_reduction=a3.stride(1) == 1 and a3.stride(2) != 1)
+    cfg = config or gemm_config(M, N, a.dtype, token_reduction=sam == 1 and sak != 1)
     if Bt > MAX_GRID_BATCH:
         # CUDA caps grid axis 1; batch elements are independent, so chunking the batch
         # changes no element's bits.
@@ -242,15 +243,12 @@ def triton_gemm(
             hi = min(Bt, lo + MAX_GRID_BATCH)
             b_part = b if b.dim() == 2 else b[lo:hi]
             rs_part = rowsum[lo:hi] if rowsum is not None and rowsum.dim() == 2 else rowsum
-            triton_gemm(a3[lo:hi], b_part, bias=bias, out=out3[lo:hi], accumulate=accumulate, rowsum=rs_part,
+            triton_gemm(a[lo:hi], b_part, bias=bias, out=out[lo:hi], accumulate=accumulate, rowsum=rs_part,
                         config=cfg)
         return out
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), Bt)
-    args = (a3, b, out3, bias if bias is not None else out3, rowsum if rowsum is not None else out3,
-            M, N, K,
-            a3.stride(0), a3.stride(1), a3.stride(2),
-            sbb, sbk, sbn,
-            out3.stride(0), out3.stride(1), out3.stride(2))
+    args = (a, b, out, bias if bias is not None else out, rowsum if rowsum is not None else out,
+            M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn)
     constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,
                   cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m)
     _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

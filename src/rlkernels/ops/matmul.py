@@ -16,12 +16,10 @@ the row sum of dY^T through the same chain, fused into the dW kernel.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import _validate as V
-from ..registry import OpImpl, register, select_backend, implementation
+from ..registry import OpImpl, env_get, implementation, register, select_backend
 from .chain import accumulator_dtype, chain_matmul, chain_sum
 from .cublaslt import cublaslt_available, cublaslt_linear, cublaslt_verified
 from .gemm import triton_gemm
@@ -60,7 +58,7 @@ class TorchEngine:
 
 
 def gemm_backend_mode() -> str:
-    mode = os.environ.get("RLKERNELS_GEMM_BACKEND", "auto").strip().lower() or "auto"
+    mode = (env_get("RLKERNELS_GEMM_BACKEND") or "auto").strip().lower() or "auto"
     if mode not in ("auto", "triton", "cublaslt"):
         raise ValueError(f"RLKERNELS_GEMM_BACKEND={mode!r}: expected auto, triton or cublaslt")
     return mode
@@ -106,7 +104,8 @@ class TritonEngine:
         # proven, and needs no cuBLASLt probe per token count.
         plain = (out is None and not accumulate and rowsum is None and a.dim() == 2 and b.dim() == 2
                  and a.stride(-1) == 1 and out_dtype in (None, a.dtype) and a.shape[0] > 0 and a.shape[1] > 0)
-        if plain and self.use_cublaslt(a, b, bias):
+        # Decode sizes (auto mode) are settled by the first test: host time is the cost there.
+        if (a.shape[0] >= CUBLASLT_MIN_M or gemm_backend_mode() != "auto") and plain and self.use_cublaslt(a, b, bias):
             return cublaslt_linear(a, b.t(), bias)
         return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum)
 
@@ -244,10 +243,6 @@ def _autocast(*tensors: torch.Tensor | None) -> list[torch.Tensor | None] | tupl
     return tensors
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
     V.require_tensor(op, "input", a)
     V.require_tensor(op, "weight" if weight_nk else "b", b)
@@ -256,20 +251,26 @@ def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
         validate_matmul(op, a, b, bias, weight_nk=weight_nk)
     if out_dtype is not None and out_dtype not in V.FLOAT_DTYPES_WITH_FP64:
         raise ValueError(f"rlkernels.{op}: out_dtype must be a float dtype, got {out_dtype}")
-    name, _ = select_backend("matmul", a.device, backend)
-    if name == "triton" and a.dtype == torch.float64:
+    engine = engine_for(a.device, backend)
+    if a.dtype == torch.float64 and engine.name == "triton":
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
-    engine = implementation("matmul", name).engine
-    if _needs_grad(a, b, bias):
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)):
         return GemmFunction.apply(a, b, bias, weight_nk, out_dtype, engine)
     # Inference (rollouts, decode): the same engine call without autograd's bookkeeping,
     # which costs more host time than a decode-size GEMM takes on the GPU.
-    K = a.shape[-1]
-    y = engine.gemm(a.reshape(a.shape[:-1].numel(), K), b.t() if weight_nk else b, bias=bias, out_dtype=out_dtype)
+    if a.dim() == 2:
+        return engine.gemm(a, b.t() if weight_nk else b, bias=bias, out_dtype=out_dtype)
+    y = engine.gemm(a.reshape(a.shape[:-1].numel(), a.shape[-1]), b.t() if weight_nk else b, bias=bias,
+                    out_dtype=out_dtype)
     return y.reshape(*a.shape[:-1], y.shape[-1])
 
 
-@torch.compiler.disable
+# Under torch.compile each call is a graph break (a Triton launch through a cached
+# launcher and cuBLASLt's flag handling are not traceable). Eager calls skip the
+# disable wrapper, which costs a few microseconds of host time per call.
+_run_opaque = torch.compiler.disable(_run)
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
            out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``a @ b + bias``.
@@ -278,11 +279,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     None, all one dtype and device; any strides. Returns [..., N] in ``out_dtype``
     (default a.dtype). Each output row is a function of its own input row alone.
     """
+    if torch.compiler.is_compiling():
+        return _run_opaque("matmul", a, b, bias, False, out_dtype, backend)
     return _run("matmul", a, b, bias, False, out_dtype, backend)
 
 
-@torch.compiler.disable
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``F.linear``: x [..., K], weight [N, K], bias [N] -> [..., N]."""
+    if torch.compiler.is_compiling():
+        return _run_opaque("linear", x, weight, bias, True, None, backend)
     return _run("linear", x, weight, bias, True, None, backend)
