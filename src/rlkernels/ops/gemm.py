@@ -57,7 +57,11 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
     (16, WIDE_N, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
     (16, 0, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
     (64, WIDE_N, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=3)),
-    (64, 0, GemmConfig(32, 32, 256, group_m=4, num_warps=4, num_stages=4)),
+    (32, 0, GemmConfig(32, 32, 256, group_m=4, num_warps=4, num_stages=4)),
+    # M in (32, 64] on narrower outputs: 64-row tiles, N tiles of 32 keep 128 programs
+    # on a 4096-wide output (graph replay, weight from HBM: 15.3 vs 16.9-17.4 us at
+    # M = 64 on 4096 x 4096; benchmarks/results/tune_gemm_decode_mid_h100.json).
+    (64, 0, GemmConfig(64, 32, 256, group_m=1, num_warps=4, num_stages=4)),
     (256, WIDE_N, GemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)),
     (256, 0, GemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
     (1 << 62, 0, GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3)),
@@ -91,7 +95,11 @@ def gemm_table(dtype: torch.dtype) -> tuple[tuple[int, int, GemmConfig], ...]:
 def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = False) -> GemmConfig:
     """The tile config the table assigns to an [m, K] x [K, n] problem.
 
-    ``token_reduction``: A is read transposed (dW = dY^T @ X), which has its own tile.
+    ``token_reduction``: a backward GEMM -- A read transposed (dW = dY^T @ X) or an fp32
+    output chained from its current value (dW into main_grad, linear_logprob's dH over
+    V) -- which gets the wide accumulate tile (H100, 8192 x 4096 x 4096 dH chunk:
+    18.4 ms vs 20.3 ms with the forward's large-M tile; benchmarks/results/
+    logprob_profile_h100.json).
     """
     if _INTERPRETING and triton_interpret():
         return GEMM_INTERPRETER_CONFIG
@@ -235,7 +243,7 @@ def triton_gemm(
             if bias is not None:
                 out += bias
         return out
-    cfg = config or gemm_config(M, N, a.dtype, token_reduction=sam == 1 and sak != 1)
+    cfg = config or gemm_config(M, N, a.dtype, token_reduction=accumulate or (sam == 1 and sak != 1))
     if Bt > MAX_GRID_BATCH:
         # CUDA caps grid axis 1; batch elements are independent, so chunking the batch
         # changes no element's bits.
