@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
-    for m, k, n in ((1, 4096, 4096), (16, 4096, 4096), (1, 4096, 12288)):
+    for m, k, n in ((1, 4096, 4096), (16, 4096, 4096), (1, 4096, 12288), (128, 4096, 4096)):
         x = torch.randn(m, k, device="cuda").bfloat16()
         w = torch.randn(n, k, device="cuda").bfloat16()
         row = {"shape": f"M={m} K={k} N={n}"}

@@ -37,7 +37,7 @@ def _forced(mode: str, fn):
 
 def run(args: argparse.Namespace) -> list[dict]:
     import rlkernels
-    from rlkernels.ops.cublaslt import cublaslt_linear
+    from rlkernels.ops.cublaslt import linear_no_split_k as cublaslt_linear
 
     torch.backends.cuda.matmul.allow_tf32 = False
     sgemm_bi = optional_import("sgemm_bi")

@@ -21,7 +21,7 @@ import torch
 from .. import _validate as V
 from ..registry import OpImpl, env_get, implementation, register, select_backend
 from .chain import accumulator_dtype, chain_matmul, chain_sum
-from .cublaslt import cublaslt_available, cublaslt_linear, cublaslt_verified
+from .cublaslt import cublaslt_available, cublaslt_verified, linear_no_split_k
 from .gemm import triton_gemm
 
 # Token granularity of the dW/dbias chain: the tensor-core K step for 16-bit
@@ -106,7 +106,7 @@ class TritonEngine:
                  and a.stride(-1) == 1 and out_dtype in (None, a.dtype) and a.shape[0] > 0 and a.shape[1] > 0)
         # Decode sizes (auto mode) are settled by the first test: host time is the cost there.
         if (a.shape[0] >= CUBLASLT_MIN_M or gemm_backend_mode() != "auto") and plain and self.use_cublaslt(a, b, bias):
-            return cublaslt_linear(a, b.t(), bias)
+            return linear_no_split_k(a, b.t(), bias)
         return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum)
 
 
