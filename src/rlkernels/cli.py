@@ -39,7 +39,7 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     versions.add_row("devices", ", ".join(gpus) or "cpu only")
     versions.add_row("TRITON_INTERPRET", "on" if triton_interpret() else "off")
-    for var in ("RLKERNELS_BACKEND", "RLKERNELS_GEMM_BACKEND", "RLKERNELS_DISABLE_TINY_GEMM"):
+    for var in ("RLKERNELS_BACKEND", "RLKERNELS_GEMM_BACKEND", "RLKERNELS_DISABLE_TINY_GEMM", "RLKERNELS_FAST_LAUNCH"):
         versions.add_row(var, os.environ.get(var, "(unset)"))
     console.print(versions)
 
