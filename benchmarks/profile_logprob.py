@@ -56,8 +56,9 @@ FUSED_CANDIDATES: tuple[FusedConfig, ...] = (
     F(128, 128, 128, split_v=2048, group_m=16, num_warps=8, num_stages=3),
     F(128, 256, 128, split_v=2048, group_m=16, num_warps=8, num_stages=2),
 )
-# Alternatives to the table's picks for the two backward GEMMs (the table gives dH
-# 256x128x64/w8/s3 at large M and dW the token-reduction tile 128x256x64/w8/s3).
+# Alternatives to the table's pick for the two backward GEMMs (both chained fp32 / token
+# reductions: the accumulate tile 128x256x64/w8/s3; dH had the forward's 256x128x64/w8/s3
+# when logprob_profile_h100.json was measured).
 GEMM_CANDIDATES: tuple[GemmConfig, ...] = (
     GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
     GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3),
@@ -161,7 +162,7 @@ def profile_gemms(timer: Timer, x: dict[str, Any], alts: list[GemmConfig]) -> li
     dw = torch.empty(cv, D, dtype=dt, device=h2.device)
     cases: list[tuple[str, Callable[[GemmConfig | None], Any], GemmConfig]] = [
         ("dH g@Wc (+=fp32)", lambda c: triton_gemm(g, wc, out=dh, accumulate=True, config=c),
-         gemm_config(N, D, dt)),
+         gemm_config(N, D, dt, token_reduction=True)),
         ("dW g^T@H", lambda c: triton_gemm(g.t(), h2, out=dw, config=c), gemm_config(cv, D, dt, token_reduction=True)),
     ]
     rows = []

@@ -17,7 +17,8 @@ The key is at least as fine as Triton's specialization: the device, the compile
 options, every constexpr, each tensor's dtype and 16-byte alignment, and for each
 integer whether it is 1, a multiple of 16, or outside int32 -- the properties
 Triton specializes integers and pointers on. Launch hooks (profilers such as
-proton) and ``RLKERNELS_FAST_LAUNCH=0`` take the normal path every time.
+proton) and ``RLKERNELS_FAST_LAUNCH=0`` (read when rlkernels is imported) take the
+normal path every time.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def fast_launch_enabled() -> bool:
 
 
 def _arg_key(arg: Any) -> Any:
-    """One argument's part of the key (the per-call hot path inlines the same rules)."""
+    """One argument's part of the key (for tests; calls key all arguments at once)."""
     return _args_key((arg,))[0]
 
 
