@@ -1,7 +1,7 @@
 """Launching a compiled Triton kernel again without Triton's per-call binder.
 
-Why: a decode-size GEMM takes 20-50 us on the GPU, and ``kernel[grid](...)`` spends
-51-108 us of host Python per call on the H100 host we measured (binding and
+Why: a decode-size GEMM takes 10-50 us on the GPU, and ``kernel[grid](...)`` spent
+33-108 us of host Python per call on the H100 hosts we measured (binding and
 specializing every argument, hashing a cache key, looking up device and stream),
 against 18-20 us for ``F.linear``. Eager decode calls were host-bound, so a kernel
 that is faster on the GPU lost on the clock.
@@ -22,11 +22,11 @@ normal path every time.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from ..registry import env_get, triton_interpret
 from ._triton import triton
 
 FAST_LAUNCH_ENV = "RLKERNELS_FAST_LAUNCH"
@@ -40,8 +40,8 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
 def fast_launch_enabled() -> bool:
-    return (_knobs is not None and os.environ.get(FAST_LAUNCH_ENV, "1").strip() not in ("0", "false", "no")
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+    return (_knobs is not None and (env_get(FAST_LAUNCH_ENV) or "1").strip() not in ("0", "false", "no")
+            and not triton_interpret())
 
 
 def _arg_key(arg: Any) -> Any:
