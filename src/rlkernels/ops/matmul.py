@@ -104,8 +104,7 @@ class TritonEngine:
         # proven, and needs no cuBLASLt probe per token count.
         plain = (out is None and not accumulate and rowsum is None and a.dim() == 2 and b.dim() == 2
                  and a.stride(-1) == 1 and out_dtype in (None, a.dtype) and a.shape[0] > 0 and a.shape[1] > 0)
-        # Decode sizes (auto mode) are settled by the first test: host time is the cost there.
-        if (a.shape[0] >= CUBLASLT_MIN_M or gemm_backend_mode() != "auto") and plain and self.use_cublaslt(a, b, bias):
+        if plain and self.use_cublaslt(a, b, bias):
             return linear_no_split_k(a, b.t(), bias)
         return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum)
 
