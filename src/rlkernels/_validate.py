@@ -34,21 +34,19 @@ def require_ndim(op: str, name: str, t: torch.Tensor, min_ndim: int, max_ndim: i
         raise ValueError(f"rlkernels.{op}: {name} must have {want} dims, got shape {tuple(t.shape)}")
 
 
-def require_same_device(op: str, **tensors: torch.Tensor | None) -> torch.device:
-    present = {k: v for k, v in tensors.items() if v is not None}
-    devices = {k: v.device for k, v in present.items()}
-    first = next(iter(devices.values()))
-    if any(d != first for d in devices.values()):
-        desc = ", ".join(f"{k} on {d}" for k, d in devices.items())
-        raise ValueError(f"rlkernels.{op}: all tensors must be on one device, got {desc}")
+def _require_one(op: str, what: str, tensors: dict[str, torch.Tensor | None], attr: str, sep: str) -> object:
+    """The shared value of ``attr`` over the non-None tensors, or a ValueError listing them."""
+    values = {k: getattr(v, attr) for k, v in tensors.items() if v is not None}
+    first = next(iter(values.values()))
+    if any(v != first for v in values.values()):
+        desc = ", ".join(f"{k}{sep}{v}" for k, v in values.items())
+        raise ValueError(f"rlkernels.{op}: {what}, got {desc}")
     return first
+
+
+def require_same_device(op: str, **tensors: torch.Tensor | None) -> torch.device:
+    return _require_one(op, "all tensors must be on one device", tensors, "device", " on ")  # type: ignore[return-value]
 
 
 def require_same_dtype(op: str, **tensors: torch.Tensor | None) -> torch.dtype:
-    present = {k: v for k, v in tensors.items() if v is not None}
-    dtypes = {k: v.dtype for k, v in present.items()}
-    first = next(iter(dtypes.values()))
-    if any(d != first for d in dtypes.values()):
-        desc = ", ".join(f"{k} {d}" for k, d in dtypes.items())
-        raise ValueError(f"rlkernels.{op}: tensors must share one dtype, got {desc}")
-    return first
+    return _require_one(op, "tensors must share one dtype", tensors, "dtype", " ")  # type: ignore[return-value]
