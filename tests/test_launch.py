@@ -125,3 +125,45 @@ def test_launch_hooks_detected():
         else:
             runtime.launch_enter_hook = before
     assert not _launch.launch_hooks_active()
+
+
+def test_cached_launcher_compiles_once_per_key_then_calls_the_kernel_directly(monkeypatch):
+    """The launch protocol, with stand-ins for Triton's JITFunction and CompiledKernel."""
+    jit_calls = []
+
+    class FakeCompiledKernel:
+        function, packed_metadata = "cu_function", ("num_warps", "num_ctas", "shared")
+
+        def __init__(self):
+            self.launches = []
+
+        def run(self, *launch_args):
+            self.launches.append(launch_args)
+
+    kernel = FakeCompiledKernel()
+
+    class FakeJitFunction:
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                jit_calls.append((grid, args, options))
+                return kernel
+            return launch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 4321, raising=False)
+    monkeypatch.setattr(_launch, "launch_hooks_active", lambda: False)
+    launcher = _launch.CachedLauncher(FakeJitFunction())
+    launcher.enabled = True
+    x = torch.randn(8)
+    for _ in range(3):
+        launcher((6, 2), (x, 5, 32), (True, 64), num_warps=4, num_stages=3)
+    assert jit_calls == [((6, 2), (x, 5, 32, True, 64), {"num_warps": 4, "num_stages": 3})]
+    # Later calls: grid padded to 3-D, the current stream, no launch metadata or hooks,
+    # then every runtime argument and every constexpr in declaration order.
+    want = (6, 2, 1, 4321, "cu_function", ("num_warps", "num_ctas", "shared"), None, None, None, x, 5, 32, True, 64)
+    assert len(kernel.launches) == 2 and all(len(l) == len(want) for l in kernel.launches)
+    assert all(a is b or a == b for l in kernel.launches for a, b in zip(l, want))
+    # Another specialization (an integer equal to 1) or other options compile again.
+    launcher((6,), (x, 1, 32), (True, 64), num_warps=4, num_stages=3)
+    launcher((6, 2), (x, 5, 32), (True, 64), num_warps=8, num_stages=3)
+    assert len(jit_calls) == 3 and len(kernel.launches) == 2
