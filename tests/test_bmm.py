@@ -300,9 +300,14 @@ def test_fp64_refused_on_triton():
 GPU_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def gpu_bench_case(test):
+    """A GPU test run for every benchmark shape and dtype (args ``dtype``, ``shape``)."""
+    test = pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: "x".join(map(str, s)))(test)
+    test = pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: str(d)[6:])(test)
+    return pytest.mark.gpu(test)
+
+
+@gpu_bench_case
 def test_gpu_bench_shapes(dtype, shape, gen):
     B, m, n, k = shape
     for shared_b in (False, True):
@@ -319,9 +324,7 @@ def test_gpu_bench_shapes(dtype, shape, gen):
         testing.assert_chunk_invariant(fn, x, chunks=[1, 7, B // 2 - 8, B - B // 2])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@gpu_bench_case
 def test_gpu_candidate_configs_agree_bitwise(dtype, shape, gen):
     # Every config the benchmark sweep may propose (so the table can be retuned)
     # must give the table config's bits; fp32 FMA mode included.
@@ -338,9 +341,7 @@ def test_gpu_candidate_configs_agree_bitwise(dtype, shape, gen):
     assert not bad, f"configs giving other bits than the table's {tiny_config(m, n, k, dtype).short()}: {bad}"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@gpu_bench_case
 def test_gpu_tiny_matches_general_path(dtype, shape, gen):
     # The canonical chain says: fp32 is a sequential FMA chain on both paths, and
     # 16-bit is the tensor cores' 16-wide K-step chain on both paths, so the bits
@@ -357,9 +358,7 @@ def test_gpu_tiny_matches_general_path(dtype, shape, gen):
         pytest.xfail(msg)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@gpu_bench_case
 def test_gpu_autograd(dtype, shape, gen):
     B, m, n, k = shape
     for shared_b in (False, True):
