@@ -47,8 +47,6 @@ from ._triton import tl, triton
 OP = "bmm"
 TINY_MAX_DIM = 64
 DISABLE_ENV = "RLKERNELS_DISABLE_TINY_GEMM"
-# CUDA caps grid axis 1 (where triton_gemm puts the batch) at 65535 programs.
-GENERAL_MAX_BATCH = 65535
 
 _log = logging.getLogger("rlkernels")
 _failed_tiny: set[tuple] = set()
@@ -237,12 +235,10 @@ def _launch_tiny(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TinyC
 
 
 def _general_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """The batch-invariant general GEMM into ``out`` [B, m, n], in batch chunks (grid limit)."""
+    """The batch-invariant general GEMM into ``out`` [B, m, n] (it chunks past CUDA's grid limit)."""
     from .gemm import triton_gemm
 
-    for s in range(0, a.shape[0], GENERAL_MAX_BATCH):
-        e = min(a.shape[0], s + GENERAL_MAX_BATCH)
-        triton_gemm(a[s:e], b if b.dim() == 2 else b[s:e], out=out[s:e])
+    triton_gemm(a, b, out=out)
 
 
 def _triton_bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,

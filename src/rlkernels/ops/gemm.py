@@ -83,11 +83,6 @@ GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
 GEMM_INTERPRETER_CONFIG = GemmConfig(1, 64, 16, group_m=1, num_warps=4, num_stages=1)
 
 
-# triton.jit decides interpreter-or-compiled once, at import: so may we (saves an
-# environment read per call); the per-call check keeps a later TRITON_INTERPRET=0 honest.
-_INTERPRETING = triton_interpret()
-
-
 def gemm_table(dtype: torch.dtype) -> tuple[tuple[int, int, GemmConfig], ...]:
     return GEMM_TABLE_FP32 if dtype == torch.float32 else GEMM_TABLE_16BIT
 
@@ -101,7 +96,7 @@ def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = Fals
     18.4 ms vs 20.3 ms with the forward's large-M tile; benchmarks/results/
     logprob_profile_h100.json).
     """
-    if _INTERPRETING and triton_interpret():
+    if triton_interpret():
         return GEMM_INTERPRETER_CONFIG
     if token_reduction and dtype != torch.float32 and m > 256:
         return GEMM_ACCUMULATE_16BIT
