@@ -331,6 +331,31 @@ def test_triton_grad_kernel_matches_torch_kernel(dtype, gen):
         assert rel_error(a, c) <= (1e-5 if dtype == F32 else 2e-3)
 
 
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+def test_tma_loads_and_persistent_g_kernel_keep_the_bits(gen):
+    """Operands by TMA descriptors and the persistent g schedule: the pointer kernels' bits
+    (fp16; the interpreter's fp32 dot rounds by memory layout, GPU tests cover bf16)."""
+    import dataclasses
+
+    from rlkernels.ops.linear_logprob import FUSED_INTERPRETER
+
+    n, d, v = 13, 64, 200
+    h, w, b, t = _data(n, d, v, F16, gen)
+    tgt = torch.where(t == -100, -1, t)
+    base = TritonKernels(FUSED_INTERPRETER)
+    want = base.forward(h, w, b, tgt, TEMP)
+    gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    g_want = torch.empty(n, 128, dtype=F16)
+    base.grad_logits(h, w, b, tgt, want[2], want[1], gl, ge, TEMP, 64, 192, g_want)
+    for cfg in (dataclasses.replace(FUSED_INTERPRETER, tma=True),
+                dataclasses.replace(FUSED_INTERPRETER, tma=True, persistent=True)):
+        k = TritonKernels(cfg)
+        assert all(torch.equal(x, y) for x, y in zip(k.forward(h, w, b, tgt, TEMP), want)), cfg.short()
+        g = torch.empty_like(g_want)
+        k.grad_logits(h, w, b, tgt, want[2], want[1], gl, ge, TEMP, 64, 192, g)
+        assert torch.equal(g, g_want), cfg.short()
+
+
 # ------------------------------------------------------------------------------ errors
 
 def test_errors(gen):

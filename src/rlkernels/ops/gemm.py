@@ -27,6 +27,12 @@ from ..registry import triton_interpret
 
 from ._launch import cached_launcher
 from ._triton import tl, triton
+from .gemm_tma import tma_eligible, tma_gemm
+
+try:
+    from triton.runtime.errors import OutOfResources
+except Exception:  # pragma: no cover - no Triton
+    OutOfResources = RuntimeError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +43,17 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    # Large-M tiles: operands by TMA (ops.gemm_tma) where the layouts allow -- else the
+    # pointer kernel with the same tile, which gives the same bits -- and a persistent,
+    # optionally warp-specialized schedule.
+    tma: bool = False
+    persistent: bool = False
+    warp_specialize: bool = False
 
     def short(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}"
+        sched = "/tma" if self.tma else ""
+        sched += ("/pers" + ("-ws" if self.warp_specialize else "")) if self.persistent else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}{sched}"
 
 
 # The dispatch table: (dtype kind) -> rows of (largest M, smallest N, config); the
@@ -64,10 +78,16 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
     (64, 0, GemmConfig(64, 32, 256, group_m=1, num_warps=4, num_stages=4)),
     (256, WIDE_N, GemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)),
     (256, 0, GemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
-    (1 << 62, 0, GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+    # Large M: TMA operand loads and a persistent schedule, warp-specialized up to
+    # M = 2048 (H100 bf16, M >= 1024: 0.96-1.06x stock cuBLAS where the pointer kernel
+    # ran 1.18-1.29x, same bits; benchmarks/results/explore_tma_h100.json).
+    (2048, 0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True,
+                         warp_specialize=True)),
+    (1 << 62, 0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)),
 )
-# dW = dY^T @ X (A read transposed, reduction over tokens): its own best tile.
-GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+# dW = dY^T @ X (A read transposed, reduction over tokens) and fp32 chained outputs:
+# their own tile (the fp32 output goes through pointers, see ops.gemm_tma).
+GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)
 GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     (16, 0, GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
     (256, 0, GemmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
@@ -195,6 +215,10 @@ if triton is not None:
 
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
 
+# TMA variants that failed to fit in shared memory, by (config, layouts, dtypes): they
+# go straight to the pointer kernel afterwards.
+_TMA_TOO_BIG: set[tuple] = set()
+
 
 def triton_gemm(
     a: torch.Tensor,
@@ -239,6 +263,17 @@ def triton_gemm(
                 out += bias
         return out
     cfg = config or gemm_config(M, N, a.dtype, token_reduction=accumulate or (sam == 1 and sak != 1))
+    if cfg.tma and rowsum is None and tma_eligible(a, b, out):
+        key = (cfg, a.stride(1) == 1, b.stride(0) == 1, accumulate, out.dtype, a.dtype)
+        if key not in _TMA_TOO_BIG:
+            try:
+                return tma_gemm(a, b, cfg, bias=bias, out=out, accumulate=accumulate)
+            except OutOfResources:
+                # Raised before launch (nothing written): some layout/epilogue variants need
+                # more shared memory than the chip has (e.g. a warp-specialized tile with an
+                # fp32 chained output). The pointer kernel with the same tile gives the same
+                # bits (tests/test_gemm_tma.py).
+                _TMA_TOO_BIG.add(key)
     if Bt > MAX_GRID_BATCH:
         # CUDA caps grid axis 1; batch elements are independent, so chunking the batch
         # changes no element's bits.

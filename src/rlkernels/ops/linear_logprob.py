@@ -37,6 +37,7 @@ import torch
 from .. import _validate as V_
 from ..registry import OpImpl, implementation, register, select_backend, triton_interpret
 from .chain import accumulator_dtype, chain_matmul
+from .gemm_tma import TensorDescriptor, sm_count, tma_layout_ok
 from .matmul import _autocast, engine_for, main_grad_target
 
 from ._triton import tl, triton
@@ -232,15 +233,25 @@ class FusedConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    # Operand tiles by TMA (Hopper+, 16-byte aligned rows) instead of pointer loads: the
+    # same D-chain, zero-filled edges (ops.gemm_tma).
+    tma: bool = False
+    # Backward g kernel: NUM_SMS programs walk the tiles instead of one program per tile.
+    persistent: bool = False
 
     def short(self) -> str:
         return (f"{self.block_m}x{self.block_v}x{self.block_k}/split{self.split_v}/g{self.group_m}"
-                f"/w{self.num_warps}/s{self.num_stages}")
+                f"/w{self.num_warps}/s{self.num_stages}{'/tma' if self.tma else ''}"
+                f"{'/pers' if self.persistent else ''}")
 
 
 # Checked in, never tuned at run time. The 16-bit entry matches the large-M tile of the
 # GEMM table (128x256x64, 8 warps, 3 stages): the fused kernels are GEMMs with an epilogue.
-FUSED_16BIT = FusedConfig(128, 256, 64, split_v=2048, group_m=16, num_warps=8, num_stages=3)
+# TMA operand loads: forward 16.6 -> 14.4 ms, and with the persistent g schedule the g
+# recompute 17.5 -> 14.9 ms (H100, N=8192 D=4096 V=151936, same bits;
+# benchmarks/results/explore_tma_h100.json).
+FUSED_16BIT = FusedConfig(128, 256, 64, split_v=2048, group_m=16, num_warps=8, num_stages=3, tma=True,
+                          persistent=True)
 FUSED_FP32 = FusedConfig(64, 64, 32, split_v=2048, group_m=8, num_warps=4, num_stages=3)
 # The interpreter's tl.dot is numpy's BLAS, whose rounding depends on a row's place in
 # the tile (see ops.gemm): one row per program keeps every row's numpy calls identical.
@@ -259,18 +270,27 @@ COMBINE_BLOCK = 256
 if triton is not None:
 
     @triton.jit
-    def _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, V, D, temperature,
+    def _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, m0, v_lo, V, D, temperature,
                      stride_hn, stride_hd, stride_wv, stride_wd,
                      HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-        """z[BLOCK_M, BLOCK_V] = (h[rm] @ W[offs_v]^T + b) / T: the canonical ascending D-chain."""
+                     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+        """z[BLOCK_M, BLOCK_V] = (h[rm] @ W[offs_v]^T + b) / T: the canonical ascending D-chain.
+
+        With TMA, h_ptr/w_ptr are descriptors and (m0, v_lo) the tile's first row and column.
+        """
         rv = (offs_v % V).to(tl.int64)  # columns past V re-read valid rows of W; masked by the caller
         offs_k = tl.arange(0, BLOCK_K)
-        h_ptrs = h_ptr + rm[:, None] * stride_hn + offs_k[None, :].to(tl.int64) * stride_hd
-        w_ptrs = w_ptr + offs_k[:, None].to(tl.int64) * stride_wd + rv[None, :] * stride_wv
+        if not TMA:
+            h_ptrs = h_ptr + rm[:, None] * stride_hn + offs_k[None, :].to(tl.int64) * stride_hd
+            w_ptrs = w_ptr + offs_k[:, None].to(tl.int64) * stride_wd + rv[None, :] * stride_wv
         acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
         for k in range(0, tl.cdiv(D, BLOCK_K)):
-            if EVEN_D:
+            if TMA:
+                # Rows past N, columns past V and the D tail arrive as zeros (never stored,
+                # masked by the caller, or adding exactly 0 to the chain).
+                h = h_ptr.load([m0, k * BLOCK_K])
+                w = w_ptr.load([v_lo, k * BLOCK_K]).T
+            elif EVEN_D:
                 h = tl.load(h_ptrs)
                 w = tl.load(w_ptrs)
             else:
@@ -281,8 +301,9 @@ if triton is not None:
                 acc = tl.dot(h, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(h, w, acc)
-            h_ptrs += BLOCK_K * stride_hd
-            w_ptrs += BLOCK_K * stride_wd
+            if not TMA:
+                h_ptrs += BLOCK_K * stride_hd
+                w_ptrs += BLOCK_K * stride_wd
         if HAS_BIAS:
             b = tl.load(b_ptr + rv)
             acc = acc + b.to(tl.float32)[None, :]
@@ -298,8 +319,8 @@ if triton is not None:
         N, V, D, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd,
         HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-        SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
+        TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target."""
         pid = tl.program_id(0)
@@ -328,9 +349,9 @@ if triton is not None:
         # Tiles in ascending column order: the row's statistics are one fixed chain.
         for j in range(0, n_tiles):
             offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
-            z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, V, D, temperature,
-                             stride_hn, stride_hd, stride_wv, stride_wd,
-                             HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, BLOCK_M, BLOCK_V, BLOCK_K)
+            z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
+                             temperature, stride_hn, stride_hd, stride_wv, stride_wd,
+                             HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
             col_ok = offs_v < V
             # At most one column matches: the sum is that logit exactly. Taken first so
             # z's registers can be reused by the statistics below.
@@ -389,31 +410,30 @@ if triton is not None:
         tl.store(lse_ptr + rows, mx + log_s, mask=ok)
 
     @triton.jit
-    def _grad_logits_kernel(
-        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr,
+    def _grad_logits_tile(
+        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
         N, V, D, v0, v1, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
         HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
-        EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
+        EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        """g[:, v - v0] = dL/d(h W^T + b)[:, v] for v in [v0, v1), recomputing the logits tile."""
-        pid = tl.program_id(0)
+        """g[:, v - v0] = dL/d(h W^T + b)[:, v] on one [BLOCK_M, BLOCK_V] tile, recomputing its logits."""
         num_pid_m = tl.cdiv(N, BLOCK_M)
         num_pid_v = tl.cdiv(v1 - v0, BLOCK_V)
         num_in_group = GROUP_M * num_pid_v
-        group_id = pid // num_in_group
+        group_id = tile_id // num_in_group
         first_m = group_id * GROUP_M
         group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % num_in_group) % group_size)
-        pid_v = (pid % num_in_group) // group_size
+        pid_m = first_m + ((tile_id % num_in_group) % group_size)
+        pid_v = (tile_id % num_in_group) // group_size
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rm = (offs_m % N).to(tl.int64)
         offs_v = v0 + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, V, D, temperature,
-                         stride_hn, stride_hd, stride_wv, stride_wd,
-                         HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, BLOCK_M, BLOCK_V, BLOCK_K)
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v0 + pid_v * BLOCK_V, V, D,
+                         temperature, stride_hn, stride_hd, stride_wv, stride_wd,
+                         HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
         lp = z - tl.load(lse_ptr + rm)[:, None]
         p = tl.exp(lp)
         gl = tl.load(gl_ptr + rm)  # already zero on ignored rows
@@ -436,6 +456,30 @@ if triton is not None:
         tl.store(g_base + loc_m[:, None] * stride_gn + loc_v[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty),
                  mask=mask)
 
+    @triton.jit
+    def _grad_logits_kernel(
+        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr,
+        N, V, D, v0, v1, temperature,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
+        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
+        EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
+    ):
+        """g for the chunk [v0, v1): one tile per program, or NUM_SMS programs walking the
+        tiles (a tile's arithmetic is the same whichever program computes it)."""
+        if PERSISTENT:
+            num_tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(v1 - v0, BLOCK_V)
+            for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=False):
+                _grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
+                                  N, V, D, v0, v1, temperature,
+                                  stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
+                                  HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M)
+        else:
+            _grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tl.program_id(0),
+                              N, V, D, v0, v1, temperature,
+                              stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
+                              HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M)
+
 
 class TritonKernels:
     """The two fused steps of the op as Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
@@ -447,6 +491,17 @@ class TritonKernels:
 
     def _cfg(self, dtype: torch.dtype) -> FusedConfig:
         return self.config or fused_config(dtype)
+
+    @staticmethod
+    def _operands(h2: torch.Tensor, weight: torch.Tensor, cfg: FusedConfig) -> tuple[object, object, bool]:
+        """(h, W, tma): TMA descriptors where the config asks and the layouts allow, else the tensors."""
+        if cfg.tma and (h2.is_cuda or triton_interpret()) and TensorDescriptor is not None \
+                and tma_layout_ok(h2) and tma_layout_ok(weight):
+            N, D = h2.shape
+            return (TensorDescriptor(h2, [N, D], [h2.stride(0), 1], [cfg.block_m, cfg.block_k]),
+                    TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [cfg.block_v, cfg.block_k]),
+                    True)
+        return h2, weight, False
 
     def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -466,13 +521,14 @@ class TritonKernels:
         u = torch.empty_like(m)
         zt = torch.zeros(N, dtype=torch.float32, device=dev)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
+        h_arg, w_arg, tma = self._operands(h2, weight, cfg)
         grid = (triton.cdiv(N, cfg.block_m) * n_split,)
         _fwd_partial_kernel[grid](
-            h2, weight, bias if bias is not None else h2, tgt, m, s, u, zt,
+            h_arg, w_arg, bias if bias is not None else h2, tgt, m, s, u, zt,
             N, vocab, D, float(temperature),
             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1),
             HAS_BIAS=bias is not None, HAS_TEMP=temperature != 1.0, IEEE=h2.dtype == torch.float32,
-            EVEN_D=D % cfg.block_k == 0, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v,
+            EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         _combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
@@ -487,16 +543,19 @@ class TritonKernels:
             return
         cfg = self._cfg(h2.dtype)
         bias = bias.contiguous() if bias is not None else None
-        grid = (triton.cdiv(N, cfg.block_m) * triton.cdiv(v1 - v0, cfg.block_v),)
+        h_arg, w_arg, tma = self._operands(h2, weight, cfg)
+        num_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(v1 - v0, cfg.block_v)
+        sms = sm_count(h2.device)
+        grid = (min(num_tiles, sms) if cfg.persistent else num_tiles,)
         _grad_logits_kernel[grid](
-            h2, weight, bias if bias is not None else h2, tgt, lse, ent, g_logp,
+            h_arg, w_arg, bias if bias is not None else h2, tgt, lse, ent, g_logp,
             g_ent if g_ent is not None else g_logp, out,
             N, weight.shape[0], D, v0, v1, float(temperature),
             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
             HAS_BIAS=bias is not None, HAS_TEMP=temperature != 1.0, HAS_GE=g_ent is not None,
-            IEEE=h2.dtype == torch.float32, EVEN_D=D % cfg.block_k == 0,
+            IEEE=h2.dtype == torch.float32, EVEN_D=D % cfg.block_k == 0, TMA=tma,
             BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PERSISTENT=cfg.persistent, NUM_SMS=sms, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
 

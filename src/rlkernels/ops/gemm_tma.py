@@ -1,0 +1,181 @@
+"""The canonical K-chain GEMM with TMA tile loads (Hopper and later).
+
+Same arithmetic as ``ops.gemm._gemm_kernel`` -- ``acc = tl.dot(a_blk, b_blk, acc)`` over
+k-blocks 0, 1, 2, ... in one fp32 accumulator, rounded once -- but the tiles are
+brought in by the Tensor Memory Accelerator from host-built descriptors instead of
+per-thread pointer loads. Out-of-range rows, columns and the K tail are zero-filled
+by the hardware: a zero product adds exactly nothing to the chain, so the bits are
+those of the pointer kernel (a GPU test compares them on every config).
+
+Two schedules, both with a fixed K order inside every tile:
+  * one program per output tile (``persistent=False``);
+  * persistent: ``NUM_SMS`` programs walk the tiles in a fixed stride, optionally
+    warp-specialized (producer warps issue the TMA loads, consumer warps the MMAs).
+    Which program computes a tile changes where it runs, never its arithmetic.
+
+Layouts: A is K-major ([M, K] rows) or M-major (dY^T of a [tokens, N] tensor); B is
+K-major (an ``nn.Linear`` weight [N, K] read as its transpose) or N-major ([K, N] rows).
+TMA wants 16-byte aligned bases and row strides and a unit inner stride; anything
+else stays on the pointer kernel (:func:`tma_eligible`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._triton import tl, triton
+
+if TYPE_CHECKING:
+    from .gemm import GemmConfig
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover - Triton without host-side descriptors
+    TensorDescriptor = None
+
+
+def tma_layout_ok(t: torch.Tensor, inner_dim: int = 1) -> bool:
+    """A 2-D tensor TMA can describe with ``inner_dim`` innermost: unit stride there,
+    16-byte aligned base and outer stride."""
+    if t.dim() != 2 or t.stride(inner_dim) != 1 or t.data_ptr() % 16:
+        return False
+    outer = t.stride(1 - inner_dim)
+    return (outer * t.element_size()) % 16 == 0 and outer >= t.shape[inner_dim]
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
+def tma_eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """2-D operands on a Hopper-or-later GPU whose layouts TMA can describe (module doc).
+    ``out`` is written through pointers when it is not (any strides work there)."""
+    if TensorDescriptor is None or a.dim() != 2 or b.dim() != 2 or not a.is_cuda or _capability(a.device)[0] < 9:
+        return False
+    return ((tma_layout_ok(a, 1) or tma_layout_ok(a, 0)) and (tma_layout_ok(b, 0) or tma_layout_ok(b, 1))
+            and (out is None or out.dim() == 2))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tma_tile(a_desc, b_desc, c_desc, c_ptr, bias_ptr, tile_id, M, N, K, stride_cm, stride_cn,
+                  HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, C_DESC: tl.constexpr, IEEE: tl.constexpr,
+                  A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        # Grouped tile order: which tiles share L2, never the K order.
+        num_in_group = GROUP_M * num_pid_n
+        group_id = tile_id // num_in_group
+        first_m = group_id * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        off_m = (first_m + ((tile_id % num_in_group) % group_size)) * BLOCK_M
+        off_n = ((tile_id % num_in_group) // group_size) * BLOCK_N
+        if not C_DESC:
+            # fp32 outputs (chained dH, main_grad) go through pointers: a TMA staging tile of
+            # 128x256 fp32 would not fit in shared memory beside the operand pipeline.
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
+        if ACC_FROM_C:
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The canonical chain: one ascending pass over K, one fp32 accumulator.
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            off_k = k * BLOCK_K
+            if A_KMAJOR:
+                a = a_desc.load([off_m, off_k])
+            else:
+                a = a_desc.load([off_k, off_m]).T
+            if B_KMAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            offs_bn = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + offs_bn, mask=offs_bn < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        if C_DESC:
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        else:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+    @triton.jit
+    def _gemm_tma_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, stride_cm, stride_cn,
+                         HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, C_DESC: tl.constexpr,
+                         IEEE: tl.constexpr, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, PERSISTENT: tl.constexpr,
+                         WARP_SPECIALIZE: tl.constexpr):
+        if PERSISTENT:
+            num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+            for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=False,
+                                    warp_specialize=WARP_SPECIALIZE):
+                _tma_tile(a_desc, b_desc, c_desc, c_ptr, bias_ptr, tile_id, M, N, K, stride_cm, stride_cn,
+                          HAS_BIAS, ACC_FROM_C, C_DESC, IEEE, A_KMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K,
+                          GROUP_M)
+        else:
+            _tma_tile(a_desc, b_desc, c_desc, c_ptr, bias_ptr, tl.program_id(0), M, N, K, stride_cm, stride_cn,
+                      HAS_BIAS, ACC_FROM_C, C_DESC, IEEE, A_KMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so the persistent loop is exercised
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def tma_gemm(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             accumulate: bool = False) -> torch.Tensor:
+    """C = A @ B (+ bias) by the canonical K-chain with TMA loads; a [M, K], b [K, N], M, N, K > 0.
+
+    The caller has checked :func:`tma_eligible`. With ``accumulate`` the fp32 ``out``
+    is the chain's starting value and is updated in place. ``cfg.persistent`` and
+    ``cfg.warp_specialize`` pick the schedule (module doc).
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype or a.dtype, device=a.device)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    a_kmajor = tma_layout_ok(a, 1)
+    b_kmajor = tma_layout_ok(b, 0)
+    # Descriptors over the operands' memory as it lies (rows along the unit-stride dim).
+    a_desc = (TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk]) if a_kmajor
+              else TensorDescriptor(a, [K, M], [a.stride(1), 1], [bk, bm]))
+    b_desc = (TensorDescriptor(b, [N, K], [b.stride(1), 1], [bn, bk]) if b_kmajor
+              else TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn]))
+    c_desc_ok = not accumulate and out.element_size() < 4 and tma_layout_ok(out, 1)
+    c_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [bm, bn]) if c_desc_ok else a_desc
+    num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    sms = sm_count(a.device)
+    grid = (min(sms, num_tiles),) if cfg.persistent else (num_tiles,)
+    _gemm_tma_kernel[grid](
+        a_desc, b_desc, c_desc, out, bias if bias is not None else out, M, N, K, out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, ACC_FROM_C=accumulate, C_DESC=c_desc_ok, IEEE=a.dtype == torch.float32,
+        A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        NUM_SMS=sms, PERSISTENT=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
