@@ -27,7 +27,8 @@ TEMPERATURE = 1.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peers", action="store_true", help="skip Liger / CCE / naive torch")
     parser.add_argument("--config", default=None,
-                        help="try another fused tile config: BM,BV,BK,SPLIT_V,GROUP_M,WARPS,STAGES (bits change)")
+                        help="try another fused tile config: BM,BV,BK,SPLIT_V,GROUP_M,WARPS,STAGES[,tma][,pers] "
+                             "(bits may change)")
     parser.add_argument("--shape", action="append", default=None, help="N,D,V (repeatable)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="T != 1 adds a correctly rounded division per logit (rlkernels and naive torch)")
@@ -132,9 +133,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     TEMPERATURE = float(getattr(args, "temperature", 1.0) or 1.0)
 
     if getattr(args, "config", None):
-        a = [int(x) for x in args.config.split(",")]
+        parts = args.config.split(",")
+        a = [int(x) for x in parts[:7]]
         L.LinearLogprobTriton.kernels = L.TritonKernels(L.FusedConfig(a[0], a[1], a[2], split_v=a[3], group_m=a[4],
-                                                                      num_warps=a[5], num_stages=a[6]))
+                                                                      num_warps=a[5], num_stages=a[6],
+                                                                      tma="tma" in parts[7:],
+                                                                      persistent="pers" in parts[7:]))
     if getattr(args, "shape", None):
         shapes = tuple(tuple(int(x) for x in s.split(",")) for s in args.shape)
     else:
@@ -172,12 +176,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
                 if "fwd_bwd_ms" in row:
                     row["fwd_bwd_tflops"] = 4 * flops / row["fwd_bwd_ms"] / 1e9
+                # The speed of light on this machine: the logits GEMM alone (cuBLAS, bf16 out);
+                # machines of one kind differ by a few percent, so ratios travel, ms do not.
+                row["logits_gemm_ms"] = median_ms(lambda: torch.mm(h, w.t()))
+                if "fwd_ms" in row:
+                    row["fwd_vs_gemm"] = row["fwd_ms"] / row["logits_gemm_ms"]
+                _free()
             rows.append(row)
             print(row, flush=True)
         del h, w, t, gl, ge, cases
         _free()
     print_table("linear_logprob (bf16, per-token upstream grads)", rows,
                 ["N", "D", "V", "impl", "fwd_ms", "fwd_bwd_ms", "peak_extra_gib", "fwd_tflops", "fwd_bwd_tflops",
-                 "note"])
+                 "logits_gemm_ms", "fwd_vs_gemm", "note"])
     write_json(args.json, "logprob", rows, {"fused_config": cfg.short(), "temperature": TEMPERATURE})
     return rows
