@@ -142,7 +142,8 @@ def section_gemm(rows, path, quick):
     torch.cuda.empty_cache()
 
 
-def section_logprob(rows, path, quick):
+def logprob_data():
+    """(N, D, V, hidden, weight, targets with every 7th ignored, g_logp, g_ent, backward chunk)."""
     dev = torch.device("cuda")
     N, D, V = 8192, 4096, 151936
     torch.manual_seed(0)
@@ -151,7 +152,12 @@ def section_logprob(rows, path, quick):
     t = torch.randint(0, V, (N,), device=dev)
     t[::7] = -1
     gl, ge = torch.randn(N, device=dev), torch.randn(N, device=dev)
-    cv = backward_chunk(N, V, 2)
+    return N, D, V, h, w, t, gl, ge, backward_chunk(N, V, 2)
+
+
+def section_logprob(rows, path, quick):
+    N, D, V, h, w, t, gl, ge, cv = logprob_data()
+    dev = h.device
     g_ref = torch.empty(N, cv, device=dev, dtype=torch.bfloat16)
     stock = median_ms(lambda: torch.mm(h, w.t()))
     record(rows, {"section": "logprob", "part": "cublas logits h@W^T", "ms": stock}, path)
@@ -228,15 +234,8 @@ BWD_GEMM = (
 
 
 def section_lpbwd(rows, path, quick):
-    dev = torch.device("cuda")
-    N, D, V = 8192, 4096, 151936
-    torch.manual_seed(0)
-    h = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(V, D, device=dev, dtype=torch.bfloat16) / D ** 0.5
-    t = torch.randint(0, V, (N,), device=dev)
-    t[::7] = -1
-    gl, ge = torch.randn(N, device=dev), torch.randn(N, device=dev)
-    cv = backward_chunk(N, V, 2)
+    N, D, V, h, w, t, gl, ge, cv = logprob_data()
+    dev = h.device
     logp, ent, lse = TritonKernels(FUSED_16BIT).forward(h, w, None, t, 1.0)
     ptr = dataclasses.replace(FUSED_16BIT, tma=False)
     g_ref = torch.empty(N, cv, device=dev, dtype=torch.bfloat16)
