@@ -294,6 +294,42 @@ def test_backward_chunk_size_does_not_change_bits(backend, dtype, gen, monkeypat
         assert torch.equal(x, y), name
 
 
+@pytest.mark.parametrize("backend,dtype", _cases((F16, BF16)))
+def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, gen, monkeypatch):
+    """dH accumulated in dW's not-yet-written last rows (those chunks' dW computed after
+    dH, from a recomputed g) gives the bits of a separate accumulator."""
+    import rlkernels.ops.linear_logprob as mod
+
+    n, d, v = 33, 40, 257
+    h, w, b, t = _data(n, d, v, dtype, gen)
+    gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: 64)
+    monkeypatch.setattr(mod, "dw_tail_rows", lambda *args: None)
+    separate = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
+    monkeypatch.undo()
+    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: 64)
+    monkeypatch.setattr(mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
+    tail = mod.dw_tail_rows(n, d, v, 64, torch.float32, torch.empty(v, d, dtype=dtype))
+    assert tail is not None and tail < 192  # three of the five chunks wait for dH
+    in_tail = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
+    for name, x, y in zip(("dhidden", "dweight", "dbias"), separate, in_tail):
+        assert torch.equal(x, y), name
+
+
+def test_dh_accumulator_placement_rule():
+    from rlkernels.ops.linear_logprob import dw_tail_rows
+
+    bf = torch.empty(1, dtype=BF16)
+    # The benchmark shape: 16384 rows of dW hold the fp32 [8192, 4096] accumulator; the
+    # chunks from column 135168 on (11% of V) compute dW after dH.
+    assert dw_tail_rows(8192, 4096, 151936, 4096, F32, bf) == 151936 - 16384
+    assert dw_tail_rows(1024, 4096, 151936, 32768, F32, bf) is None  # accumulator < g buffer
+    assert dw_tail_rows(32768, 4096, 151936, 4096, F32, bf) is None  # 43% of V to recompute
+    assert dw_tail_rows(8192, 4096, 151936, 4096, F32, torch.empty(1)) is None  # fp32: nothing to save
+    assert dw_tail_rows(8192, 4096, 151936, 4096, F32, None) is None  # no dW buffer (main_grad)
+    assert dw_tail_rows(100, 4095, 1000, 256, F32, bf) % 8 == 0  # 16-byte aligned start
+
+
 def test_backward_chunk_rule():
     assert backward_chunk(8192, 151936, 2) == 4096
     assert backward_chunk(32768, 151936, 2) == 4096
@@ -530,9 +566,15 @@ def forward_extra_bytes(n: int, v: int) -> int:
 
 
 def backward_extra_bytes(n: int, d: int, v: int, elem: int) -> int:
-    """The backward's documented peak: dW + dbias + fp32 dH + max(g buffer, dH output) + [N] vectors."""
+    """The backward's documented peak: dW + dbias + [N] vectors, plus either (fp32 dH in
+    dW's last rows) g buffer + dH output, or fp32 dH + max(g buffer, dH output)."""
+    from rlkernels.ops.linear_logprob import dw_tail_rows
+
     cv = backward_chunk(n, v, elem)
-    return v * d * elem + v * 4 + n * d * 4 + max(n * min(cv, v) * elem, n * d * elem) + 64 * n + (8 << 20)
+    g_bytes, dh_bytes = n * min(cv, v) * elem, n * d * elem
+    in_tail = dw_tail_rows(n, d, v, cv, torch.float32, torch.empty(1, dtype=BF16 if elem == 2 else F32))
+    rest = g_bytes + dh_bytes if in_tail is not None else n * d * 4 + max(g_bytes, dh_bytes)
+    return v * d * elem + v * 4 + rest + 64 * n + (8 << 20)
 
 
 @pytest.mark.gpu
