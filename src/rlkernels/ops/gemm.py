@@ -26,6 +26,7 @@ import torch
 from ..registry import triton_interpret
 
 from ._launch import cached_launcher
+from ._tiles import grouped_tile
 from ._triton import tl, triton
 from .gemm_tma import tma_eligible, tma_gemm
 
@@ -141,15 +142,7 @@ if triton is not None:
     ):
         pid = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        # Grouped tile order: only affects which tiles share L2, never the K order.
-        num_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_in_group
-        first_m = group_id * GROUP_M
-        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % num_in_group) % group_size)
-        pid_n = (pid % num_in_group) // group_size
+        pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

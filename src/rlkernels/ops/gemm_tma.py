@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._triton import tl, triton
+from ._tiles import grouped_tile
 
 if TYPE_CHECKING:
     from .gemm import GemmConfig
@@ -70,15 +71,9 @@ if triton is not None:
                   HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, C_DESC: tl.constexpr, IEEE: tl.constexpr,
                   A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        # Grouped tile order: which tiles share L2, never the K order.
-        num_in_group = GROUP_M * num_pid_n
-        group_id = tile_id // num_in_group
-        first_m = group_id * GROUP_M
-        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-        off_m = (first_m + ((tile_id % num_in_group) % group_size)) * BLOCK_M
-        off_n = ((tile_id % num_in_group) // group_size) * BLOCK_N
+        pid_m, pid_n = grouped_tile(tile_id, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
         if not C_DESC:
             # fp32 outputs (chained dH, main_grad) go through pointers: a TMA staging tile of
             # 128x256 fp32 would not fit in shared memory beside the operand pipeline.

@@ -39,6 +39,7 @@ import torch
 from .. import _validate as V_
 from ..registry import OpImpl, implementation, register, select_backend, triton_interpret
 from .chain import accumulator_dtype, chain_matmul
+from ._tiles import grouped_tile
 from .gemm_tma import TensorDescriptor, sm_count, tma_layout_ok
 from .matmul import _autocast, engine_for, main_grad_target
 
@@ -353,17 +354,8 @@ if triton is not None:
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target."""
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(N, BLOCK_M)
-        num_split = tl.cdiv(V, SPLIT_V)
-        # Grouped order: GROUP_M token blocks share the streamed W tiles in L2. Placement
-        # only; a row's arithmetic is the same in any program order.
-        num_in_group = GROUP_M * num_split
-        group_id = pid // num_in_group
-        first_m = group_id * GROUP_M
-        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % num_in_group) % group_size)
-        pid_s = (pid % num_in_group) // group_size
+        # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
+        pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N
@@ -449,14 +441,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         """g[:, v - v0] = dL/d(h W^T + b)[:, v] on one [BLOCK_M, BLOCK_V] tile, recomputing its logits."""
-        num_pid_m = tl.cdiv(N, BLOCK_M)
-        num_pid_v = tl.cdiv(v1 - v0, BLOCK_V)
-        num_in_group = GROUP_M * num_pid_v
-        group_id = tile_id // num_in_group
-        first_m = group_id * GROUP_M
-        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((tile_id % num_in_group) % group_size)
-        pid_v = (tile_id % num_in_group) // group_size
+        pid_m, pid_v = grouped_tile(tile_id, tl.cdiv(N, BLOCK_M), tl.cdiv(v1 - v0, BLOCK_V), GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rm = (offs_m % N).to(tl.int64)
