@@ -81,8 +81,8 @@ def backward_chunk(n_rows: int, vocab: int, elem_size: int) -> int:
 # recomputing their g (extra work: those columns' share of one g pass). Used when that
 # share is at most this fraction of V and the accumulator (N*D*4 bytes) is at least the
 # g buffer it sits beside -- the trade is memory for time, worth it where the
-# accumulator is a large part of the peak (N = 8192, D = 4096, V = 151936, bf16:
-# 1.35 -> 1.28 GiB for 11% of a g pass).
+# accumulator is a large part of the peak (H100, N = 8192, D = 4096, V = 151936, bf16:
+# 1.35 -> 1.285 GiB, fwd+bwd 65.3 -> 67.4 ms; benchmarks/results/logprob_h100_run5_acc_in_dw.json).
 ACC_IN_DW_MAX_RECOMPUTE = 0.25
 
 
