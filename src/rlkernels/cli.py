@@ -12,6 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ._versions import installed_version
+
 
 def _default_device() -> str:
     import torch
@@ -31,10 +33,7 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     versions.add_row("rlkernels", __version__)
     versions.add_row("python", platform.python_version())
     for mod in ("torch", "triton", "numpy", "rich", "transformers"):
-        try:
-            versions.add_row(mod, importlib.import_module(mod).__version__)
-        except Exception:
-            versions.add_row(mod, "not installed")
+        versions.add_row(mod, installed_version(mod) or "not installed")
     versions.add_row("cuda", str(torch.version.cuda))
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     versions.add_row("devices", ", ".join(gpus) or "cpu only")

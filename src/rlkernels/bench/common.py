@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from .._versions import installed_version
+
 
 def environment() -> dict[str, Any]:
     env: dict[str, Any] = {
@@ -26,11 +28,7 @@ def environment() -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     for mod in ("triton", "rlkernels", "transformers", "liger_kernel", "cut_cross_entropy", "sgemm_bi"):
-        try:
-            m = importlib.import_module(mod)
-            env[mod] = getattr(m, "__version__", "installed")
-        except Exception:
-            env[mod] = None
+        env[mod] = installed_version(mod)
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         env["sm_count"] = p.multi_processor_count
