@@ -35,26 +35,28 @@ import torch
 
 from rlkernels.bench.common import median_ms, print_table, write_json
 from rlkernels.ops.gemm import GemmConfig, gemm_config, triton_gemm
-from rlkernels.ops.linear_logprob import (FusedConfig, LinearLogprobFunction, TritonKernels, backward_chunk,
-                                          fused_config)
+from rlkernels.ops.linear_logprob import (FUSED_16BIT, FusedConfig, LinearLogprobFunction, TritonKernels,
+                                          backward_chunk, fused_config)
 from rlkernels.ops.matmul import engine_for
 
-F = FusedConfig
-# Candidates around the checked-in 16-bit config (128x256x64/split2048/g16/w8/s3), one
-# knob at a time where possible. Pipeline smem = stages * (BM + BV) * BK * 2 bytes for
-# 16-bit inputs; all stay under the H100's 227 KB per block (128x256x64 s4 = 192 KB,
+# Candidates around the checked-in 16-bit config (FUSED_16BIT: 128x256x64/split2048/g16/
+# w8/s3, TMA operand loads, persistent g kernel), one knob at a time; the last one is the
+# pointer-load version of the default. Pipeline smem = stages * (BM + BV) * BK * 2 bytes
+# for 16-bit inputs; all stay under the H100's 227 KB per block (128x256x64 s4 = 192 KB,
 # 128x128x128 s3 = 192 KB, 128x256x128 s2 = 192 KB). With --quick only the first one.
+_R = dataclasses.replace
 FUSED_CANDIDATES: tuple[FusedConfig, ...] = (
-    F(128, 256, 64, split_v=2048, group_m=16, num_warps=8, num_stages=4),
-    F(128, 256, 64, split_v=4096, group_m=16, num_warps=8, num_stages=3),
-    F(128, 256, 64, split_v=8192, group_m=16, num_warps=8, num_stages=3),
-    F(128, 256, 64, split_v=2048, group_m=8, num_warps=8, num_stages=3),
-    F(128, 256, 64, split_v=2048, group_m=32, num_warps=8, num_stages=3),
-    F(256, 128, 64, split_v=2048, group_m=16, num_warps=8, num_stages=3),
-    F(256, 128, 64, split_v=2048, group_m=16, num_warps=8, num_stages=4),
-    F(128, 128, 64, split_v=2048, group_m=16, num_warps=8, num_stages=4),
-    F(128, 128, 128, split_v=2048, group_m=16, num_warps=8, num_stages=3),
-    F(128, 256, 128, split_v=2048, group_m=16, num_warps=8, num_stages=2),
+    _R(FUSED_16BIT, num_stages=4),
+    _R(FUSED_16BIT, split_v=4096),
+    _R(FUSED_16BIT, split_v=8192),
+    _R(FUSED_16BIT, group_m=8),
+    _R(FUSED_16BIT, group_m=32),
+    _R(FUSED_16BIT, block_m=256, block_v=128),
+    _R(FUSED_16BIT, block_m=256, block_v=128, num_stages=4),
+    _R(FUSED_16BIT, block_v=128, num_stages=4),
+    _R(FUSED_16BIT, block_v=128, block_k=128),
+    _R(FUSED_16BIT, block_k=128, num_stages=2),
+    _R(FUSED_16BIT, tma=False, persistent=False),
 )
 # Alternatives to the table's pick for the two backward GEMMs (both chained fp32 / token
 # reductions: the accumulate tile 128x256x64/w8/s3; dH had the forward's 256x128x64/w8/s3
