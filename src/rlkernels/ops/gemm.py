@@ -28,7 +28,7 @@ from ..registry import triton_interpret
 from ._launch import cached_launcher
 from ._tiles import grouped_tile
 from ._triton import tl, triton
-from .gemm_tma import tma_eligible, tma_gemm
+from .gemm_tma import tma_eligible, tma_gemm, tma_layout_ok
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -257,7 +257,8 @@ def triton_gemm(
         return out
     cfg = config or gemm_config(M, N, a.dtype, token_reduction=accumulate or (sam == 1 and sak != 1))
     if cfg.tma and rowsum is None and tma_eligible(a, b, out):
-        key = (cfg, a.stride(1) == 1, b.stride(0) == 1, accumulate, out.dtype, a.dtype)
+        # The variant's identity: what decides its shared memory (layouts, epilogue, dtypes).
+        key = (cfg, tma_layout_ok(a), tma_layout_ok(b, 0), tma_layout_ok(out), accumulate, out.dtype, a.dtype)
         if key not in _TMA_TOO_BIG:
             try:
                 return tma_gemm(a, b, cfg, bias=bias, out=out, accumulate=accumulate)
