@@ -316,6 +316,23 @@ def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, gen, monkeypat
         assert torch.equal(x, y), name
 
 
+def test_dh_accumulator_in_dw_tail_with_odd_v_times_d(gen, monkeypatch):
+    """V * D odd: dW's bytes are not a whole number of fp32 words, its tail slice still is."""
+    import rlkernels.ops.linear_logprob as mod
+
+    n, d, v = 7, 41, 257
+    h, w, b, t = _data(n, d, v, BF16, gen)
+    gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: 32)
+    monkeypatch.setattr(mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
+    assert mod.dw_tail_rows(n, d, v, 32, torch.float32, torch.empty(v, d, dtype=BF16)) is not None
+    in_tail = _grads(h, w, b, t, "torch", gl, ge, temperature=TEMP)
+    monkeypatch.setattr(mod, "dw_tail_rows", lambda *args: None)
+    separate = _grads(h, w, b, t, "torch", gl, ge, temperature=TEMP)
+    for name, x, y in zip(("dhidden", "dweight", "dbias"), separate, in_tail):
+        assert torch.equal(x, y), name
+
+
 def test_dh_accumulator_placement_rule():
     from rlkernels.ops.linear_logprob import dw_tail_rows
 

@@ -619,8 +619,9 @@ class LinearLogprobFunction(torch.autograd.Function):
         if tail is not None:
             # The fp32 dH accumulator lives in dW's last rows, which no chunk has written
             # yet; those chunks' dW waits until dH is final (their g is recomputed then).
-            first = tail * D * dw.element_size() // (torch.finfo(acc_dt).bits // 8)
-            dh_acc = dw.view(-1).view(acc_dt)[first:first + N * D].view(N, D)
+            ratio = torch.finfo(acc_dt).bits // (8 * dw.element_size())  # dW elements per fp32
+            start = tail * D  # 16-byte aligned (dw_tail_rows); the slice holds exactly N*D fp32
+            dh_acc = dw.view(-1)[start:start + N * D * ratio].view(acc_dt).view(N, D)
             dh_acc.zero_()
         else:
             dh_acc = torch.zeros(N, D, dtype=acc_dt, device=dev) if need_h else None
