@@ -27,8 +27,6 @@ CANDIDATES_16 = [
     C(128, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 64, 64, 8, 4, 4),
     C(128, 256, 64, 8, 8, 3), C(256, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4), C(128, 128, 128, 8, 8, 3),
 ]
-CANDIDATES_32 = [C(16, 64, 32, 1, 4, 3), C(32, 64, 32, 4, 4, 3), C(64, 64, 32, 8, 4, 3), C(64, 128, 32, 8, 8, 3),
-                 C(128, 128, 32, 8, 8, 3), C(128, 64, 32, 8, 4, 3), C(64, 64, 16, 8, 4, 4)]
 # --decode: more small-M candidates (more programs in flight per SM; no split-K is
 # allowed, so parallelism at decode comes only from N / BLOCK_N).
 CANDIDATES_DECODE = [
@@ -121,26 +119,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"environment": environment(), "bf16": rows}, f, indent=1)
         return
-    fp32 = []
-    k, n = 4096, 4096
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5)
-    for m in [1, 16, 128, 1024, 4096]:
-        x = torch.randn(m, k, device="cuda")
-        row = {"M": m, "stock_ms": median_ms(lambda: torch.nn.functional.linear(x, w)), "triton": {}}
-        outs = {}
-        for cfg in CANDIDATES_32:
-            try:
-                outs[cfg.short()] = triton_gemm(x, w.t(), config=cfg)
-                row["triton"][cfg.short()] = median_ms(lambda: triton_gemm(x, w.t(), config=cfg))
-            except Exception as e:
-                row["triton"][cfg.short()] = str(e)[:100]
-        first = next(iter(outs.values()))
-        row["all_same_bits"] = all(torch.equal(o, first) for o in outs.values())
-        best = min((c for c in row["triton"] if isinstance(row["triton"][c], float)), key=lambda c: row["triton"][c])
-        row["best"], row["best_ms"] = best, row["triton"][best]
-        fp32.append(row)
-        print(f"fp32 M={m:5d} stock {row['stock_ms']*1e3:9.1f}us best {best} {row['best_ms']*1e3:9.1f}us "
-              f"ratio {row['best_ms']/row['stock_ms']:.3f} same_bits {row['all_same_bits']}", flush=True)
+    # fp32 tiles: benchmarks/explore_fp32.py.
     # dW = dY^T @ X over T tokens, fp32 accumulator (the training kernel)
     dw = []
     T = 8192
@@ -163,7 +142,7 @@ def main() -> None:
               f"ratio {row['best_ms']/row['torch_ms']:.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "bf16": rows, "fp32": fp32, "dw": dw}, f, indent=1)
+            json.dump({"environment": environment(), "bf16": rows, "dw": dw}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from ..registry import triton_interpret
 from ._launch import cached_launcher
 from ._tiles import grouped_tile
 from ._triton import tl, triton
+from .gemm_fma import _gemm_fma_kernel, fma_k_vec
 from .gemm_tma import tma_eligible, tma_gemm, tma_layout_ok
 
 try:
@@ -50,10 +51,15 @@ class GemmConfig:
     tma: bool = False
     persistent: bool = False
     warp_specialize: bool = False
+    # fp32 only: > 0 runs the explicit FMA-chain kernel (ops.gemm_fma) instead of
+    # tl.dot, loading this many consecutive k per thread where B's k-stride is 1;
+    # block_k is then the k per loop iteration (a multiple of it).
+    fma_vec: int = 0
 
     def short(self) -> str:
         sched = "/tma" if self.tma else ""
         sched += ("/pers" + ("-ws" if self.warp_specialize else "")) if self.persistent else ""
+        sched += f"/fma{self.fma_vec}" if self.fma_vec else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}{sched}"
 
 
@@ -89,11 +95,27 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
 # dW = dY^T @ X (A read transposed, reduction over tokens) and fp32 chained outputs:
 # their own tile (the fp32 output goes through pointers, see ops.gemm_tma).
 GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)
+# fp32 (IEEE): every entry runs the same FMA chain over ascending k (tl.dot's IEEE
+# lowering, or ops.gemm_fma's explicit chain), so any entry gives the same bits.
+# Picked on H100 by benchmarks/explore_fp32.py (benchmarks/results/explore_fp32_h100.json:
+# every candidate's bits equal; 4096 x 4096 M = 1: 107 us vs 177 us for the previous
+# 16x64x32/w4 tile; lm head M = 1: 1284 vs 2768 us; M >= 1024: 256x128x16 1.95-1.99x
+# stock vs 2.3x).
 GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
-    (16, 0, GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
+    # Decode on wide outputs: the explicit chain, one column per thread, the weight
+    # read straight from global memory (no 16-row padding of M).
+    (1, WIDE_N, GemmConfig(1, 32, 32, group_m=1, num_warps=1, num_stages=1, fma_vec=4)),
+    (4, 65536, GemmConfig(4, 128, 8, group_m=1, num_warps=4, num_stages=1, fma_vec=4)),
+    (4, WIDE_N, GemmConfig(2, 32, 32, group_m=1, num_warps=1, num_stages=1, fma_vec=4)),
+    (16, 0, GemmConfig(16, 32, 64, group_m=1, num_warps=2, num_stages=3)),
+    (64, WIDE_N, GemmConfig(64, 128, 16, group_m=8, num_warps=4, num_stages=3)),
+    (64, 0, GemmConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=3)),
+    (256, WIDE_N, GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3)),
     (256, 0, GemmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
-    (1 << 62, 0, GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3)),
+    (1 << 62, 0, GemmConfig(256, 128, 16, group_m=8, num_warps=8, num_stages=3)),
 )
+# The dot tile that stands in for an explicit-chain row (the same bits; see triton_gemm).
+FMA_FALLBACK_CONFIG = GemmConfig(16, 32, 64, group_m=1, num_warps=2, num_stages=3)
 # The interpreter computes each tl.dot with numpy's BLAS, whose rounding depends
 # on a row's position inside the tile (measured: chunked rows changed bits at
 # BLOCK_M=16). One row per program keeps every row's numpy call identical, so the
@@ -204,6 +226,7 @@ if triton is not None:
 
     # Decode calls are host-bound: later launches skip Triton's binder (ops._launch).
     _launch_gemm = cached_launcher(_gemm_kernel)
+    _launch_gemm_fma = cached_launcher(_gemm_fma_kernel)
 
 
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
@@ -250,12 +273,23 @@ def triton_gemm(
     if M == 0 or N == 0 or Bt == 0:
         return out
     if K == 0:
+        # An empty chain: its start value (0, or out's when accumulating), plus the bias.
         if not accumulate:
             out.zero_()
-            if bias is not None:
-                out += bias
+        if bias is not None:
+            out += bias
         return out
     cfg = config or gemm_config(M, N, a.dtype, token_reduction=accumulate or (sam == 1 and sak != 1))
+    if cfg.fma_vec:
+        if a.dtype != torch.float32:
+            # The 16-bit chain is the tensor cores' (16-wide k steps): other bits.
+            raise ValueError(f"rlkernels: the FMA-chain GEMM is fp32 only, got {a.dtype}")
+        if rowsum is not None or (config is None and b.stride(-2) != 1):
+            # The dot kernel runs the same FMA chain: it takes the fused row-sum, and
+            # B layouts the table's explicit-chain rows were not picked for (they read
+            # a k-contiguous B, an nn.Linear weight; a row-major B ran 1.5-2x slower
+            # there at N <= 12288, explore_fp32_h100.json).
+            cfg = FMA_FALLBACK_CONFIG
     if cfg.tma and rowsum is None and tma_eligible(a, b, out):
         # The variant's identity: what decides its shared memory (layouts, epilogue, dtypes).
         key = (cfg, tma_layout_ok(a), tma_layout_ok(b, 0), tma_layout_ok(out), accumulate, out.dtype, a.dtype)
@@ -279,6 +313,13 @@ def triton_gemm(
                         config=cfg)
         return out
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), Bt)
+    if cfg.fma_vec:
+        k_vec = fma_k_vec(b, cfg.fma_vec)
+        _launch_gemm_fma(grid, (a, b, out, bias if bias is not None else out, M, N, K,
+                                sab, sam, sak, sbb, sbk, sbn, scb, scm, scn),
+                         (bias is not None, accumulate, cfg.block_m, cfg.block_n, k_vec, cfg.block_k // k_vec),
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
     args = (a, b, out, bias if bias is not None else out, rowsum if rowsum is not None else out,
             M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn)
     constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,
