@@ -31,6 +31,17 @@ def test_key_separates_tensor_alignment_and_dtype():
     assert _launch._arg_key(x) != _launch._arg_key(x.to(torch.float16))
 
 
+@pytest.mark.skipif(not isinstance(_launch._TensorDescriptor, type), reason="this Triton has no host TMA descriptors")
+def test_key_separates_descriptor_dtype_block_and_divisibility():
+    desc = _launch._TensorDescriptor
+    x = torch.randn(64, 64, dtype=torch.float32)
+    base = _launch._arg_key(desc(x, [64, 64], [64, 1], [16, 32]))
+    assert base == _launch._arg_key(desc(x.clone(), [64, 64], [64, 1], [16, 32]))
+    assert base != _launch._arg_key(desc(x.half(), [64, 64], [64, 1], [16, 32]))
+    assert base != _launch._arg_key(desc(x, [64, 64], [64, 1], [32, 32]))
+    assert base != _launch._arg_key(desc(x, [60, 64], [64, 1], [16, 32]))
+
+
 def test_key_keeps_bools_and_floats_apart_from_ints():
     assert _launch._arg_key(True) != _launch._arg_key(1)
     assert _launch._arg_key(2.0) == _launch._arg_key(3.5)  # Triton does not specialize floats by value
@@ -74,20 +85,26 @@ def _clone_kwargs(kwargs):
     return {k: (v.clone() if isinstance(v, torch.Tensor) and k in ("out", "rowsum") else v) for k, v in kwargs.items()}
 
 
+class _CheckingLauncher(_launch.CachedLauncher):
+    """A cached launcher that asserts, on every call, that its kernel is Triton's own."""
+
+    def __init__(self, fn, checked: list) -> None:
+        super().__init__(fn)
+        self.checked = checked
+
+    def __call__(self, grid, args, constexprs, *, num_warps, num_stages):
+        super().__call__(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages)
+        key = self.key(args, constexprs, num_warps, num_stages)
+        ours = self.kernels[key]
+        theirs = self.fn.warmup(*args, *constexprs, grid=grid, num_warps=num_warps, num_stages=num_stages)
+        assert ours is theirs, f"cached kernel differs from Triton's for key {key}"
+        self.checked.append(key)
+
+
 @pytest.mark.gpu
 def test_cached_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
     checked = []
-
-    class CheckingLauncher(_launch.CachedLauncher):
-        def __call__(self, grid, args, constexprs, *, num_warps, num_stages):
-            super().__call__(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages)
-            key = self.key(args, constexprs, num_warps, num_stages)
-            ours = self.kernels[key]
-            theirs = self.fn.warmup(*args, *constexprs, grid=grid, num_warps=num_warps, num_stages=num_stages)
-            assert ours is theirs, f"cached kernel differs from Triton's for key {key}"
-            checked.append(key)
-
-    launcher = CheckingLauncher(gemm._gemm_kernel)
+    launcher = _CheckingLauncher(gemm._gemm_kernel, checked)
     assert launcher.enabled
     for a, b, kwargs in _variants():
         normal_kwargs = _clone_kwargs(kwargs)
@@ -102,6 +119,42 @@ def test_cached_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
             if "rowsum" in kwargs:
                 assert torch.equal(kw["rowsum"], normal_kwargs["rowsum"])
     assert len(checked) > 40 and len(set(checked)) > 20
+
+
+@pytest.mark.gpu
+def test_cached_tma_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
+    from rlkernels.ops import gemm_tma
+
+    if not gemm_tma.tma_eligible(torch.zeros(16, 16, device="cuda", dtype=torch.bfloat16),
+                                 torch.zeros(16, 16, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("no TMA on this GPU")
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    variants = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for m, k, n in ((300, 4096, 4096), (1031, 1000, 1032), (2048, 512, 2056)):
+            a, w = rnd(m, k, dtype=dtype), rnd(n, k, dtype=dtype)
+            variants += [(a, w.t(), {}), (a, w.t(), {"bias": rnd(n, dtype=dtype)}), (a, w.t().contiguous(), {})]
+        dy, x = rnd(1024, 520, dtype=dtype), rnd(1024, 264, dtype=dtype)  # dW = dY^T X into an fp32 main_grad
+        variants.append((dy.t(), x, {"out": torch.randn(520, 264, device="cuda", generator=g), "accumulate": True}))
+    configs = [gemm.GEMM_ACCUMULATE_16BIT] + [c for c in gemm.all_configs(torch.bfloat16) if c.tma]
+    checked = []
+    for cfg in dict.fromkeys(configs):
+        for a, b, kwargs in variants:
+            monkeypatch.setattr(gemm_tma, "_launch_tma", _launch.CachedLauncher(gemm_tma._gemm_tma_kernel))
+            gemm_tma._launch_tma.enabled = False
+            try:
+                want = gemm_tma.tma_gemm(a, b, cfg, **_clone_kwargs(kwargs))
+            except gemm.OutOfResources:
+                continue  # triton_gemm takes the pointer kernel there (tests/test_gemm_tma.py)
+            monkeypatch.setattr(gemm_tma, "_launch_tma", _CheckingLauncher(gemm_tma._gemm_tma_kernel, checked))
+            for _ in range(2):  # the first call compiles through Triton, the second is the cached launch
+                got = gemm_tma.tma_gemm(a, b, cfg, **_clone_kwargs(kwargs))
+                assert torch.equal(got, want), (cfg.short(), tuple(a.shape), tuple(b.shape), sorted(kwargs))
+    assert len(checked) > 20 and len(set(checked)) > 8
 
 
 @pytest.mark.skipif(_launch._knobs is None, reason="this Triton has no knobs module")

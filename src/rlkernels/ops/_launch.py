@@ -36,6 +36,11 @@ try:  # Triton >= 3.4 keeps the launch hooks in knobs
 except Exception:  # pragma: no cover - older or absent Triton
     _knobs = None
 
+try:  # host-built TMA descriptors (ops.gemm_tma)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except Exception:  # pragma: no cover - older or absent Triton
+    _TensorDescriptor = ()
+
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
@@ -49,6 +54,15 @@ def _arg_key(arg: Any) -> Any:
     return _args_key((arg,))[0]
 
 
+def _desc_key(d: Any) -> tuple:
+    # Triton specializes a host TMA descriptor on its element type and block shape
+    # (the tile layout is derived from them); its shape and strides are passed as
+    # plain integers. Their divisibility and the padding mode are keyed too, which
+    # can only make the key finer than Triton's.
+    return (d.base.dtype, tuple(d.block_shape), getattr(d, "padding", None),
+            tuple(s & 15 == 0 for s in d.shape), tuple(s & 15 == 0 for s in d.strides))
+
+
 def _args_key(args: tuple) -> tuple:
     # ints: == 1 is compiled in as a constant, % 16 == 0 is a divisibility hint, and
     # outside int32 makes an i64 parameter; tensors: dtype and 16-byte alignment;
@@ -56,6 +70,7 @@ def _args_key(args: tuple) -> tuple:
     return tuple(
         (2 if a == 1 else (a & 15 == 0) | (4 if a < _I32_MIN or a > _I32_MAX else 0)) if type(a) is int
         else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+        else _desc_key(a) if isinstance(a, _TensorDescriptor)
         else type(a)
         for a in args)
 
