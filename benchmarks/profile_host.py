@@ -16,7 +16,7 @@ import time
 import torch
 
 import rlkernels
-from rlkernels.ops import gemm
+from rlkernels.ops import cublaslt, gemm, gemm_tma
 from rlkernels.ops._launch import CachedLauncher
 
 
@@ -37,17 +37,21 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
-    for m, k, n in ((1, 4096, 4096), (16, 4096, 4096), (1, 4096, 12288), (128, 4096, 4096)):
+    # M = 300 on 1024 x 1024 takes the table's TMA row (host-built descriptors) and a
+    # few microseconds of GPU time, so the host side shows.
+    for m, k, n in ((1, 4096, 4096), (16, 4096, 4096), (1, 4096, 12288), (128, 4096, 4096), (300, 1024, 1024)):
         x = torch.randn(m, k, device="cuda").bfloat16()
         w = torch.randn(n, k, device="cuda").bfloat16()
-        row = {"shape": f"M={m} K={k} N={n}"}
+        row = {"shape": f"M={m} K={k} N={n}", "config": gemm.gemm_config(m, n, x.dtype).short()}
         row["F.linear_us"] = per_call_us(lambda: torch.nn.functional.linear(x, w))
-        fast = gemm._launch_gemm
-        slow = CachedLauncher(gemm._gemm_kernel)
-        slow.enabled = False
-        gemm._launch_gemm = slow
+        row["cublaslt_no_split_us"] = per_call_us(lambda: cublaslt.linear_no_split_k(x, w, None))
+        fast = (gemm._launch_gemm, gemm_tma._launch_tma)
+        slow = CachedLauncher(gemm._gemm_kernel), CachedLauncher(gemm_tma._gemm_tma_kernel)
+        for launcher in slow:
+            launcher.enabled = False
+        gemm._launch_gemm, gemm_tma._launch_tma = slow
         row["triton_gemm_jit_launch_us"] = per_call_us(lambda: gemm.triton_gemm(x, w.t()))
-        gemm._launch_gemm = fast
+        gemm._launch_gemm, gemm_tma._launch_tma = fast
         row["triton_gemm_cached_launch_us"] = per_call_us(lambda: gemm.triton_gemm(x, w.t()))
         row["rlkernels.linear_us"] = per_call_us(lambda: rlkernels.linear(x, w))
         rows.append(row)
@@ -56,15 +60,19 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": __import__("triton").__version__}, f, indent=1)
-    x = torch.randn(1, 4096, device="cuda").bfloat16()
-    w = torch.randn(4096, 4096, device="cuda").bfloat16()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(2000):
-        rlkernels.linear(x, w)
-    pr.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+    for m, k, n in ((1, 4096, 4096), (300, 1024, 1024)):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        w = torch.randn(n, k, device="cuda").bfloat16()
+        for name, fn in (("rlkernels.linear", lambda: rlkernels.linear(x, w)),
+                         ("triton_gemm", lambda: gemm.triton_gemm(x, w.t()))):
+            print(f"--- cProfile: {name} M={m} K={k} N={n}")
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(2000):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(8)
 
 
 if __name__ == "__main__":
