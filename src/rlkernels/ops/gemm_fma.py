@@ -5,7 +5,11 @@ lowering needs M >= 16 (a decode row is padded to 16 and does 16x the work) and
 stages both operands through shared memory in a layout that starves the FMA units
 (H100, 4096 x 4096, M = 1: 178 us where cuBLAS SGEMM takes 40 us). At small M the
 GEMM is a weight stream; here each thread walks its own output columns' chains
-in registers, reading the weight straight from global memory.
+in registers, reading the weight straight from global memory. With no split over
+K there is one thread per output column, so the table uses it for wide outputs only
+(N >= 8192: 4096 x 12288 M = 1 in 148 us vs 247 us for the best dot tile; the lm head
+in 1.3 ms vs 2.8 ms). At N = 4096, 4096 threads cannot keep enough loads in flight
+and the padded dot tile wins (benchmarks/results/explore_fp32_h100.json).
 
 The arithmetic is the chain the dot lowering runs: ``acc = fma(a[m, k], b[k, n], acc)``
 for k = 0, 1, ..., K-1, from acc = 0 (or C's value when accumulating), one fp32
