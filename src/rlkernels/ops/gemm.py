@@ -29,7 +29,7 @@ from ._launch import cached_launcher
 from ._tiles import grouped_tile
 from ._triton import tl, triton
 from .gemm_fma import _gemm_fma_kernel, fma_k_vec
-from .gemm_tma import tma_eligible, tma_gemm, tma_layout_ok
+from .gemm_tma import tma_gemm, tma_layouts
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -290,12 +290,13 @@ def triton_gemm(
             # a k-contiguous B, an nn.Linear weight; a row-major B ran 1.5-2x slower
             # there at N <= 12288, explore_fp32_h100.json).
             cfg = FMA_FALLBACK_CONFIG
-    if cfg.tma and rowsum is None and tma_eligible(a, b, out):
+    layouts = tma_layouts(a, b, out) if cfg.tma and rowsum is None else None
+    if layouts is not None:
         # The variant's identity: what decides its shared memory (layouts, epilogue, dtypes).
-        key = (cfg, tma_layout_ok(a), tma_layout_ok(b, 0), tma_layout_ok(out), accumulate, out.dtype, a.dtype)
+        key = (cfg, *layouts, accumulate, out.dtype, a.dtype)
         if key not in _TMA_TOO_BIG:
             try:
-                return tma_gemm(a, b, cfg, bias=bias, out=out, accumulate=accumulate)
+                return tma_gemm(a, b, cfg, bias=bias, out=out, accumulate=accumulate, layouts=layouts)
             except OutOfResources:
                 # Raised before launch (nothing written): some layout/epilogue variants need
                 # more shared memory than the chip has (e.g. a warp-specialized tile with an

@@ -56,13 +56,25 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _CAPABILITY[idx]
 
 
+def tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> tuple[bool, bool, bool] | None:
+    """(A K-major, B K-major, ``out`` rows describable) for 2-D operands on a Hopper-or-later
+    GPU whose layouts TMA can describe (module doc), else None. ``out`` is written through
+    pointers when its rows are not describable (any strides work there). Each layout is
+    checked once: this runs on every large-M call."""
+    if (TensorDescriptor is None or a.dim() != 2 or b.dim() != 2 or (out is not None and out.dim() != 2)
+            or not a.is_cuda or _capability(a.device)[0] < 9):
+        return None
+    if layouts is None:
+        layouts = (tma_layout_ok(a, 1), tma_layout_ok(b, 0), tma_layout_ok(out, 1))
+    a_kmajor, b_kmajor, out_rows_ok = layouts
+    if not (a_kmajor or tma_layout_ok(a, 0)) or not (b_kmajor or tma_layout_ok(b, 1)):
+        return None
+    return a_kmajor, b_kmajor, out is not None and tma_layout_ok(out, 1)
+
+
 def tma_eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> bool:
-    """2-D operands on a Hopper-or-later GPU whose layouts TMA can describe (module doc).
-    ``out`` is written through pointers when it is not (any strides work there)."""
-    if TensorDescriptor is None or a.dim() != 2 or b.dim() != 2 or not a.is_cuda or _capability(a.device)[0] < 9:
-        return False
-    return ((tma_layout_ok(a, 1) or tma_layout_ok(a, 0)) and (tma_layout_ok(b, 0) or tma_layout_ok(b, 1))
-            and (out is None or out.dim() == 2))
+    """Whether :func:`tma_gemm` can take these operands (:func:`tma_layouts`)."""
+    return tma_layouts(a, b, out) is not None
 
 
 if triton is not None:
@@ -148,26 +160,28 @@ def sm_count(device: torch.device) -> int:
 
 def tma_gemm(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias: torch.Tensor | None = None,
              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-             accumulate: bool = False) -> torch.Tensor:
+             accumulate: bool = False, layouts: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
     """C = A @ B (+ bias) by the canonical K-chain with TMA loads; a [M, K], b [K, N], M, N, K > 0.
 
-    The caller has checked :func:`tma_eligible`. With ``accumulate`` the fp32 ``out``
-    is the chain's starting value and is updated in place. ``cfg.persistent`` and
-    ``cfg.warp_specialize`` pick the schedule (module doc).
+    The caller has checked :func:`tma_eligible`; ``layouts`` is :func:`tma_layouts` of
+    these operands and ``out`` when the caller has it. With ``accumulate`` the fp32
+    ``out`` is the chain's starting value and is updated in place. ``cfg.persistent``
+    and ``cfg.warp_specialize`` pick the schedule (module doc).
     """
     M, K = a.shape
     N = b.shape[1]
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype or a.dtype, device=a.device)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    a_kmajor = tma_layout_ok(a, 1)
-    b_kmajor = tma_layout_ok(b, 0)
+    if layouts is None:
+        layouts = (tma_layout_ok(a, 1), tma_layout_ok(b, 0), tma_layout_ok(out, 1))
+    a_kmajor, b_kmajor, out_rows_ok = layouts
     # Descriptors over the operands' memory as it lies (rows along the unit-stride dim).
     a_desc = (TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk]) if a_kmajor
               else TensorDescriptor(a, [K, M], [a.stride(1), 1], [bk, bm]))
     b_desc = (TensorDescriptor(b, [N, K], [b.stride(1), 1], [bn, bk]) if b_kmajor
               else TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn]))
-    c_desc_ok = not accumulate and out.element_size() < 4 and tma_layout_ok(out, 1)
+    c_desc_ok = not accumulate and out.element_size() < 4 and out_rows_ok
     c_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [bm, bn]) if c_desc_ok else a_desc
     num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     sms = sm_count(a.device)
