@@ -64,9 +64,8 @@ def tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> t
     if (TensorDescriptor is None or a.dim() != 2 or b.dim() != 2 or (out is not None and out.dim() != 2)
             or not a.is_cuda or _capability(a.device)[0] < 9):
         return None
-    if layouts is None:
-        layouts = (tma_layout_ok(a, 1), tma_layout_ok(b, 0), tma_layout_ok(out, 1))
-    a_kmajor, b_kmajor, out_rows_ok = layouts
+    a_kmajor = tma_layout_ok(a, 1)
+    b_kmajor = tma_layout_ok(b, 0)
     if not (a_kmajor or tma_layout_ok(a, 0)) or not (b_kmajor or tma_layout_ok(b, 1)):
         return None
     return a_kmajor, b_kmajor, out is not None and tma_layout_ok(out, 1)
