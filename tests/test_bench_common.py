@@ -29,3 +29,22 @@ def test_cycling_takes_the_next_item_each_call():
     for _ in range(7):
         fn()
     assert seen == ["a", "b", "c", "a", "b", "c", "a"]
+
+
+def test_interleaved_rounds_rotate_and_take_the_median(monkeypatch):
+    from rlkernels.bench import common
+
+    calls = []
+    # Each variant's time drifts upward from call to call (a warming GPU): round-robin
+    # visits share the drift, and the reported value is the median round.
+    clock = iter(range(1000))
+
+    def fake_median_ms(fn, warmup_ms, rep_ms):
+        calls.append(fn())
+        return float(next(clock))
+
+    monkeypatch.setattr(common, "median_ms", fake_median_ms)
+    out = common.interleaved_median_ms({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, rounds=3)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    # a was timed at t = 0, 5, 7; b at 1, 3, 8; c at 2, 4, 6 -> the medians.
+    assert out == {"a": 5.0, "b": 3.0, "c": 4.0}

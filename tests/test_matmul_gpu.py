@@ -65,11 +65,24 @@ def test_bias_epilogue_matches_cublaslt(dtype):
         assert torch.equal(gemm.triton_gemm(x, w.t(), bias=bias, config=cfg), want), cfg.short()
 
 
-def test_fp32_configs_agree_and_are_ieee():
-    x, w = _data(300, 1024, 768, torch.float32)
-    outs = [gemm.triton_gemm(x, w.t(), config=cfg) for cfg in gemm.all_configs(torch.float32)]
-    assert all(torch.equal(o, outs[0]) for o in outs)
-    contract.check("matmul", torch.float32, outs[0], reference.linear_ref(x, w))
+@pytest.mark.parametrize("k,n", [(4096, 4096), (1000, 1001), (77, 131)])
+def test_fp32_configs_agree_and_are_ieee(k, n):
+    """Every fp32 tile, forward or swapped orientation, runs the same FMA chain per element."""
+    x, w = _data(max(ROWS), k, n, torch.float32)
+    bias = torch.randn(n, device="cuda")
+    first = gemm.triton_gemm(x, w.t(), bias=bias, config=gemm.all_configs(torch.float32)[0])
+    bad = [(cfg.short(), m) for cfg in gemm.all_configs(torch.float32) for m in ROWS
+           if not torch.equal(gemm.triton_gemm(x[:m], w.t(), bias=bias, config=cfg), first[:m])]
+    assert not bad, bad[:12]
+    contract.check("matmul", torch.float32, first, reference.linear_ref(x, w, bias))
+    # The same bits through matmul's row-major B (the unswapped table) and a chained output.
+    b_kn = w.t().contiguous()
+    for m in (1, 4, 5, 64, 300, 4099):
+        assert torch.equal(rlkernels.matmul(x[:m], b_kn, bias), first[:m]), m
+        start = torch.randn(m, n, device="cuda")
+        acc_swapped = gemm.triton_gemm(x[:m], w.t(), out=start.clone(), accumulate=True)
+        acc_plain = gemm.triton_gemm(x[:m], b_kn, out=start.clone(), accumulate=True)
+        assert torch.equal(acc_swapped, acc_plain), m
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

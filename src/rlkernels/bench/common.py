@@ -56,6 +56,24 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 200) -> 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def interleaved_median_ms(fns: dict[str, Callable[[], Any]], rounds: int = 5, warmup_ms: int = 10,
+                          rep_ms: int = 40) -> dict[str, float]:
+    """Each ``fn``'s median time in ms, measured in alternating rounds.
+
+    Timing one variant after another lets clock and temperature drift between them
+    (single large-M calls moved by up to 12% within a run); rounds that visit every
+    variant in turn, in a rotating order, share the drift out. The result is the median
+    of the per-round medians.
+    """
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(median_ms(fns[name], warmup_ms=warmup_ms, rep_ms=rep_ms))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
 def graph_median_us(fn: Callable[[], Any], replays: int = 200, trials: int = 15) -> float:
     """Median per-call time in µs from CUDA-graph replays of ``fn`` (for launch-bound ops)."""
     s = torch.cuda.Stream()

@@ -11,17 +11,19 @@ import os
 
 import torch
 
-from .common import cycling, graph_median_us, l2_cold_copies, median_ms, optional_import, print_table, write_json
+from .common import (cycling, graph_median_us, interleaved_median_ms, l2_cold_copies, median_ms, optional_import,
+                     print_table, write_json)
 
 SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
 # fp32: (K, N) and its M values (the lm head at decode sizes only: its fp32 weight is 2.5 GB).
-FP32_GRID = [((4096, 4096), [1, 4, 16, 64, 128, 1024, 4096]), ((4096, 12288), [1, 4, 16, 1024]),
-             ((4096, 151936), [1, 4, 16])]
+FP32_GRID = [((4096, 4096), [1, 4, 8, 16, 64, 128, 1024, 4096]), ((4096, 12288), [1, 4, 8, 16, 64, 128, 1024]),
+             ((4096, 151936), [1, 4, 16, 64, 128, 1024])]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ms", default=None, help="comma-separated M values")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="which grids to time: bf16, fp32 or both")
 
 
 def _forced(mode: str, fn):
@@ -38,15 +40,39 @@ def _forced(mode: str, fn):
     return run
 
 
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def _summary(rows: list[dict], fp32_rows: list[dict]) -> dict:
+    """The issue's goals, read off the grid (None where the grid was not run)."""
+    graph_rows = [r for r in rows if "graph_ratio_vs_stock" in r]
+    return {
+        "geomean_ratio_vs_stock": _geomean([r["ratio_vs_stock"] for r in rows]),
+        "max_graph_ratio_m_le_16": max((r["graph_ratio_vs_stock"] for r in graph_rows if r["M"] <= 16), default=None),
+        "max_graph_cold_ratio_m_le_16": max((r["graph_cold_ratio_vs_stock"] for r in graph_rows if r["M"] <= 16),
+                                            default=None),
+        "geomean_graph_cold_ratio_m_le_128": _geomean([r["graph_cold_ratio_vs_stock"] for r in graph_rows]),
+        "max_ratio_vs_stock": max((r["ratio_vs_stock"] for r in rows), default=None),
+        "max_ratio_m_le_16": max((r["ratio_vs_stock"] for r in rows if r["M"] <= 16), default=None),
+        "min_triton_throughput_vs_stock_m_ge_1024": min((1 / r["triton_ratio_vs_stock"] for r in rows if r["M"] >= 1024),
+                                                        default=None),
+        "fp32_geomean_ratio_vs_stock": _geomean([r["ratio_vs_stock"] for r in fp32_rows]),
+        "fp32_max_ratio_vs_stock": max((r["ratio_vs_stock"] for r in fp32_rows), default=None),
+    }
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     import rlkernels
     from rlkernels.ops.cublaslt import linear_no_split_k as cublaslt_linear
 
     torch.backends.cuda.matmul.allow_tf32 = False
     sgemm_bi = optional_import("sgemm_bi")
-    ms = [int(m) for m in args.ms.split(",")] if getattr(args, "ms", None) else ([1, 16, 1024, 4096] if args.quick else MS)
+    ms_arg = [int(m) for m in args.ms.split(",")] if getattr(args, "ms", None) else None
+    ms = ms_arg or ([1, 16, 1024, 4096] if args.quick else MS)
+    dtypes = getattr(args, "dtypes", "bf16,fp32").split(",")
     rows: list[dict] = []
-    for k, n in SHAPES:
+    for k, n in SHAPES if "bf16" in dtypes else ():
         g = torch.Generator(device="cuda").manual_seed(0)
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
         w_kn = w.t().contiguous() if sgemm_bi is not None else None
@@ -55,12 +81,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         for m in ms:
             x = xs[:m]
             flops, nbytes = 2.0 * m * n * k, 2.0 * (m * k + k * n + m * n)
-            t = {
-                "stock": median_ms(lambda: torch.nn.functional.linear(x, w)),
-                "cublaslt_nosplit": median_ms(lambda: cublaslt_linear(x, w, None)),
-                "rlkernels": median_ms(lambda: rlkernels.linear(x, w)),
-                "rlkernels_triton": median_ms(_forced("triton", lambda: rlkernels.linear(x, w))),
-            }
+            # Eager timing in alternating rounds (clock drift shared out between variants).
+            t = interleaved_median_ms({
+                "stock": lambda: torch.nn.functional.linear(x, w),
+                "cublaslt_nosplit": lambda: cublaslt_linear(x, w, None),
+                "rlkernels": lambda: rlkernels.linear(x, w),
+                "rlkernels_triton": _forced("triton", lambda: rlkernels.linear(x, w)),
+            })
             if sgemm_bi is not None:
                 try:
                     t["sgemm_bi"] = median_ms(lambda: sgemm_bi.deterministic_linear(x, w_kn, None, tensor_cores=True))
@@ -95,27 +122,19 @@ def run(args: argparse.Namespace) -> list[dict]:
             print(f"K={k} N={n} M={m}: stock {row['stock_us']:.1f}us rlk {row['rlkernels_us']:.1f}us "
                   f"({row['ratio_vs_stock']:.3f}x) triton-only {row['triton_ratio_vs_stock']:.3f}x", flush=True)
     fp32_rows = []
-    for (k, n), fp32_ms in FP32_GRID:
+    for (k, n), fp32_ms in FP32_GRID if "fp32" in dtypes else ():
         w = torch.randn(n, k, device="cuda") / k ** 0.5
         for m in ([m for m in fp32_ms if m in (1, 1024)] if args.quick else fp32_ms):
+            if ms_arg and m not in ms_arg:
+                continue
             x = torch.randn(m, k, device="cuda")
-            ts, tr = median_ms(lambda: torch.nn.functional.linear(x, w)), median_ms(lambda: rlkernels.linear(x, w))
+            tt = interleaved_median_ms({"stock": lambda: torch.nn.functional.linear(x, w),
+                                        "rlkernels": lambda: rlkernels.linear(x, w)})
+            ts, tr = tt["stock"], tt["rlkernels"]
             fp32_rows.append({"dtype": "fp32", "K": k, "N": n, "M": m, "stock_us": ts * 1e3, "rlkernels_us": tr * 1e3,
                               "ratio_vs_stock": tr / ts, "rlk_tflops": 2.0 * m * n * k / (tr * 1e-3) / 1e12})
         del w
-    geo = math.exp(sum(math.log(r["ratio_vs_stock"]) for r in rows) / len(rows))
-    graph_rows = [r for r in rows if "graph_ratio_vs_stock" in r]
-    summary = {
-        "geomean_ratio_vs_stock": geo,
-        "max_graph_ratio_m_le_16": max((r["graph_ratio_vs_stock"] for r in graph_rows if r["M"] <= 16), default=None),
-        "max_graph_cold_ratio_m_le_16": max((r["graph_cold_ratio_vs_stock"] for r in graph_rows if r["M"] <= 16),
-                                            default=None),
-        "geomean_graph_cold_ratio_m_le_128": (math.exp(sum(math.log(r["graph_cold_ratio_vs_stock"]) for r in graph_rows)
-                                                        / len(graph_rows)) if graph_rows else None),
-        "max_ratio_vs_stock": max(r["ratio_vs_stock"] for r in rows),
-        "max_ratio_m_le_16": max((r["ratio_vs_stock"] for r in rows if r["M"] <= 16), default=None),
-        "min_triton_throughput_vs_stock_m_ge_1024": min((1 / r["triton_ratio_vs_stock"] for r in rows if r["M"] >= 1024), default=None),
-    }
+    summary = _summary(rows, fp32_rows)
     print_table("GEMM bf16 (us; ratio = time / stock cuBLAS)", rows,
                 ["K", "N", "M", "stock_us", "cublaslt_nosplit_us", "rlkernels_us", "rlkernels_triton_us", "sgemm_bi_us",
                  "ratio_vs_stock", "triton_ratio_vs_stock", "graph_ratio_vs_stock", "graph_cold_ratio_vs_stock",

@@ -10,4 +10,16 @@ except Exception:  # pragma: no cover
     triton = None
     tl = None
 
-__all__ = ["triton", "tl"]
+
+def _dot_any_m() -> bool:
+    """Whether tl.dot takes fewer than 16 rows (Triton >= 3.5 pads them itself)."""
+    try:
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    except Exception:  # no Triton, or an unparsable dev version: assume the older rule
+        return False
+    return (major, minor) >= (3, 5)
+
+
+DOT_ANY_M = _dot_any_m()
+
+__all__ = ["DOT_ANY_M", "triton", "tl"]

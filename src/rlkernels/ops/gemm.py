@@ -27,8 +27,7 @@ from ..registry import triton_interpret
 
 from ._launch import cached_launcher
 from ._tiles import grouped_tile
-from ._triton import tl, triton
-from .gemm_fma import _gemm_fma_kernel, fma_k_vec
+from ._triton import DOT_ANY_M, tl, triton
 from .gemm_tma import tma_gemm, tma_layouts
 
 try:
@@ -51,15 +50,14 @@ class GemmConfig:
     tma: bool = False
     persistent: bool = False
     warp_specialize: bool = False
-    # fp32 only: > 0 runs the explicit FMA-chain kernel (ops.gemm_fma) instead of
-    # tl.dot, loading this many consecutive k per thread where B's k-stride is 1;
-    # block_k is then the k per loop iteration (a multiple of it).
-    fma_vec: int = 0
+    # fp32: compute C^T = B^T @ A^T with A^T made contiguous (see swappable); block_m
+    # then runs over N and block_n over M.
+    swap_ab: bool = False
 
     def short(self) -> str:
         sched = "/tma" if self.tma else ""
         sched += ("/pers" + ("-ws" if self.warp_specialize else "")) if self.persistent else ""
-        sched += f"/fma{self.fma_vec}" if self.fma_vec else ""
+        sched += "/swap" if self.swap_ab else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}{sched}"
 
 
@@ -95,18 +93,45 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
 # dW = dY^T @ X (A read transposed, reduction over tokens) and fp32 chained outputs:
 # their own tile (the fp32 output goes through pointers, see ops.gemm_tma).
 GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)
-# fp32 (IEEE): every entry runs the same FMA chain over ascending k (tl.dot's IEEE
-# lowering, or ops.gemm_fma's explicit chain), so any entry gives the same bits.
-# Picked on H100 by benchmarks/explore_fp32.py (benchmarks/results/explore_fp32_h100.json:
-# every candidate's bits equal; 4096 x 4096 M = 1: 107 us vs 177 us for the previous
-# 16x64x32/w4 tile; lm head M = 1: 1284 vs 2768 us; M >= 1024: 256x128x16 1.95-1.99x
-# stock vs 2.3x).
+# fp32 (IEEE): tl.dot's FMA lowering chains every output element over ascending k from
+# registers, whatever the tile or orientation, so every entry gives the same bits
+# (tests/test_matmul_gpu.py). What the tile changes is shared-memory traffic: each lane
+# owns output columns and reads B's column k-values; a k-contiguous B (an nn.Linear
+# weight read as W^T) puts a lane's column 256 bytes from its neighbour's, 8-way bank
+# conflicts that held every forward-orientation tile near 26 TFLOP/s. Swapped, the
+# weight is the row operand (read broadcast across a warp) and the activation,
+# transposed once into [K, M] (tokens x hidden: small next to the GEMM), the column
+# operand with lanes on consecutive addresses. A few rows on a narrow output stay
+# unswapped: their dot runs unpadded (Triton >= 3.5), one lane per output column.
+# Picked on H100 by benchmarks/explore_fp32.py (benchmarks/results/explore_fp32_v2_h100.json
+# and _v3_: every candidate's bits equal): 4096 x 4096 M = 1 48 us (was 108), M = 64
+# 93 us (was 297), M = 4096 3.3 ms (was 5.35); lm head M = 4-16 1.0 ms (was 1.7-2.9).
+_FP32_M1 = GemmConfig(1, 32, 128, group_m=1, num_warps=1, num_stages=4)
+_FP32_SWAP_32X32 = GemmConfig(32, 32, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)
 GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
-    # Decode on wide outputs: the explicit chain, one column per thread, the weight
-    # read straight from global memory (no 16-row padding of M).
-    (1, WIDE_N, GemmConfig(1, 32, 32, group_m=1, num_warps=1, num_stages=1, fma_vec=4)),
-    (4, 65536, GemmConfig(4, 128, 8, group_m=1, num_warps=4, num_stages=1, fma_vec=4)),
-    (4, WIDE_N, GemmConfig(2, 32, 32, group_m=1, num_warps=1, num_stages=1, fma_vec=4)),
+    (1, 0, _FP32_M1),
+    # Wide outputs: one 16-token tile streams the weight once (lm head M = 4-8: 1.0 ms,
+    # stock 1.0-1.3 ms).
+    (16, WIDE_N, GemmConfig(32, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
+    (4, 0, GemmConfig(2, 64, 64, group_m=1, num_warps=2, num_stages=4)),
+    (8, 0, GemmConfig(2, 32, 128, group_m=1, num_warps=1, num_stages=4)),
+    (32, 65536, GemmConfig(64, 32, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
+    (32, WIDE_N, _FP32_SWAP_32X32),
+    (64, 65536, GemmConfig(128, 64, 16, group_m=8, num_warps=4, num_stages=3, swap_ab=True)),
+    (64, WIDE_N, GemmConfig(32, 64, 32, group_m=1, num_warps=4, num_stages=3, swap_ab=True)),
+    (64, 0, _FP32_SWAP_32X32),
+    (128, 0, GemmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
+    (1 << 62, 0, GemmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=3, swap_ab=True)),
+)
+# fp32 operands the swap does not apply to (B not k-contiguous, a batch axis, the fused
+# row-sum): the forward orientation (small tiles from the same sweeps; M > 8 from
+# session 5's, explore_fp32_h100.json).
+GEMM_TABLE_FP32_UNSWAPPED: tuple[tuple[int, int, GemmConfig], ...] = (
+    (1, 0, _FP32_M1),
+    (4, 65536, GemmConfig(4, 64, 32, group_m=1, num_warps=2, num_stages=4)),
+    (4, 0, GemmConfig(2, 64, 64, group_m=1, num_warps=2, num_stages=4)),
+    (8, WIDE_N, GemmConfig(8, 32, 32, group_m=1, num_warps=1, num_stages=4)),
+    (8, 0, GemmConfig(2, 32, 128, group_m=1, num_warps=1, num_stages=4)),
     (16, 0, GemmConfig(16, 32, 64, group_m=1, num_warps=2, num_stages=3)),
     (64, WIDE_N, GemmConfig(64, 128, 16, group_m=8, num_warps=4, num_stages=3)),
     (64, 0, GemmConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=3)),
@@ -114,8 +139,6 @@ GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     (256, 0, GemmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
     (1 << 62, 0, GemmConfig(256, 128, 16, group_m=8, num_warps=8, num_stages=3)),
 )
-# The dot tile that stands in for an explicit-chain row (the same bits; see triton_gemm).
-FMA_FALLBACK_CONFIG = GemmConfig(16, 32, 64, group_m=1, num_warps=2, num_stages=3)
 # The interpreter computes each tl.dot with numpy's BLAS, whose rounding depends
 # on a row's position inside the tile (measured: chunked rows changed bits at
 # BLOCK_M=16). One row per program keeps every row's numpy call identical, so the
@@ -126,11 +149,19 @@ FMA_FALLBACK_CONFIG = GemmConfig(16, 32, 64, group_m=1, num_warps=2, num_stages=
 GEMM_INTERPRETER_CONFIG = GemmConfig(1, 64, 16, group_m=1, num_warps=4, num_stages=1)
 
 
-def gemm_table(dtype: torch.dtype) -> tuple[tuple[int, int, GemmConfig], ...]:
-    return GEMM_TABLE_FP32 if dtype == torch.float32 else GEMM_TABLE_16BIT
+def gemm_table(dtype: torch.dtype, swappable: bool = True) -> tuple[tuple[int, int, GemmConfig], ...]:
+    if dtype == torch.float32:
+        return GEMM_TABLE_FP32 if swappable else GEMM_TABLE_FP32_UNSWAPPED
+    return GEMM_TABLE_16BIT
 
 
-def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = False) -> GemmConfig:
+def swappable(a: torch.Tensor, b: torch.Tensor, rowsum: torch.Tensor | None = None) -> bool:
+    """Whether an fp32 A @ B may run as C^T = B^T @ A^T: 2-D operands, B k-contiguous."""
+    return a.dim() == 2 and b.dim() == 2 and b.stride(0) == 1 and rowsum is None
+
+
+def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = False, *,
+                swappable: bool = True) -> GemmConfig:
     """The tile config the table assigns to an [m, K] x [K, n] problem.
 
     ``token_reduction``: a backward GEMM -- A read transposed (dW = dY^T @ X) or an fp32
@@ -143,8 +174,11 @@ def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = Fals
         return GEMM_INTERPRETER_CONFIG
     if token_reduction and dtype != torch.float32 and m > 256:
         return GEMM_ACCUMULATE_16BIT
-    for m_max, n_min, cfg in gemm_table(dtype):
+    for m_max, n_min, cfg in gemm_table(dtype, swappable):
         if m <= m_max and n >= n_min:
+            if cfg.block_m < 16 and not DOT_ANY_M:
+                # Triton < 3.5 needs 16 rows per dot; any tile gives the fp32 chain's bits.
+                return dataclasses.replace(cfg, block_m=16)
             return cfg
     raise AssertionError("unreachable: the last row is unbounded")
 
@@ -161,6 +195,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, ROWSUM: tl.constexpr,
         IEEE: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        SWAPPED: tl.constexpr,
     ):
         pid = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
@@ -172,7 +207,12 @@ if triton is not None:
         # Rows/cols past the edge re-read valid memory (wrapped) instead of masking;
         # their results are never stored. int64: lm-head outputs exceed 2^31 elements.
         rm = (offs_m % M).to(tl.int64)
-        rn = (offs_n % N).to(tl.int64)
+        if SWAPPED:
+            # B = X^T, its columns padded to whole tiles by the launcher: read unwrapped,
+            # so the compiler sees contiguous, aligned rows (16-byte copies at any M).
+            rn = offs_n.to(tl.int64)
+        else:
+            rn = (offs_n % N).to(tl.int64)
         a_ptrs = a_ptr + batch * stride_ab + rm[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
         b_ptrs = b_ptr + batch * stride_bb + offs_k[:, None].to(tl.int64) * stride_bk + rn[None, :] * stride_bn
 
@@ -214,8 +254,12 @@ if triton is not None:
             b_ptrs += BLOCK_K * stride_bk
 
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            acc = acc + bias.to(tl.float32)[None, :]
+            if SWAPPED:  # C^T's rows are the output features
+                bias = tl.load(bias_ptr + offs_m, mask=offs_m < M, other=0.0)
+                acc = acc + bias.to(tl.float32)[:, None]
+            else:
+                bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+                acc = acc + bias.to(tl.float32)[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
         if ROWSUM:
             if do_rowsum:
@@ -226,7 +270,6 @@ if triton is not None:
 
     # Decode calls are host-bound: later launches skip Triton's binder (ops._launch).
     _launch_gemm = cached_launcher(_gemm_kernel)
-    _launch_gemm_fma = cached_launcher(_gemm_fma_kernel)
 
 
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
@@ -279,17 +322,23 @@ def triton_gemm(
         if bias is not None:
             out += bias
         return out
-    cfg = config or gemm_config(M, N, a.dtype, token_reduction=accumulate or (sam == 1 and sak != 1))
-    if cfg.fma_vec:
-        if a.dtype != torch.float32:
-            # The 16-bit chain is the tensor cores' (16-wide k steps): other bits.
-            raise ValueError(f"rlkernels: the FMA-chain GEMM is fp32 only, got {a.dtype}")
-        if rowsum is not None or (config is None and b.stride(-2) != 1):
-            # The dot kernel runs the same FMA chain: it takes the fused row-sum, and
-            # B layouts the table's explicit-chain rows were not picked for (they read
-            # a k-contiguous B, an nn.Linear weight; a row-major B ran 1.5-2x slower
-            # there at N <= 12288, explore_fp32_h100.json).
-            cfg = FMA_FALLBACK_CONFIG
+    can_swap = a.dtype == torch.float32 and swappable(a, b, rowsum)
+    cfg = config or gemm_config(M, N, a.dtype, token_reduction=accumulate or (sam == 1 and sak != 1),
+                                swappable=can_swap)
+    if cfg.swap_ab:
+        if not can_swap:
+            raise ValueError(f"rlkernels: config {cfg.short()} needs 2-D fp32 operands with B k-contiguous")
+        # C^T = B^T @ A^T: the same chain per element (fma(a, b, c) == fma(b, a, c)).
+        # A^T's rows are padded with zeros to whole tiles (the kernel reads them unwrapped);
+        # the padding's products land in columns that are never stored.
+        m_pad = -(-M // cfg.block_n) * cfg.block_n
+        a_t = torch.empty(K, m_pad, dtype=a.dtype, device=a.device)
+        a_t[:, :M].copy_(a.t())
+        if m_pad > M:
+            a_t[:, M:].zero_()
+        a, b, out = b.t(), a_t, out.t()
+        M, N = N, M
+        (sam, sak), (sbk, sbn), (scm, scn) = a.stride(), b.stride(), out.stride()
     layouts = tma_layouts(a, b, out) if cfg.tma and rowsum is None else None
     if layouts is not None:
         # The variant's identity: what decides its shared memory (layouts, epilogue, dtypes).
@@ -314,23 +363,19 @@ def triton_gemm(
                         config=cfg)
         return out
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), Bt)
-    if cfg.fma_vec:
-        k_vec = fma_k_vec(b, cfg.fma_vec)
-        _launch_gemm_fma(grid, (a, b, out, bias if bias is not None else out, M, N, K,
-                                sab, sam, sak, sbb, sbk, sbn, scb, scm, scn),
-                         (bias is not None, accumulate, cfg.block_m, cfg.block_n, k_vec, cfg.block_k // k_vec),
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return out
     args = (a, b, out, bias if bias is not None else out, rowsum if rowsum is not None else out,
             M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn)
     constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,
-                  cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m)
+                  cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.swap_ab)
     _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    return out.t() if cfg.swap_ab else out
 
 
 @functools.lru_cache(maxsize=None)
 def all_configs(dtype: torch.dtype) -> tuple[GemmConfig, ...]:
     """Every config the table can pick for ``dtype`` (what GPU tests must cover)."""
-    extra = (GEMM_ACCUMULATE_16BIT,) if dtype != torch.float32 else ()
-    return tuple(dict.fromkeys([cfg for _, _, cfg in gemm_table(dtype)] + list(extra)))
+    if dtype == torch.float32:
+        rows = GEMM_TABLE_FP32 + GEMM_TABLE_FP32_UNSWAPPED
+    else:
+        rows = GEMM_TABLE_16BIT + ((0, 0, GEMM_ACCUMULATE_16BIT),)
+    return tuple(dict.fromkeys(cfg for _, _, cfg in rows))

@@ -1,0 +1,124 @@
+"""The GEMM dispatch table (ops.gemm) and the fp32 swapped orientation.
+
+CPU: the table's rules (pure functions of M, N, dtype and operand layout) and, under
+TRITON_INTERPRET=1, the swapped kernel's arithmetic against float64 (the interpreter's
+numpy dot rounds by memory layout, so bits are a GPU property: tests/test_matmul_gpu.py
+proves every fp32 config, swapped or not, gives the same bits).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlkernels import contract
+from rlkernels.ops import _triton, gemm
+from rlkernels.ops.gemm import GemmConfig, gemm_config, swappable, triton_gemm
+from rlkernels.registry import triton_interpret
+
+from .conftest import randn
+
+interpreter_only = pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+
+SWAP_TILE = GemmConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=1, swap_ab=True)
+
+
+def _ref(x, w, bias=None, start=None):
+    out = x.double() @ w.double().t()
+    if start is not None:
+        out = out + start.double()
+    return out if bias is None else out + bias.double()
+
+
+def test_swap_only_for_2d_operands_with_k_contiguous_b():
+    x, w = torch.empty(5, 8), torch.empty(7, 8)
+    assert swappable(x, w.t())  # an nn.Linear weight read as B = W^T
+    assert not swappable(x, w.t().contiguous())  # row-major B: lanes already read rows
+    assert not swappable(x.expand(2, 5, 8), w.t())  # batch axis
+    assert not swappable(x, w.t(), rowsum=torch.empty(5))  # the fused row-sum
+
+
+@pytest.mark.skipif(triton_interpret(), reason="the interpreter has its own one-row config")
+def test_fp32_table_rows():
+    for m, n in [(1, 4096), (1, 151936), (2, 12288), (3, 4096), (4, 151936), (5, 4096), (8, 4096), (9, 4096),
+                 (16, 12288), (64, 151936), (100, 4096), (9999, 4096)]:
+        swapped = gemm_config(m, n, torch.float32)
+        plain = gemm_config(m, n, torch.float32, swappable=False)
+        assert not plain.swap_ab
+        # One row stays a weight stream in the forward orientation; a few rows swap on wide
+        # outputs (one 16-token tile) and from M = 9 on narrower ones.
+        assert swapped.swap_ab == (m > 1 and (n >= gemm.WIDE_N or m > 8)), (m, n, swapped.short())
+    # 16-bit tables never swap (the tensor cores read both operands from swizzled shared memory).
+    assert not any(cfg.swap_ab for cfg in gemm.all_configs(torch.bfloat16))
+    assert {c for _, _, c in gemm.GEMM_TABLE_FP32 + gemm.GEMM_TABLE_FP32_UNSWAPPED} == set(
+        gemm.all_configs(torch.float32))
+
+
+@pytest.mark.skipif(triton_interpret(), reason="the interpreter has its own one-row config")
+def test_old_triton_gets_16_row_tiles(monkeypatch):
+    monkeypatch.setattr(gemm, "DOT_ANY_M", False)
+    cfg = gemm_config(1, 4096, torch.float32)
+    assert cfg.block_m == 16
+    monkeypatch.setattr(gemm, "DOT_ANY_M", True)
+    assert gemm_config(1, 4096, torch.float32).block_m == 1
+
+
+def test_triton_version_rule():
+    # Whatever is installed, the flag is a pure function of the version string.
+    if _triton.triton is None:
+        assert _triton.DOT_ANY_M is False
+    else:
+        major, minor = (int(p) for p in _triton.triton.__version__.split(".")[:2])
+        assert _triton.DOT_ANY_M == ((major, minor) >= (3, 5))
+
+
+@interpreter_only
+@pytest.mark.parametrize("m,k,n", [(1, 16, 16), (5, 70, 37), (17, 33, 48), (40, 48, 23)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_swapped_orientation_accuracy(m, k, n, with_bias, gen):
+    x = randn(m, k, generator=gen)
+    w = randn(n, k, generator=gen, scale=k ** -0.5)
+    bias = randn(n, generator=gen) if with_bias else None
+    out = triton_gemm(x, w.t(), bias=bias, config=SWAP_TILE)
+    assert out.shape == (m, n) and out.is_contiguous()
+    contract.check("matmul", torch.float32, out, _ref(x, w, bias))
+
+
+@interpreter_only
+def test_swapped_orientation_strided_input_accumulate_and_out_dtype(gen):
+    m, k, n = 19, 40, 29
+    x = randn(m, 2 * k, generator=gen)[:, ::2]  # a strided activation is made contiguous as X^T
+    w = randn(n, k, generator=gen, scale=k ** -0.5)
+    bias = randn(n, generator=gen)
+    start = randn(m, n, generator=gen)
+    out = start.clone()
+    got = triton_gemm(x, w.t(), bias=bias, out=out, accumulate=True, config=SWAP_TILE)
+    assert got.data_ptr() == out.data_ptr()
+    contract.check("matmul", torch.float32, out, _ref(x, w, bias, start))
+    # A preallocated transposed output is written through its strides.
+    out_t = torch.full((n, m), float("nan")).t()
+    triton_gemm(x, w.t(), out=out_t, config=SWAP_TILE)
+    contract.check("matmul", torch.float32, out_t, _ref(x, w))
+    half = triton_gemm(x, w.t(), out_dtype=torch.float16, config=SWAP_TILE)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), _ref(x, w).float(), atol=2e-2, rtol=2e-2)
+
+
+@interpreter_only
+def test_swapped_orientation_refuses_operands_it_cannot_swap(gen):
+    x = randn(4, 32, generator=gen)
+    w = randn(16, 32, generator=gen)
+    with pytest.raises(ValueError, match="k-contiguous"):
+        triton_gemm(x, w.t().contiguous(), config=SWAP_TILE)
+    with pytest.raises(ValueError, match="k-contiguous"):
+        triton_gemm(x.half(), w.t().half(), config=SWAP_TILE)
+
+
+@interpreter_only
+def test_swapped_and_forward_orientation_agree_to_rounding(gen):
+    x = randn(23, 64, generator=gen)
+    w = randn(31, 64, generator=gen, scale=0.125)
+    fwd = triton_gemm(x, w.t(), config=dataclasses.replace(SWAP_TILE, block_m=1, swap_ab=False))
+    swp = triton_gemm(x, w.t(), config=SWAP_TILE)
+    torch.testing.assert_close(swp, fwd, atol=1e-5, rtol=1e-5)
