@@ -332,10 +332,11 @@ def triton_gemm(
         # A^T's rows are padded with zeros to whole tiles (the kernel reads them unwrapped);
         # the padding's products land in columns that are never stored.
         m_pad = -(-M // cfg.block_n) * cfg.block_n
-        a_t = torch.empty(K, m_pad, dtype=a.dtype, device=a.device)
-        a_t[:, :M].copy_(a.t())
-        if m_pad > M:
-            a_t[:, M:].zero_()
+        if m_pad == M:
+            a_t = a.t().contiguous()
+        else:
+            a_t = a.new_zeros(K, m_pad)
+            a_t[:, :M] = a.t()
         a, b, out = b.t(), a_t, out.t()
         M, N = N, M
         (sam, sak), (sbk, sbn), (scm, scn) = a.stride(), b.stride(), out.stride()
