@@ -112,9 +112,12 @@ GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     (1, 0, _FP32_M1),
     # Wide outputs: one 16-token tile streams the weight once (lm head M = 4-8: 1.0 ms,
     # stock 1.0-1.3 ms).
-    (16, WIDE_N, GemmConfig(32, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
+    (16, 65536, GemmConfig(32, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
+    (16, WIDE_N, GemmConfig(16, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
     (4, 0, GemmConfig(2, 64, 64, group_m=1, num_warps=2, num_stages=4)),
-    (8, 0, GemmConfig(2, 32, 128, group_m=1, num_warps=1, num_stages=4)),
+    # 16-row weight tiles: 256 programs on a 4096-wide output (4096^2 M = 16: 46 us vs
+    # 86 us for 32x32x32 and stock's 62; explore_fp32_v4/_v5_h100.json).
+    (16, 0, GemmConfig(16, 16, 128, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
     (32, 65536, GemmConfig(64, 32, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
     (32, WIDE_N, _FP32_SWAP_32X32),
     (64, 65536, GemmConfig(128, 64, 16, group_m=8, num_warps=4, num_stages=3, swap_ab=True)),
