@@ -340,7 +340,7 @@ def triton_gemm(
         else:
             a_t = a.new_zeros(K, m_pad)
             a_t[:, :M] = a.t()
-        a, b, out = b.t(), a_t, out.t()
+        result, (a, b, out) = out, (b.t(), a_t, out.t())
         M, N = N, M
         (sam, sak), (sbk, sbn), (scm, scn) = a.stride(), b.stride(), out.stride()
     layouts = tma_layouts(a, b, out) if cfg.tma and rowsum is None else None
@@ -372,7 +372,7 @@ def triton_gemm(
     constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,
                   cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.swap_ab)
     _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out.t() if cfg.swap_ab else out
+    return result if cfg.swap_ab else out
 
 
 @functools.lru_cache(maxsize=None)
