@@ -299,6 +299,8 @@ def triton_gemm(
     batch element, stride 0); any strides. With ``accumulate`` the fp32 ``out`` is
     the chain's starting value and is updated in place. ``rowsum`` (fp32 [M] or
     [Bt, M], contiguous) gets the row sums of A added, through the same chain.
+    An fp32 config with ``swap_ab`` runs C^T = B^T @ A^T on a contiguous copy of A^T
+    (same bits per element; 2-D operands with B k-contiguous only).
     """
     # Strides read directly (a 2-D operand has batch stride 0): no views are made,
     # since every host microsecond shows at decode sizes.
