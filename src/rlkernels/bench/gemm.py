@@ -16,7 +16,7 @@ from .common import (cycling, graph_median_us, interleaved_median_ms, l2_cold_co
 
 SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
-# fp32: (K, N) and its M values (the lm head at decode sizes only: its fp32 weight is 2.5 GB).
+# fp32: (K, N) and its M values (the lm head up to M = 1024: its fp32 weight alone is 2.5 GB).
 FP32_GRID = [((4096, 4096), [1, 4, 8, 16, 64, 128, 1024, 4096]), ((4096, 12288), [1, 4, 8, 16, 64, 128, 1024]),
              ((4096, 151936), [1, 4, 16, 64, 128, 1024])]
 
