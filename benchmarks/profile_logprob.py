@@ -1,7 +1,7 @@
 """Where the milliseconds of ``linear_logprob`` go, and which fused tile config is fastest.
 
     python benchmarks/profile_logprob.py [--shape N,D,V] [--dtype bfloat16] [--temperature T]
-        [--json PATH] [--device cuda] [--quick]
+        [--json PATH] [--device cuda] [--quick] [--trace | --gemms-only]
 
 Default shape: N=8192 tokens, D=4096, V=151936 (Qwen vocabulary), bf16, no bias.
 
@@ -58,15 +58,20 @@ FUSED_CANDIDATES: tuple[FusedConfig, ...] = (
     _R(FUSED_16BIT, block_k=128, num_stages=2),
     _R(FUSED_16BIT, tma=False, persistent=False),
 )
-# Alternatives to the table's pick for the two backward GEMMs (both chained fp32 / token
-# reductions: the accumulate tile 128x256x64/w8/s3; dH had the forward's 256x128x64/w8/s3
-# when logprob_profile_h100.json was measured).
+# Alternatives to the table's pick for the two backward GEMMs (dH: the chained fp32
+# output; dW: dY^T @ H, bf16 out). Offline sm_90 builds (Triton 3.6) of the table's
+# fp32-output tile show 255 registers and 712 bytes of stack (the C tile loaded through
+# pointers arrives in a blocked layout and is converted to the MMA layout), yet on H100
+# it beat every spill-free alternative tried in session 7 (128x128 tiles, C by TMA, L2
+# prefetch of the next tile's C: 0.48-0.62 ms per 4096-column chunk vs 0.466;
+# docs/perf_notes.md).
+_G = GemmConfig
 GEMM_CANDIDATES: tuple[GemmConfig, ...] = (
-    GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
-    GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3),
-    GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4),
-    GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
-    GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=4),
+    _G(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True, warp_specialize=True),
+    _G(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True, persistent=True),
+    _G(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True, persistent=True),
+    _G(128, 128, 64, group_m=8, num_warps=4, num_stages=4, tma=True, persistent=True),
+    _G(256, 128, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True),
 )
 
 Timer = Callable[[Callable[[], Any]], float]
@@ -167,14 +172,29 @@ def profile_gemms(timer: Timer, x: dict[str, Any], alts: list[GemmConfig]) -> li
          gemm_config(N, D, dt, token_reduction=True)),
         ("dW g^T@H", lambda c: triton_gemm(g.t(), h2, out=dw, config=c), gemm_config(cv, D, dt, token_reduction=True)),
     ]
+    # Bits: each config's output from the same starting accumulator, against the table's.
+    dh_start = torch.randn(N, D, generator=torch.Generator(device=h2.device).manual_seed(1), device=h2.device)
+
+    def result(part: str, cfg: GemmConfig | None) -> torch.Tensor:
+        if part.startswith("dH"):
+            out = dh_start.clone()
+            triton_gemm(g, wc, out=out, accumulate=True, config=cfg)
+            return out
+        return triton_gemm(g.t(), h2, config=cfg)
+
     rows = []
     for part, call, table_cfg in cases:
         ms, err = timed(timer, lambda: call(None))
         rows.append(part_row(part, f"table:{table_cfg.short()}", ms, err, x))
+        ref = result(part, None)
         for cfg in alts:
             if cfg != table_cfg:
                 ms, err = timed(timer, lambda: call(cfg))
-                rows.append(part_row(part, cfg.short(), ms, err, x))
+                row = part_row(part, cfg.short(), ms, err, x)
+                if err is None:
+                    row["same_bits"] = bool(torch.equal(result(part, cfg), ref))
+                rows.append(row)
+        del ref
     # Speed of light: stock cuBLAS, bf16 out (no fp32 accumulate for dH, no epilogue).
     refs = [("cublas logits H@Wc^T", lambda: torch.mm(h2, wc.t())),
             ("cublas dH g@Wc", lambda: torch.mm(g, wc)),
@@ -199,6 +219,44 @@ def profile_whole_backward(timer: Timer, x: dict[str, Any], cfg: FusedConfig) ->
     else:
         row["error"] = err
     return row
+
+
+def trace_fwd_bwd(x: dict[str, Any], iters: int = 2) -> list[dict[str, Any]]:
+    """Per-kernel GPU time of whole forward+backward calls, as the benchmark runs them
+    (``rlkernels.linear_logprob`` then ``autograd.grad`` with per-token upstream grads):
+    the stages in their real sequence, plus what no isolated timing sees (setup kernels,
+    idle gaps). Rows: kernel name (Triton kernels by function name), calls and ms per
+    call of the op; the last rows compare the kernels' sum with the event-timed wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlkernels import linear_logprob
+
+    h = x["h2"].detach().requires_grad_()
+    w = x["w"].detach().requires_grad_()
+
+    def fwd_bwd():
+        lp, ent = linear_logprob(h, w, x["tgt"], temperature=x["T"], return_entropy=True)
+        return torch.autograd.grad((lp, ent), (h, w), (x["gl"], x["ge"]))
+
+    wall = median_ms(fwd_bwd)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fwd_bwd()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name.split("(")[0][:60]
+            per_kernel.setdefault(name, []).append(ev.device_time / 1e3)  # us -> ms
+    rows = [{"section": "trace", "kernel": k, "calls": len(v) / iters, "ms": sum(v) / iters}
+            for k, v in per_kernel.items()]
+    rows.sort(key=lambda r: -r["ms"])
+    busy = sum(r["ms"] for r in rows)
+    rows.append({"section": "trace", "kernel": "(sum of kernels)", "ms": busy})
+    rows.append({"section": "trace", "kernel": "(wall, do_bench median)", "ms": wall})
+    rows.append({"section": "trace", "kernel": "(idle = wall - sum)", "ms": wall - busy})
+    return rows
 
 
 def best(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
@@ -251,6 +309,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true", help="the default plus one candidate per tile sweep")
+    p.add_argument("--trace", action="store_true",
+                   help="only the per-kernel trace of whole forward+backward calls (CUDA)")
+    p.add_argument("--gemms-only", action="store_true", help="only the backward GEMM tile sweep")
     args = p.parse_args()
     N, D, V = (int(s) for s in args.shape.split(","))
     dt, dev = DTYPES[args.dtype], torch.device(args.device)
@@ -278,6 +339,20 @@ def main() -> None:
                                        x["T"], 0, cv, x["g"])  # real g values for the GEMM timings
     print(f"N={N} D={D} V={V} {args.dtype} T={args.temperature} on {dev}: default {default.short()}, "
           f"backward chunk {cv} cols ({V / cv:.2f} chunks)")
+
+    meta = {"shape": {"N": N, "D": D, "V": V}, "dtype": args.dtype, "temperature": args.temperature,
+            "default_fused_config": default.short(), "backward_chunk": cv}
+    if args.trace:
+        rows = trace_fwd_bwd(x)
+        print_table("forward+backward trace: ms per call", rows, ["kernel", "calls", "ms"])
+        write_json(args.json, "profile_logprob_trace", rows, meta)
+        return
+    if args.gemms_only:
+        rows = profile_gemms(timer, x, list(GEMM_CANDIDATES[:limit]))
+        print_table(f"backward GEMMs: one {cv}-col chunk, est = chunk x {V / cv:.2f}", rows,
+                    ["part", "config", "chunk_ms", "est_total_ms", "tflops", "same_bits", "error"])
+        write_json(args.json, "profile_logprob_gemms", rows, meta)
+        return
 
     configs = unique([default, *FUSED_CANDIDATES])[: 1 + limit if limit else None]
     fwd = profile_forward(timer, x, configs)
