@@ -294,10 +294,12 @@ def test_backward_chunk_size_does_not_change_bits(backend, dtype, gen, monkeypat
         assert torch.equal(x, y), name
 
 
+@pytest.mark.parametrize("main_chunks", [1, 3], ids=["main_loop_chunk_as_is", "main_loop_chunk_x3"])
 @pytest.mark.parametrize("backend,dtype", _cases((F16, BF16)))
-def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, gen, monkeypatch):
-    """dH accumulated in dW's not-yet-written last rows (those chunks' dW computed after
-    dH, from a recomputed g) gives the bits of a separate accumulator."""
+def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, main_chunks, gen, monkeypatch):
+    """dH accumulated in dW's not-yet-written last rows (their dW computed after dH, from a
+    recomputed g, in chunks narrower than the main loop's) gives the bits of a separate
+    accumulator."""
     import rlkernels.ops.linear_logprob as mod
 
     n, d, v = 33, 40, 257
@@ -309,8 +311,11 @@ def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, gen, monkeypat
     monkeypatch.undo()
     monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: 64)
     monkeypatch.setattr(mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
+    if main_chunks != 1:
+        monkeypatch.setattr(mod, "main_loop_chunk", lambda cv, dim: main_chunks * cv)
     tail = mod.dw_tail_rows(n, d, v, 64, torch.float32, torch.empty(v, d, dtype=dtype))
-    assert tail is not None and tail < 192  # three of the five chunks wait for dH
+    # Inside a main-loop chunk: that chunk's dW is split at the tail.
+    assert tail is not None and tail < 192 and tail % 64 != 0
     in_tail = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
     for name, x, y in zip(("dhidden", "dweight", "dbias"), separate, in_tail):
         assert torch.equal(x, y), name
@@ -338,7 +343,7 @@ def test_dh_accumulator_placement_rule():
 
     bf = torch.empty(1, dtype=BF16)
     # The benchmark shape: 16384 rows of dW hold the fp32 [8192, 4096] accumulator; the
-    # chunks from column 135168 on (11% of V) compute dW after dH.
+    # columns from 135552 on (11% of V) compute dW after dH.
     assert dw_tail_rows(8192, 4096, 151936, 4096, F32, bf) == 151936 - 16384
     assert dw_tail_rows(1024, 4096, 151936, 32768, F32, bf) is None  # accumulator < g buffer
     assert dw_tail_rows(32768, 4096, 151936, 4096, F32, bf) is None  # 43% of V to recompute
@@ -348,7 +353,13 @@ def test_dh_accumulator_placement_rule():
 
 
 def test_backward_chunk_rule():
+    from rlkernels.ops.linear_logprob import main_loop_chunk
+
     assert backward_chunk(8192, 151936, 2) == 4096
+    # The main loop beside an accumulator in dW's tail: wider by D, in multiples of 256.
+    assert main_loop_chunk(4096, 4096) == 8192
+    assert main_loop_chunk(4096, 4095) == 4096 + 3840
+    assert main_loop_chunk(512, 200) == 512
     assert backward_chunk(32768, 151936, 2) == 4096
     assert backward_chunk(1024, 151936, 2) == 32768
     assert all(backward_chunk(n, 151936, 2) % 256 == 0 for n in (1, 7, 100, 5000, 1 << 20))
@@ -584,7 +595,8 @@ def forward_extra_bytes(n: int, v: int) -> int:
 
 def backward_extra_bytes(n: int, d: int, v: int, elem: int) -> int:
     """The backward's documented peak: dW + dbias + [N] vectors, plus either (fp32 dH in
-    dW's last rows) g buffer + dH output, or fp32 dH + max(g buffer, dH output)."""
+    dW's last rows) g buffer + dH output -- which also bounds the main loop's g buffer,
+    wider by at most D columns -- or fp32 dH + max(g buffer, dH output)."""
     from rlkernels.ops.linear_logprob import dw_tail_rows
 
     cv = backward_chunk(n, v, elem)
