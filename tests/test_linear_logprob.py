@@ -294,28 +294,32 @@ def test_backward_chunk_size_does_not_change_bits(backend, dtype, gen, monkeypat
         assert torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("main_chunks", [1, 3], ids=["main_loop_chunk_as_is", "main_loop_chunk_x3"])
+# (n, v, chunk, main-loop chunk factor): the tail inside a main-loop chunk, with the
+# last chunk's g kept for the columns past 256; a 3x wider main loop; the whole tail
+# inside the kept last chunk (nothing recomputed).
+TAIL_CASES = [(33, 257, 64, 1), (33, 257, 64, 3), (7, 300, 64, 1)]
+
+
+@pytest.mark.parametrize("n,v,cv,main_chunks", TAIL_CASES, ids=["mid_chunk", "wide_main_loop", "all_in_last"])
 @pytest.mark.parametrize("backend,dtype", _cases((F16, BF16)))
-def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, main_chunks, gen, monkeypatch):
-    """dH accumulated in dW's not-yet-written last rows (their dW computed after dH, from a
-    recomputed g, in chunks narrower than the main loop's) gives the bits of a separate
-    accumulator."""
+def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, n, v, cv, main_chunks, gen, monkeypatch):
+    """dH accumulated in dW's not-yet-written last rows (their dW computed after dH from
+    the kept last chunk of g or a recomputed one, in chunks other than the main loop's)
+    gives the bits of a separate accumulator."""
     import rlkernels.ops.linear_logprob as mod
 
-    n, d, v = 33, 40, 257
+    d = 40
     h, w, b, t = _data(n, d, v, dtype, gen)
     gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: 64)
+    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: cv)
     monkeypatch.setattr(mod, "dw_tail_rows", lambda *args: None)
     separate = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
     monkeypatch.undo()
-    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: 64)
+    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: cv)
     monkeypatch.setattr(mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
-    if main_chunks != 1:
-        monkeypatch.setattr(mod, "main_loop_chunk", lambda cv, dim: main_chunks * cv)
-    tail = mod.dw_tail_rows(n, d, v, 64, torch.float32, torch.empty(v, d, dtype=dtype))
-    # Inside a main-loop chunk: that chunk's dW is split at the tail.
-    assert tail is not None and tail < 192 and tail % 64 != 0
+    monkeypatch.setattr(mod, "main_loop_chunk", lambda cv_, dim: main_chunks * cv_)
+    tail = mod.dw_tail_rows(n, d, v, cv, torch.float32, torch.empty(v, d, dtype=dtype))
+    assert tail is not None and tail % cv != 0
     in_tail = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
     for name, x, y in zip(("dhidden", "dweight", "dbias"), separate, in_tail):
         assert torch.equal(x, y), name

@@ -27,7 +27,8 @@ dtype); then ``dH += g @ W[chunk]`` (fp32 [N, D] accumulator chained over V
 ascending), ``dW[chunk] = g^T @ H`` (one fp32 chain over tokens, rounded once, or
 accumulated into ``weight.main_grad``), ``dbias[chunk] = column sums of g``. For
 16-bit inputs the dH accumulator may sit in dW's last rows, written last: those
-chunks then take their dW after dH is final, from a recomputed g (:func:`dw_tail_rows`).
+columns then take their dW after dH is final, from the last chunk's g or a recomputed
+one (:func:`dw_tail_rows`), and the main loop runs wider chunks (:func:`main_loop_chunk`).
 """
 from __future__ import annotations
 
@@ -638,9 +639,12 @@ class LinearLogprobFunction(torch.autograd.Function):
             dh_acc = dw.view(-1)[start:start + N * D * ratio].view(acc_dt).view(N, D)
             dh_acc.zero_()
             main_cv, dw_end = main_loop_chunk(cv, D), tail
+            # The last chunk, at most cv wide, gets its own buffer, which outlives dH: the
+            # columns it holds past the tail need no recompute.
+            last = min(-(-max(0, vocab - cv) // BWD_CHUNK_ALIGN), (vocab - 1) // BWD_CHUNK_ALIGN) * BWD_CHUNK_ALIGN
         else:
             dh_acc = torch.zeros(N, D, dtype=acc_dt, device=dev) if need_h else None
-            main_cv, dw_end = cv, vocab
+            main_cv, dw_end, last = cv, vocab, vocab
 
         def grad_logits(g_buf: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
             g = g_buf[:, :v1 - v0]
@@ -659,9 +663,7 @@ class LinearLogprobFunction(torch.autograd.Function):
             elif need_b:
                 engine.gemm(g.t(), h2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
 
-        g_buf = torch.empty(N, min(main_cv, vocab), dtype=h2.dtype, device=dev)
-        for v0 in range(0, vocab, main_cv):
-            v1 = min(vocab, v0 + main_cv)
+        def chunk(g_buf: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
             g = grad_logits(g_buf, v0, v1)
             if need_h:
                 # dH chained over V ascending, chunk after chunk, in one fp32 accumulator.
@@ -670,13 +672,26 @@ class LinearLogprobFunction(torch.autograd.Function):
                 # A column's dW depends on that column of g alone: any column range gives its bits.
                 w1 = min(v1, dw_end)
                 weight_grads(g[:, :w1 - v0], v0, w1)
-        del g, g_buf  # freed before the dH output is allocated (peak memory)
+            return g
+
+        if last > 0:
+            g_buf = torch.empty(N, min(main_cv, last), dtype=h2.dtype, device=dev)
+            for v0 in range(0, last, main_cv):
+                chunk(g_buf, v0, min(last, v0 + main_cv))
+            del g_buf  # freed before the last chunk's and the dH output's buffers (peak memory)
+        g_last = chunk(torch.empty(N, vocab - last, dtype=h2.dtype, device=dev), last, vocab) if last < vocab \
+            else None
         grad_h = dh_acc.to(h2.dtype) if need_h else None
         del dh_acc
         if dw_end < vocab:  # dH is final: the accumulator's rows of dW are free again
-            g_buf = torch.empty(N, min(cv, vocab - dw_end), dtype=h2.dtype, device=dev)
-            for v0 in range(dw_end, vocab, cv):
-                v1 = min(vocab, v0 + cv)
+            kept = max(dw_end, last)
+            weight_grads(g_last[:, kept - last:], kept, vocab)
+            # The tail's columns before the last chunk: recomputed, in g_last's bytes.
+            width = min(cv, kept - dw_end)
+            g_buf = g_last if g_last.shape[1] >= width else torch.empty(N, width, dtype=h2.dtype, device=dev)
+            del g_last
+            for v0 in range(dw_end, kept, g_buf.shape[1]):
+                v1 = min(kept, v0 + g_buf.shape[1])
                 weight_grads(grad_logits(g_buf, v0, v1), v0, v1)
         grad_b = db.to(bias.dtype) if need_b and b_main is None else None
         return grad_h, dw, grad_b, None, None, None, None
