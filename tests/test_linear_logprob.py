@@ -295,12 +295,13 @@ def test_backward_chunk_size_does_not_change_bits(backend, dtype, gen, monkeypat
 
 
 # (n, v, chunk, main-loop chunk factor): the tail inside a main-loop chunk, with the
-# last chunk's g kept for the columns past 256; a 3x wider main loop; the whole tail
-# inside the kept last chunk (nothing recomputed).
-TAIL_CASES = [(33, 257, 64, 1), (33, 257, 64, 3), (7, 300, 64, 1)]
+# last chunk's g (a 1-column sliver, swapped for a wider buffer) kept for the columns
+# past 256; a 3x wider main loop; the whole tail inside the kept last chunk (nothing
+# recomputed); the recompute in the last chunk's own buffer.
+TAIL_CASES = [(33, 257, 64, 1), (33, 257, 64, 3), (7, 300, 64, 1), (33, 300, 64, 1)]
 
 
-@pytest.mark.parametrize("n,v,cv,main_chunks", TAIL_CASES, ids=["mid_chunk", "wide_main_loop", "all_in_last"])
+@pytest.mark.parametrize("n,v,cv,main_chunks", TAIL_CASES, ids=["mid_chunk", "wide_main_loop", "all_in_last", "recompute_in_last_buffer"])
 @pytest.mark.parametrize("backend,dtype", _cases((F16, BF16)))
 def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, n, v, cv, main_chunks, gen, monkeypatch):
     """dH accumulated in dW's not-yet-written last rows (their dW computed after dH from

@@ -686,10 +686,16 @@ class LinearLogprobFunction(torch.autograd.Function):
         if dw_end < vocab:  # dH is final: the accumulator's rows of dW are free again
             kept = max(dw_end, last)
             weight_grads(g_last[:, kept - last:], kept, vocab)
-            # The tail's columns before the last chunk: recomputed, in g_last's bytes.
-            width = min(cv, kept - dw_end)
-            g_buf = g_last if g_last.shape[1] >= width else torch.empty(N, width, dtype=h2.dtype, device=dev)
-            del g_last
+            # The tail's columns before the last chunk: recomputed, in g_last's bytes (at
+            # most Cv columns: one g chunk beside dhidden, the peak). Only a sliver of a
+            # last chunk (tiny V or chunk) is swapped, after it is freed, for a wider one.
+            rest = kept - dw_end
+            if g_last.shape[1] >= min(cv // 2, rest):
+                g_buf = g_last
+                del g_last
+            else:
+                del g_last
+                g_buf = torch.empty(N, min(cv, rest), dtype=h2.dtype, device=dev)
             for v0 in range(dw_end, kept, g_buf.shape[1]):
                 v1 = min(kept, v0 + g_buf.shape[1])
                 weight_grads(grad_logits(g_buf, v0, v1), v0, v1)
