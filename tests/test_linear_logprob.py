@@ -358,13 +358,17 @@ def test_dh_accumulator_placement_rule():
 
 
 def test_backward_chunk_rule():
-    from rlkernels.ops.linear_logprob import main_loop_chunk
+    from rlkernels.ops.linear_logprob import last_chunk_start, main_loop_chunk
 
     assert backward_chunk(8192, 151936, 2) == 4096
     # The main loop beside an accumulator in dW's tail: wider by D, in multiples of 256.
     assert main_loop_chunk(4096, 4096) == 8192
     assert main_loop_chunk(4096, 4095) == 4096 + 3840
     assert main_loop_chunk(512, 200) == 512
+    # The kept last chunk: starts at a multiple of 256, at most cv wide.
+    assert last_chunk_start(151936, 4096) == 147968
+    assert last_chunk_start(1000, 4096) == 0
+    assert last_chunk_start(257, 64) == 256
     assert backward_chunk(32768, 151936, 2) == 4096
     assert backward_chunk(1024, 151936, 2) == 32768
     assert all(backward_chunk(n, 151936, 2) % 256 == 0 for n in (1, 7, 100, 5000, 1 << 20))

@@ -91,7 +91,8 @@ def dw_tail_rows(n_rows: int, dim: int, vocab: int, cv: int, acc_dtype: torch.dt
                  dw: torch.Tensor | None) -> int | None:
     """The first row of ``dw`` whose bytes hold the dH accumulator, or None (its own buffer).
 
-    Columns from this row on take their dW after dH is final, from a recomputed g."""
+    Columns from this row on take their dW after dH is final, from the last chunk's g
+    (:func:`last_chunk_start`) or a recomputed one."""
     if dw is None or n_rows == 0 or not dw.is_contiguous():
         return None
     acc_elem, w_elem = torch.finfo(acc_dtype).bits // 8, dw.element_size()
@@ -118,6 +119,17 @@ def main_loop_chunk(cv: int, dim: int) -> int:
     the same size, which writes bf16 once). A multiple of 256, like every split of the dH chain.
     """
     return cv + dim // BWD_CHUNK_ALIGN * BWD_CHUNK_ALIGN
+
+
+def last_chunk_start(vocab: int, cv: int) -> int:
+    """First column of the backward's last chunk when dH's accumulator is in dW's tail.
+
+    A multiple of 256 (a split of the dH chain) below ``vocab``, leaving at most ``cv``
+    columns after it (for ``cv >= 256``). That chunk's g has its own buffer, which
+    outlives dH: its columns in dW's tail take their dW from it instead of a recompute.
+    """
+    align = BWD_CHUNK_ALIGN
+    return min(-(-max(0, vocab - cv) // align), (vocab - 1) // align) * align
 
 
 # ---------------------------------------------------------------------------------------
@@ -633,15 +645,13 @@ class LinearLogprobFunction(torch.autograd.Function):
         tail = dw_tail_rows(N, D, vocab, cv, acc_dt, dw) if need_h else None
         if tail is not None:
             # The fp32 dH accumulator lives in dW's last rows, which the main loop leaves
-            # alone; their dW waits until dH is final (their g is recomputed then).
+            # alone; their dW waits until dH is final (from the last chunk's g, kept, or
+            # a recomputed one).
             ratio = torch.finfo(acc_dt).bits // (8 * dw.element_size())  # dW elements per fp32
             start = tail * D  # 16-byte aligned (dw_tail_rows); the slice holds exactly N*D fp32
             dh_acc = dw.view(-1)[start:start + N * D * ratio].view(acc_dt).view(N, D)
             dh_acc.zero_()
-            main_cv, dw_end = main_loop_chunk(cv, D), tail
-            # The last chunk, at most cv wide, gets its own buffer, which outlives dH: the
-            # columns it holds past the tail need no recompute.
-            last = min(-(-max(0, vocab - cv) // BWD_CHUNK_ALIGN), (vocab - 1) // BWD_CHUNK_ALIGN) * BWD_CHUNK_ALIGN
+            main_cv, dw_end, last = main_loop_chunk(cv, D), tail, last_chunk_start(vocab, cv)
         else:
             dh_acc = torch.zeros(N, D, dtype=acc_dt, device=dev) if need_h else None
             main_cv, dw_end, last = cv, vocab, vocab
