@@ -63,7 +63,7 @@ FUSED_CANDIDATES: tuple[FusedConfig, ...] = (
 # fp32-output tile show 255 registers and 712 bytes of stack (the C tile loaded through
 # pointers arrives in a blocked layout and is converted to the MMA layout), yet on H100
 # it beat every spill-free alternative tried in session 7 (128x128 tiles, C by TMA, L2
-# prefetch of the next tile's C: 0.48-0.62 ms per 4096-column chunk vs 0.466;
+# prefetch of the next tile's C: 0.48-0.80 ms per 4096-column chunk vs 0.466;
 # docs/perf_notes.md).
 _G = GemmConfig
 GEMM_CANDIDATES: tuple[GemmConfig, ...] = (
@@ -369,9 +369,7 @@ def main() -> None:
     summary = summarize(fwd, parts, whole)
     print_table("summary (default configs; best = fastest candidate)", summary,
                 ["stage", "config", "ms", "cublas_ms", "x_cublas", "best_ms", "best_config"])
-    write_json(args.json, "profile_logprob", fwd + parts + [whole],
-               {"shape": {"N": N, "D": D, "V": V}, "dtype": args.dtype, "temperature": args.temperature,
-                "default_fused_config": default.short(), "backward_chunk": cv, "summary": summary})
+    write_json(args.json, "profile_logprob", fwd + parts + [whole], {**meta, "summary": summary})
 
 
 if __name__ == "__main__":
