@@ -27,7 +27,7 @@ ONE_ROW = dict(block_m=1, block_n=16, block_k=16, group_m=1, num_warps=4, num_st
 
 
 def _pointer(cfg: GemmConfig) -> GemmConfig:
-    return dataclasses.replace(cfg, tma=False, persistent=False, warp_specialize=False, flatten=False)
+    return dataclasses.replace(cfg, tma=False, persistent=False, warp_specialize=False)
 
 
 def test_layout_rules():
@@ -40,16 +40,11 @@ def test_layout_rules():
     assert not tma_layout_ok(torch.empty(2, 3, 8, dtype=torch.float16))  # 2-D only
 
 
-SCHEDULES = {"tile": {}, "persistent": {"persistent": True}, "flat": {"persistent": True, "flatten": True}}
-
-
 @interpreter_only
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("m,n,k", [(1, 8, 8), (13, 40, 72), (37, 24, 40)])
-def test_fp16_bits_equal_pointer_kernel(m, n, k, schedule, gen):
-    """Also the flattened walk: 13 x 40 is 13 * 3 tiles over 4 programs, so programs
-    cross tile boundaries mid-loop and some end on a tile past the grid's last."""
-    cfg = GemmConfig(**ONE_ROW, tma=True, **SCHEDULES[schedule])
+def test_fp16_bits_equal_pointer_kernel(m, n, k, persistent, gen):
+    cfg = GemmConfig(**ONE_ROW, tma=True, persistent=persistent)
     x = randn(m, k, dtype=torch.float16, generator=gen)
     w = randn(n, k, dtype=torch.float16, generator=gen, scale=k ** -0.5)
     bias = randn(n, dtype=torch.float16, generator=gen)
@@ -70,18 +65,10 @@ def test_token_reduction_layout(dtype, gen):
     dy = randn(tokens, n, dtype=dtype, generator=gen)
     x = randn(tokens, k, dtype=dtype, generator=gen)
     # An M-major tile's inner dimension is BLOCK_M: TMA wants at least 16 bytes there.
+    cfg = GemmConfig(**{**ONE_ROW, "block_m": 16}, tma=True, persistent=True)
+    got = tma_gemm(dy.t(), x, cfg, out_dtype=torch.float32)
     want = dy.double().t() @ x.double()
-    for flatten in (False, True):
-        cfg = GemmConfig(**{**ONE_ROW, "block_m": 16}, tma=True, persistent=True, flatten=flatten)
-        got = tma_gemm(dy.t(), x, cfg, out_dtype=torch.float32)
-        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max() * (1 if dtype == torch.float32 else 2)
-
-
-def test_flatten_needs_a_persistent_schedule():
-    with pytest.raises(ValueError, match="flatten"):
-        GemmConfig(128, 256, 64, tma=True, flatten=True)
-    with pytest.raises(ValueError, match="flatten"):
-        GemmConfig(128, 256, 64, tma=True, persistent=True, warp_specialize=True, flatten=True)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max() * (1 if dtype == torch.float32 else 2)
 
 
 @interpreter_only
@@ -100,10 +87,7 @@ def test_fp32_accuracy_and_k_tail(gen):
 # ---------------------------------------------------------------------------------------
 
 def _tma_configs(dtype: torch.dtype) -> list[GemmConfig]:
-    """Every TMA config the table can pick, and the flattened walk of each persistent one."""
-    table = [cfg for cfg in gemm.all_configs(dtype) if cfg.tma]
-    flat = [dataclasses.replace(cfg, flatten=True) for cfg in table if cfg.persistent and not cfg.warp_specialize]
-    return list(dict.fromkeys(table + flat))
+    return [cfg for cfg in gemm.all_configs(dtype) if cfg.tma]
 
 
 @pytest.mark.gpu
@@ -156,7 +140,6 @@ def test_gpu_logprob_tma_and_persistent_give_pointer_bits(v):
     g_want = torch.empty(n, 4096, device="cuda", dtype=torch.bfloat16)
     lp_mod.TritonKernels(base).grad_logits(h, w, b, t, want[2], want[1], gl, ge, 0.7, 1024, 1024 + 4096, g_want)
     for cfg in (dataclasses.replace(base, tma=True), dataclasses.replace(base, tma=True, persistent=True),
-                dataclasses.replace(base, tma=True, flat=True), dataclasses.replace(base, flat=True),
                 lp_mod.FUSED_16BIT):
         k = lp_mod.TritonKernels(cfg)
         got = k.forward(h, w, b, t, 0.7)

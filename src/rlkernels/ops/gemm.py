@@ -50,22 +50,13 @@ class GemmConfig:
     tma: bool = False
     persistent: bool = False
     warp_specialize: bool = False
-    # Persistent without warp specialization: one loop over (tile, k-block), so the next
-    # tile's loads overlap this tile's epilogue (ops.gemm_tma).
-    flatten: bool = False
     # fp32: compute C^T = B^T @ A^T with A^T made contiguous (see swappable); block_m
     # then runs over N and block_n over M.
     swap_ab: bool = False
 
-    def __post_init__(self) -> None:
-        if self.flatten and (not self.persistent or self.warp_specialize):
-            raise ValueError(f"GemmConfig: flatten needs a persistent schedule without warp specialization, "
-                             f"got persistent={self.persistent}, warp_specialize={self.warp_specialize}")
-
     def short(self) -> str:
         sched = "/tma" if self.tma else ""
-        sched += ("/pers" + ("-ws" if self.warp_specialize else "") + ("-flat" if self.flatten else "")) \
-            if self.persistent else ""
+        sched += ("/pers" + ("-ws" if self.warp_specialize else "")) if self.persistent else ""
         sched += "/swap" if self.swap_ab else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}{sched}"
 

@@ -10,8 +10,7 @@ those of the pointer kernel (a GPU test compares them on every config).
 Two schedules, both with a fixed K order inside every tile:
   * one program per output tile (``persistent=False``);
   * persistent: ``NUM_SMS`` programs walk the tiles in a fixed stride, optionally
-    warp-specialized (producer warps issue the TMA loads, consumer warps the MMAs), or
-    flattened (one loop over (tile, k-block), so the pipeline runs across tiles).
+    warp-specialized (producer warps issue the TMA loads, consumer warps the MMAs).
     Which program computes a tile changes where it runs, never its arithmetic.
 
 Layouts: A is K-major ([M, K] rows) or M-major (dY^T of a [tokens, N] tensor); B is
@@ -80,55 +79,6 @@ def tma_eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> 
 if triton is not None:
 
     @triton.jit
-    def _tma_k_step(a_desc, b_desc, off_m, off_n, k, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        """The operand tiles of k-block ``k``: a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N]."""
-        off_k = k * BLOCK_K
-        if A_KMAJOR:
-            a = a_desc.load([off_m, off_k])
-        else:
-            a = a_desc.load([off_k, off_m]).T
-        if B_KMAJOR:
-            b = b_desc.load([off_n, off_k]).T
-        else:
-            b = b_desc.load([off_k, off_n])
-        return a, b
-
-    @triton.jit
-    def _c_pointers(c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # fp32 outputs (chained dH, main_grad) go through pointers: a TMA staging tile of
-        # 128x256 fp32 would not fit in shared memory beside the operand pipeline.
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
-        return c_ptrs, c_mask
-
-    @triton.jit
-    def _tile_start(c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, ACC_FROM_C: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The chain's starting value: the fp32 output's current tile, or zeros."""
-        if ACC_FROM_C:
-            c_ptrs, c_mask = _c_pointers(c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
-            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        return acc
-
-    @triton.jit
-    def _tile_store(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn,
-                    HAS_BIAS: tl.constexpr, C_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        if HAS_BIAS:
-            offs_bn = off_n + tl.arange(0, BLOCK_N)
-            bias = tl.load(bias_ptr + offs_bn, mask=offs_bn < N, other=0.0)
-            acc = acc + bias.to(tl.float32)[None, :]
-        if C_DESC:
-            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
-        else:
-            c_ptrs, c_mask = _c_pointers(c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-    @triton.jit
     def _tma_tile(a_desc, b_desc, c_desc, c_ptr, bias_ptr, tile_id, M, N, K, stride_cm, stride_cn,
                   HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, C_DESC: tl.constexpr, IEEE: tl.constexpr,
                   A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
@@ -136,56 +86,40 @@ if triton is not None:
         pid_m, pid_n = grouped_tile(tile_id, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = _tile_start(c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, ACC_FROM_C, BLOCK_M, BLOCK_N)
+        if not C_DESC:
+            # fp32 outputs (chained dH, main_grad) go through pointers: a TMA staging tile of
+            # 128x256 fp32 would not fit in shared memory beside the operand pipeline.
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
+        if ACC_FROM_C:
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # The canonical chain: one ascending pass over K, one fp32 accumulator.
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            a, b = _tma_k_step(a_desc, b_desc, off_m, off_n, k, A_KMAJOR, B_KMAJOR, BLOCK_K)
+            off_k = k * BLOCK_K
+            if A_KMAJOR:
+                a = a_desc.load([off_m, off_k])
+            else:
+                a = a_desc.load([off_k, off_m]).T
+            if B_KMAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-        _tile_store(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn, HAS_BIAS, C_DESC,
-                    BLOCK_M, BLOCK_N)
-
-    @triton.jit
-    def _flat_tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, stride_cm, stride_cn,
-                    HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, C_DESC: tl.constexpr, IEEE: tl.constexpr,
-                    A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
-        """The persistent walk as one loop over (tile, k-block): the software pipeline then
-        runs across tile boundaries, so the next tile's first loads are in flight while
-        this tile's epilogue runs. Each tile's chain is the same ascending pass."""
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        num_tiles = num_pid_m * num_pid_n
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        first = tl.program_id(0)
-        my_tiles = tl.cdiv(num_tiles - first, NUM_SMS)  # >= 1: the grid is min(NUM_SMS, num_tiles)
-        pid_m, pid_n = grouped_tile(first, num_pid_m, num_pid_n, GROUP_M)
-        acc = _tile_start(c_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm, stride_cn, ACC_FROM_C,
-                          BLOCK_M, BLOCK_N)
-        for it in range(0, my_tiles * k_tiles):
-            # Tile and k-block from the induction variable alone (not carried through the
-            # epilogue's branch), so the pipeliner can issue loads iterations ahead.
-            t = it // k_tiles
-            k = it - t * k_tiles
-            pid_m, pid_n = grouped_tile(first + t * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            a, b = _tma_k_step(a_desc, b_desc, off_m, off_n, k, A_KMAJOR, B_KMAJOR, BLOCK_K)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            if k == k_tiles - 1:
-                _tile_store(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn, HAS_BIAS,
-                            C_DESC, BLOCK_M, BLOCK_N)
-                # The next tile's starting value (a tile id past the end is clamped for
-                # its placement and its C load masked off: zeros, never used).
-                nxt = first + (t + 1) * NUM_SMS
-                pid_m, pid_n = grouped_tile(tl.minimum(nxt, num_tiles - 1), num_pid_m, num_pid_n, GROUP_M)
-                acc = _tile_start(c_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, tl.where(nxt < num_tiles, M, 0), N,
-                                  stride_cm, stride_cn, ACC_FROM_C, BLOCK_M, BLOCK_N)
+        if HAS_BIAS:
+            offs_bn = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + offs_bn, mask=offs_bn < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        if C_DESC:
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        else:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
     @triton.jit
     def _gemm_tma_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, stride_cm, stride_cn,
@@ -193,12 +127,8 @@ if triton is not None:
                          IEEE: tl.constexpr, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, PERSISTENT: tl.constexpr,
-                         WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr):
-        if FLATTEN:
-            _flat_tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, stride_cm, stride_cn,
-                        HAS_BIAS, ACC_FROM_C, C_DESC, IEEE, A_KMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K,
-                        GROUP_M, NUM_SMS)
-        elif PERSISTENT:
+                         WARP_SPECIALIZE: tl.constexpr):
+        if PERSISTENT:
             num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
             for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=False,
                                     warp_specialize=WARP_SPECIALIZE):
@@ -235,7 +165,7 @@ def tma_gemm(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias: torch.T
     The caller has checked :func:`tma_eligible`; ``layouts`` is :func:`tma_layouts` of
     these operands and ``out`` when the caller has it. With ``accumulate`` the fp32
     ``out`` is the chain's starting value and is updated in place. ``cfg.persistent``
-    ``cfg.warp_specialize`` and ``cfg.flatten`` pick the schedule (module doc).
+    and ``cfg.warp_specialize`` pick the schedule (module doc).
     """
     M, K = a.shape
     N = b.shape[1]
@@ -254,14 +184,11 @@ def tma_gemm(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias: torch.T
     c_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [bm, bn]) if c_desc_ok else a_desc
     num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     sms = sm_count(a.device)
-    # A chain that starts from C keeps the tile loop: flattened, the compiler stages the
-    # next tile's fp32 C through shared memory (278 KB at 128x256, over the H100's 227 KB).
-    flatten = cfg.flatten and not accumulate
     grid = (min(sms, num_tiles),) if cfg.persistent else (num_tiles,)
     _launch_tma(grid,
                 (a_desc, b_desc, c_desc, out, bias if bias is not None else out, M, N, K, out.stride(0),
                  out.stride(1)),
                 (bias is not None, accumulate, c_desc_ok, a.dtype == torch.float32, a_kmajor, b_kmajor, bm, bn, bk,
-                 cfg.group_m, sms, cfg.persistent, cfg.warp_specialize, flatten),
+                 cfg.group_m, sms, cfg.persistent, cfg.warp_specialize),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -297,14 +297,11 @@ class FusedConfig:
     tma: bool = False
     # Backward g kernel: NUM_SMS programs walk the tiles instead of one program per tile.
     persistent: bool = False
-    # One loop over (tile, k-block) in the forward, and in the g kernel (which then runs
-    # persistent): the next tile's loads overlap this tile's softmax epilogue.
-    flat: bool = False
 
     def short(self) -> str:
         return (f"{self.block_m}x{self.block_v}x{self.block_k}/split{self.split_v}/g{self.group_m}"
                 f"/w{self.num_warps}/s{self.num_stages}{'/tma' if self.tma else ''}"
-                f"{'/pers' if self.persistent else ''}{'/flat' if self.flat else ''}")
+                f"{'/pers' if self.persistent else ''}")
 
 
 # Checked in, never tuned at run time. The 16-bit entry matches the large-M tile of the
@@ -332,41 +329,40 @@ COMBINE_BLOCK = 256
 if triton is not None:
 
     @triton.jit
-    def _logits_k_step(h_ptr, w_ptr, rm, rv, m0, v_lo, k, D, stride_hn, stride_hd, stride_wv, stride_wd,
-                       EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_K: tl.constexpr):
-        """k-block ``k`` of a logits tile: h [BLOCK_M, BLOCK_K] and W^T [BLOCK_K, BLOCK_V].
+    def _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, m0, v_lo, V, D, temperature,
+                     stride_hn, stride_hd, stride_wv, stride_wd,
+                     HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+        """z[BLOCK_M, BLOCK_V] = (h[rm] @ W[offs_v]^T + b) / T: the canonical ascending D-chain.
 
-        With TMA, h_ptr/w_ptr are descriptors and (m0, v_lo) the tile's first row and
-        column; rows past N, columns past V and the D tail arrive as zeros (never stored,
-        masked by the caller, or adding exactly 0 to the chain).
+        With TMA, h_ptr/w_ptr are descriptors and (m0, v_lo) the tile's first row and column.
         """
-        if TMA:
-            h = h_ptr.load([m0, k * BLOCK_K])
-            w = w_ptr.load([v_lo, k * BLOCK_K]).T
-        else:
-            offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
+        rv = (offs_v % V).to(tl.int64)  # columns past V re-read valid rows of W; masked by the caller
+        offs_k = tl.arange(0, BLOCK_K)
+        if not TMA:
             h_ptrs = h_ptr + rm[:, None] * stride_hn + offs_k[None, :].to(tl.int64) * stride_hd
             w_ptrs = w_ptr + offs_k[:, None].to(tl.int64) * stride_wd + rv[None, :] * stride_wv
-            if EVEN_D:
+        acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if TMA:
+                # Rows past N, columns past V and the D tail arrive as zeros (never stored,
+                # masked by the caller, or adding exactly 0 to the chain).
+                h = h_ptr.load([m0, k * BLOCK_K])
+                w = w_ptr.load([v_lo, k * BLOCK_K]).T
+            elif EVEN_D:
                 h = tl.load(h_ptrs)
                 w = tl.load(w_ptrs)
             else:
-                h = tl.load(h_ptrs, mask=offs_k[None, :] < D, other=0.0)
-                w = tl.load(w_ptrs, mask=offs_k[:, None] < D, other=0.0)
-        return h, w
-
-    @triton.jit
-    def _chain_step(h, w, acc, IEEE: tl.constexpr):
-        if IEEE:
-            acc = tl.dot(h, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(h, w, acc)
-        return acc
-
-    @triton.jit
-    def _logits_finish(acc, b_ptr, rv, temperature, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
-        """(h W^T + b) / T from the finished D-chain ``acc``."""
+                k_left = D - k * BLOCK_K
+                h = tl.load(h_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if IEEE:
+                acc = tl.dot(h, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(h, w, acc)
+            if not TMA:
+                h_ptrs += BLOCK_K * stride_hd
+                w_ptrs += BLOCK_K * stride_wd
         if HAS_BIAS:
             b = tl.load(b_ptr + rv)
             acc = acc + b.to(tl.float32)[None, :]
@@ -377,46 +373,13 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, m0, v_lo, V, D, temperature,
-                     stride_hn, stride_hd, stride_wv, stride_wd,
-                     HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-                     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-        """z[BLOCK_M, BLOCK_V] = (h[rm] @ W[offs_v]^T + b) / T: the canonical ascending D-chain."""
-        rv = (offs_v % V).to(tl.int64)  # columns past V re-read valid rows of W; masked by the caller
-        acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-        for k in range(0, tl.cdiv(D, BLOCK_K)):
-            h, w = _logits_k_step(h_ptr, w_ptr, rm, rv, m0, v_lo, k, D, stride_hn, stride_hd, stride_wv,
-                                  stride_wd, EVEN_D, TMA, BLOCK_K)
-            acc = _chain_step(h, w, acc, IEEE)
-        return _logits_finish(acc, b_ptr, rv, temperature, HAS_BIAS, HAS_TEMP, BLOCK_M, BLOCK_V)
-
-    @triton.jit
-    def _online_update(z, offs_v, tgt, V, m_i, s_i, u_i, zt):
-        """Fold one logits tile into a row block's running (max, sum e, sum e*(z-max), z_target)."""
-        col_ok = offs_v < V
-        # At most one column matches: the sum is that logit exactly. Taken first so
-        # z's registers can be reused by the statistics below.
-        zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
-        z = tl.where(col_ok[None, :], z, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        d = z - m_new[:, None]
-        e = tl.exp(d)  # 0 on columns past V (z = -inf there)
-        alpha = tl.exp(m_i - m_new)
-        ed = e * tl.where(col_ok[None, :], d, 0.0)
-        # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
-        shift = tl.where(s_i > 0, m_i - m_new, 0.0)
-        u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
-        s_i = alpha * s_i + tl.sum(e, axis=1)
-        return m_new, s_i, u_i, zt
-
-    @triton.jit
     def _fwd_partial_kernel(
         h_ptr, w_ptr, b_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
         N, V, D, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd,
         HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target."""
         # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
@@ -434,32 +397,26 @@ if triton is not None:
         u_i = tl.zeros((BLOCK_M,), tl.float32)
         zt = tl.zeros((BLOCK_M,), tl.float32)
         # Tiles in ascending column order: the row's statistics are one fixed chain.
-        if FLAT:
-            # One loop over (tile, k-block): the pipeline runs across tile boundaries, so
-            # the next tile's first loads are in flight during this tile's epilogue. The
-            # same chain per tile; tile and k-block come from the induction variable alone
-            # (not carried through the epilogue's branch), so loads can be issued ahead.
-            k_tiles = tl.cdiv(D, BLOCK_K)
-            acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-            for it in range(0, n_tiles * k_tiles):
-                j = it // k_tiles
-                k = it - j * k_tiles
-                offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
-                rv = (offs_v % V).to(tl.int64)
-                h, w = _logits_k_step(h_ptr, w_ptr, rm, rv, pid_m * BLOCK_M, v_start + j * BLOCK_V, k, D,
-                                      stride_hn, stride_hd, stride_wv, stride_wd, EVEN_D, TMA, BLOCK_K)
-                acc = _chain_step(h, w, acc, IEEE)
-                if k == k_tiles - 1:
-                    z = _logits_finish(acc, b_ptr, rv, temperature, HAS_BIAS, HAS_TEMP, BLOCK_M, BLOCK_V)
-                    m_i, s_i, u_i, zt = _online_update(z, offs_v, tgt, V, m_i, s_i, u_i, zt)
-                    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-        else:
-            for j in range(0, n_tiles):
-                offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
-                z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
-                                 temperature, stride_hn, stride_hd, stride_wv, stride_wd,
-                                 HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
-                m_i, s_i, u_i, zt = _online_update(z, offs_v, tgt, V, m_i, s_i, u_i, zt)
+        for j in range(0, n_tiles):
+            offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
+            z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
+                             temperature, stride_hn, stride_hd, stride_wv, stride_wd,
+                             HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+            col_ok = offs_v < V
+            # At most one column matches: the sum is that logit exactly. Taken first so
+            # z's registers can be reused by the statistics below.
+            zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+            z = tl.where(col_ok[None, :], z, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z, axis=1))
+            d = z - m_new[:, None]
+            e = tl.exp(d)  # 0 on columns past V (z = -inf there)
+            alpha = tl.exp(m_i - m_new)
+            ed = e * tl.where(col_ok[None, :], d, 0.0)
+            # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
+            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+            u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
+            s_i = alpha * s_i + tl.sum(e, axis=1)
+            m_i = m_new
         part = pid_s.to(tl.int64) * N + offs_m
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(s_ptr + part, s_i, mask=row_ok)
@@ -503,10 +460,23 @@ if triton is not None:
         tl.store(lse_ptr + rows, mx + log_s, mask=ok)
 
     @triton.jit
-    def _grad_store(z, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, rm, offs_v, pid_m, pid_v, N, v1, temperature,
-                    stride_gn, stride_gv, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
-        """g = dL/d(h W^T + b) of one tile from its logits ``z``, stored at g[:, offs_v - v0]."""
+    def _grad_logits_tile(
+        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
+        N, V, D, v0, v1, temperature,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
+        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
+        EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """g[:, v - v0] = dL/d(h W^T + b)[:, v] on one [BLOCK_M, BLOCK_V] tile, recomputing its logits."""
+        pid_m, pid_v = grouped_tile(tile_id, tl.cdiv(N, BLOCK_M), tl.cdiv(v1 - v0, BLOCK_V), GROUP_M)
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = (offs_m % N).to(tl.int64)
+        offs_v = v0 + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v0 + pid_v * BLOCK_V, V, D,
+                         temperature, stride_hn, stride_hd, stride_wv, stride_wd,
+                         HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
         lp = z - tl.load(lse_ptr + rm)[:, None]
         p = tl.exp(lp)
         gl = tl.load(gl_ptr + rm)  # already zero on ignored rows
@@ -530,27 +500,6 @@ if triton is not None:
                  mask=mask)
 
     @triton.jit
-    def _grad_logits_tile(
-        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
-        N, V, D, v0, v1, temperature,
-        stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
-        EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """g[:, v - v0] = dL/d(h W^T + b)[:, v] on one [BLOCK_M, BLOCK_V] tile, recomputing its logits."""
-        pid_m, pid_v = grouped_tile(tile_id, tl.cdiv(N, BLOCK_M), tl.cdiv(v1 - v0, BLOCK_V), GROUP_M)
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rm = (offs_m % N).to(tl.int64)
-        offs_v = v0 + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v0 + pid_v * BLOCK_V, V, D,
-                         temperature, stride_hn, stride_hd, stride_wv, stride_wd,
-                         HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
-        _grad_store(z, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, rm, offs_v, pid_m, pid_v, N, v1, temperature,
-                    stride_gn, stride_gv, HAS_TEMP, HAS_GE, BLOCK_M, BLOCK_V)
-
-    @triton.jit
     def _grad_logits_kernel(
         h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr,
         N, V, D, v0, v1, temperature,
@@ -558,34 +507,10 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
-        FLAT: tl.constexpr,
     ):
         """g for the chunk [v0, v1): one tile per program, or NUM_SMS programs walking the
-        tiles (a tile's arithmetic is the same whichever program computes it), optionally
-        as one loop over (tile, k-block) (see _fwd_partial_kernel)."""
-        if FLAT:
-            num_pid_m = tl.cdiv(N, BLOCK_M)
-            num_pid_v = tl.cdiv(v1 - v0, BLOCK_V)
-            k_tiles = tl.cdiv(D, BLOCK_K)
-            first = tl.program_id(0)
-            my_tiles = tl.cdiv(num_pid_m * num_pid_v - first, NUM_SMS)  # >= 1: grid <= number of tiles
-            acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-            for it in range(0, my_tiles * k_tiles):
-                t = it // k_tiles
-                k = it - t * k_tiles
-                pid_m, pid_v = grouped_tile(first + t * NUM_SMS, num_pid_m, num_pid_v, GROUP_M)
-                rm = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % N).to(tl.int64)
-                offs_v = v0 + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-                rv = (offs_v % V).to(tl.int64)
-                h, w = _logits_k_step(h_ptr, w_ptr, rm, rv, pid_m * BLOCK_M, v0 + pid_v * BLOCK_V, k, D,
-                                      stride_hn, stride_hd, stride_wv, stride_wd, EVEN_D, TMA, BLOCK_K)
-                acc = _chain_step(h, w, acc, IEEE)
-                if k == k_tiles - 1:
-                    z = _logits_finish(acc, b_ptr, rv, temperature, HAS_BIAS, HAS_TEMP, BLOCK_M, BLOCK_V)
-                    _grad_store(z, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, rm, offs_v, pid_m, pid_v, N, v1,
-                                temperature, stride_gn, stride_gv, HAS_TEMP, HAS_GE, BLOCK_M, BLOCK_V)
-                    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-        elif PERSISTENT:
+        tiles (a tile's arithmetic is the same whichever program computes it)."""
+        if PERSISTENT:
             num_tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(v1 - v0, BLOCK_V)
             for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=False):
                 _grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
@@ -647,8 +572,7 @@ class TritonKernels:
             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1),
             HAS_BIAS=bias is not None, HAS_TEMP=temperature != 1.0, IEEE=h2.dtype == torch.float32,
             EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLAT=cfg.flat, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         _combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
             m, s, u, zt, tgt, logp, ent, lse, N, n_split, BLOCK=COMBINE_BLOCK, num_warps=4)
@@ -665,7 +589,7 @@ class TritonKernels:
         h_arg, w_arg, tma = self._operands(h2, weight, cfg)
         num_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(v1 - v0, cfg.block_v)
         sms = sm_count(h2.device)
-        grid = (min(num_tiles, sms) if cfg.persistent or cfg.flat else num_tiles,)
+        grid = (min(num_tiles, sms) if cfg.persistent else num_tiles,)
         _grad_logits_kernel[grid](
             h_arg, w_arg, bias if bias is not None else h2, tgt, lse, ent, g_logp,
             g_ent if g_ent is not None else g_logp, out,
@@ -674,8 +598,7 @@ class TritonKernels:
             HAS_BIAS=bias is not None, HAS_TEMP=temperature != 1.0, HAS_GE=g_ent is not None,
             IEEE=h2.dtype == torch.float32, EVEN_D=D % cfg.block_k == 0, TMA=tma,
             BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            PERSISTENT=cfg.persistent, NUM_SMS=sms, FLAT=cfg.flat, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            PERSISTENT=cfg.persistent, NUM_SMS=sms, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
 
