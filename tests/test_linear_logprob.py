@@ -406,7 +406,7 @@ def test_triton_grad_kernel_matches_torch_kernel(dtype, gen):
 
 @pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
 def test_tma_loads_and_persistent_g_kernel_keep_the_bits(gen):
-    """Operands by TMA descriptors and the persistent g schedule: the pointer kernels' bits
+    """Operands by TMA descriptors, the persistent g schedule and g stored by TMA: the pointer kernels' bits
     (fp16; the interpreter's fp32 dot rounds by memory layout, GPU tests cover bf16)."""
     import dataclasses
 
@@ -421,7 +421,9 @@ def test_tma_loads_and_persistent_g_kernel_keep_the_bits(gen):
     g_want = torch.empty(n, 128, dtype=F16)
     base.grad_logits(h, w, b, tgt, want[2], want[1], gl, ge, TEMP, 64, 192, g_want)
     for cfg in (dataclasses.replace(FUSED_INTERPRETER, tma=True),
-                dataclasses.replace(FUSED_INTERPRETER, tma=True, persistent=True)):
+                dataclasses.replace(FUSED_INTERPRETER, tma=True, persistent=True),
+                # g stored by TMA: the chunk's 128 columns (2 tiles), clipped at N = 13 rows.
+                dataclasses.replace(FUSED_INTERPRETER, tma=True, persistent=True, tma_store=True)):
         k = TritonKernels(cfg)
         assert all(torch.equal(x, y) for x, y in zip(k.forward(h, w, b, tgt, TEMP), want)), cfg.short()
         g = torch.empty_like(g_want)

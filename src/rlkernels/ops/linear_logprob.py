@@ -297,11 +297,13 @@ class FusedConfig:
     tma: bool = False
     # Backward g kernel: NUM_SMS programs walk the tiles instead of one program per tile.
     persistent: bool = False
+    # Backward g kernel, with TMA loads: g stored by TMA too where its layout allows.
+    tma_store: bool = False
 
     def short(self) -> str:
         return (f"{self.block_m}x{self.block_v}x{self.block_k}/split{self.split_v}/g{self.group_m}"
                 f"/w{self.num_warps}/s{self.num_stages}{'/tma' if self.tma else ''}"
-                f"{'/pers' if self.persistent else ''}")
+                f"{'/pers' if self.persistent else ''}{'/tmastore' if self.tma_store else ''}")
 
 
 # Checked in, never tuned at run time. The 16-bit entry matches the large-M tile of the
@@ -309,8 +311,10 @@ class FusedConfig:
 # TMA operand loads: forward 16.6 -> 14.4 ms, and with the persistent g schedule the g
 # recompute 17.5 -> 14.9 ms (H100, N=8192 D=4096 V=151936, same bits;
 # benchmarks/results/explore_tma_h100.json).
+# g stored by TMA: the pointer store's epilogue spilled 2 KB per thread (offline sm_90
+# build: 2080 bytes of stack, none with the TMA store).
 FUSED_16BIT = FusedConfig(128, 256, 64, split_v=2048, group_m=16, num_warps=8, num_stages=3, tma=True,
-                          persistent=True)
+                          persistent=True, tma_store=True)
 FUSED_FP32 = FusedConfig(64, 64, 32, split_v=2048, group_m=8, num_warps=4, num_stages=3)
 # The interpreter's tl.dot is numpy's BLAS, whose rounding depends on a row's place in
 # the tile (see ops.gemm): one row per program keeps every row's numpy calls identical.
@@ -466,9 +470,11 @@ if triton is not None:
         stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
         HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_DESC: tl.constexpr,
     ):
-        """g[:, v - v0] = dL/d(h W^T + b)[:, v] on one [BLOCK_M, BLOCK_V] tile, recomputing its logits."""
+        """g[:, v - v0] = dL/d(h W^T + b)[:, v] on one [BLOCK_M, BLOCK_V] tile, recomputing its logits.
+
+        With G_DESC, g_ptr is a TMA descriptor over the chunk's [N, v1 - v0] columns."""
         pid_m, pid_v = grouped_tile(tile_id, tl.cdiv(N, BLOCK_M), tl.cdiv(v1 - v0, BLOCK_V), GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -490,14 +496,19 @@ if triton is not None:
         g = tl.where(offs_v[None, :] == tgt[:, None], g + gl[:, None], g)
         if HAS_TEMP:
             g = tl.math.div_rn(g, tl.zeros((BLOCK_M, BLOCK_V), tl.float32) + temperature)
-        # Tile base as one 64-bit scalar, in-tile offsets in 32 bits (BLOCK_M * stride_gn
-        # is far below 2^31): fewer live 64-bit values in the epilogue.
-        g_base = g_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_gn + (pid_v * BLOCK_V).to(tl.int64) * stride_gv
-        loc_m = tl.arange(0, BLOCK_M)
-        loc_v = tl.arange(0, BLOCK_V)
-        mask = ((pid_m * BLOCK_M + loc_m)[:, None] < N) & ((offs_v < v1)[None, :])
-        tl.store(g_base + loc_m[:, None] * stride_gn + loc_v[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty),
-                 mask=mask)
+        if G_DESC:
+            # Through shared memory by TMA, clipped at the descriptor's [N, v1 - v0]: no
+            # per-element pointers or masks in the epilogue's registers.
+            g_ptr.store([pid_m * BLOCK_M, pid_v * BLOCK_V], g.to(g_ptr.dtype))
+        else:
+            # Tile base as one 64-bit scalar, in-tile offsets in 32 bits (BLOCK_M * stride_gn
+            # is far below 2^31): fewer live 64-bit values in the epilogue.
+            g_base = g_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_gn + (pid_v * BLOCK_V).to(tl.int64) * stride_gv
+            loc_m = tl.arange(0, BLOCK_M)
+            loc_v = tl.arange(0, BLOCK_V)
+            mask = ((pid_m * BLOCK_M + loc_m)[:, None] < N) & ((offs_v < v1)[None, :])
+            tl.store(g_base + loc_m[:, None] * stride_gn + loc_v[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty),
+                     mask=mask)
 
     @triton.jit
     def _grad_logits_kernel(
@@ -507,6 +518,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
+        G_DESC: tl.constexpr,
     ):
         """g for the chunk [v0, v1): one tile per program, or NUM_SMS programs walking the
         tiles (a tile's arithmetic is the same whichever program computes it)."""
@@ -516,12 +528,14 @@ if triton is not None:
                 _grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
                                   N, V, D, v0, v1, temperature,
                                   stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-                                  HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M)
+                                  HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+                                  G_DESC)
         else:
             _grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tl.program_id(0),
                               N, V, D, v0, v1, temperature,
                               stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-                              HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M)
+                              HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+                                  G_DESC)
 
 
 class TritonKernels:
@@ -590,15 +604,19 @@ class TritonKernels:
         num_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(v1 - v0, cfg.block_v)
         sms = sm_count(h2.device)
         grid = (min(num_tiles, sms) if cfg.persistent else num_tiles,)
+        g_desc = tma and cfg.tma_store and tma_layout_ok(out)
+        g_arg = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [cfg.block_m, cfg.block_v]) if g_desc \
+            else out
         _grad_logits_kernel[grid](
             h_arg, w_arg, bias if bias is not None else h2, tgt, lse, ent, g_logp,
-            g_ent if g_ent is not None else g_logp, out,
+            g_ent if g_ent is not None else g_logp, g_arg,
             N, weight.shape[0], D, v0, v1, float(temperature),
             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
             HAS_BIAS=bias is not None, HAS_TEMP=temperature != 1.0, HAS_GE=g_ent is not None,
             IEEE=h2.dtype == torch.float32, EVEN_D=D % cfg.block_k == 0, TMA=tma,
             BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            PERSISTENT=cfg.persistent, NUM_SMS=sms, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PERSISTENT=cfg.persistent, NUM_SMS=sms, G_DESC=g_desc, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
 
