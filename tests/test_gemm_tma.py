@@ -58,24 +58,6 @@ def test_fp16_bits_equal_pointer_kernel(m, n, k, persistent, gen):
 
 
 @interpreter_only
-@pytest.mark.parametrize("persistent", [False, True])
-def test_pointer_store_in_column_quarters(persistent, gen):
-    """Outputs through pointers (fp32, chained or not) are stored a quarter of the tile's
-    columns at a time when BLOCK_N is a multiple of 64: N = 100 ends in a partial tile
-    whose last quarter is all columns past N."""
-    cfg = GemmConfig(**{**ONE_ROW, "block_n": 64}, tma=True, persistent=persistent)
-    x = randn(5, 24, dtype=torch.float16, generator=gen)
-    w = randn(100, 24, dtype=torch.float16, generator=gen, scale=24 ** -0.5)
-    start = randn(5, 100, generator=gen)
-    want = triton_gemm(x, w.t(), out=start.clone(), accumulate=True, config=_pointer(cfg))
-    assert torch.equal(tma_gemm(x, w.t(), cfg, out=start.clone(), accumulate=True), want)
-    wide = torch.full((5, 128), 7.0)  # columns past N stay untouched
-    tma_gemm(x, w.t(), cfg, out=wide[:, :100])
-    assert torch.equal(wide[:, :100], triton_gemm(x, w.t(), out_dtype=torch.float32, config=_pointer(cfg)))
-    assert bool((wide[:, 100:] == 7.0).all())
-
-
-@interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_token_reduction_layout(dtype, gen):
     """dW = dY^T @ X: A read M-major (the transpose of a [tokens, N] tensor)."""

@@ -79,31 +79,6 @@ def tma_eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> 
 if triton is not None:
 
     @triton.jit
-    def _store_cols(row_ptrs, row_ok, part, col0, N, stride_cn, WIDTH: tl.constexpr):
-        cols = col0 + tl.arange(0, WIDTH)
-        tl.store(row_ptrs + cols[None, :].to(tl.int64) * stride_cn, part, mask=row_ok & (cols[None, :] < N))
-
-    @triton.jit
-    def _store_in_column_quarters(c_ptr, c, off_m, off_n, M, N, stride_cm, stride_cn,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Store the [BLOCK_M, BLOCK_N] tile ``c`` a quarter of its columns at a time.
-
-        Converting a whole 128x256 fp32 tile to the store's layout at once spilled 712-776
-        bytes of stack per thread beside the chained accumulator (offline sm_90 build); a
-        quarter at a time, 16. The values stored are the same."""
-        q = tl.permute(tl.reshape(c, (BLOCK_M, 2, 2, BLOCK_N // 4)), (0, 3, 2, 1))  # [m, j, quarter bits]
-        first_half, second_half = tl.split(q)
-        q0, q1 = tl.split(first_half)
-        q2, q3 = tl.split(second_half)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        row_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm
-        row_ok = offs_m[:, None] < M
-        _store_cols(row_ptrs, row_ok, q0, off_n, N, stride_cn, BLOCK_N // 4)
-        _store_cols(row_ptrs, row_ok, q1, off_n + BLOCK_N // 4, N, stride_cn, BLOCK_N // 4)
-        _store_cols(row_ptrs, row_ok, q2, off_n + BLOCK_N // 2, N, stride_cn, BLOCK_N // 4)
-        _store_cols(row_ptrs, row_ok, q3, off_n + 3 * BLOCK_N // 4, N, stride_cn, BLOCK_N // 4)
-
-    @triton.jit
     def _tma_tile(a_desc, b_desc, c_desc, c_ptr, bias_ptr, tile_id, M, N, K, stride_cm, stride_cn,
                   HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, C_DESC: tl.constexpr, IEEE: tl.constexpr,
                   A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
@@ -143,9 +118,6 @@ if triton is not None:
             acc = acc + bias.to(tl.float32)[None, :]
         if C_DESC:
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
-        elif BLOCK_N % 64 == 0:
-            _store_in_column_quarters(c_ptr, acc.to(c_ptr.dtype.element_ty), off_m, off_n, M, N, stride_cm,
-                                      stride_cn, BLOCK_M, BLOCK_N)
         else:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
