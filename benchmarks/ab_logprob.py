@@ -7,6 +7,10 @@ each) on the backward's g kernel over one chunk, the forward, and the whole forw
 backward, in alternating rounds (``interleaved_median_ms``: clock drift is shared
 between the variants). Every variant must give the checked-in config's bits; the JSON
 records ``same_bits`` per row. cuBLAS of the same GEMM shape is timed beside the pieces.
+
+In one process the whole op's times swung by +-3% between machines for a change that did
+not move it (session 8); for the whole op, ``benchmarks/ab_trees.py`` (one process per
+variant and round) is the measure to trust.
 """
 from __future__ import annotations
 

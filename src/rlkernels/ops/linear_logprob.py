@@ -312,7 +312,8 @@ class FusedConfig:
 # recompute 17.5 -> 14.9 ms (H100, N=8192 D=4096 V=151936, same bits;
 # benchmarks/results/explore_tma_h100.json).
 # g stored by TMA: the pointer store's epilogue spilled 2 KB per thread (offline sm_90
-# build: 2080 bytes of stack, none with the TMA store).
+# build: 2080 bytes of stack, none with the TMA store); same bits, and the time did not
+# move (benchmarks/results/ab_trees_store_h100.json, docs/perf_notes.md).
 FUSED_16BIT = FusedConfig(128, 256, 64, split_v=2048, group_m=16, num_warps=8, num_stages=3, tma=True,
                           persistent=True, tma_store=True)
 FUSED_FP32 = FusedConfig(64, 64, 32, split_v=2048, group_m=8, num_warps=4, num_stages=3)
@@ -535,7 +536,7 @@ if triton is not None:
                               N, V, D, v0, v1, temperature,
                               stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
                               HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
-                                  G_DESC)
+                              G_DESC)
 
 
 class TritonKernels:
