@@ -50,7 +50,7 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype) -> list[Any]:
         for group in (1, 2, 4, 8, 16):
             for warps in (1, 2, 4, 8):
                 cfg = TinyConfig(group, warps, use_dot)
-                bm, bn, bk = tiny_blocks(m, n, k, cfg)
+                bm, bn, bk = tiny_blocks(m, n, k, cfg, dtype)
                 staged = group * max(bm * bk, bk * bn, bm * bn)
                 # Skip configs that spill (> 64 staged elements of one operand per
                 # thread; such kernels also take ptxas minutes to compile) or

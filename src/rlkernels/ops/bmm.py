@@ -11,7 +11,8 @@ other elements.
 Paths (triton backend):
   * tiny -- ``m, n, k <= 64``: one launch, one program per fixed group of G batch
     elements, whole operands staged in registers. ``tl.dot`` on operands
-    zero-padded to powers of two >= 16 (zeros past k extend the chain harmlessly:
+    zero-padded to powers of two >= 16 (fp32 rows: any power of two on Triton >= 3.5;
+    zeros past k extend the chain harmlessly:
     fl(acc + 0) = acc), or, for fp32, an explicit ascending-k FMA loop, which is
     the same sequential FMA chain that fp32 ``tl.dot(input_precision="ieee")``
     lowers to. The config (G, warps, mode) comes from a checked-in table keyed by
@@ -42,7 +43,7 @@ from .. import _validate as V
 from ..registry import OpImpl, register, select_backend
 from .chain import accumulator_dtype, chain_matmul
 
-from ._triton import tl, triton
+from ._triton import DOT_ANY_M, tl, triton
 
 OP = "bmm"
 TINY_MAX_DIM = 64
@@ -74,10 +75,14 @@ def _pow2(x: int, floor: int) -> int:
     return max(floor, 1 << max(0, (x - 1).bit_length()))
 
 
-def tiny_blocks(m: int, n: int, k: int, cfg: TinyConfig) -> tuple[int, int, int]:
+def tiny_blocks(m: int, n: int, k: int, cfg: TinyConfig, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) the kernel stages for an m x k @ k x n element."""
-    if cfg.use_dot:  # tl.dot needs >= 16 per dim on every Triton we support
-        return _pow2(m, 16), _pow2(n, 16), _pow2(k, 16)
+    if cfg.use_dot:
+        # tl.dot wants >= 16 per dim before Triton 3.5. From 3.5 it takes fewer rows,
+        # and fp32's FMA lowering then does no work for rows that do not exist (16-bit
+        # tensor-core dots pad them again inside, so they keep 16).
+        m_floor = 1 if dtype == torch.float32 and DOT_ANY_M else 16
+        return _pow2(m, m_floor), _pow2(n, 16), _pow2(k, 16)
     # The FMA loop is unrolled over exactly k steps: BLOCK_K is k itself (no arange over it).
     return _pow2(m, 1), _pow2(n, 1), k
 
@@ -85,20 +90,20 @@ def tiny_blocks(m: int, n: int, k: int, cfg: TinyConfig) -> tuple[int, int, int]
 _F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
 
 # Per-shape configs: (m, n, k, dtype) -> TinyConfig. Checked in, never tuned at run
-# time: the fastest candidate of ``python -m rlkernels.bench bmm --sweep`` on H100
-# (benchmarks/results/bmm_sweep_h100_session9.json, after the element's dims and strides
-# became compile-time constants; every candidate gave identical bits).
+# time: the candidate of ``python -m rlkernels.bench bmm --sweep`` fastest on average
+# over two H100 sweeps (benchmarks/results/bmm_sweep_h100_session9.json and
+# _session9_constexpr.json; in each, every candidate gave the same bits).
 TINY_TABLE: dict[tuple[int, int, int, torch.dtype], TinyConfig] = {
     (12, 12, 64, _F32): TinyConfig(1, 1, True),
-    (12, 12, 64, _BF16): TinyConfig(2, 2, True),
+    (12, 12, 64, _BF16): TinyConfig(1, 1, True),
     (12, 64, 12, _F32): TinyConfig(1, 1, True),
-    (12, 64, 12, _BF16): TinyConfig(1, 1, True),
+    (12, 64, 12, _BF16): TinyConfig(1, 2, True),
     (16, 16, 16, _F32): TinyConfig(1, 1, True),
     (16, 16, 16, _BF16): TinyConfig(2, 1, True),
     (64, 64, 64, _F32): TinyConfig(1, 8, True),
     (64, 64, 64, _BF16): TinyConfig(1, 8, True),
     (8, 8, 32, _F32): TinyConfig(1, 1, True),
-    (8, 8, 32, _BF16): TinyConfig(2, 1, True),
+    (8, 8, 32, _BF16): TinyConfig(2, 2, True),
 }
 
 
@@ -107,7 +112,7 @@ def default_tiny_config(m: int, n: int, k: int, dtype: torch.dtype) -> TinyConfi
     # fp32 with a tiny m or n: the FMA loop avoids padding them to 16 (up to 16x less work).
     use_dot = not (dtype == torch.float32 and min(m, n) <= 8)
     probe = TinyConfig(1, 4, use_dot)
-    bm, bn, bk = tiny_blocks(m, n, k, probe)
+    bm, bn, bk = tiny_blocks(m, n, k, probe, dtype)
     tile = max(bm * bk, bk * bn, bm * bn)
     # About 4K staged elements per operand per program: enough work per program
     # to amortise its start-up, few enough registers to keep occupancy.
@@ -134,23 +139,38 @@ def uses_tiny_path(m: int, n: int, k: int) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _multiple_of(x, DIV: tl.constexpr):
+        """x, which the host guarantees to be a multiple of DIV, written so the compiler knows it."""
+        return x // DIV * DIV
+
+    @triton.jit
     def _bmm_tiny_kernel(
         a_ptr, b_ptr, c_ptr,
-        B, stride_ab, stride_bb, stride_cb,
-        M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-        stride_am: tl.constexpr, stride_ak: tl.constexpr,
-        stride_bk: tl.constexpr, stride_bn: tl.constexpr,
-        stride_cm: tl.constexpr, stride_cn: tl.constexpr,
+        B, M, N, K,
+        stride_ab, stride_am, stride_ak,
+        stride_bb, stride_bk, stride_bn,
+        stride_cb, stride_cm, stride_cn,
+        M_DIV: tl.constexpr, N_DIV: tl.constexpr, K_DIV: tl.constexpr,
+        AM_DIV: tl.constexpr, AK_DIV: tl.constexpr, BK_DIV: tl.constexpr, BN_DIV: tl.constexpr,
+        CM_DIV: tl.constexpr, CN_DIV: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
-        # An element's dims and inner strides are compile-time constants: Triton
-        # specializes runtime integers only on divisibility by 16, so with 8- or
-        # 12-wide rows it could not prove any alignment and issued one load per
-        # element. As constants, the compiler sees e.g. 12 fp32 = 48-byte rows and
-        # uses 16-byte accesses. B and the batch strides stay runtime values:
-        # nothing compiled depends on the batch size.
-        #
+        # Triton specializes integer arguments only on divisibility by 16, so with 8-
+        # or 12-wide rows it could prove no alignment and issued one load per element.
+        # The *_DIV constants (the largest power of two <= 16 dividing each dim and
+        # inner stride) give it back what it can use: 12 fp32 = 48-byte rows get
+        # 16-byte accesses. Classes, not values, so a new m or n compiles nothing new
+        # unless its power-of-two class is new; B and batch strides take no hint.
+        M = _multiple_of(M, M_DIV)
+        N = _multiple_of(N, N_DIV)
+        K = _multiple_of(K, K_DIV)
+        stride_am = _multiple_of(stride_am, AM_DIV)
+        stride_ak = _multiple_of(stride_ak, AK_DIV)
+        stride_bk = _multiple_of(stride_bk, BK_DIV)
+        stride_bn = _multiple_of(stride_bn, BN_DIV)
+        stride_cm = _multiple_of(stride_cm, CM_DIV)
+        stride_cn = _multiple_of(stride_cn, CN_DIV)
         # Program p owns elements [p*GROUP, p*GROUP + GROUP); every element runs the
         # same instructions whatever its slot, so its bits ignore the slot.
         pid = tl.program_id(0).to(tl.int64)
@@ -217,6 +237,11 @@ if triton is not None:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+def _pow2_divisor(x: int) -> int:
+    """The largest power of two <= 16 that divides x (16 for 0)."""
+    return min(16, x & -x) if x else 16
+
+
 def _b_strides(b: torch.Tensor) -> tuple[int, int, int]:
     # A shared 2-D b is every element's b: batch stride 0.
     return (0, b.stride(0), b.stride(1)) if b.dim() == 2 else (b.stride(0), b.stride(1), b.stride(2))
@@ -228,16 +253,19 @@ def _launch_tiny(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TinyC
     N = b.shape[-1]
     if not cfg.use_dot and a.dtype != torch.float32:
         raise ValueError("rlkernels.bmm: the FMA mode is fp32 only (16-bit uses the tensor-core chain)")
-    bm, bn, bk = tiny_blocks(M, N, K, cfg)
+    bm, bn, bk = tiny_blocks(M, N, K, cfg, a.dtype)
     sbb, sbk, sbn = _b_strides(b)
     grid = (triton.cdiv(Bt, cfg.group),)
     _bmm_tiny_kernel[grid](
         a, b, out,
-        Bt, a.stride(0), sbb, out.stride(0),
-        M=M, N=N, K=K,
-        stride_am=a.stride(1), stride_ak=a.stride(2),
-        stride_bk=sbk, stride_bn=sbn,
-        stride_cm=out.stride(1), stride_cn=out.stride(2),
+        Bt, M, N, K,
+        a.stride(0), a.stride(1), a.stride(2),
+        sbb, sbk, sbn,
+        out.stride(0), out.stride(1), out.stride(2),
+        M_DIV=_pow2_divisor(M), N_DIV=_pow2_divisor(N), K_DIV=_pow2_divisor(K),
+        AM_DIV=_pow2_divisor(a.stride(1)), AK_DIV=_pow2_divisor(a.stride(2)),
+        BK_DIV=_pow2_divisor(sbk), BN_DIV=_pow2_divisor(sbn),
+        CM_DIV=_pow2_divisor(out.stride(1)), CN_DIV=_pow2_divisor(out.stride(2)),
         GROUP=cfg.group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         USE_DOT=cfg.use_dot, IEEE=a.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=1,
