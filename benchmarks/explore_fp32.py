@@ -1,6 +1,6 @@
 """fp32 (IEEE) canonical-chain tiles: tl.dot's FMA lowering, forward and swapped orientation.
 
-    python benchmarks/explore_fp32.py [--json PATH] [--quick] [--families dot,small,swap] [--ms 1,4]
+    python benchmarks/explore_fp32.py [--json PATH] [--quick] [--families dot,small,swap,swap2] [--ms 1,4]
 
 For each shape (K x N, weight in nn.Linear layout) and M: stock F.linear fp32 (TF32
 off), then every candidate's do_bench median, its ratio to stock, and whether its
@@ -13,7 +13,8 @@ bits equal the current table config's (the fp32 chain: they must). Families:
          becomes the row operand (one address per warp, a broadcast) and X^T the column
          operand, read by consecutive lanes at consecutive addresses; in the forward
          orientation each lane reads a k-contiguous weight column 256 bytes from its
-         neighbour's (8-way bank conflicts). Timed with the transpose included.
+         neighbour's (8-way bank conflicts). Timed with the transpose included;
+* swap2: more swapped tiles (session 9), e.g. 8 warps on 64 x 64.
 
 Session 5 also swept an explicit FMA-chain kernel (one thread per output column, no
 tl.dot); the unpadded small-M dot beat it on every shape (explore_fp32_v2_h100.json)
@@ -57,6 +58,13 @@ SWAP = (
     C(64, 32, 64, 1, 2, 4), C(32, 64, 64, 1, 2, 4), C(64, 64, 16, 1, 4, 4), C(32, 32, 64, 1, 1, 4),
     C(128, 32, 32, 1, 4, 4), C(64, 64, 32, 8, 4, 4),
     C(16, 16, 64, 1, 1, 4), C(16, 16, 128, 1, 1, 4), C(16, 32, 64, 1, 1, 4), C(32, 16, 128, 1, 1, 4),
+)
+# Session 9: swapped tiles with more warps per program (the 64-128 token points run one
+# 4-warp program per SM) and the remaining 2/4/8-warp splits of 32-128 wide tiles.
+SWAP2 = (
+    C(64, 64, 32, 1, 8, 3), C(64, 64, 32, 1, 8, 4), C(64, 64, 16, 1, 8, 4), C(128, 64, 32, 1, 8, 3),
+    C(64, 128, 32, 1, 8, 3), C(64, 32, 32, 1, 4, 4), C(32, 64, 32, 1, 2, 4), C(32, 32, 32, 1, 4, 4),
+    C(128, 32, 32, 1, 8, 4), C(32, 128, 32, 1, 4, 3), C(32, 128, 32, 1, 8, 3),
 )
 SHAPES = ((4096, 4096), (4096, 12288), (4096, 151936))
 MS = (1, 4, 16, 64, 128, 1024, 4096)
@@ -114,9 +122,10 @@ def main() -> None:
             for cfg in SMALL if "small" in fams else ():
                 if plausible_small(cfg, m):
                     cands.append((cfg.short(), lambda cfg=cfg: triton_gemm(x, w.t(), config=cfg)))
-            for cfg in SWAP if "swap" in fams else ():
-                if plausible_swap(cfg, m):
-                    cands.append((cfg.short() + "/swap", lambda cfg=cfg: swapped(x, w, cfg)))
+            for family, cfgs in (("swap", SWAP), ("swap2", SWAP2)):
+                for cfg in cfgs if family in fams else ():
+                    if plausible_swap(cfg, m):
+                        cands.append((cfg.short() + "/swap", lambda cfg=cfg: swapped(x, w, cfg)))
             for key, fn in dict(cands).items():
                 try:
                     same = bool(torch.equal(fn(), ref))

@@ -123,8 +123,14 @@ GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     (64, 65536, GemmConfig(128, 64, 16, group_m=8, num_warps=4, num_stages=3, swap_ab=True)),
     (64, WIDE_N, GemmConfig(32, 64, 32, group_m=1, num_warps=4, num_stages=3, swap_ab=True)),
     (64, 0, _FP32_SWAP_32X32),
-    (128, 0, GemmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
-    (1 << 62, 0, GemmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=3, swap_ab=True)),
+    # Session 9 (explore_fp32_v6_h100.json, same bits): M = 128 on 32-row weight tiles,
+    # 256 two-warp programs instead of 128 four-warp ones (4096^2: 133 vs 137 us), and
+    # 8 warps on 128x64 at large M (4096^2 M = 4096: 3.25 vs 3.34 ms).
+    # The lm head keeps 64x64 at M = 128 (3.65 ms; the 32-row tile took 3.89 ms,
+    # gemm_h100_run10_fp32_session10.json).
+    (128, 65536, GemmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
+    (128, 0, GemmConfig(32, 64, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
+    (1 << 62, 0, GemmConfig(128, 64, 32, group_m=1, num_warps=8, num_stages=3, swap_ab=True)),
 )
 # fp32 operands the swap does not apply to (B not k-contiguous, a batch axis, the fused
 # row-sum): the forward orientation (small tiles from the same sweeps; M > 8 from
