@@ -37,6 +37,10 @@ CANDIDATES_DECODE = [
     # M in (32, 64] on 4096-wide outputs: 64-row tiles with narrow N keep >= 128 programs.
     C(64, 32, 256, 1, 4, 4), C(64, 32, 128, 1, 4, 5), C(64, 16, 256, 1, 4, 4), C(64, 32, 256, 1, 8, 4),
     C(64, 16, 512, 1, 4, 3), C(32, 16, 256, 1, 4, 5),
+    # Fewer stages, so 3-4 programs share an SM and a 4096-12288-wide output's 128-768
+    # programs run in about one wave (the entries above hold one program per SM).
+    C(16, 32, 256, 1, 4, 3), C(16, 32, 256, 1, 2, 3), C(16, 32, 128, 1, 4, 4), C(16, 32, 128, 1, 2, 4),
+    C(16, 16, 256, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 64, 128, 1, 4, 3), C(16, 16, 128, 1, 2, 6),
 ]
 SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
