@@ -208,6 +208,25 @@ def test_config_choice_is_bitwise_neutral_within_a_mode(dtype, gen):
             assert torch.equal(o, outs[0])
 
 
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2])
+def test_persistent_configs_give_the_same_bits(dtype, group, gen):
+    # The interpreter reports 4 SMs, so 1 program per SM walks 9 elements in several
+    # steps (with a partial last group for G = 2) and 16 per SM leaves programs idle.
+    a, b = _operands(9, 12, 12, 40, dtype, gen)
+    want = bmm_mod._triton_bmm(a, b, dtype, config=TinyConfig(group, 1, True))
+    for per_sm, stages in ((1, 1), (1, 3), (16, 2)):
+        cfg = TinyConfig(group, 1, True, per_sm, stages)
+        assert cfg.persistent and cfg.short().endswith(f"/p{per_sm}s{stages}")
+        got = bmm_mod._triton_bmm(a, b, dtype, config=cfg)
+        _check_accuracy(got, a, b, dtype)
+        assert torch.equal(got, want), cfg.short()
+    # A persistent table entry keeps the batch invariance of the one-program-per-group kernel.
+    cfg = TinyConfig(group, 1, True, 1, 2)
+    testing.assert_batch_invariant(lambda x: bmm_mod._triton_bmm(x, b[0], dtype, config=cfg), a, sizes=[1, 5, 8])
+
+
 def test_config_table_is_well_formed():
     for (m, n, k, dtype), cfg in TINY_TABLE.items():
         assert max(m, n, k) <= bmm_mod.TINY_MAX_DIM

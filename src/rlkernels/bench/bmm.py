@@ -28,25 +28,30 @@ SHAPES: tuple[tuple[int, int, int, int], ...] = (  # (B, m, n, k)
 DTYPES = (torch.float32, torch.bfloat16)
 # Goals of issue 6: >= 2x torch.bmm everywhere, and this one shape under 6.5 µs.
 MIN_SPEEDUP = 2.0
+# Persistent-kernel candidates of --sweep: programs per SM x pipeline depth.
+PERSISTENT_PROGRAMS_PER_SM = (2, 4, 8, 16)
+PERSISTENT_STAGES = (2, 3)
 ABS_GOAL_US = {((1024, 12, 12, 64), torch.float32): 6.5}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="time every candidate tiny config and print table lines for ops/bmm.py")
+    parser.add_argument("--persistent-only", action="store_true",
+                        help="--sweep times only the table config and its persistent variants")
     parser.add_argument("--replays", type=int, default=200, help="kernel calls per CUDA graph")
     parser.add_argument("--shapes", default=None,
                         help="comma-separated indices into SHAPES (e.g. 0,2) to split a long --sweep")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtype names")
 
 
-def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype) -> list[Any]:
+def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, *, persistent_only: bool = False) -> list[Any]:
     """Tiny configs worth timing for one shape (the table config among them)."""
     from ..ops.bmm import TinyConfig, tiny_blocks, tiny_config
 
     modes = (True, False) if dtype == torch.float32 else (True,)
     out = []
-    for use_dot in modes:
+    for use_dot in modes if not persistent_only else ():
         for group in (1, 2, 4, 8, 16):
             for warps in (1, 2, 4, 8):
                 cfg = TinyConfig(group, warps, use_dot)
@@ -61,6 +66,17 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype) -> list[Any]:
     table = tiny_config(m, n, k, dtype)
     if table not in out:
         out.append(table)
+    # Persistent variants of the table's config and of one twice as wide: the same
+    # per-group code, with the next group's loads in flight (placement only).
+    for base in (table, TinyConfig(table.group * 2, table.num_warps, table.use_dot)):
+        bm, bn, bk = tiny_blocks(m, n, k, base, dtype)
+        if base.group * max(bm * bk, bk * bn, bm * bn) > 64 * 32 * base.num_warps:
+            continue
+        for per_sm in PERSISTENT_PROGRAMS_PER_SM:
+            for stages in PERSISTENT_STAGES:
+                cfg = TinyConfig(base.group, base.num_warps, base.use_dot, per_sm, stages)
+                if cfg not in out:
+                    out.append(cfg)
     return out
 
 
@@ -91,14 +107,15 @@ def _bytes(B: int, m: int, n: int, k: int, dtype: torch.dtype) -> int:
     return B * (m * k + k * n + m * n) * torch.tensor([], dtype=dtype).element_size()
 
 
-def _sweep(a: torch.Tensor, b: torch.Tensor, replays: int) -> tuple[list[dict[str, Any]], str]:
+def _sweep(a: torch.Tensor, b: torch.Tensor, replays: int,
+           persistent_only: bool = False) -> tuple[list[dict[str, Any]], str]:
     from ..ops.bmm import _triton_bmm, tiny_config
 
     B, m, k = a.shape
     n, dtype = b.shape[-1], a.dtype
     want = _triton_bmm(a, b, dtype, config=tiny_config(m, n, k, dtype))
     rows = []
-    for cfg in candidate_configs(m, n, k, dtype):
+    for cfg in candidate_configs(m, n, k, dtype, persistent_only=persistent_only):
         try:
             same = torch.equal(_triton_bmm(a, b, dtype, config=cfg), want)
             us = graph_median_us(lambda: _triton_bmm(a, b, dtype, config=cfg), replays=replays)
@@ -109,7 +126,8 @@ def _sweep(a: torch.Tensor, b: torch.Tensor, replays: int) -> tuple[list[dict[st
     ok = [r for r in rows if "us" in r and r["same_bits"]]
     best = min(ok, key=lambda r: r["us"])["cfg"] if ok else None
     dt = {torch.float32: "_F32", torch.bfloat16: "_BF16", torch.float16: "_F16"}[dtype]
-    line = (f"    ({m}, {n}, {k}, {dt}): TinyConfig({best.group}, {best.num_warps}, {best.use_dot}),"
+    extra = f", {best.programs_per_sm}, {best.num_stages}" if best is not None and best.persistent else ""
+    line = (f"    ({m}, {n}, {k}, {dt}): TinyConfig({best.group}, {best.num_warps}, {best.use_dot}{extra}),"
             if best else f"    # ({m}, {n}, {k}, {dt}): no candidate gave the table's bits")
     for r in rows:
         r.pop("cfg", None)
@@ -159,7 +177,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             }
             rows.append(row)
             if getattr(args, "sweep", False):
-                sweep_rows, line = _sweep(a, b, replays)
+                sweep_rows, line = _sweep(a, b, replays, getattr(args, "persistent_only", False))
                 sweeps[f"{row['shape']}/{row['dtype']}"] = sweep_rows
                 table_lines.append(line)
                 print_table(f"bmm sweep {row['shape']} {row['dtype']}", sweep_rows,

@@ -126,6 +126,29 @@ def _cce_case(h, w, t, gl):
     return fwd, fwd_bwd
 
 
+def four_gemm_passes(h: torch.Tensor, w: torch.Tensor, generator: torch.Generator) -> Callable[[], Any]:
+    """The four GEMM-sized passes of a fused fwd+bwd (logits, logits again, dH = g W,
+    dW = g^T H) as bare cuBLAS GEMMs back to back, bf16 out, nothing else.
+
+    No fused implementation does less: without an [N, V] buffer the backward must
+    recompute the logits, and dH and dW are one GEMM each. It allocates a random g and
+    one logits buffer (2 N V bytes each at bf16).
+    """
+    n, v = h.shape[0], w.shape[0]
+    g = torch.randn(n, v, device=h.device, generator=generator).mul_(1e-3).to(h.dtype)
+    logits = torch.empty(n, v, device=h.device, dtype=h.dtype)
+    dh = torch.empty_like(h)
+    dw = torch.empty_like(w)
+
+    def run() -> None:
+        torch.mm(h, w.t(), out=logits)
+        torch.mm(h, w.t(), out=logits)
+        torch.mm(g, w, out=dh)
+        torch.mm(g.t(), h, out=dw)
+
+    return run
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..ops import linear_logprob as L
 
@@ -182,12 +205,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if "fwd_ms" in row:
                     row["fwd_vs_gemm"] = row["fwd_ms"] / row["logits_gemm_ms"]
                 _free()
+                # ... and of fwd+bwd: the four GEMM passes alone, back to back.
+                try:
+                    row["four_gemms_ms"] = median_ms(four_gemm_passes(h, w, g))
+                    if "fwd_bwd_ms" in row:
+                        row["fwd_bwd_vs_four_gemms"] = row["fwd_bwd_ms"] / row["four_gemms_ms"]
+                except torch.cuda.OutOfMemoryError:
+                    row["four_gemms_ms"] = None
+                _free()
             rows.append(row)
             print(row, flush=True)
         del h, w, t, gl, ge, cases
         _free()
     print_table("linear_logprob (bf16, per-token upstream grads)", rows,
                 ["N", "D", "V", "impl", "fwd_ms", "fwd_bwd_ms", "peak_extra_gib", "fwd_tflops", "fwd_bwd_tflops",
-                 "logits_gemm_ms", "fwd_vs_gemm", "note"])
+                 "logits_gemm_ms", "fwd_vs_gemm", "four_gemms_ms", "fwd_bwd_vs_four_gemms", "note"])
     write_json(args.json, "logprob", rows, {"fused_config": cfg.short(), "temperature": TEMPERATURE})
     return rows

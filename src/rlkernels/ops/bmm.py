@@ -10,7 +10,9 @@ other elements.
 
 Paths (triton backend):
   * tiny -- ``m, n, k <= 64``: one launch, one program per fixed group of G batch
-    elements, whole operands staged in registers. ``tl.dot`` on operands
+    elements (or, for table entries marked persistent, a fixed number of programs per
+    SM walking the groups with the next group's loads in flight), whole operands
+    staged in registers. ``tl.dot`` on operands
     zero-padded to powers of two >= 16 (fp32 rows: any power of two on Triton >= 3.5;
     zeros past k extend the chain harmlessly:
     fl(acc + 0) = acc), or, for fp32, an explicit ascending-k FMA loop, which is
@@ -57,18 +59,30 @@ _failed_tiny: set[tuple] = set()
 class TinyConfig:
     """Launch config of the tiny kernel for one (m, n, k, dtype).
 
-    group: batch elements per program (power of two); num_warps: warps per
+    group: batch elements per program step (power of two); num_warps: warps per
     program; use_dot: ``tl.dot`` on padded operands (required for 16-bit: the
     tensor-core chain is the canonical one), else the explicit fp32 FMA loop
     (fp32 only; no padding of m and n to 16).
+    programs_per_sm > 0 makes the kernel persistent: ``programs_per_sm`` x SMs
+    programs walk the groups in a fixed stride, software-pipelined ``num_stages``
+    deep, so a program's next operands are in flight while it computes and stores
+    the current ones (one program per group otherwise). Placement only: every
+    group runs the same instructions wherever it lands.
     """
 
     group: int
     num_warps: int
     use_dot: bool = True
+    programs_per_sm: int = 0
+    num_stages: int = 1
+
+    @property
+    def persistent(self) -> bool:
+        return self.programs_per_sm > 0
 
     def short(self) -> str:
-        return f"G{self.group}/w{self.num_warps}/{'dot' if self.use_dot else 'fma'}"
+        base = f"G{self.group}/w{self.num_warps}/{'dot' if self.use_dot else 'fma'}"
+        return f"{base}/p{self.programs_per_sm}s{self.num_stages}" if self.persistent else base
 
 
 def _pow2(x: int, floor: int) -> int:
@@ -92,17 +106,20 @@ _F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
 # Per-shape configs: (m, n, k, dtype) -> TinyConfig. Checked in, never tuned at run
 # time: the candidate of ``python -m rlkernels.bench bmm --sweep`` fastest on average
 # over two H100 sweeps (benchmarks/results/bmm_sweep_h100_session9.json and
-# _session9_constexpr.json; in each, every candidate gave the same bits).
+# _session9_constexpr.json; in each, every candidate gave the same bits). Persistent
+# entries (4th and 5th fields) from session 11's sweep of persistent variants
+# (bmm_sweep_h100_session11_persistent.json, every variant the table's bits): kept
+# where they won by >= 5% and a neighbouring variant agreed.
 TINY_TABLE: dict[tuple[int, int, int, torch.dtype], TinyConfig] = {
     (12, 12, 64, _F32): TinyConfig(1, 1, True),
     (12, 12, 64, _BF16): TinyConfig(1, 1, True),
-    (12, 64, 12, _F32): TinyConfig(1, 1, True),
+    (12, 64, 12, _F32): TinyConfig(1, 1, True, 8, 2),  # 3.21 -> 2.96 us
     (12, 64, 12, _BF16): TinyConfig(1, 2, True),
-    (16, 16, 16, _F32): TinyConfig(1, 1, True),
-    (16, 16, 16, _BF16): TinyConfig(2, 1, True),
+    (16, 16, 16, _F32): TinyConfig(1, 1, True, 16, 2),  # 4.32 -> 3.84 us
+    (16, 16, 16, _BF16): TinyConfig(2, 1, True, 8, 2),  # 2.79 -> 2.64 us
     (64, 64, 64, _F32): TinyConfig(1, 8, True),
     (64, 64, 64, _BF16): TinyConfig(1, 8, True),
-    (8, 8, 32, _F32): TinyConfig(1, 1, True),
+    (8, 8, 32, _F32): TinyConfig(1, 1, True, 8, 3),  # 7.75 -> 7.26 us
     (8, 8, 32, _BF16): TinyConfig(2, 2, True),
 }
 
@@ -144,43 +161,24 @@ if triton is not None:
         return x // DIV * DIV
 
     @triton.jit
-    def _bmm_tiny_kernel(
-        a_ptr, b_ptr, c_ptr,
+    def _tiny_group(
+        grp, a_ptr, b_ptr, c_ptr,
         B, M, N, K,
         stride_ab, stride_am, stride_ak,
         stride_bb, stride_bk, stride_bn,
         stride_cb, stride_cm, stride_cn,
-        M_DIV: tl.constexpr, N_DIV: tl.constexpr, K_DIV: tl.constexpr,
-        AM_DIV: tl.constexpr, AK_DIV: tl.constexpr, BK_DIV: tl.constexpr, BN_DIV: tl.constexpr,
-        CM_DIV: tl.constexpr, CN_DIV: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
-        # Triton specializes integer arguments only on divisibility by 16, so with 8-
-        # or 12-wide rows it could prove no alignment and issued one load per element.
-        # The *_DIV constants (the largest power of two <= 16 dividing each dim and
-        # inner stride) give it back what it can use: 12 fp32 = 48-byte rows get
-        # 16-byte accesses. Classes, not values, so a new m or n compiles nothing new
-        # unless its power-of-two class is new; B and batch strides take no hint.
-        M = _multiple_of(M, M_DIV)
-        N = _multiple_of(N, N_DIV)
-        K = _multiple_of(K, K_DIV)
-        stride_am = _multiple_of(stride_am, AM_DIV)
-        stride_ak = _multiple_of(stride_ak, AK_DIV)
-        stride_bk = _multiple_of(stride_bk, BK_DIV)
-        stride_bn = _multiple_of(stride_bn, BN_DIV)
-        stride_cm = _multiple_of(stride_cm, CM_DIV)
-        stride_cn = _multiple_of(stride_cn, CN_DIV)
-        # Program p owns elements [p*GROUP, p*GROUP + GROUP); every element runs the
-        # same instructions whatever its slot, so its bits ignore the slot.
-        pid = tl.program_id(0).to(tl.int64)
+        """Elements [grp*GROUP, grp*GROUP + GROUP) (int64 grp): every element runs the same
+        instructions whatever its slot and whichever program runs it, so its bits ignore both."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         if GROUP == 1:
-            # 2-D tiles: the plain tl.dot lowering for one element per program.
-            a_base = a_ptr + pid * stride_ab
-            b_base = b_ptr + pid * stride_bb
-            c_base = c_ptr + pid * stride_cb
+            # 2-D tiles: the plain tl.dot lowering for one element per step.
+            a_base = a_ptr + grp * stride_ab
+            b_base = b_ptr + grp * stride_bb
+            c_base = c_ptr + grp * stride_cb
             c_ptrs = c_base + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
             c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             if USE_DOT:
@@ -205,7 +203,7 @@ if triton is not None:
                     acc = tl.fma(a_k[:, None], b_k[None, :], acc)
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
         else:
-            g = pid * GROUP + tl.arange(0, GROUP).to(tl.int64)
+            g = grp * GROUP + tl.arange(0, GROUP).to(tl.int64)
             g3 = g[:, None, None]
             g_ok = g3 < B
             m3 = offs_m[None, :, None]
@@ -236,6 +234,44 @@ if triton is not None:
                     acc = tl.fma(a_k, b_k, acc)
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
+    @triton.jit
+    def _bmm_tiny_kernel(
+        a_ptr, b_ptr, c_ptr,
+        B, M, N, K,
+        stride_ab, stride_am, stride_ak,
+        stride_bb, stride_bk, stride_bn,
+        stride_cb, stride_cm, stride_cn,
+        M_DIV: tl.constexpr, N_DIV: tl.constexpr, K_DIV: tl.constexpr,
+        AM_DIV: tl.constexpr, AK_DIV: tl.constexpr, BK_DIV: tl.constexpr, BN_DIV: tl.constexpr,
+        CM_DIV: tl.constexpr, CN_DIV: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_DOT: tl.constexpr, IEEE: tl.constexpr, PERSISTENT: tl.constexpr, STAGES: tl.constexpr,
+    ):
+        # Triton specializes integer arguments only on divisibility by 16, so with 8-
+        # or 12-wide rows it could prove no alignment and issued one load per element.
+        # The *_DIV constants (the largest power of two <= 16 dividing each dim and
+        # inner stride) give it back what it can use: 12 fp32 = 48-byte rows get
+        # 16-byte accesses. Classes, not values, so a new m or n compiles nothing new
+        # unless its power-of-two class is new; B and batch strides take no hint.
+        M = _multiple_of(M, M_DIV)
+        N = _multiple_of(N, N_DIV)
+        K = _multiple_of(K, K_DIV)
+        stride_am = _multiple_of(stride_am, AM_DIV)
+        stride_ak = _multiple_of(stride_ak, AK_DIV)
+        stride_bk = _multiple_of(stride_bk, BK_DIV)
+        stride_bn = _multiple_of(stride_bn, BN_DIV)
+        stride_cm = _multiple_of(stride_cm, CM_DIV)
+        stride_cn = _multiple_of(stride_cn, CN_DIV)
+        if PERSISTENT:
+            for grp in tl.range(tl.program_id(0), tl.cdiv(B, GROUP), tl.num_programs(0), num_stages=STAGES):
+                _tiny_group(tl.cast(grp, tl.int64), a_ptr, b_ptr, c_ptr, B, M, N, K,
+                            stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+                            stride_cb, stride_cm, stride_cn, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, IEEE)
+        else:
+            _tiny_group(tl.program_id(0).to(tl.int64), a_ptr, b_ptr, c_ptr, B, M, N, K,
+                        stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+                        stride_cb, stride_cm, stride_cn, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, IEEE)
+
 
 def _pow2_divisor(x: int) -> int:
     """The largest power of two <= 16 that divides x (16 for 0)."""
@@ -255,7 +291,13 @@ def _launch_tiny(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TinyC
         raise ValueError("rlkernels.bmm: the FMA mode is fp32 only (16-bit uses the tensor-core chain)")
     bm, bn, bk = tiny_blocks(M, N, K, cfg, a.dtype)
     sbb, sbk, sbn = _b_strides(b)
-    grid = (triton.cdiv(Bt, cfg.group),)
+    groups = triton.cdiv(Bt, cfg.group)
+    if cfg.persistent:
+        from .gemm_tma import sm_count
+
+        grid = (min(groups, cfg.programs_per_sm * sm_count(a.device)),)
+    else:
+        grid = (groups,)
     _bmm_tiny_kernel[grid](
         a, b, out,
         Bt, M, N, K,
@@ -268,7 +310,8 @@ def _launch_tiny(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TinyC
         CM_DIV=_pow2_divisor(out.stride(1)), CN_DIV=_pow2_divisor(out.stride(2)),
         GROUP=cfg.group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         USE_DOT=cfg.use_dot, IEEE=a.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=1,
+        PERSISTENT=cfg.persistent, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
