@@ -158,7 +158,7 @@ def logprob_floor(n: int = 8192, d: int = 4096, v: int = 151936) -> list[dict[st
     gl = torch.randn(n, device="cuda", generator=gen)
     ge = torch.randn(n, device="cuda", generator=gen)
     fwd, fwd_bwd = _rlkernels_case(h, w, t, gl, ge)
-    four = four_gemm_passes(h.detach(), w.detach(), gen)
+    four = four_gemm_passes(h, w, gen)
     logits = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
     ms = interleaved_median_ms({"rlkernels_fwd_bwd": fwd_bwd, "four_gemms": four, "rlkernels_fwd": fwd,
                                 "logits_gemm": lambda: torch.mm(h.detach(), w.detach().t(), out=logits)},

@@ -134,6 +134,7 @@ def four_gemm_passes(h: torch.Tensor, w: torch.Tensor, generator: torch.Generato
     recompute the logits, and dH and dW are one GEMM each. It allocates a random g and
     one logits buffer (2 N V bytes each at bf16).
     """
+    h, w = h.detach(), w.detach()  # the fused cases leave requires_grad set; out= refuses it
     n, v = h.shape[0], w.shape[0]
     g = torch.randn(n, v, device=h.device, generator=generator).mul_(1e-3).to(h.dtype)
     logits = torch.empty(n, v, device=h.device, dtype=h.dtype)
