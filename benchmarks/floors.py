@@ -31,7 +31,7 @@ from rlkernels.bench.bmm import SHAPES as BMM_SHAPES, launch_floor_us
 from rlkernels.bench.common import (cycling, graph_median_us, interleaved_median_ms, l2_cold_copies, print_table,
                                     write_json)
 from rlkernels.bench.gemm import SHAPES as GEMM_SHAPES
-from rlkernels.bench.logprob import _rlkernels_case, four_gemm_passes
+from rlkernels.bench.logprob import _rlkernels_case, four_gemm_passes, make_inputs
 
 
 @triton.jit
@@ -152,11 +152,7 @@ def bmm_floors() -> list[dict[str, Any]]:
 
 def logprob_floor(n: int = 8192, d: int = 4096, v: int = 151936) -> list[dict[str, Any]]:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = (torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=gen) * (3 * d ** -0.5)).to(torch.bfloat16)
-    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    gl = torch.randn(n, device="cuda", generator=gen)
-    ge = torch.randn(n, device="cuda", generator=gen)
+    h, w, t, gl, ge = make_inputs(n, d, v, gen)
     fwd, fwd_bwd = _rlkernels_case(h, w, t, gl, ge)
     four = four_gemm_passes(h, w, gen)
     logits = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)

@@ -126,6 +126,17 @@ def _cce_case(h, w, t, gl):
     return fwd, fwd_bwd
 
 
+def make_inputs(n: int, d: int, v: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """The benchmark's case on CUDA: hidden [n, d] and weight [v, d] bf16 (logits of std ~3),
+    target [n] int64, per-token upstream grads of logp and entropy [n] fp32."""
+    h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=generator)
+    w = (torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=generator) * (3 * d ** -0.5)).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device="cuda", generator=generator)
+    gl = torch.randn(n, device="cuda", generator=generator)
+    ge = torch.randn(n, device="cuda", generator=generator)
+    return h, w, t, gl, ge
+
+
 def four_gemm_passes(h: torch.Tensor, w: torch.Tensor, generator: torch.Generator) -> Callable[[], Any]:
     """The four GEMM-sized passes of a fused fwd+bwd (logits, logits again, dH = g W,
     dW = g^T H) as bare cuBLAS GEMMs back to back, bf16 out, nothing else.
@@ -171,11 +182,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for n, d, v in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        w = (torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=g) * (3 * d ** -0.5)).to(torch.bfloat16)
-        t = torch.randint(0, v, (n,), device="cuda", generator=g)
-        gl = torch.randn(n, device="cuda", generator=g)
-        ge = torch.randn(n, device="cuda", generator=g)
+        h, w, t, gl, ge = make_inputs(n, d, v, g)
         cases: list[tuple[str, Any]] = [("rlkernels", _rlkernels_case(h, w, t, gl, ge))]
         if not getattr(args, "no_peers", False):
             free, _ = torch.cuda.mem_get_info()
