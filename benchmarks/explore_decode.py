@@ -90,7 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--ms", default="1,16")
+    parser.add_argument("--short-m", action="store_true", help="only the wrapped-vs-masked short-M experiment")
     args = parser.parse_args(argv)
+    if args.short_m:
+        rows_m: list[dict[str, Any]] = []
+        short_m_rows(rows_m)
+        write_json(args.json, "explore_decode_short_m", rows_m)
+        return 0
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows: list[dict[str, Any]] = []
     for k, n in SHAPES:
@@ -133,6 +139,59 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, "explore_decode", rows)
     return 0
 
+
+
+def short_m_rows(rows_out: list[dict[str, Any]]) -> None:
+    """Why is a decode tile slower at M = 1 than at M = 4? Session 11 measured first that
+    Triton's M == 1 specialization is not the cause (the same tiles through a copy of the
+    kernel with ``do_not_specialize=["M"]`` ran as slowly; explore_decode_m1_h100_session11
+    .json); the wrapped rows are: with M < BLOCK_M every program re-read rows 0..M-1
+    BLOCK_M / M times per k-block. Here the decode tiles at M = 1, 4, 16 with the rows past
+    M wrapped (``MASK_SHORT_M = False``) and masked (the default), bits checked against
+    each other and against ``rlkernels.linear``."""
+    import rlkernels
+    import rlkernels.ops.gemm as G
+
+    tiles = [G.GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4),
+             G.GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5),
+             G.GemmConfig(16, 32, 128, group_m=1, num_warps=2, num_stages=4),
+             G.GemmConfig(16, 16, 256, group_m=1, num_warps=2, num_stages=6),
+             G.GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=6)]
+    for k, n in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+        copies = l2_cold_copies(w)
+        floor = min(read_floor_us(copies).values())
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            want = rlkernels.linear(x, w)
+            row: dict[str, Any] = {"K": k, "N": n, "M": m, "floor_us": floor,
+                                   "stock_us": graph_median_us(cycling(lambda wc: torch.nn.functional.linear(x, wc),
+                                                                       copies), replays=50),
+                                   "rlkernels_us": graph_median_us(cycling(lambda wc: rlkernels.linear(x, wc), copies),
+                                                                   replays=50)}
+            for label, mask in (("wrapped", False), ("masked", True)):
+                G.MASK_SHORT_M = mask
+                try:
+                    for cfg in tiles:
+                        fn = lambda wc, cfg=cfg: G.triton_gemm(x, wc.t(), config=cfg)  # noqa: E731
+                        row[f"{label}:{cfg.short()}"] = {
+                            "us": graph_median_us(cycling(fn, copies), replays=50), "same_bits": torch.equal(fn(w), want)}
+                finally:
+                    G.MASK_SHORT_M = True
+            masked = {key: v["us"] for key, v in row.items() if key.startswith("masked:") and v["same_bits"]}
+            row["best_masked"] = min(masked, key=masked.get)
+            row["best_masked_us"] = masked[row["best_masked"]]
+            row["best_masked_ratio_vs_stock"] = row["best_masked_us"] / row["stock_us"]
+            row["rlkernels_ratio_vs_stock"] = row["rlkernels_us"] / row["stock_us"]
+            rows_out.append(row)
+            print({key: (round(v["us"], 1), v["same_bits"]) if isinstance(v, dict) else v for key, v in row.items()},
+                  flush=True)
+        del w, copies
+        torch.cuda.empty_cache()
+    print_table("decode tiles: rows past M wrapped vs masked (graph replay, weight from HBM)", rows_out,
+                ["K", "N", "M", "stock_us", "rlkernels_us", "floor_us", "best_masked", "best_masked_us",
+                 "rlkernels_ratio_vs_stock", "best_masked_ratio_vs_stock"])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -122,3 +122,31 @@ def test_swapped_and_forward_orientation_agree_to_rounding(gen):
     fwd = triton_gemm(x, w.t(), config=dataclasses.replace(SWAP_TILE, block_m=1, swap_ab=False))
     swp = triton_gemm(x, w.t(), config=SWAP_TILE)
     torch.testing.assert_close(swp, fwd, atol=1e-5, rtol=1e-5)
+
+
+SHORT_TILE = GemmConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=1)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k", [(1, 48), (3, 40), (15, 33)])
+def test_rows_past_m_are_masked_not_read(dtype, m, k, gen, monkeypatch):
+    # Fewer rows than the tile: rows past M are masked (zeros) instead of re-reading rows
+    # 0..M-1. A stored row's products are its own, so the two give the same rows; K = 33
+    # and 40 take the k-masked loop too. Rows past M lie in a poisoned buffer: a masked
+    # load never touches them, a wrapped one never reaches them either.
+    n = 45
+    buf = torch.full((16, k), float("nan")).to(dtype)
+    buf[:m] = randn(m, k, generator=gen).to(dtype)
+    x = buf[:m]
+    w = randn(n, k, generator=gen, scale=k ** -0.5).to(dtype)
+    bias = randn(n, generator=gen).to(dtype)
+    masked = triton_gemm(x, w.t(), bias=bias, config=SHORT_TILE)
+    rel = ((masked.double() - _ref(x, w, bias)).norm() / _ref(x, w, bias).norm()).item()
+    assert rel <= contract.CONTRACT["matmul"][dtype].tolerance, rel
+    start = randn(m, n, generator=gen)
+    acc = triton_gemm(x, w.t(), out=start.clone(), accumulate=True, config=SHORT_TILE)
+    assert torch.allclose(acc.double(), _ref(x, w, start=start), rtol=1e-3, atol=1e-3)
+    monkeypatch.setattr(gemm, "MASK_SHORT_M", False)
+    wrapped = triton_gemm(x, w.t(), bias=bias, config=SHORT_TILE)
+    assert torch.equal(masked, wrapped)

@@ -70,10 +70,15 @@ class GemmConfig:
 # cuBLASLt-no-split; tests/test_matmul_gpu.py re-proves it for each entry).
 WIDE_N = 8192  # wide outputs (MLP up-projections, lm heads) want wider N tiles at decode
 GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
-    # M = 1 (one decode token): 64-wide N tiles won on every shape (graph replay, weight
-    # from HBM: benchmarks/results/tune_gemm_decode_h100.json).
-    (1, 0, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
-    (16, WIDE_N, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
+    # M <= 16 (decode). Until session 11, M = 1 had its own row (16x64x256): the tiles'
+    # 15 wrapped rows re-read row 0 from the same L2 lines and made the narrower tiles
+    # 10-30% slower at M = 1 than at M = 4. With rows past M masked (MASK_SHORT_M) M = 1
+    # runs like M = 4, and one tile per width class serves M = 1..16 (graph replay, weight
+    # from HBM, benchmarks/results/explore_decode_short_m_h100_session11.json:
+    # 4096 x 12288 36.3-36.8 us on 16x32x128/w2 vs 37.0-37.9 on 16x64x256, as in session
+    # 10's tune_gemm_decode_occupancy_h100.json; 12288 x 4096 M = 1 37.8 vs 38.5).
+    (16, 65536, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
+    (16, WIDE_N, GemmConfig(16, 32, 128, group_m=1, num_warps=2, num_stages=4)),
     (16, 0, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
     (64, WIDE_N, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=3)),
     (32, 0, GemmConfig(32, 32, 256, group_m=4, num_warps=4, num_stages=4)),
@@ -202,7 +207,7 @@ if triton is not None:
         stride_bb, stride_bk, stride_bn,
         stride_cb, stride_cm, stride_cn,
         HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, ROWSUM: tl.constexpr,
-        IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_K: tl.constexpr, MASK_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAPPED: tl.constexpr,
     ):
@@ -215,7 +220,12 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         # Rows/cols past the edge re-read valid memory (wrapped) instead of masking;
         # their results are never stored. int64: lm-head outputs exceed 2^31 elements.
-        rm = (offs_m % M).to(tl.int64)
+        # MASK_M (fewer rows than the tile, i.e. decode): rows past M are not read at
+        # all. Wrapped, every program fetched row 0 BLOCK_M times per k-block, all from
+        # the same few L2 lines: at M = 1 a 16-row tile ran 25-30% slower than the same
+        # tile at M = 4 (H100, benchmarks/results/explore_decode_m1_h100_session11.json).
+        # Either way a stored row's products are its own row's, so its bits are the same.
+        rm = offs_m.to(tl.int64) if MASK_M else (offs_m % M).to(tl.int64)
         if SWAPPED:
             # B = X^T, its columns padded to whole tiles by the launcher: read unwrapped,
             # so the compiler sees contiguous, aligned rows (16-byte copies at any M).
@@ -243,11 +253,17 @@ if triton is not None:
         # The canonical chain: one ascending pass over K, one fp32 accumulator.
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
-                a = tl.load(a_ptrs)
+                if MASK_M:
+                    a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
             else:
                 k_left = K - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                a_mask = offs_k[None, :] < k_left
+                if MASK_M:
+                    a_mask = a_mask & (offs_m[:, None] < M)
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
                 b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -282,6 +298,10 @@ if triton is not None:
 
 
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
+# Problems with fewer rows than the tile mask the rows past M instead of re-reading
+# rows 0..M-1 cyclically (see the kernel). The bits are the same either way (tests/test_gemm.py,
+# tests/test_matmul_gpu.py); False gives the wrapped loads back, for A/B benchmarks.
+MASK_SHORT_M = True
 
 # TMA variants that failed to fit in shared memory, by (config, layouts, dtypes): they
 # go straight to the pointer kernel afterwards.
@@ -378,7 +398,7 @@ def triton_gemm(
     args = (a, b, out, bias if bias is not None else out, rowsum if rowsum is not None else out,
             M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn)
     constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,
-                  cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.swap_ab)
+                  MASK_SHORT_M and M < cfg.block_m, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.swap_ab)
     _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return result if cfg.swap_ab else out
 
