@@ -41,6 +41,9 @@ CANDIDATES_DECODE = [
     # programs run in about one wave (the entries above hold one program per SM).
     C(16, 32, 256, 1, 4, 3), C(16, 32, 256, 1, 2, 3), C(16, 32, 128, 1, 4, 4), C(16, 32, 128, 1, 2, 4),
     C(16, 16, 256, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 64, 128, 1, 4, 3), C(16, 16, 128, 1, 2, 6),
+    # Session 11, after masking the rows past M (M = 1 no longer pays for 15 re-read rows):
+    # longer k-blocks with few programs' worth of buffers.
+    C(16, 16, 512, 1, 2, 4), C(16, 32, 512, 1, 4, 3), C(16, 32, 128, 1, 2, 6), C(16, 64, 256, 1, 4, 3),
 ]
 SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
