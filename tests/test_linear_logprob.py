@@ -326,6 +326,35 @@ def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, n, v, cv, main
         assert torch.equal(x, y), name
 
 
+@pytest.mark.parametrize("backend,dtype", _cases((F16, BF16)))
+def test_g_in_dw_free_rows_keeps_the_bits(backend, dtype, gen, monkeypatch):
+    """The main loop's widest chunks keep g in dW's rows not yet written (before dH's
+    accumulator): the grads are bitwise those of the same loop with a separate g buffer,
+    and of a separate accumulator."""
+    import rlkernels.ops.linear_logprob as mod
+
+    n, d, v, cv = 7, 40, 300, 32
+    h, w, b, t = _data(n, d, v, dtype, gen)
+    gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    # Splits of the dH chain at multiples of 16: the interpreter GEMM's K step (the torch
+    # chain splits anywhere), so the small shape can hold a chunk wider than the buffer.
+    monkeypatch.setattr(mod, "BWD_CHUNK_ALIGN", 16)
+    monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: cv)
+    monkeypatch.setattr(mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
+    tail = mod.dw_tail_rows(n, d, v, cv, F32, torch.empty(v, d, dtype=dtype))
+    schedule = mod.main_loop_schedule(mod.last_chunk_start(v, cv), mod.main_loop_chunk(cv, d), tail, n, d, 2)
+    assert [off is None for _, _, off in schedule] == [False, True], schedule
+    aliased = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
+    plain_schedule = mod.main_loop_schedule
+    monkeypatch.setattr(mod, "main_loop_schedule",
+                        lambda last, main_cv, free_end, *rest: plain_schedule(last, main_cv, None, *rest))
+    in_buffer = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
+    monkeypatch.setattr(mod, "dw_tail_rows", lambda *args: None)
+    separate = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
+    for name, x, y, z in zip(("dhidden", "dweight", "dbias"), aliased, in_buffer, separate):
+        assert torch.equal(x, y) and torch.equal(x, z), name
+
+
 def test_dh_accumulator_in_dw_tail_with_odd_v_times_d(gen, monkeypatch):
     """V * D odd: dW's bytes are not a whole number of fp32 words, its tail slice still is."""
     import rlkernels.ops.linear_logprob as mod
@@ -358,7 +387,7 @@ def test_dh_accumulator_placement_rule():
 
 
 def test_backward_chunk_rule():
-    from rlkernels.ops.linear_logprob import last_chunk_start, main_loop_chunk
+    from rlkernels.ops.linear_logprob import last_chunk_start, main_loop_chunk, main_loop_schedule
 
     assert backward_chunk(8192, 151936, 2) == 4096
     # The main loop beside an accumulator in dW's tail: wider by D, in multiples of 256.
@@ -371,6 +400,20 @@ def test_backward_chunk_rule():
     assert last_chunk_start(257, 64) == 256
     assert backward_chunk(32768, 151936, 2) == 4096
     assert backward_chunk(1024, 151936, 2) == 32768
+    # The main loop at the benchmark shape: the first five chunks hold g in dW's free rows
+    # (45056 columns wide at first), the rest the 8192-column buffer; 9 chunks, was 19.
+    n, d, tail, last = 8192, 4096, 151936 - 16384, 147968
+    schedule = main_loop_schedule(last, 8192, tail, n, d, 2)
+    assert len(schedule) == 9 and schedule[0][:2] == (0, 45056)
+    assert [off is None for *_, off in schedule] == [False] * 5 + [True] * 4
+    assert [v0 for v0, *_ in schedule] + [last] == [0] + [v1 for _, v1, _ in schedule]
+    for v0, v1, off in schedule:
+        assert v0 % 256 == 0 and (v1 % 256 == 0 or v1 == last)
+        if off is None:
+            assert v1 - v0 <= 8192
+        else:  # 16-byte aligned, past this chunk's dW rows, before the accumulator
+            assert off % 8 == 0 and v1 * d <= off and off + n * (v1 - v0) <= tail * d
+    assert all(off is None for *_, off in main_loop_schedule(last, 8192, None, n, d, 2))
     assert all(backward_chunk(n, 151936, 2) % 256 == 0 for n in (1, 7, 100, 5000, 1 << 20))
 
 

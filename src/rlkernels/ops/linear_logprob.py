@@ -28,7 +28,8 @@ ascending), ``dW[chunk] = g^T @ H`` (one fp32 chain over tokens, rounded once, o
 accumulated into ``weight.main_grad``), ``dbias[chunk] = column sums of g``. For
 16-bit inputs the dH accumulator may sit in dW's last rows, written last: those
 columns then take their dW after dH is final, from the last chunk's g or a recomputed
-one (:func:`dw_tail_rows`), and the main loop runs wider chunks (:func:`main_loop_chunk`).
+one (:func:`dw_tail_rows`), and the main loop runs wider chunks (:func:`main_loop_chunk`),
+the widest with g in dW's rows not yet written (:func:`main_loop_schedule`).
 """
 from __future__ import annotations
 
@@ -119,6 +120,41 @@ def main_loop_chunk(cv: int, dim: int) -> int:
     the same size, which writes bf16 once). A multiple of 256, like every split of the dH chain.
     """
     return cv + dim // BWD_CHUNK_ALIGN * BWD_CHUNK_ALIGN
+
+
+def main_loop_schedule(last: int, main_cv: int, free_end: int | None, n_rows: int, dim: int,
+                       elem_size: int) -> list[tuple[int, int, int | None]]:
+    """The backward's main-loop chunks over ``[0, last)``: ``(v0, v1, g_offset)``.
+
+    With dH's accumulator in dW's tail (``free_end`` = its first row), dW's rows from the
+    chunk's end up to ``free_end`` are unwritten while the chunk runs: a chunk whose g
+    ([n_rows, v1 - v0], dW's dtype) fits there puts it at element ``g_offset`` of dW
+    (16-byte aligned) instead of in the separate buffer, and may be wider than
+    ``main_cv``: early in V the free rows allow several times the width, so the fp32 dH
+    accumulator makes fewer round trips through HBM (the benchmark shape: 10 chunks
+    instead of 19). Such a chunk is taken only when wider than ``main_cv``; the others use
+    the separate buffer (``g_offset`` None). Widths are multiples of ``BWD_CHUNK_ALIGN``, like
+    every split of the dH chain, so the bits are those of any other schedule.
+    """
+    align, per16 = BWD_CHUNK_ALIGN, max(1, 16 // elem_size)
+    out: list[tuple[int, int, int | None]] = []
+    v0 = 0
+    while v0 < last:
+        width = 0
+        if free_end is not None and free_end > v0:
+            width = min((free_end - v0) * dim // (dim + n_rows) // align * align, last - v0)
+            while width > main_cv:
+                offset = -(-(v0 + width) * dim // per16) * per16
+                if offset + n_rows * width <= free_end * dim:
+                    break
+                width -= align
+        if width > main_cv:
+            out.append((v0, v0 + width, offset))
+        else:
+            width = min(main_cv, last - v0)
+            out.append((v0, v0 + width, None))
+        v0 += width
+    return out
 
 
 def last_chunk_start(vocab: int, cv: int) -> int:
@@ -703,11 +739,16 @@ class LinearLogprobFunction(torch.autograd.Function):
                 weight_grads(g[:, :w1 - v0], v0, w1)
             return g
 
-        if last > 0:
-            g_buf = torch.empty(N, min(main_cv, last), dtype=h2.dtype, device=dev)
-            for v0 in range(0, last, main_cv):
-                chunk(g_buf, v0, min(last, v0 + main_cv))
-            del g_buf  # freed before the last chunk's and the dH output's buffers (peak memory)
+        g_buf = None
+        for v0, v1, g_offset in main_loop_schedule(last, main_cv, tail, N, D, h2.element_size()):
+            if g_offset is not None:
+                # g in dW's rows past this chunk, unwritten until a later chunk (or dH's end).
+                chunk(dw.view(-1)[g_offset:g_offset + N * (v1 - v0)].view(N, v1 - v0), v0, v1)
+                continue
+            if g_buf is None:
+                g_buf = torch.empty(N, min(main_cv, last - v0), dtype=h2.dtype, device=dev)
+            chunk(g_buf, v0, v1)
+        del g_buf  # freed before the last chunk's and the dH output's buffers (peak memory)
         g_last = chunk(torch.empty(N, vocab - last, dtype=h2.dtype, device=dev), last, vocab) if last < vocab \
             else None
         grad_h = dh_acc.to(h2.dtype) if need_h else None
