@@ -45,6 +45,12 @@ CANDIDATES_DECODE = [
     # longer k-blocks with few programs' worth of buffers.
     C(16, 16, 512, 1, 2, 4), C(16, 32, 512, 1, 4, 3), C(16, 32, 128, 1, 2, 6), C(16, 64, 256, 1, 4, 3),
 ]
+# --tma-decode: the decode tiles with TMA operand loads (bulk copies into shared memory,
+# rows past M zero-filled by the copy engine) beside the table's pointer-load tiles.
+_DECODE_TILES = [(16, 32, 256, 4, 5), (16, 64, 256, 4, 4), (16, 32, 128, 2, 4), (16, 16, 256, 2, 6),
+                 (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3)]
+CANDIDATES_TMA_DECODE = [C(bm, bn, bk, 1, w, s) for bm, bn, bk, w, s in _DECODE_TILES[:4]] + [
+    C(bm, bn, bk, 1, w, s, tma=True) for bm, bn, bk, w, s in _DECODE_TILES]
 SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
 MS_DECODE = [1, 4, 16, 24, 32, 48, 64, 96]
@@ -67,12 +73,13 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--decode", action="store_true", help="small-M candidates and M values only")
+    p.add_argument("--tma-decode", action="store_true", help="with --decode: TMA-load decode tiles vs the table's")
     p.add_argument("--ms", default=None, help="comma-separated M values (default: the mode's list)")
     p.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
     args = p.parse_args()
     global CANDIDATES_16, MS
     if args.decode:
-        CANDIDATES_16, MS = CANDIDATES_DECODE, MS_DECODE
+        CANDIDATES_16, MS = (CANDIDATES_TMA_DECODE if args.tma_decode else CANDIDATES_DECODE), MS_DECODE
     if args.ms:
         MS = [int(m) for m in args.ms.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
