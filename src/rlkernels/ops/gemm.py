@@ -72,7 +72,7 @@ WIDE_N = 8192  # wide outputs (MLP up-projections, lm heads) want wider N tiles 
 GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
     # M <= 16 (decode). Until session 11, M = 1 had its own row (16x64x256): the tiles'
     # 15 wrapped rows re-read row 0 from the same L2 lines and made the narrower tiles
-    # 10-30% slower at M = 1 than at M = 4. With rows past M masked (MASK_SHORT_M) M = 1
+    # up to 60% slower at M = 1 than at M = 4. With rows past M masked (MASK_SHORT_M) M = 1
     # runs like M = 4, and one tile per width class serves M = 1..16 (graph replay, weight
     # from HBM, benchmarks/results/explore_decode_short_m_h100_session11.json:
     # 4096 x 12288 36.3-36.8 us on 16x32x128/w2 vs 37.0-37.9 on 16x64x256, as in session
@@ -222,8 +222,9 @@ if triton is not None:
         # their results are never stored. int64: lm-head outputs exceed 2^31 elements.
         # MASK_M (fewer rows than the tile, i.e. decode): rows past M are not read at
         # all. Wrapped, every program fetched row 0 BLOCK_M times per k-block, all from
-        # the same few L2 lines: at M = 1 a 16-row tile ran 25-30% slower than the same
-        # tile at M = 4 (H100, benchmarks/results/explore_decode_m1_h100_session11.json).
+        # the same few L2 lines: at M = 1 a 16-row tile ran 5-60% slower than the same
+        # tile at M = 4, the narrower tiles worst (H100, benchmarks/results/
+        # explore_decode_short_m_h100_session11.json; masked, M = 1 runs like M = 4).
         # Either way a stored row's products are its own row's, so its bits are the same.
         rm = offs_m.to(tl.int64) if MASK_M else (offs_m % M).to(tl.int64)
         if SWAPPED:

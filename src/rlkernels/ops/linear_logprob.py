@@ -131,8 +131,8 @@ def main_loop_schedule(last: int, main_cv: int, free_end: int | None, n_rows: in
     ([n_rows, v1 - v0], dW's dtype) fits there puts it at element ``g_offset`` of dW
     (16-byte aligned) instead of in the separate buffer, and may be wider than
     ``main_cv``: early in V the free rows allow several times the width, so the fp32 dH
-    accumulator makes fewer round trips through HBM (the benchmark shape: 10 chunks
-    instead of 19). Such a chunk is taken only when wider than ``main_cv``; the others use
+    accumulator makes fewer round trips through HBM (the benchmark shape: 9 main-loop
+    chunks instead of 19). Such a chunk is taken only when wider than ``main_cv``; the others use
     the separate buffer (``g_offset`` None). Widths are multiples of ``BWD_CHUNK_ALIGN``, like
     every split of the dH chain, so the bits are those of any other schedule.
     """
