@@ -16,6 +16,7 @@ process, and the read floor of benchmarks/floors.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any
 
@@ -91,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--ms", default="1,16")
     parser.add_argument("--short-m", action="store_true", help="only the wrapped-vs-masked short-M experiment")
+    parser.add_argument("--m1-only", action="store_true", help="only the M == 1 specialization experiment")
     args = parser.parse_args(argv)
+    if args.m1_only:
+        rows_m1: list[dict[str, Any]] = []
+        m1_specialization(rows_m1)
+        write_json(args.json, "explore_decode_m1", rows_m1)
+        return 0
     if args.short_m:
         rows_m: list[dict[str, Any]] = []
         short_m_rows(rows_m)
@@ -141,15 +148,77 @@ def main(argv: list[str] | None = None) -> int:
 
 
 
-def short_m_rows(rows_out: list[dict[str, Any]]) -> None:
-    """Why is a decode tile slower at M = 1 than at M = 4? Session 11 measured first that
-    Triton's M == 1 specialization is not the cause (the same tiles through a copy of the
-    kernel with ``do_not_specialize=["M"]`` ran as slowly; explore_decode_m1_h100_session11
-    .json); the wrapped rows are: with M < BLOCK_M every program re-read rows 0..M-1
-    BLOCK_M / M times per k-block. Here the decode tiles at M = 1, 4, 16 with the rows past
-    M wrapped (``MASK_SHORT_M = False``) and masked (the default), bits checked against
-    each other and against ``rlkernels.linear``."""
+
+def _tiles_under_variants(tiles: list[Any], variants: dict[str, Any], rows_out: list[dict[str, Any]],
+                          floor: bool = False) -> None:
+    """Each decode tile under each variant (label -> context manager that switches the
+    engine and restores it) at M = 1, 4, 16 on every shape, graph replay with the weight
+    cycled past the L2, bits checked against ``rlkernels.linear``; stock and rlkernels
+    (and, with ``floor``, the read floor) in the same process."""
     import rlkernels
+    import rlkernels.ops.gemm as G
+
+    for k, n in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+        copies = l2_cold_copies(w)
+        extra = {"floor_us": min(read_floor_us(copies).values())} if floor else {}
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            want = rlkernels.linear(x, w)
+            row: dict[str, Any] = {"K": k, "N": n, "M": m, **extra,
+                                   "stock_us": graph_median_us(cycling(lambda wc: torch.nn.functional.linear(x, wc),
+                                                                       copies), replays=50),
+                                   "rlkernels_us": graph_median_us(cycling(lambda wc: rlkernels.linear(x, wc), copies),
+                                                                   replays=50)}
+            for label, switch in variants.items():
+                with switch():
+                    for cfg in tiles:
+                        fn = lambda wc, cfg=cfg: G.triton_gemm(x, wc.t(), config=cfg)  # noqa: E731
+                        row[f"{label}:{cfg.short()}"] = {
+                            "us": graph_median_us(cycling(fn, copies), replays=50), "same_bits": torch.equal(fn(w), want)}
+            rows_out.append(row)
+            print({key: (round(v["us"], 1), v["same_bits"]) if isinstance(v, dict) else v for key, v in row.items()},
+                  flush=True)
+        del w, copies
+        torch.cuda.empty_cache()
+
+
+def _patched(module: Any, name: str, value: Any) -> Any:
+    """A context manager factory: ``module.name = value`` inside, restored after."""
+    @contextlib.contextmanager
+    def switch():
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            yield
+        finally:
+            setattr(module, name, old)
+    return switch
+
+
+def m1_specialization(rows_out: list[dict[str, Any]]) -> None:
+    """Does Triton's M == 1 specialization cost the decode tiles time? The same tiles
+    through a copy of the engine's kernel with ``do_not_specialize=["M"]``, at M = 1, 4, 16
+    (explore_decode_m1_h100_session11.json was measured before the rows past M were
+    masked, i.e. as with ``MASK_SHORT_M = False``)."""
+    import rlkernels.ops.gemm as G
+    from rlkernels.ops._launch import CachedLauncher
+
+    nospec = CachedLauncher(triton.jit(do_not_specialize=["M"])(G._gemm_kernel.fn))
+    tiles = [G.GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4),
+             G.GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5),
+             G.GemmConfig(16, 32, 128, group_m=1, num_warps=2, num_stages=4)]
+    _tiles_under_variants(tiles, {"spec": contextlib.nullcontext, "nospec": _patched(G, "_launch_gemm", nospec)},
+                          rows_out)
+
+
+def short_m_rows(rows_out: list[dict[str, Any]]) -> None:
+    """Why is a decode tile slower at M = 1 than at M = 4? Not Triton's M == 1
+    specialization (:func:`m1_specialization`): the wrapped rows. With M < BLOCK_M every
+    program re-read rows 0..M-1 BLOCK_M / M times per k-block. Here the decode tiles at
+    M = 1, 4, 16 with the rows past M wrapped (``MASK_SHORT_M = False``) and masked (the
+    default)."""
     import rlkernels.ops.gemm as G
 
     tiles = [G.GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4),
@@ -157,38 +226,14 @@ def short_m_rows(rows_out: list[dict[str, Any]]) -> None:
              G.GemmConfig(16, 32, 128, group_m=1, num_warps=2, num_stages=4),
              G.GemmConfig(16, 16, 256, group_m=1, num_warps=2, num_stages=6),
              G.GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=6)]
-    for k, n in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
-        copies = l2_cold_copies(w)
-        floor = min(read_floor_us(copies).values())
-        for m in (1, 4, 16):
-            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-            want = rlkernels.linear(x, w)
-            row: dict[str, Any] = {"K": k, "N": n, "M": m, "floor_us": floor,
-                                   "stock_us": graph_median_us(cycling(lambda wc: torch.nn.functional.linear(x, wc),
-                                                                       copies), replays=50),
-                                   "rlkernels_us": graph_median_us(cycling(lambda wc: rlkernels.linear(x, wc), copies),
-                                                                   replays=50)}
-            for label, mask in (("wrapped", False), ("masked", True)):
-                G.MASK_SHORT_M = mask
-                try:
-                    for cfg in tiles:
-                        fn = lambda wc, cfg=cfg: G.triton_gemm(x, wc.t(), config=cfg)  # noqa: E731
-                        row[f"{label}:{cfg.short()}"] = {
-                            "us": graph_median_us(cycling(fn, copies), replays=50), "same_bits": torch.equal(fn(w), want)}
-                finally:
-                    G.MASK_SHORT_M = True
-            masked = {key: v["us"] for key, v in row.items() if key.startswith("masked:") and v["same_bits"]}
-            row["best_masked"] = min(masked, key=masked.get)
-            row["best_masked_us"] = masked[row["best_masked"]]
-            row["best_masked_ratio_vs_stock"] = row["best_masked_us"] / row["stock_us"]
-            row["rlkernels_ratio_vs_stock"] = row["rlkernels_us"] / row["stock_us"]
-            rows_out.append(row)
-            print({key: (round(v["us"], 1), v["same_bits"]) if isinstance(v, dict) else v for key, v in row.items()},
-                  flush=True)
-        del w, copies
-        torch.cuda.empty_cache()
+    _tiles_under_variants(tiles, {"wrapped": _patched(G, "MASK_SHORT_M", False),
+                                  "masked": _patched(G, "MASK_SHORT_M", True)}, rows_out, floor=True)
+    for row in rows_out:
+        masked = {key: v["us"] for key, v in row.items() if key.startswith("masked:") and v["same_bits"]}
+        row["best_masked"] = min(masked, key=masked.get)
+        row["best_masked_us"] = masked[row["best_masked"]]
+        row["best_masked_ratio_vs_stock"] = row["best_masked_us"] / row["stock_us"]
+        row["rlkernels_ratio_vs_stock"] = row["rlkernels_us"] / row["stock_us"]
     print_table("decode tiles: rows past M wrapped vs masked (graph replay, weight from HBM)", rows_out,
                 ["K", "N", "M", "stock_us", "rlkernels_us", "floor_us", "best_masked", "best_masked_us",
                  "rlkernels_ratio_vs_stock", "best_masked_ratio_vs_stock"])
