@@ -58,6 +58,65 @@ def _decode_persistent_kernel(x_ptr, w_ptr, c_ptr, M, N, K, stride_xm, stride_wn
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
+@triton.jit
+def _decode_register_kernel(x_ptr, w_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_cm,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            EVICT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
+    # The weight through registers (ld.global), not cp.async: Triton 3.6 drops eviction
+    # hints when its pipeliner turns a load into cp.async. PREFETCH loads k-block k + 1
+    # before the dot of k-block k (a register double buffer, since num_stages = 1).
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rn = (offs_n % N).to(tl.int64)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rn[None, :] * stride_wn + offs_k[:, None]
+    x_mask = offs_m[:, None] < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = K // BLOCK_K  # the launcher asks K % BLOCK_K == 0
+    if PREFETCH:
+        if EVICT_FIRST:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs)
+    for kb in range(0, k_tiles):
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if PREFETCH:
+            # The last iteration re-reads its own block (in bounds) instead of the next.
+            nxt = w_ptrs + BLOCK_K * (kb + 1 < k_tiles)
+            if EVICT_FIRST:
+                w_next = tl.load(nxt, eviction_policy="evict_first")
+            else:
+                w_next = tl.load(nxt)
+            acc = tl.dot(x, w, acc)
+            w = w_next
+            w_ptrs = nxt
+        else:
+            if EVICT_FIRST:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs)
+            acc = tl.dot(x, w, acc)
+            w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def decode_register(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, warps: int, evict_first: bool,
+                    prefetch: bool) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T, M <= 16, K % block_k == 0 (an experiment, not a library path)."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert M <= 16 and K % block_k == 0 and x.stride(1) == 1 and w.stride(1) == 1
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    _decode_register_kernel[(triton.cdiv(N, block_n),)](
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVICT_FIRST=evict_first, PREFETCH=prefetch, num_warps=warps, num_stages=1)
+    return out
+
+
 def decode_persistent(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_progs: int, stages: int,
                       warps: int = 4) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T, M <= 16, K % block_k == 0 (an experiment, not a library path)."""
@@ -93,7 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ms", default="1,16")
     parser.add_argument("--short-m", action="store_true", help="only the wrapped-vs-masked short-M experiment")
     parser.add_argument("--m1-only", action="store_true", help="only the M == 1 specialization experiment")
+    parser.add_argument("--stream", action="store_true", help="only the evict-first weight streaming experiment")
+    parser.add_argument("--register", action="store_true", help="only the register-loaded weight experiment")
     args = parser.parse_args(argv)
+    if args.register:
+        rows_r: list[dict[str, Any]] = []
+        register_rows(rows_r, [int(v) for v in args.ms.split(",")])
+        write_json(args.json, "explore_decode_register", rows_r)
+        return 0
+    if args.stream:
+        rows_s: list[dict[str, Any]] = []
+        streaming_rows(rows_s, [int(v) for v in args.ms.split(",")])
+        write_json(args.json, "explore_decode_stream", rows_s)
+        return 0
     if args.m1_only:
         rows_m1: list[dict[str, Any]] = []
         m1_specialization(rows_m1)
@@ -237,6 +308,108 @@ def short_m_rows(rows_out: list[dict[str, Any]]) -> None:
     print_table("decode tiles: rows past M wrapped vs masked (graph replay, weight from HBM)", rows_out,
                 ["K", "N", "M", "stock_us", "rlkernels_us", "floor_us", "best_masked", "best_masked_us",
                  "rlkernels_ratio_vs_stock", "best_masked_ratio_vs_stock"])
+
+
+def streaming_rows(rows_out: list[dict[str, Any]], ms: list[int]) -> None:
+    """The weight loaded evict-first (``STREAM_ONCE_READ``, the default) or normally, at
+    small M on every shape: eager as the GEMM benchmark (``do_bench``, whose L2 flush
+    leaves 50 MB of dirty lines that a normal pass evicts and writes back mid-pass) and
+    graph replay with the weight from HBM (an L2 of clean lines); stock in the same
+    rounds, bits checked against each other."""
+    import rlkernels
+    import rlkernels.ops.gemm as G
+    from rlkernels.bench.common import interleaved_median_ms
+
+    normal = _patched(G, "STREAM_ONCE_READ", False)
+
+    def unstreamed(fn: Any) -> Any:
+        def run(*a: Any) -> Any:
+            with normal():
+                return fn(*a)
+        return run
+
+    for k, n in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+        copies = l2_cold_copies(w)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            ours = lambda wc: rlkernels.linear(x, wc)  # noqa: E731
+            stock = lambda wc: torch.nn.functional.linear(x, wc)  # noqa: E731
+            eager = interleaved_median_ms({"stock": lambda: stock(w), "streamed": lambda: ours(w),
+                                           "normal": lambda: unstreamed(ours)(w)})
+            row: dict[str, Any] = {"K": k, "N": n, "M": m, "config": G.gemm_config(m, n, w.dtype).short(),
+                                   "same_bits": torch.equal(ours(w), unstreamed(ours)(w))}
+            for name, ms_ in eager.items():
+                row[f"eager_{name}_us"] = ms_ * 1e3
+            for name, fn in (("stock", stock), ("streamed", ours), ("normal", unstreamed(ours))):
+                row[f"cold_{name}_us"] = graph_median_us(cycling(fn, copies), replays=50)
+            for regime in ("eager", "cold"):
+                for name in ("streamed", "normal"):
+                    row[f"{regime}_{name}_ratio"] = row[f"{regime}_{name}_us"] / row[f"{regime}_stock_us"]
+            rows_out.append(row)
+            print(row, flush=True)
+        del w, copies
+        torch.cuda.empty_cache()
+    print_table("decode: weight loaded evict-first vs normally (eager = do_bench; cold = graph replay from HBM)",
+                rows_out, ["K", "N", "M", "config", "same_bits", "eager_stock_us", "eager_streamed_us", "eager_normal_us",
+                           "eager_streamed_ratio", "eager_normal_ratio", "cold_stock_us", "cold_streamed_us",
+                           "cold_normal_us", "cold_streamed_ratio", "cold_normal_ratio"])
+
+
+def register_rows(rows_out: list[dict[str, Any]], ms: list[int]) -> None:
+    """The weight loaded into registers (``_decode_register_kernel``), evict-first or
+    not, with or without a one-block prefetch, against the table's cp.async tile: eager
+    (``do_bench``) and graph replay from HBM; bits checked against ``rlkernels.linear``."""
+    import rlkernels
+    from rlkernels.bench.common import interleaved_median_ms, median_ms
+
+    tiles = [(bn, bk, warps) for bn in (16, 32, 64) for bk in (128, 256) for warps in (2, 4)]
+    for k, n in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+        copies = l2_cold_copies(w)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            want = rlkernels.linear(x, w)
+            eager = interleaved_median_ms({"stock": lambda: torch.nn.functional.linear(x, w),
+                                           "rlkernels": lambda: rlkernels.linear(x, w)})
+            row: dict[str, Any] = {
+                "K": k, "N": n, "M": m, "eager_stock_us": eager["stock"] * 1e3,
+                "eager_rlkernels_us": eager["rlkernels"] * 1e3,
+                "cold_stock_us": graph_median_us(cycling(lambda wc: torch.nn.functional.linear(x, wc), copies),
+                                                 replays=50),
+                "cold_rlkernels_us": graph_median_us(cycling(lambda wc: rlkernels.linear(x, wc), copies), replays=50)}
+            for bn, bk, warps in tiles:
+                for evict in (True, False):
+                    for prefetch in (True, False):
+                        name = f"{bn}x{bk}/w{warps}/{'ef' if evict else 'nl'}/{'pf' if prefetch else 'np'}"
+                        fn = lambda wc, a=(bn, bk, warps, evict, prefetch): decode_register(x, wc, *a)  # noqa: E731
+                        try:
+                            same = torch.equal(fn(w), want)
+                            row[name] = {"eager_us": median_ms(lambda: fn(w), warmup_ms=10, rep_ms=30) * 1e3,
+                                         "cold_us": graph_median_us(cycling(fn, copies), replays=50),
+                                         "same_bits": same}
+                        except Exception as exc:  # noqa: BLE001 - a variant that cannot launch is reported
+                            row[name] = f"{type(exc).__name__}: {str(exc)[:60]}"
+            ok = {key: v for key, v in row.items() if isinstance(v, dict) and v["same_bits"]}
+            for regime in ("eager", "cold"):
+                best = min(ok, key=lambda key: ok[key][f"{regime}_us"])
+                row[f"best_{regime}"], row[f"best_{regime}_us"] = best, ok[best][f"{regime}_us"]
+                row[f"best_{regime}_other_us"] = ok[best]["cold_us" if regime == "eager" else "eager_us"]
+                row[f"best_{regime}_ratio"] = ok[best][f"{regime}_us"] / row[f"{regime}_stock_us"]
+                row[f"rlkernels_{regime}_ratio"] = row[f"{regime}_rlkernels_us"] / row[f"{regime}_stock_us"]
+            row["all_same_bits"] = all(v["same_bits"] for v in row.values() if isinstance(v, dict))
+            rows_out.append(row)
+            print({key: v for key, v in row.items() if not isinstance(v, dict)}, flush=True)
+        del w, copies
+        torch.cuda.empty_cache()
+    print_table("decode: weight through registers (eager = do_bench; cold = graph replay from HBM)", rows_out,
+                ["K", "N", "M", "all_same_bits", "eager_stock_us", "eager_rlkernels_us", "best_eager", "best_eager_us",
+                 "best_eager_other_us", "cold_stock_us", "cold_rlkernels_us", "best_cold", "best_cold_us",
+                 "best_cold_other_us", "rlkernels_eager_ratio", "best_eager_ratio", "rlkernels_cold_ratio",
+                 "best_cold_ratio"])
+
 
 if __name__ == "__main__":
     sys.exit(main())
