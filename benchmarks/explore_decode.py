@@ -12,6 +12,12 @@ tile's last k-block): the bits are checked against ``rlkernels.linear`` for ever
 variant. Timing as the GEMM benchmark's cold columns: CUDA-graph replay with the weight
 cycled through copies that do not fit in L2, stock F.linear and rlkernels in the same
 process, and the read floor of benchmarks/floors.py.
+
+Other decode experiments here: ``--short-m`` (rows past M wrapped vs masked), ``--m1-only``
+(Triton's M == 1 specialization) and ``--register`` (the weight loaded through registers,
+where an evict-first hint survives; Triton 3.6 drops it from cp.async loads, which is
+why the evict-first engine flag of commit 809ea4c changed nothing and was removed,
+benchmarks/results/explore_decode_stream_h100_session12.json).
 """
 from __future__ import annotations
 
@@ -152,18 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ms", default="1,16")
     parser.add_argument("--short-m", action="store_true", help="only the wrapped-vs-masked short-M experiment")
     parser.add_argument("--m1-only", action="store_true", help="only the M == 1 specialization experiment")
-    parser.add_argument("--stream", action="store_true", help="only the evict-first weight streaming experiment")
     parser.add_argument("--register", action="store_true", help="only the register-loaded weight experiment")
     args = parser.parse_args(argv)
     if args.register:
         rows_r: list[dict[str, Any]] = []
         register_rows(rows_r, [int(v) for v in args.ms.split(",")])
         write_json(args.json, "explore_decode_register", rows_r)
-        return 0
-    if args.stream:
-        rows_s: list[dict[str, Any]] = []
-        streaming_rows(rows_s, [int(v) for v in args.ms.split(",")])
-        write_json(args.json, "explore_decode_stream", rows_s)
         return 0
     if args.m1_only:
         rows_m1: list[dict[str, Any]] = []
@@ -308,53 +308,6 @@ def short_m_rows(rows_out: list[dict[str, Any]]) -> None:
     print_table("decode tiles: rows past M wrapped vs masked (graph replay, weight from HBM)", rows_out,
                 ["K", "N", "M", "stock_us", "rlkernels_us", "floor_us", "best_masked", "best_masked_us",
                  "rlkernels_ratio_vs_stock", "best_masked_ratio_vs_stock"])
-
-
-def streaming_rows(rows_out: list[dict[str, Any]], ms: list[int]) -> None:
-    """The weight loaded evict-first (``STREAM_ONCE_READ``, the default) or normally, at
-    small M on every shape: eager as the GEMM benchmark (``do_bench``, whose L2 flush
-    leaves 50 MB of dirty lines that a normal pass evicts and writes back mid-pass) and
-    graph replay with the weight from HBM (an L2 of clean lines); stock in the same
-    rounds, bits checked against each other."""
-    import rlkernels
-    import rlkernels.ops.gemm as G
-    from rlkernels.bench.common import interleaved_median_ms
-
-    normal = _patched(G, "STREAM_ONCE_READ", False)
-
-    def unstreamed(fn: Any) -> Any:
-        def run(*a: Any) -> Any:
-            with normal():
-                return fn(*a)
-        return run
-
-    for k, n in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
-        copies = l2_cold_copies(w)
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-            ours = lambda wc: rlkernels.linear(x, wc)  # noqa: E731
-            stock = lambda wc: torch.nn.functional.linear(x, wc)  # noqa: E731
-            eager = interleaved_median_ms({"stock": lambda: stock(w), "streamed": lambda: ours(w),
-                                           "normal": lambda: unstreamed(ours)(w)})
-            row: dict[str, Any] = {"K": k, "N": n, "M": m, "config": G.gemm_config(m, n, w.dtype).short(),
-                                   "same_bits": torch.equal(ours(w), unstreamed(ours)(w))}
-            for name, ms_ in eager.items():
-                row[f"eager_{name}_us"] = ms_ * 1e3
-            for name, fn in (("stock", stock), ("streamed", ours), ("normal", unstreamed(ours))):
-                row[f"cold_{name}_us"] = graph_median_us(cycling(fn, copies), replays=50)
-            for regime in ("eager", "cold"):
-                for name in ("streamed", "normal"):
-                    row[f"{regime}_{name}_ratio"] = row[f"{regime}_{name}_us"] / row[f"{regime}_stock_us"]
-            rows_out.append(row)
-            print(row, flush=True)
-        del w, copies
-        torch.cuda.empty_cache()
-    print_table("decode: weight loaded evict-first vs normally (eager = do_bench; cold = graph replay from HBM)",
-                rows_out, ["K", "N", "M", "config", "same_bits", "eager_stock_us", "eager_streamed_us", "eager_normal_us",
-                           "eager_streamed_ratio", "eager_normal_ratio", "cold_stock_us", "cold_streamed_us",
-                           "cold_normal_us", "cold_streamed_ratio", "cold_normal_ratio"])
 
 
 def register_rows(rows_out: list[dict[str, Any]], ms: list[int]) -> None:

@@ -200,20 +200,6 @@ def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = Fals
 if triton is not None:
 
     @triton.jit
-    def _load(ptrs, mask, EVICT_FIRST: tl.constexpr):
-        # mask None: an unmasked load (a constexpr None, resolved at compile time).
-        if mask is None:
-            if EVICT_FIRST:
-                return tl.load(ptrs, eviction_policy="evict_first")
-            else:
-                return tl.load(ptrs)
-        else:
-            if EVICT_FIRST:
-                return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-            else:
-                return tl.load(ptrs, mask=mask, other=0.0)
-
-    @triton.jit
     def _gemm_kernel(
         a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr,
         M, N, K,
@@ -221,8 +207,7 @@ if triton is not None:
         stride_bb, stride_bk, stride_bn,
         stride_cb, stride_cm, stride_cn,
         HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, ROWSUM: tl.constexpr,
-        IEEE: tl.constexpr, EVEN_K: tl.constexpr, MASK_M: tl.constexpr, STREAM_A: tl.constexpr,
-        STREAM_B: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_K: tl.constexpr, MASK_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAPPED: tl.constexpr,
     ):
@@ -267,23 +252,22 @@ if triton is not None:
             ones = tl.full((BLOCK_K, 16), 1.0, dtype=a_ptr.dtype.element_ty)
 
         # The canonical chain: one ascending pass over K, one fp32 accumulator.
+        # (No evict-first hint on the once-read decode weight: Triton 3.6's pipeliner
+        # drops it from the cp.async these loads become; docs/perf_notes.md, session 12.)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            # STREAM_*: an operand no other program reads (one tile along the other
-            # axis) is loaded evict-first, so streaming it through L2 replaces its own
-            # lines rather than what else the L2 holds (see STREAM_ONCE_READ).
             if EVEN_K:
                 if MASK_M:
-                    a = _load(a_ptrs, offs_m[:, None] < M, STREAM_A)
+                    a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
                 else:
-                    a = _load(a_ptrs, None, STREAM_A)
-                b = _load(b_ptrs, None, STREAM_B)
+                    a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
             else:
                 k_left = K - k * BLOCK_K
                 a_mask = offs_k[None, :] < k_left
                 if MASK_M:
                     a_mask = a_mask & (offs_m[:, None] < M)
-                a = _load(a_ptrs, a_mask, STREAM_A)
-                b = _load(b_ptrs, offs_k[:, None] < k_left, STREAM_B)
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -321,12 +305,6 @@ MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
 # rows 0..M-1 cyclically (see the kernel). The bits are the same either way (tests/test_gemm.py,
 # tests/test_matmul_gpu.py); False gives the wrapped loads back, for A/B benchmarks.
 MASK_SHORT_M = True
-# An operand only one program reads per element (the grid has one tile along the other
-# axis: a decode weight at M <= BLOCK_M) is streamed evict-first. Loaded normally, a
-# 32-100 MB weight pass evicts whatever the L2 holds -- dirty lines included, which
-# must be written back to HBM in the middle of the pass. Cache hints change no
-# arithmetic, so the bits are the same; False loads normally, for A/B benchmarks.
-STREAM_ONCE_READ = True
 
 # TMA variants that failed to fit in shared memory, by (config, layouts, dtypes): they
 # go straight to the pointer kernel afterwards.
@@ -422,12 +400,8 @@ def triton_gemm(
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), Bt)
     args = (a, b, out, bias if bias is not None else out, rowsum if rowsum is not None else out,
             M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn)
-    # Read by one program per element: one tile along the other axis, and not shared
-    # over the batch (a 2-D operand has batch stride 0).
-    stream_a = STREAM_ONCE_READ and N <= cfg.block_n and (sab != 0 or Bt == 1)
-    stream_b = STREAM_ONCE_READ and M <= cfg.block_m and (sbb != 0 or Bt == 1)
     constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,
-                  MASK_SHORT_M and M < cfg.block_m, stream_a, stream_b, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.swap_ab)
+                  MASK_SHORT_M and M < cfg.block_m, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.swap_ab)
     _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return result if cfg.swap_ab else out
 
