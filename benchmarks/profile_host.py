@@ -1,6 +1,6 @@
 """Host-side cost of one decode-size call (GPU machine): where the microseconds go.
 
-    python benchmarks/profile_host.py [--json PATH]
+    python benchmarks/profile_host.py [--json PATH] [--breakdown-only]
 
 Microseconds per call of back-to-back calls (host time, or the GPU time where the
 GPU is the slower side) for F.linear, the Triton GEMM with Triton's normal launch,
@@ -35,7 +35,12 @@ def per_call_us(fn, n=2000):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
+    parser.add_argument("--breakdown-only", action="store_true",
+                        help="only the launch breakdown, one line (for A/B runs across source trees)")
     args = parser.parse_args()
+    if args.breakdown_only:
+        print(json.dumps({"rlkernels": rlkernels.__file__, **launch_breakdown()}))
+        return
     rows = []
     # M = 300 on 1024 x 1024 takes the table's TMA row (host-built descriptors) and a
     # few microseconds of GPU time, so the host side shows.
@@ -60,6 +65,14 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": __import__("triton").__version__}, f, indent=1)
+    parts = launch_breakdown()
+    print("  ".join(f"{k}={v:.1f}" for k, v in parts.items()))
+    if args.json:
+        with open(args.json) as f:
+            doc = json.load(f)
+        doc["launch_breakdown_us"] = parts
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
     for m, k, n in ((1, 4096, 4096), (300, 1024, 1024)):
         x = torch.randn(m, k, device="cuda").bfloat16()
         w = torch.randn(n, k, device="cuda").bfloat16()
@@ -73,6 +86,45 @@ def main() -> None:
             pr.disable()
             torch.cuda.synchronize()
             pstats.Stats(pr).sort_stats("tottime").print_stats(8)
+
+
+def launch_breakdown() -> dict[str, float]:
+    """Host µs per call of each step of a cached Triton GEMM launch, on a problem small
+    enough (M = 1, K = N = 256) that the GPU never becomes the slower side."""
+    from rlkernels.ops._launch import _args_key, launch_hooks_active
+
+    x = torch.randn(1, 256, device="cuda").bfloat16()
+    w = torch.randn(256, 256, device="cuda").bfloat16()
+    out = torch.empty(1, 256, device="cuda", dtype=torch.bfloat16)
+    gemm.triton_gemm(x, w.t(), out=out)
+    launcher = gemm._launch_gemm
+    b = w.t()
+    args = (x, b, out, out, out, 1, 256, 256, 0, x.stride(0), 1, 0, *b.stride(), 0, *out.stride())
+    cfg = gemm.gemm_config(1, 256, x.dtype)
+    constexprs = (False, False, False, False, True, True, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, False)
+    kernel = launcher.kernels[launcher.key(args, constexprs, cfg.num_warps, cfg.num_stages)]
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    grid = (-(-256 // cfg.block_n),)
+
+    def run() -> None:
+        kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
+
+    return {
+        "F.linear": per_call_us(lambda: torch.nn.functional.linear(x, w)),
+        "rlkernels.linear": per_call_us(lambda: rlkernels.linear(x, w)),
+        "triton_gemm": per_call_us(lambda: gemm.triton_gemm(x, b)),
+        "triton_gemm_out_given": per_call_us(lambda: gemm.triton_gemm(x, b, out=out)),
+        "launcher_call": per_call_us(lambda: launcher(grid, args, constexprs, num_warps=cfg.num_warps,
+                                                      num_stages=cfg.num_stages)),
+        "kernel.run": per_call_us(run),
+        "torch.empty": per_call_us(lambda: torch.empty((1, 256), dtype=torch.bfloat16, device="cuda")),
+        "current_device": per_call_us(torch.cuda.current_device),
+        "raw_stream": per_call_us(lambda: torch._C._cuda_getCurrentRawStream(0)),
+        "args_key": per_call_us(lambda: _args_key(args)),
+        "key": per_call_us(lambda: launcher.key(args, constexprs, cfg.num_warps, cfg.num_stages)),
+        "hooks_active": per_call_us(launch_hooks_active),
+        "gemm_config": per_call_us(lambda: gemm.gemm_config(1, 256, x.dtype)),
+    }
 
 
 if __name__ == "__main__":

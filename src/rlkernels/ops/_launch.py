@@ -67,12 +67,13 @@ def _args_key(args: tuple) -> tuple:
     # ints: == 1 is compiled in as a constant, % 16 == 0 is a divisibility hint, and
     # outside int32 makes an i64 parameter; tensors: dtype and 16-byte alignment;
     # floats and None are not specialized by value.
-    return tuple(
+    # (A list comprehension: a generator expression cost 20% more host time.)
+    return tuple([
         (2 if a == 1 else (a & 15 == 0) | (4 if a < _I32_MIN or a > _I32_MAX else 0)) if type(a) is int
         else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
         else _desc_key(a) if isinstance(a, _TensorDescriptor)
         else type(a)
-        for a in args)
+        for a in args])
 
 
 def launch_hooks_active() -> bool:

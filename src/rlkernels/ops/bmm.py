@@ -45,7 +45,7 @@ from .. import _validate as V
 from ..registry import OpImpl, register, select_backend
 from .chain import accumulator_dtype, chain_matmul
 
-from ._triton import DOT_ANY_M, tl, triton
+from ._triton import DOT_ANY_M, cdiv, tl, triton
 
 OP = "bmm"
 TINY_MAX_DIM = 64
@@ -291,7 +291,7 @@ def _launch_tiny(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TinyC
         raise ValueError("rlkernels.bmm: the FMA mode is fp32 only (16-bit uses the tensor-core chain)")
     bm, bn, bk = tiny_blocks(M, N, K, cfg, a.dtype)
     sbb, sbk, sbn = _b_strides(b)
-    groups = triton.cdiv(Bt, cfg.group)
+    groups = cdiv(Bt, cfg.group)
     if cfg.persistent:
         from .gemm_tma import sm_count
 

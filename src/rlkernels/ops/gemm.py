@@ -27,7 +27,7 @@ from ..registry import triton_interpret
 
 from ._launch import cached_launcher
 from ._tiles import grouped_tile
-from ._triton import DOT_ANY_M, tl, triton
+from ._triton import DOT_ANY_M, cdiv, tl, triton
 from .gemm_tma import tma_gemm, tma_layouts
 
 try:
@@ -397,7 +397,7 @@ def triton_gemm(
             triton_gemm(a[lo:hi], b_part, bias=bias, out=out[lo:hi], accumulate=accumulate, rowsum=rs_part,
                         config=cfg)
         return out
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), Bt)
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), Bt)
     args = (a, b, out, bias if bias is not None else out, rowsum if rowsum is not None else out,
             M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn)
     constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,

@@ -26,7 +26,7 @@ import torch
 
 from ._launch import cached_launcher
 from ._tiles import grouped_tile
-from ._triton import tl, triton
+from ._triton import cdiv, tl, triton
 
 if TYPE_CHECKING:
     from .gemm import GemmConfig
@@ -182,7 +182,7 @@ def tma_gemm(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias: torch.T
               else TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn]))
     c_desc_ok = not accumulate and out.element_size() < 4 and out_rows_ok
     c_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [bm, bn]) if c_desc_ok else a_desc
-    num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    num_tiles = cdiv(M, bm) * cdiv(N, bn)
     sms = sm_count(a.device)
     grid = (min(sms, num_tiles),) if cfg.persistent else (num_tiles,)
     _launch_tma(grid,

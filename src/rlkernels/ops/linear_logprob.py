@@ -45,7 +45,7 @@ from ._tiles import grouped_tile
 from .gemm_tma import TensorDescriptor, sm_count, tma_layout_ok
 from .matmul import _autocast, engine_for, main_grad_target
 
-from ._triton import tl, triton
+from ._triton import cdiv, tl, triton
 
 OP = "linear_logprob"
 
@@ -603,7 +603,7 @@ class TritonKernels:
         vocab = weight.shape[0]
         dev = h2.device
         cfg = self._cfg(h2.dtype)
-        n_split = triton.cdiv(vocab, cfg.split_v)
+        n_split = cdiv(vocab, cfg.split_v)
         logp = torch.empty(N, dtype=torch.float32, device=dev)
         ent = torch.empty_like(logp)
         lse = torch.empty_like(logp)
@@ -616,7 +616,7 @@ class TritonKernels:
         zt = torch.zeros(N, dtype=torch.float32, device=dev)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         h_arg, w_arg, tma = self._operands(h2, weight, cfg)
-        grid = (triton.cdiv(N, cfg.block_m) * n_split,)
+        grid = (cdiv(N, cfg.block_m) * n_split,)
         _fwd_partial_kernel[grid](
             h_arg, w_arg, bias if bias is not None else h2, tgt, m, s, u, zt,
             N, vocab, D, float(temperature),
@@ -625,7 +625,7 @@ class TritonKernels:
             EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        _combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
+        _combine_kernel[(cdiv(N, COMBINE_BLOCK),)](
             m, s, u, zt, tgt, logp, ent, lse, N, n_split, BLOCK=COMBINE_BLOCK, num_warps=4)
         return logp, ent, lse
 
@@ -638,7 +638,7 @@ class TritonKernels:
         cfg = self._cfg(h2.dtype)
         bias = bias.contiguous() if bias is not None else None
         h_arg, w_arg, tma = self._operands(h2, weight, cfg)
-        num_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(v1 - v0, cfg.block_v)
+        num_tiles = cdiv(N, cfg.block_m) * cdiv(v1 - v0, cfg.block_v)
         sms = sm_count(h2.device)
         grid = (min(num_tiles, sms) if cfg.persistent else num_tiles,)
         g_desc = tma and cfg.tma_store and tma_layout_ok(out)

@@ -235,7 +235,8 @@ def engine_for(device: torch.device, backend: str | None = None) -> TorchEngine 
 
 
 def _autocast(*tensors: torch.Tensor | None) -> list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]:
-    dev = tensors[0].device.type
+    # is_cuda first: building the device object costs more than the autocast query.
+    dev = "cuda" if tensors[0].is_cuda else tensors[0].device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         return [t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]

@@ -33,7 +33,7 @@ from .. import _validate as V
 from ..registry import OpImpl, implementation, register, select_backend
 from .chain import accumulator_dtype
 
-from ._triton import tl, triton
+from ._triton import cdiv, tl, triton
 
 ROW_BLOCK = 1024  # must match _pairwise_sum_1024; Triton tile width of the per-row sum (fixed: the order must not depend on R's size class)
 COL_BLOCK = 128   # Triton column block of the dW row loop (any width gives the same bits)
@@ -157,7 +157,7 @@ class TritonReducer:
         out = torch.zeros(N, dtype=torch.float32, device=x.device)
         if M == 0 or N == 0:
             return out
-        _col_sum_kernel[(triton.cdiv(N, COL_BLOCK),)](x, out, M, N, x.stride(0), BLOCK_N=COL_BLOCK, num_warps=4)
+        _col_sum_kernel[(cdiv(N, COL_BLOCK),)](x, out, M, N, x.stride(0), BLOCK_N=COL_BLOCK, num_warps=4)
         return out
 
 
