@@ -48,3 +48,26 @@ def test_interleaved_rounds_rotate_and_take_the_median(monkeypatch):
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     # a was timed at t = 0, 5, 7; b at 1, 3, 8; c at 2, 4, 6 -> the medians.
     assert out == {"a": 5.0, "b": 3.0, "c": 4.0}
+
+
+def test_host_median_is_the_median_burst_per_call(monkeypatch):
+    import time
+
+    from rlkernels.bench import common
+
+    # A fake clock that each call of fn advances by (burst index + 1) us: burst i costs
+    # (i + 1) us per call, so the median of 21 bursts is 11 us; the 3 warm-up calls
+    # and the synchronizes between bursts must not count.
+    now = [0.0]
+    burst = [-1]
+    calls = []
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda: burst.__setitem__(0, burst[0] + 1))
+
+    def fn():
+        calls.append(burst[0])
+        now[0] += (burst[0] + 1) * 1e-6 if burst[0] >= 0 else 1.0
+
+    got = common.host_median_us(fn, calls=5, trials=21)
+    assert abs(got - 11.0) < 1e-6
+    assert len(calls) == 3 + 5 * 21

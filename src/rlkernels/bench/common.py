@@ -74,6 +74,29 @@ def interleaved_median_ms(fns: dict[str, Callable[[], Any]], rounds: int = 5, wa
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
+def host_median_us(fn: Callable[[], Any], calls: int = 20, trials: int = 21) -> float:
+    """Median host µs per call of ``fn`` (Python, launch), the GPU never the slower side.
+
+    Short bursts after a synchronize stay far below the launch queue's depth, so no
+    call waits for the GPU. Where this approaches the GPU time per ``do_bench``
+    iteration (its L2 flush plus the call), eager timings include host time.
+    """
+    import time
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    times.sort()
+    return times[len(times) // 2]
+
+
 def graph_median_us(fn: Callable[[], Any], replays: int = 200, trials: int = 15) -> float:
     """Median per-call time in µs from CUDA-graph replays of ``fn`` (for launch-bound ops)."""
     s = torch.cuda.Stream()
