@@ -119,16 +119,30 @@ def test_cross_process_determinism():
     testing.assert_deterministic(_gpu_linear, x, runs=3, processes=2)
 
 
-def test_stock_flags_unchanged():
-    lib = torch.backends.cuda.preferred_blas_library()
-    bf, fp = (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-              torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
-    x, w = _data(512, 4096, 1024, torch.bfloat16)
-    rlkernels.linear(x, w)
-    rlkernels.linear(x.half(), w.half())
-    assert torch.backends.cuda.preferred_blas_library() == lib
-    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == bf
-    assert torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction == fp
+@pytest.mark.parametrize("user_pairs", [None, ((True, False), (False, False))])
+def test_stock_flags_unchanged(user_pairs):
+    # user_pairs: a caller who set the (allow_reduced_precision, allow_splitk) pairs
+    # themselves, split-K forbidden, must find them so after rlkernels calls.
+    C = torch._C
+    saved = (C._get_cublas_allow_bf16_reduced_precision_reduction(),
+             C._get_cublas_allow_fp16_reduced_precision_reduction())
+    try:
+        if user_pairs is not None:
+            C._set_cublas_allow_bf16_reduced_precision_reduction(*user_pairs[0])
+            C._set_cublas_allow_fp16_reduced_precision_reduction(*user_pairs[1])
+        lib = torch.backends.cuda.preferred_blas_library()
+        pairs = (C._get_cublas_allow_bf16_reduced_precision_reduction(),
+                 C._get_cublas_allow_fp16_reduced_precision_reduction())
+        x, w = _data(512, 4096, 1024, torch.bfloat16)
+        assert cublaslt.cublaslt_verified(x.device, x.dtype, 4096, False)  # the call below takes cuBLASLt
+        rlkernels.linear(x, w)
+        rlkernels.linear(x.half(), w.half())
+        assert torch.backends.cuda.preferred_blas_library() == lib
+        assert (C._get_cublas_allow_bf16_reduced_precision_reduction(),
+                C._get_cublas_allow_fp16_reduced_precision_reduction()) == pairs
+    finally:
+        C._set_cublas_allow_bf16_reduced_precision_reduction(*saved[0])
+        C._set_cublas_allow_fp16_reduced_precision_reduction(*saved[1])
 
 
 def test_output_over_2_31_elements():

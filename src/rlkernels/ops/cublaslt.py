@@ -29,27 +29,86 @@ _VERIFY_LOCK = threading.Lock()
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
+class _FlagAccess:
+    """Get/set of the process-global flags no_split_k changes, full state included.
+
+    The public getter ``matmul.allow_bf16_reduced_precision_reduction`` returns only
+    the first element of the (allow_reduced_precision, allow_splitk) pair, and setting
+    that bool back sets allow_splitk to True: a caller who had forbidden split-K
+    would find it allowed again after any rlkernels call. The torch._C accessors carry
+    the pair (torch >= 2.9) and skip the Python attribute dispatch and parsing, a
+    measurable part of a decode call's host time. Without them (another torch), the
+    public API is used with the pair assembled from its two attributes.
+    """
+
+    def __init__(self) -> None:
+        C = torch._C
+        self.direct = all(hasattr(C, name) for name in (
+            "_get_cublas_allow_bf16_reduced_precision_reduction", "_set_cublas_allow_bf16_reduced_precision_reduction",
+            "_get_cublas_allow_fp16_reduced_precision_reduction", "_set_cublas_allow_fp16_reduced_precision_reduction",
+            "_get_blas_preferred_backend", "_set_blas_preferred_backend", "_BlasBackend"))
+        if self.direct:
+            self.get_pair = {torch.bfloat16: C._get_cublas_allow_bf16_reduced_precision_reduction,
+                             torch.float16: C._get_cublas_allow_fp16_reduced_precision_reduction}
+            self.set_pair = {torch.bfloat16: C._set_cublas_allow_bf16_reduced_precision_reduction,
+                             torch.float16: C._set_cublas_allow_fp16_reduced_precision_reduction}
+            self.direct = all(isinstance(get(), tuple) for get in self.get_pair.values())
+        if self.direct:
+            self.get_library = C._get_blas_preferred_backend
+            self.set_library = C._set_blas_preferred_backend
+            self.cublaslt = C._BlasBackend.Cublaslt
+
+    def reduction(self, dtype: torch.dtype) -> tuple[bool, bool]:
+        if self.direct:
+            return tuple(self.get_pair[dtype]())
+        name = _reduction_flag(dtype)
+        flags = torch.backends.cuda.matmul
+        return getattr(flags, name), getattr(flags, name + "_split_k", True)
+
+    def set_reduction(self, dtype: torch.dtype, pair: tuple[bool, bool]) -> None:
+        if self.direct:
+            self.set_pair[dtype](*pair)
+        else:
+            setattr(torch.backends.cuda.matmul, _reduction_flag(dtype), tuple(pair))
+
+    def library(self):
+        return self.get_library() if self.direct else torch.backends.cuda.preferred_blas_library()
+
+    def use_cublaslt(self) -> None:
+        if self.direct:
+            self.set_library(self.cublaslt)
+        else:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+
+    def set_library_back(self, library) -> None:
+        if self.direct:
+            self.set_library(library)
+        else:
+            torch.backends.cuda.preferred_blas_library(library)
+
+
 def _reduction_flag(dtype: torch.dtype) -> str:
     return ("allow_bf16_reduced_precision_reduction" if dtype == torch.bfloat16
             else "allow_fp16_reduced_precision_reduction")
 
 
+FLAGS = _FlagAccess()
+
+
 @contextlib.contextmanager
 def no_split_k(dtype: torch.dtype) -> Iterator[None]:
     """cuBLASLt as the BLAS library and split-K disallowed for ``dtype``; restored on exit."""
-    matmul_flags = torch.backends.cuda.matmul
-    name = _reduction_flag(dtype)
     with _FLAG_LOCK:
-        prev_lib = torch.backends.cuda.preferred_blas_library()
-        prev_flag = getattr(matmul_flags, name)
+        prev_lib = FLAGS.library()
+        prev_pair = FLAGS.reduction(dtype)
         try:
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            # (allow_reduced_precision, allow_splitk): the tuple form exists in torch >= 2.9.
-            setattr(matmul_flags, name, (False, False))
+            FLAGS.use_cublaslt()
+            # (allow_reduced_precision, allow_splitk): the pair form exists in torch >= 2.9.
+            FLAGS.set_reduction(dtype, (False, False))
             yield
         finally:
-            setattr(matmul_flags, name, prev_flag)
-            torch.backends.cuda.preferred_blas_library(prev_lib)
+            FLAGS.set_reduction(dtype, prev_pair)
+            FLAGS.set_library_back(prev_lib)
 
 
 def linear_no_split_k(x: torch.Tensor, weight_nk: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
