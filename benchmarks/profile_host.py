@@ -109,7 +109,11 @@ def launch_breakdown() -> dict[str, float]:
     def run() -> None:
         kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
 
+    x128 = torch.randn(128, 256, device="cuda").bfloat16()  # M >= 65: the cuBLASLt-no-split path
     return {
+        "F.linear_m128": per_call_us(lambda: torch.nn.functional.linear(x128, w)),
+        "rlkernels.linear_m128_cublaslt": per_call_us(lambda: rlkernels.linear(x128, w)),
+        "linear_no_split_k_m128": per_call_us(lambda: cublaslt.linear_no_split_k(x128, w, None)),
         "F.linear": per_call_us(lambda: torch.nn.functional.linear(x, w)),
         "rlkernels.linear": per_call_us(lambda: rlkernels.linear(x, w)),
         "triton_gemm": per_call_us(lambda: gemm.triton_gemm(x, b)),
