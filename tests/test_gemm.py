@@ -150,3 +150,36 @@ def test_rows_past_m_are_masked_not_read(dtype, m, k, gen, monkeypatch):
     monkeypatch.setattr(gemm, "MASK_SHORT_M", False)
     wrapped = triton_gemm(x, w.t(), bias=bias, config=SHORT_TILE)
     assert torch.equal(masked, wrapped)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k,n", [(1, 48, 45), (7, 33, 64), (17, 40, 3)])
+def test_weight_given_transposed_reads_like_its_view(dtype, m, k, n, gen):
+    # rlkernels.linear hands the [N, K] weight over as is (b_transposed) instead of a
+    # B = W^T view per call; the kernel must read the same elements. The weight is a
+    # strided slice of a larger buffer, so its strides are not the contiguous ones.
+    x = randn(m, k, generator=gen).to(dtype)
+    w_buf = randn(n + 5, k + 7, generator=gen, scale=k ** -0.5).to(dtype)
+    w = w_buf[2:n + 2, 3:k + 3]
+    bias = randn(n, generator=gen).to(dtype)
+    want = triton_gemm(x, w.t(), bias=bias)
+    assert torch.equal(triton_gemm(x, w, bias=bias, b_transposed=True), want)
+    x3 = randn(3, m, k, generator=gen).to(dtype)  # a batch sharing the weight
+    assert torch.equal(triton_gemm(x3, w, b_transposed=True), triton_gemm(x3, w.t()))
+    rel = ((want.double() - _ref(x, w, bias)).norm() / _ref(x, w, bias).norm()).item()
+    assert rel <= contract.CONTRACT["matmul"][dtype].tolerance, rel
+
+
+def test_b_transposed_needs_a_2d_weight():
+    with pytest.raises(ValueError, match="b_transposed"):
+        triton_gemm(torch.empty(2, 3, 4), torch.empty(2, 5, 4), b_transposed=True)
+
+
+def test_engines_take_the_weight_transposed(gen):
+    from rlkernels.ops.matmul import TorchEngine
+
+    x = randn(5, 12, generator=gen)
+    w = randn(7, 12, generator=gen)
+    eng = TorchEngine()
+    assert torch.equal(eng.gemm(x, w, b_transposed=True), eng.gemm(x, w.t()))

@@ -43,6 +43,20 @@ def test_every_config_and_cublaslt_give_the_same_bits(dtype, k, n):
     assert not bad, f"configs/rows off the canonical chain: {bad[:12]}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_given_transposed_gives_the_same_bits(dtype):
+    # rlkernels.linear passes the [N, K] weight as is (b_transposed): every config the
+    # table can pick reads it like the W^T view, and so does the public path.
+    x, w = _data(300, 4096, 1024, dtype)
+    bias = torch.randn(1024, device="cuda").to(dtype)
+    bad = [(cfg.short(), m) for cfg in gemm.all_configs(dtype) for m in (1, 7, 16, 64, 300)
+           if not torch.equal(gemm.triton_gemm(x[:m], w, bias=bias, config=cfg, b_transposed=True),
+                              gemm.triton_gemm(x[:m], w.t(), bias=bias, config=cfg))]
+    assert not bad, bad
+    for m in (1, 16, 64, 65, 300):
+        assert torch.equal(rlkernels.linear(x[:m], w, bias), rlkernels.matmul(x[:m], w.t(), bias))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k,n", UNALIGNED)
 def test_triton_configs_agree_on_unaligned_shapes(dtype, k, n):

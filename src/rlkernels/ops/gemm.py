@@ -321,6 +321,7 @@ def triton_gemm(
     accumulate: bool = False,
     rowsum: torch.Tensor | None = None,
     config: GemmConfig | None = None,
+    b_transposed: bool = False,
 ) -> torch.Tensor:
     """C = A @ B (+ bias) by the canonical K-chain; shapes already validated.
 
@@ -330,6 +331,8 @@ def triton_gemm(
     [Bt, M], contiguous) gets the row sums of A added, through the same chain.
     An fp32 config with ``swap_ab`` runs C^T = B^T @ A^T on a contiguous copy of A^T
     (same bits per element; 2-D operands with B k-contiguous only).
+    ``b_transposed``: a 2-D b is given as B^T [N, K] (an nn.Linear weight); the pointer
+    kernel reads it through swapped strides, other paths through a transposed view.
     """
     # Strides read directly (a 2-D operand has batch stride 0): no views are made,
     # since every host microsecond shows at decode sizes.
@@ -339,8 +342,15 @@ def triton_gemm(
     else:
         (M, K), Bt = a.shape, 1
         sab, (sam, sak) = 0, a.stride()
-    N = b.shape[-1]
-    sbb, sbk, sbn = (0, *b.stride()) if b.dim() == 2 else b.stride()
+    if b_transposed:
+        if b.dim() != 2:
+            raise ValueError("rlkernels: b_transposed needs a 2-D b")
+        N = b.shape[0]
+        sbn, sbk = b.stride()
+        sbb = 0
+    else:
+        N = b.shape[-1]
+        sbb, sbk, sbn = (0, *b.stride()) if b.dim() == 2 else b.stride()
     if out is None:
         shape = (Bt, M, N) if a.dim() == 3 or b.dim() == 3 else (M, N)
         out = torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
@@ -356,9 +366,15 @@ def triton_gemm(
         if bias is not None:
             out += bias
         return out
+    # The fp32 swap, TMA and batch-chunking paths take B as [K, N]: a view there (the
+    # strides read above stay those of the view).
+    if b_transposed and a.dtype == torch.float32:
+        b, b_transposed = b.t(), False
     can_swap = a.dtype == torch.float32 and swappable(a, b, rowsum)
     cfg = config or gemm_config(M, N, a.dtype, token_reduction=accumulate or (sam == 1 and sak != 1),
                                 swappable=can_swap)
+    if b_transposed and (cfg.tma or Bt > MAX_GRID_BATCH):
+        b, b_transposed = b.t(), False
     if cfg.swap_ab:
         if not can_swap:
             raise ValueError(f"rlkernels: config {cfg.short()} needs 2-D fp32 operands with B k-contiguous")

@@ -42,7 +42,10 @@ class TorchEngine:
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-             accumulate: bool = False, rowsum: torch.Tensor | None = None) -> torch.Tensor:
+             accumulate: bool = False, rowsum: torch.Tensor | None = None,
+             b_transposed: bool = False) -> torch.Tensor:
+        if b_transposed:
+            b = b.t()
         acc = chain_matmul(a, b, acc=out if accumulate else None)
         if rowsum is not None:
             chain_sum(a, -1, acc=rowsum)
@@ -64,20 +67,20 @@ def gemm_backend_mode() -> str:
     return mode
 
 
-def aligned_16_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+def aligned_16_bytes(k: int, n: int) -> bool:
     """K and N multiples of 8 elements (16-byte rows for 16-bit types).
 
     cuBLASLt's bits were proven equal to the chain on such shapes only; with N = 8191
     it gave different bits for a few outputs per row (H100, test_matmul_gpu.py), so
     unaligned problems stay on the Triton chain.
     """
-    return a.shape[-1] % 8 == 0 and b.shape[-1] % 8 == 0
+    return k % 8 == 0 and n % 8 == 0
 
 
 class TritonEngine:
     name = "triton"
 
-    def use_cublaslt(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def use_cublaslt(self, a: torch.Tensor, n: int, bias: torch.Tensor | None) -> bool:
         mode = gemm_backend_mode()
         if mode == "auto" and a.shape[0] < CUBLASLT_MIN_M:
             return False  # decode sizes: decided before anything costlier
@@ -93,20 +96,24 @@ class TritonEngine:
                     f"rlkernels.matmul: RLKERNELS_GEMM_BACKEND=cublaslt but cuBLASLt-no-split is not verified "
                     f"to give the canonical bits for {a.dtype} K={a.shape[-1]} on {a.device}")
             return True
-        return (ok and a.shape[0] >= CUBLASLT_MIN_M and aligned_16_bytes(a, b)
+        return (ok and a.shape[0] >= CUBLASLT_MIN_M and aligned_16_bytes(a.shape[-1], n)
                 and cublaslt_verified(a.device, a.dtype, a.shape[-1], bias is not None))
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-             accumulate: bool = False, rowsum: torch.Tensor | None = None) -> torch.Tensor:
+             accumulate: bool = False, rowsum: torch.Tensor | None = None,
+             b_transposed: bool = False) -> torch.Tensor:
+        """C = A @ B; ``b_transposed``: b is given as B^T [N, K] (an nn.Linear weight),
+        so no transposed view is made per call (host time at decode sizes)."""
         # cuBLASLt only for activation-major A. A transposed A is a reduction over
         # tokens (dW): it stays on the Triton chain, whose TOKEN_BLOCK continuation is
         # proven, and needs no cuBLASLt probe per token count.
         plain = (out is None and not accumulate and rowsum is None and a.dim() == 2 and b.dim() == 2
                  and a.stride(-1) == 1 and out_dtype in (None, a.dtype) and a.shape[0] > 0 and a.shape[1] > 0)
-        if plain and self.use_cublaslt(a, b, bias):
-            return linear_no_split_k(a, b.t(), bias)
-        return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum)
+        if plain and self.use_cublaslt(a, b.shape[0] if b_transposed else b.shape[1], bias):
+            return linear_no_split_k(a, b if b_transposed else b.t(), bias)
+        return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum,
+                           b_transposed=b_transposed)
 
 
 _FAST_DTYPES = frozenset(V.FLOAT_DTYPES_WITH_FP64)
@@ -259,9 +266,9 @@ def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
     # Inference (rollouts, decode): the same engine call without autograd's bookkeeping,
     # which costs more host time than a decode-size GEMM takes on the GPU.
     if a.dim() == 2:
-        return engine.gemm(a, b.t() if weight_nk else b, bias=bias, out_dtype=out_dtype)
-    y = engine.gemm(a.reshape(a.shape[:-1].numel(), a.shape[-1]), b.t() if weight_nk else b, bias=bias,
-                    out_dtype=out_dtype)
+        return engine.gemm(a, b, bias=bias, out_dtype=out_dtype, b_transposed=weight_nk)
+    y = engine.gemm(a.reshape(a.shape[:-1].numel(), a.shape[-1]), b, bias=bias, out_dtype=out_dtype,
+                    b_transposed=weight_nk)
     return y.reshape(*a.shape[:-1], y.shape[-1])
 
 
