@@ -163,3 +163,18 @@ def test_env_get_follows_os_environ(monkeypatch):
     assert env_get("RLKERNELS_TEST_SWITCH") == "off"
     monkeypatch.delenv("RLKERNELS_TEST_SWITCH")
     assert env_get("RLKERNELS_TEST_SWITCH") is None
+
+
+@pytest.mark.parametrize("m,n,want", [(32, 4096, False), (33, 4096, True), (64, 4096, True), (33, 8184, True), (33, 8191, False),
+                                      (64, 8192, False), (65, 8192, True), (64, 151936, False), (16, 4096, False)])
+def test_auto_dispatch_threshold_depends_on_width(monkeypatch, m, n, want):
+    # cuBLASLt-no-split from M = 33 on narrow outputs, from M = 65 on wide ones (where
+    # the Triton tiles are faster); both give the canonical bits, so only time decides.
+    # (N = 8191: unaligned rows stay on the Triton chain.)
+    from rlkernels.ops import matmul as mm
+
+    monkeypatch.delenv("RLKERNELS_GEMM_BACKEND", raising=False)
+    monkeypatch.setattr(mm, "cublaslt_available", lambda device, dtype: True)
+    monkeypatch.setattr(mm, "cublaslt_verified", lambda device, dtype, k, has_bias: True)
+    a = torch.empty(m, 4096, dtype=torch.bfloat16)
+    assert mm.TritonEngine().use_cublaslt(a, n, None) is want

@@ -22,7 +22,7 @@ from .. import _validate as V
 from ..registry import OpImpl, env_get, implementation, register, select_backend
 from .chain import accumulator_dtype, chain_matmul, chain_sum
 from .cublaslt import cublaslt_available, cublaslt_verified, linear_no_split_k
-from .gemm import triton_gemm
+from .gemm import WIDE_N, triton_gemm
 
 # Token granularity of the dW/dbias chain: the tensor-core K step for 16-bit
 # inputs (measured on H100: splits at multiples of 16 tokens reproduce the
@@ -35,6 +35,16 @@ TOKEN_BLOCK = 16
 # beat both at M <= 16 and cuBLASLt's heuristics can pick badly there (M=16,
 # K=12288: 263 us vs 49 us). See benchmarks/results/tune_gemm_h100_run1.json.
 CUBLASLT_MIN_M = 65
+# Narrow outputs (N < WIDE_N) from M = 33: there cuBLASLt-no-split beat the Triton tile
+# at M = 33-64 (12288 x 4096: 0.91-0.92x stock from HBM vs 0.96-0.97x; 4096^2 M = 33:
+# 1.02-1.03x vs 1.06-1.08x, equal at 48-64), while on wide outputs the Triton tiles
+# win (lm head 0.93-0.95x vs 1.00x) (benchmarks/results/explore_mid_m_h100_session12.json).
+CUBLASLT_MIN_M_NARROW = 33
+
+
+def cublaslt_min_m(n: int) -> int:
+    """The smallest M the auto dispatcher sends to cuBLASLt-no-split for N outputs."""
+    return CUBLASLT_MIN_M if n >= WIDE_N else CUBLASLT_MIN_M_NARROW
 
 
 class TorchEngine:
@@ -82,7 +92,7 @@ class TritonEngine:
 
     def use_cublaslt(self, a: torch.Tensor, n: int, bias: torch.Tensor | None) -> bool:
         mode = gemm_backend_mode()
-        if mode == "auto" and a.shape[0] < CUBLASLT_MIN_M:
+        if mode == "auto" and a.shape[0] < CUBLASLT_MIN_M_NARROW:
             return False  # decode sizes: decided before anything costlier
         from ..batch_invariant import is_batch_invariant_mode_enabled  # (a cycle at import time)
 
@@ -96,7 +106,7 @@ class TritonEngine:
                     f"rlkernels.matmul: RLKERNELS_GEMM_BACKEND=cublaslt but cuBLASLt-no-split is not verified "
                     f"to give the canonical bits for {a.dtype} K={a.shape[-1]} on {a.device}")
             return True
-        return (ok and a.shape[0] >= CUBLASLT_MIN_M and aligned_16_bytes(a.shape[-1], n)
+        return (ok and a.shape[0] >= cublaslt_min_m(n) and aligned_16_bytes(a.shape[-1], n)
                 and cublaslt_verified(a.device, a.dtype, a.shape[-1], bias is not None))
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
