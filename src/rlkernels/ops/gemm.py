@@ -69,6 +69,7 @@ class GemmConfig:
 # bits (measured: 19 candidate configs x 8 M x 4 shapes, 0 mismatches vs
 # cuBLASLt-no-split; tests/test_matmul_gpu.py re-proves it for each entry).
 WIDE_N = 8192  # wide outputs (MLP up-projections, lm heads) want wider N tiles at decode
+LM_HEAD_N = 65536  # vocabulary-sized outputs (lm heads)
 GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
     # M <= 16 (decode). Until session 11, M = 1 had its own row (16x64x256): the tiles'
     # 15 wrapped rows re-read row 0 from the same L2 lines and made the narrower tiles
@@ -77,7 +78,7 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
     # from HBM, benchmarks/results/explore_decode_short_m_h100_session11.json:
     # 4096 x 12288 36.3-36.8 us on 16x32x128/w2 vs 37.0-37.9 on 16x64x256, as in session
     # 10's tune_gemm_decode_occupancy_h100.json; 12288 x 4096 M = 1 37.8 vs 38.5).
-    (16, 65536, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
+    (16, LM_HEAD_N, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
     (16, WIDE_N, GemmConfig(16, 32, 128, group_m=1, num_warps=2, num_stages=4)),
     (16, 0, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
     (64, WIDE_N, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=3)),
@@ -117,15 +118,15 @@ GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     (1, 0, _FP32_M1),
     # Wide outputs: one 16-token tile streams the weight once (lm head M = 4-8: 1.0 ms,
     # stock 1.0-1.3 ms).
-    (16, 65536, GemmConfig(32, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
+    (16, LM_HEAD_N, GemmConfig(32, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
     (16, WIDE_N, GemmConfig(16, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
     (4, 0, GemmConfig(2, 64, 64, group_m=1, num_warps=2, num_stages=4)),
     # 16-row weight tiles: 256 programs on a 4096-wide output (4096^2 M = 16: 46 us vs
     # 86 us for 32x32x32 and stock's 62; explore_fp32_v4/_v5_h100.json).
     (16, 0, GemmConfig(16, 16, 128, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
-    (32, 65536, GemmConfig(64, 32, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
+    (32, LM_HEAD_N, GemmConfig(64, 32, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
     (32, WIDE_N, _FP32_SWAP_32X32),
-    (64, 65536, GemmConfig(128, 64, 16, group_m=8, num_warps=4, num_stages=3, swap_ab=True)),
+    (64, LM_HEAD_N, GemmConfig(128, 64, 16, group_m=8, num_warps=4, num_stages=3, swap_ab=True)),
     (64, WIDE_N, GemmConfig(32, 64, 32, group_m=1, num_warps=4, num_stages=3, swap_ab=True)),
     (64, 0, _FP32_SWAP_32X32),
     # Session 9 (explore_fp32_v6_h100.json, same bits): M = 128 on 32-row weight tiles,
@@ -133,7 +134,7 @@ GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     # 8 warps on 128x64 at large M (4096^2 M = 4096: 3.25 vs 3.34 ms).
     # The lm head keeps 64x64 at M = 128 (3.65 ms; the 32-row tile took 3.89 ms,
     # gemm_h100_run10_fp32_session10.json).
-    (128, 65536, GemmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
+    (128, LM_HEAD_N, GemmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
     (128, 0, GemmConfig(32, 64, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
     (1 << 62, 0, GemmConfig(128, 64, 32, group_m=1, num_warps=8, num_stages=3, swap_ab=True)),
 )
@@ -142,7 +143,7 @@ GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
 # session 5's, explore_fp32_h100.json).
 GEMM_TABLE_FP32_UNSWAPPED: tuple[tuple[int, int, GemmConfig], ...] = (
     (1, 0, _FP32_M1),
-    (4, 65536, GemmConfig(4, 64, 32, group_m=1, num_warps=2, num_stages=4)),
+    (4, LM_HEAD_N, GemmConfig(4, 64, 32, group_m=1, num_warps=2, num_stages=4)),
     (4, 0, GemmConfig(2, 64, 64, group_m=1, num_warps=2, num_stages=4)),
     (8, WIDE_N, GemmConfig(8, 32, 32, group_m=1, num_warps=1, num_stages=4)),
     (8, 0, GemmConfig(2, 32, 128, group_m=1, num_warps=1, num_stages=4)),

@@ -22,7 +22,7 @@ from .. import _validate as V
 from ..registry import OpImpl, env_get, implementation, register, select_backend
 from .chain import accumulator_dtype, chain_matmul, chain_sum
 from .cublaslt import cublaslt_available, cublaslt_verified, linear_no_split_k
-from .gemm import WIDE_N, triton_gemm
+from .gemm import LM_HEAD_N, WIDE_N, triton_gemm
 
 # Token granularity of the dW/dbias chain: the tensor-core K step for 16-bit
 # inputs (measured on H100: splits at multiples of 16 tokens reproduce the
@@ -40,10 +40,16 @@ CUBLASLT_MIN_M = 65
 # 1.02-1.03x vs 1.06-1.08x, equal at 48-64), while on wide outputs the Triton tiles
 # win (lm head 0.93-0.95x vs 1.00x) (benchmarks/results/explore_mid_m_h100_session12.json).
 CUBLASLT_MIN_M_NARROW = 33
+# lm heads (N >= LM_HEAD_N) keep the Triton 128x128x128 tile up to M = 256: at M = 128 it
+# ran 0.97x stock in four grid runs (455-459 vs 470-472 us), cuBLASLt-no-split 1.00x
+# (grid runs 12, 14, 15 and 16, benchmarks/results/gemm_h100_run1*_bf16_session1*.json).
+CUBLASLT_MIN_M_LM_HEAD = 257
 
 
 def cublaslt_min_m(n: int) -> int:
     """The smallest M the auto dispatcher sends to cuBLASLt-no-split for N outputs."""
+    if n >= LM_HEAD_N:
+        return CUBLASLT_MIN_M_LM_HEAD
     return CUBLASLT_MIN_M if n >= WIDE_N else CUBLASLT_MIN_M_NARROW
 
 
