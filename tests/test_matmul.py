@@ -167,10 +167,10 @@ def test_env_get_follows_os_environ(monkeypatch):
 
 @pytest.mark.parametrize("m,n,want", [(32, 4096, False), (33, 4096, True), (64, 4096, True), (33, 8184, True), (33, 8191, False),
                                       (64, 8192, False), (65, 8192, True), (64, 151936, False), (16, 4096, False),
-                                      (128, 151936, False), (256, 65536, False), (257, 151936, True)])
+                                      (128, 151936, False), (129, 65536, True), (256, 151936, True)])
 def test_auto_dispatch_threshold_depends_on_width(monkeypatch, m, n, want):
     # cuBLASLt-no-split from M = 33 on narrow outputs, from M = 65 on wide ones and from
-    # M = 257 on lm heads (where the Triton tiles are faster); both give the canonical
+    # M = 129 on lm heads (where the Triton tiles are faster); both give the canonical
     # bits, so only time decides.
     # (N = 8191: unaligned rows stay on the Triton chain.)
     from rlkernels.ops import matmul as mm

@@ -40,10 +40,12 @@ CUBLASLT_MIN_M = 65
 # 1.02-1.03x vs 1.06-1.08x, equal at 48-64), while on wide outputs the Triton tiles
 # win (lm head 0.93-0.95x vs 1.00x) (benchmarks/results/explore_mid_m_h100_session12.json).
 CUBLASLT_MIN_M_NARROW = 33
-# lm heads (N >= LM_HEAD_N) keep the Triton 128x128x128 tile up to M = 256: at M = 128 it
-# ran 0.97x stock in four grid runs (455-459 vs 470-472 us), cuBLASLt-no-split 1.00x
-# (grid runs 12, 14, 15 and 16, benchmarks/results/gemm_h100_run1*_bf16_session1*.json).
-CUBLASLT_MIN_M_LM_HEAD = 257
+# lm heads (N >= LM_HEAD_N) keep the Triton 128x128x128 tile up to M = 128, one row of
+# tiles that streams the weight once: at M = 128 it ran 0.97x stock in four grid runs
+# (455-459 vs 470-472 us) where cuBLASLt-no-split ran 1.00x (grid runs 12, 14, 15, 16).
+# With two rows of tiles it is far slower (M = 192 / 256: 1.38x / 1.33x vs 1.00x;
+# benchmarks/results/explore_mid_m_128_256_h100_session12.json).
+CUBLASLT_MIN_M_LM_HEAD = 129
 
 
 def cublaslt_min_m(n: int) -> int:
