@@ -114,6 +114,14 @@ def test_dispatcher_rows_invariant(dtype):
     contract.check("matmul", dtype, fn(x[:64]), reference.linear_ref(x[:64], w, bias))
 
 
+def test_lm_head_rows_invariant_across_the_backend_boundary():
+    # An lm head runs on the Triton tile up to M = 128 and on cuBLASLt-no-split above
+    # (matmul.cublaslt_min_m): rows must not notice which one a batch size picks.
+    x, w = _data(300, 4096, 151936, torch.bfloat16)
+    testing.assert_batch_invariant(lambda rows: rlkernels.linear(rows, w), x,
+                                   sizes=[1, 16, 64, 65, 127, 128, 129, 200, 300])
+
+
 def test_forced_backends_agree(monkeypatch):
     x, w = _data(2048, 4096, 2048, torch.bfloat16)
     monkeypatch.setenv("RLKERNELS_GEMM_BACKEND", "triton")
