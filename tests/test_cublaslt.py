@@ -15,7 +15,6 @@ class _FakeTorchFlags:
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         flags = cublaslt.FLAGS
-        monkeypatch.setattr(flags, "direct", True)
         monkeypatch.setattr(flags, "get_library", lambda: self.library)
         monkeypatch.setattr(flags, "set_library", lambda lib: setattr(self, "library", lib))
         monkeypatch.setattr(flags, "cublaslt", "cublaslt")
@@ -55,4 +54,18 @@ def test_this_torch_exposes_the_flag_pairs():
     # The direct accessors are what keeps allow_splitk intact; a torch without them
     # falls back to the public API (and this test says so).
     assert cublaslt.FLAGS.direct, "torch._C lacks the (allow_reduced_precision, allow_splitk) accessors"
-    assert len(cublaslt.FLAGS.reduction(torch.bfloat16)) == 2
+    assert len(cublaslt.FLAGS.get_pair[torch.bfloat16]()) == 2
+
+
+def test_public_api_fallback_keeps_the_pair():
+    # The fallback for a torch without the torch._C accessors: the pair is read from
+    # the public attribute and its _split_k twin, and written back as a tuple.
+    name = cublaslt._reduction_flag(torch.bfloat16)
+    saved = cublaslt._public_pair(name)
+    try:
+        for pair in [(False, False), (False, True), (True, True)]:
+            cublaslt._set_public_pair(name, *pair)
+            assert cublaslt._public_pair(name) == pair
+    finally:
+        cublaslt._set_public_pair(name, *saved)
+    assert cublaslt._public_pair(name) == saved

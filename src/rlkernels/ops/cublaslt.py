@@ -38,53 +38,38 @@ class _FlagAccess:
     would find it allowed again after any rlkernels call. The torch._C accessors carry
     the pair (torch >= 2.9) and skip the Python attribute dispatch and parsing, a
     measurable part of a decode call's host time. Without them (another torch), the
-    public API is used with the pair assembled from its two attributes.
+    public API stands in, the pair assembled from its two attributes.
     """
+
+    _DIRECT = ("_get_cublas_allow_bf16_reduced_precision_reduction", "_set_cublas_allow_bf16_reduced_precision_reduction",
+               "_get_cublas_allow_fp16_reduced_precision_reduction", "_set_cublas_allow_fp16_reduced_precision_reduction",
+               "_get_blas_preferred_backend", "_set_blas_preferred_backend", "_BlasBackend")
 
     def __init__(self) -> None:
         C = torch._C
-        self.direct = all(hasattr(C, name) for name in (
-            "_get_cublas_allow_bf16_reduced_precision_reduction", "_set_cublas_allow_bf16_reduced_precision_reduction",
-            "_get_cublas_allow_fp16_reduced_precision_reduction", "_set_cublas_allow_fp16_reduced_precision_reduction",
-            "_get_blas_preferred_backend", "_set_blas_preferred_backend", "_BlasBackend"))
+        self.direct = (all(hasattr(C, name) for name in self._DIRECT)
+                       and isinstance(C._get_cublas_allow_bf16_reduced_precision_reduction(), tuple))
         if self.direct:
+            self.get_library, self.set_library = C._get_blas_preferred_backend, C._set_blas_preferred_backend
+            self.cublaslt = C._BlasBackend.Cublaslt
             self.get_pair = {torch.bfloat16: C._get_cublas_allow_bf16_reduced_precision_reduction,
                              torch.float16: C._get_cublas_allow_fp16_reduced_precision_reduction}
             self.set_pair = {torch.bfloat16: C._set_cublas_allow_bf16_reduced_precision_reduction,
                              torch.float16: C._set_cublas_allow_fp16_reduced_precision_reduction}
-            self.direct = all(isinstance(get(), tuple) for get in self.get_pair.values())
-        if self.direct:
-            self.get_library = C._get_blas_preferred_backend
-            self.set_library = C._set_blas_preferred_backend
-            self.cublaslt = C._BlasBackend.Cublaslt
-
-    def reduction(self, dtype: torch.dtype) -> tuple[bool, bool]:
-        if self.direct:
-            return tuple(self.get_pair[dtype]())
-        name = _reduction_flag(dtype)
-        flags = torch.backends.cuda.matmul
-        return getattr(flags, name), getattr(flags, name + "_split_k", True)
-
-    def set_reduction(self, dtype: torch.dtype, pair: tuple[bool, bool]) -> None:
-        if self.direct:
-            self.set_pair[dtype](*pair)
         else:
-            setattr(torch.backends.cuda.matmul, _reduction_flag(dtype), tuple(pair))
+            library = torch.backends.cuda.preferred_blas_library  # getter and setter in one
+            self.get_library, self.set_library, self.cublaslt = library, library, "cublaslt"
+            self.get_pair = {dt: functools.partial(_public_pair, _reduction_flag(dt)) for dt in SUPPORTED_DTYPES}
+            self.set_pair = {dt: functools.partial(_set_public_pair, _reduction_flag(dt)) for dt in SUPPORTED_DTYPES}
 
-    def library(self):
-        return self.get_library() if self.direct else torch.backends.cuda.preferred_blas_library()
 
-    def use_cublaslt(self) -> None:
-        if self.direct:
-            self.set_library(self.cublaslt)
-        else:
-            torch.backends.cuda.preferred_blas_library("cublaslt")
+def _public_pair(name: str) -> tuple[bool, bool]:
+    flags = torch.backends.cuda.matmul
+    return getattr(flags, name), getattr(flags, name + "_split_k", True)
 
-    def set_library_back(self, library) -> None:
-        if self.direct:
-            self.set_library(library)
-        else:
-            torch.backends.cuda.preferred_blas_library(library)
+
+def _set_public_pair(name: str, allow_reduced_precision: bool, allow_splitk: bool) -> None:
+    setattr(torch.backends.cuda.matmul, name, (allow_reduced_precision, allow_splitk))
 
 
 def _reduction_flag(dtype: torch.dtype) -> str:
@@ -98,17 +83,18 @@ FLAGS = _FlagAccess()
 @contextlib.contextmanager
 def no_split_k(dtype: torch.dtype) -> Iterator[None]:
     """cuBLASLt as the BLAS library and split-K disallowed for ``dtype``; restored on exit."""
+    set_pair = FLAGS.set_pair[dtype]
     with _FLAG_LOCK:
-        prev_lib = FLAGS.library()
-        prev_pair = FLAGS.reduction(dtype)
+        prev_lib = FLAGS.get_library()
+        prev_pair = FLAGS.get_pair[dtype]()
         try:
-            FLAGS.use_cublaslt()
+            FLAGS.set_library(FLAGS.cublaslt)
             # (allow_reduced_precision, allow_splitk): the pair form exists in torch >= 2.9.
-            FLAGS.set_reduction(dtype, (False, False))
+            set_pair(False, False)
             yield
         finally:
-            FLAGS.set_reduction(dtype, prev_pair)
-            FLAGS.set_library_back(prev_lib)
+            set_pair(*prev_pair)
+            FLAGS.set_library(prev_lib)
 
 
 def linear_no_split_k(x: torch.Tensor, weight_nk: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
