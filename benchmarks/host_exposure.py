@@ -3,7 +3,9 @@
     python benchmarks/host_exposure.py
 
 For stock F.linear and rlkernels.linear at a few decode/mid sizes on 4096 x 4096: the
-host µs per call (no synchronisation), the do_bench median, and the do_bench median
+host µs per call (``bench.common.host_median_us``; session 12's figures,
+benchmarks/results/host_exposure_h100_session12.log, were taken over 200 back-to-back
+calls, host-bound at these sizes either way), the do_bench median, and the do_bench median
 with a 40 µs host busy-wait added before the call. If the L2 flush before each timed
 call covers the host work, the busy-wait does not move the median.
 """
@@ -13,7 +15,7 @@ import time
 
 import torch
 
-from rlkernels.bench.common import median_ms
+from rlkernels.bench.common import host_median_us, median_ms
 
 
 def _busy(us: float) -> None:
@@ -29,14 +31,7 @@ def main() -> None:
     for m in (1, 16, 64, 128):
         x = torch.randn(m, 4096, device="cuda").bfloat16()
         for name, fn in (("stock", lambda: torch.nn.functional.linear(x, w)), ("rlkernels", lambda: rlkernels.linear(x, w))):
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(200):
-                fn()
-            host_us = (time.perf_counter() - t0) / 200 * 1e6
-            torch.cuda.synchronize()
+            host_us = host_median_us(fn)
             plain = median_ms(fn) * 1e3
             delayed = median_ms(lambda: (_busy(40), fn())) * 1e3
             print(f"M={m:4d} {name:10s} host {host_us:6.1f} us  do_bench {plain:6.1f} us  with +40 us host {delayed:6.1f} us",
