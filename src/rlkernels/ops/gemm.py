@@ -26,6 +26,7 @@ import torch
 from ..registry import triton_interpret
 
 from ._launch import cached_launcher
+from . import l2_window
 from ._tiles import grouped_tile
 from ._triton import DOT_ANY_M, cdiv, tl, triton
 from .gemm_tma import tma_gemm, tma_layouts
@@ -306,6 +307,12 @@ MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
 # rows 0..M-1 cyclically (see the kernel). The bits are the same either way (tests/test_gemm.py,
 # tests/test_matmul_gpu.py); False gives the wrapped loads back, for A/B benchmarks.
 MASK_SHORT_M = True
+# Where one program reads each B element (one row of tiles, no batch: a decode weight), B's
+# bytes are a streaming L2 access-policy window during the launch (ops.l2_window): the
+# weight streams through L2 without replacing what other kernels keep there. A cache
+# policy, never a value: the bits are the same either way. False (or
+# RLKERNELS_L2_STREAMING=0) launches without it, for A/B benchmarks.
+STREAM_ONCE_L2_WINDOW = True
 
 # TMA variants that failed to fit in shared memory, by (config, layouts, dtypes): they
 # go straight to the pointer kernel afterwards.
@@ -419,7 +426,16 @@ def triton_gemm(
             M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn)
     constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,
                   MASK_SHORT_M and M < cfg.block_m, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.swap_ab)
-    _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # One row of tiles: each B element is read by one program, once (a decode weight).
+    stream = saved = None
+    if STREAM_ONCE_L2_WINDOW and M <= cfg.block_m and Bt == 1 and a.is_cuda:
+        stream = torch._C._cuda_getCurrentRawStream(a.device.index)
+        saved = l2_window.set_streaming(b, stream)
+    try:
+        _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    finally:
+        if saved is not None:
+            l2_window.restore(stream, saved)
     return result if cfg.swap_ab else out
 
 
