@@ -90,6 +90,24 @@ def test_window_set_around_the_block_and_the_callers_restored(monkeypatch, raise
                 raise RuntimeError("the launch failed")
     assert _window_of(fake.state[7]) == before
     assert fake.calls[0] == "get" and len(fake.calls) == 3
+    _assert_lock_free()
+
+
+def _assert_lock_free() -> None:
+    """Another thread can take the set-to-restore lock (nothing left it held)."""
+    import threading
+
+    taken = []
+
+    def take():
+        taken.append(l2_window._LOCK.acquire(timeout=5))
+        if taken[-1]:
+            l2_window._LOCK.release()
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join()
+    assert taken == [True]
 
 
 def test_no_window_when_the_driver_refuses(monkeypatch):
@@ -99,6 +117,7 @@ def test_no_window_when_the_driver_refuses(monkeypatch):
     with l2_window.streaming_window(torch.randn(3), 7) as applied:
         assert not applied
     assert _window_of(fake.state[7]) == _window_of(_user_window())
+    _assert_lock_free()
 
 
 class _null:

@@ -9,26 +9,30 @@ are the first ones replaced.
 How: Triton 3.6 drops an evict-first hint from the ``cp.async`` its pipelined loads
 become, and put back into the PTX by hand those copies trap on the H100 ("illegal
 instruction"; benchmarks/repro_async_copy_cache_hint.py). CUDA's access-policy window
-does the same job from the host: set on a stream, it marks every access to an address range by the
-kernels launched into that stream. :func:`streaming_window` sets one over the weight's
-bytes (``hitProp`` streaming, everything outside it normal) around the launch and puts
-the stream's previous window back afterwards, so the caller's stream state is unchanged.
+does the same job from the host: set on a stream, it marks every access to an address
+range by the kernels launched into that stream. :func:`set_streaming` sets one over the
+weight's bytes (``hitProp`` streaming, everything outside it normal) before the launch
+and :func:`restore` puts the stream's previous window back right after it, so the
+caller's stream state is unchanged. In CUDA-graph capture the captured kernel keeps the
+window for every replay, at no host cost there.
 
 A cache policy changes which lines L2 keeps, never a value: the results are bitwise
 those without the window (tests/test_l2_window.py). Where the driver API is missing,
 or the weight is larger than the device's largest window (the 1.2 GB lm heads), the
 launch runs without one. ``RLKERNELS_L2_STREAMING=0`` (read at import) turns it off.
 
-Measured (H100, do_bench, which leaves the L2 full of dirty lines; session 13,
-benchmarks/results/explore_access_window_h100_session13.json): 4096 x 12288 M = 1
-0.988x -> 0.904x stock, 12288 x 4096 M = 16 0.972x -> 0.868x, 4096^2 M = 16
-0.938x -> 0.844x, same bits.
+Measured (H100, session 13; docs/operators/matmul.md): under do_bench, which leaves the
+L2 full of dirty lines, 4096 x 12288 M = 1 went 0.984x -> 0.882x stock, 12288 x 4096
+M = 16 0.971x -> 0.862x, 4096^2 M = 16 0.941x -> 0.847x, same bits; 5 us of host time per
+call. A weight re-read while still in L2 loses those hits (one 32 MB weight back to
+back); a decode step reads each layer's weight once.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
+import threading
 from typing import Iterator
 
 import torch
@@ -79,6 +83,9 @@ def _enabled_from_env() -> bool:
 # Read once, like RLKERNELS_FAST_LAUNCH: this runs on every decode call.
 ENABLED = _enabled_from_env()
 
+# Held from set_streaming to restore: two threads launching into one stream must not
+# restore each other's window (stream state is shared, like cuBLASLt's flags).
+_LOCK = threading.RLock()
 _MAX_WINDOW: dict[int, int] = {}
 _VALUES: dict[tuple[int, int], _StreamAttr] = {}  # (first byte, bytes) -> the window to set
 
@@ -111,7 +118,8 @@ def window_applies(t: torch.Tensor) -> bool:
 def set_streaming(t: torch.Tensor, stream: int) -> _StreamAttr | None:
     """Make ``t``'s bytes a streaming L2 window on raw ``stream`` for the launches that
     follow; returns the stream's previous window, to hand to :func:`restore` right after
-    them, or None where no window was set (:func:`window_applies`, or the driver refused).
+    them (a lock is held until then), or None where no window was set
+    (:func:`window_applies`, or the driver refused).
 
     Also while ``stream`` is being captured into a CUDA graph: the captured kernel keeps
     the window for every replay (measured: benchmarks/explore_window_graph.py), which is
@@ -129,14 +137,19 @@ def set_streaming(t: torch.Tensor, stream: int) -> _StreamAttr | None:
     drv = _driver()
     handle = ctypes.c_void_p(stream)
     saved = _StreamAttr()
+    _LOCK.acquire()
     if drv.get(handle, _ACCESS_POLICY_WINDOW, saved) != 0 or drv.set(handle, _ACCESS_POLICY_WINDOW, ours) != 0:
+        _LOCK.release()
         return None
     return saved
 
 
 def restore(stream: int, saved: _StreamAttr) -> None:
-    """Put back the window :func:`set_streaming` found on ``stream``."""
-    rc = _driver().set(ctypes.c_void_p(stream), _ACCESS_POLICY_WINDOW, saved)
+    """Put back the window :func:`set_streaming` found on ``stream`` (and release its lock)."""
+    try:
+        rc = _driver().set(ctypes.c_void_p(stream), _ACCESS_POLICY_WINDOW, saved)
+    finally:
+        _LOCK.release()
     if rc != 0:  # pragma: no cover - the driver refused a value it handed out
         raise RuntimeError(f"rlkernels: could not restore the stream's L2 access-policy window (CUresult {rc})")
 
