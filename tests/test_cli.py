@@ -21,3 +21,4 @@ def test_info_lists_versions_backends_and_the_table(capsys):
     assert "linear_logprob" in out and "matmul" in out
     for _, _, cfg in gemm.GEMM_TABLE_16BIT:
         assert cfg.short() in out
+    assert "RLKERNELS_L2_STREAMING" in out and "L2 streaming window" in out

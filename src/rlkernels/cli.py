@@ -38,7 +38,8 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     versions.add_row("devices", ", ".join(gpus) or "cpu only")
     versions.add_row("TRITON_INTERPRET", "on" if triton_interpret() else "off")
-    for var in ("RLKERNELS_BACKEND", "RLKERNELS_GEMM_BACKEND", "RLKERNELS_DISABLE_TINY_GEMM", "RLKERNELS_FAST_LAUNCH"):
+    for var in ("RLKERNELS_BACKEND", "RLKERNELS_GEMM_BACKEND", "RLKERNELS_DISABLE_TINY_GEMM", "RLKERNELS_FAST_LAUNCH",
+                "RLKERNELS_L2_STREAMING"):
         versions.add_row(var, os.environ.get(var, "(unset)"))
     console.print(versions)
 
@@ -64,6 +65,15 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
 
     console.print(f"cuBLASLt-no-split is used from M >= {CUBLASLT_MIN_M} (M >= {CUBLASLT_MIN_M_NARROW} for N < {WIDE_N}, "
                   f"M >= {CUBLASLT_MIN_M_LM_HEAD} for N >= {LM_HEAD_N}) for bf16/fp16 where a probe proves the same bits.")
+    from .ops import l2_window
+
+    if not l2_window.ENABLED:
+        console.print("Decode weights: no L2 streaming window (RLKERNELS_L2_STREAMING=0).")
+    elif device.type == "cuda" and l2_window.max_window_bytes(device.index or 0):
+        console.print("Decode weights (one row of tiles) stream through L2 as a streaming access-policy window up to "
+                      f"{l2_window.max_window_bytes(device.index or 0) >> 20} MiB; larger ones with the normal policy.")
+    else:
+        console.print("Decode weights: no L2 streaming window here (it needs a CUDA device and its driver API).")
     if device.type == "cuda":
         from .ops import cublaslt
 
