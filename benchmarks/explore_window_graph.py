@@ -19,31 +19,16 @@ from typing import Any, Callable
 
 import torch
 
-from rlkernels.bench.common import print_table, write_json
+from rlkernels.bench.common import graph_median_us, print_table, write_json
 
 
 def step_us(fn: Callable[[], Any], flush: torch.Tensor, steps: int = 20, trials: int = 9) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    """Per-step µs of a graph of ``steps`` x (overwrite ``flush``, then ``fn``)."""
+    def step() -> None:
+        flush.zero_()
         fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            flush.zero_()
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / steps)
-    return sorted(times)[trials // 2]
+
+    return graph_median_us(step, replays=steps, trials=trials)
 
 
 def main(argv: list[str] | None = None) -> int:

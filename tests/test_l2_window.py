@@ -76,7 +76,7 @@ def _window_of(v: l2_window._StreamAttr) -> tuple:
 def test_window_set_around_the_block_and_the_callers_restored(monkeypatch, raise_inside):
     fake = _FakeDriver(_user_window())
     monkeypatch.setattr(l2_window, "_driver", lambda: fake)
-    monkeypatch.setattr(l2_window, "window_applies", lambda t: True)
+    monkeypatch.setattr(l2_window, "window_bytes", l2_window.span_bytes)
     weight = torch.randn(9, 4)
     before = _window_of(fake.state[7])
     with pytest.raises(RuntimeError) if raise_inside else _null():
@@ -113,7 +113,7 @@ def _assert_lock_free() -> None:
 def test_no_window_when_the_driver_refuses(monkeypatch):
     fake = _FakeDriver(_user_window(), fail_set=True)
     monkeypatch.setattr(l2_window, "_driver", lambda: fake)
-    monkeypatch.setattr(l2_window, "window_applies", lambda t: True)
+    monkeypatch.setattr(l2_window, "window_bytes", l2_window.span_bytes)
     with l2_window.streaming_window(torch.randn(3), 7) as applied:
         assert not applied
     assert _window_of(fake.state[7]) == _window_of(_user_window())

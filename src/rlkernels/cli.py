@@ -67,11 +67,12 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
                   f"M >= {CUBLASLT_MIN_M_LM_HEAD} for N >= {LM_HEAD_N}) for bf16/fp16 where a probe proves the same bits.")
     from .ops import l2_window
 
+    max_window = l2_window.max_window_bytes(device.index or 0) if device.type == "cuda" else 0
     if not l2_window.ENABLED:
         console.print("Decode weights: no L2 streaming window (RLKERNELS_L2_STREAMING=0).")
-    elif device.type == "cuda" and l2_window.max_window_bytes(device.index or 0):
+    elif max_window:
         console.print("Decode weights (one row of tiles) stream through L2 as a streaming access-policy window up to "
-                      f"{l2_window.max_window_bytes(device.index or 0) >> 20} MiB; larger ones with the normal policy.")
+                      f"{max_window >> 20} MiB; larger ones with the normal policy.")
     else:
         console.print("Decode weights: no L2 streaming window here (it needs a CUDA device and its driver API).")
     if device.type == "cuda":

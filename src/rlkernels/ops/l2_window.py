@@ -107,12 +107,19 @@ def span_bytes(t: torch.Tensor) -> int:
     return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def window_applies(t: torch.Tensor) -> bool:
-    """Whether :func:`set_streaming` sets a window for ``t``: a CUDA tensor no larger than
-    the device's largest window, the driver API at hand, the switch on."""
+def window_bytes(t: torch.Tensor) -> int:
+    """The bytes of the window :func:`set_streaming` sets for ``t`` (:func:`span_bytes`), or 0
+    where none applies: not a CUDA tensor, larger than the device's largest window, no
+    driver API, or the switch off."""
     if not (ENABLED and t.is_cuda) or _driver() is None:
-        return False
-    return 0 < span_bytes(t) <= max_window_bytes(t.device.index)
+        return 0
+    n = span_bytes(t)
+    return n if n <= max_window_bytes(t.device.index) else 0
+
+
+def window_applies(t: torch.Tensor) -> bool:
+    """Whether :func:`set_streaming` sets a window for ``t`` (:func:`window_bytes`)."""
+    return window_bytes(t) > 0
 
 
 def set_streaming(t: torch.Tensor, stream: int) -> _StreamAttr | None:
@@ -125,9 +132,10 @@ def set_streaming(t: torch.Tensor, stream: int) -> _StreamAttr | None:
     the window for every replay (measured: benchmarks/explore_window_graph.py), which is
     where decode runs in serving engines -- with no host cost at replay.
     """
-    if not window_applies(t):
+    n = window_bytes(t)
+    if not n:
         return None
-    key = (t.data_ptr(), span_bytes(t))
+    key = (t.data_ptr(), n)
     ours = _VALUES.get(key)
     if ours is None:
         if len(_VALUES) > 4096:  # weights come and go (tests, reloads); keep the cache bounded
