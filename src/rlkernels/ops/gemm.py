@@ -79,7 +79,10 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
     # from HBM, benchmarks/results/explore_decode_short_m_h100_session11.json:
     # 4096 x 12288 36.3-36.8 us on 16x32x128/w2 vs 37.0-37.9 on 16x64x256, as in session
     # 10's tune_gemm_decode_occupancy_h100.json; 12288 x 4096 M = 1 37.8 vs 38.5).
-    (16, LM_HEAD_N, GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
+    # lm heads: 16x32x256/w4/s6 (was 16x64x256/w4/s4), found by session 14's narrower-tile
+    # sweep, eager and from HBM alike: M = 16 419 vs 423 us (0.928x vs 0.937x stock), M = 1-8
+    # 0.917-0.922x vs 0.921-0.929x (benchmarks/results/explore_lm_head_narrow_h100_session14.json).
+    (16, LM_HEAD_N, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=6)),
     (16, WIDE_N, GemmConfig(16, 32, 128, group_m=1, num_warps=2, num_stages=4)),
     (16, 0, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
     (64, WIDE_N, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=3)),
