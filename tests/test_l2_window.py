@@ -61,6 +61,11 @@ class _FakeDriver:
         return 0
 
 
+def _any_size_window(t, span=None):
+    """window_bytes without the device's size limit (CPU tensors stand in for weights)."""
+    return l2_window.span_bytes(t) if span is None else span
+
+
 def _user_window(base: int = 0x1000) -> l2_window._StreamAttr:
     v = l2_window._StreamAttr()
     v.window = l2_window._Window(base, 4096, 0.5, l2_window._NORMAL, l2_window._NORMAL)  # a caller's own window
@@ -76,7 +81,7 @@ def _window_of(v: l2_window._StreamAttr) -> tuple:
 def test_window_set_around_the_block_and_the_callers_restored(monkeypatch, raise_inside):
     fake = _FakeDriver(_user_window())
     monkeypatch.setattr(l2_window, "_driver", lambda: fake)
-    monkeypatch.setattr(l2_window, "window_bytes", l2_window.span_bytes)
+    monkeypatch.setattr(l2_window, "window_bytes", _any_size_window)
     weight = torch.randn(9, 4)
     before = _window_of(fake.state[7])
     with pytest.raises(RuntimeError) if raise_inside else _null():
@@ -113,7 +118,7 @@ def _assert_lock_free() -> None:
 def test_no_window_when_the_driver_refuses(monkeypatch):
     fake = _FakeDriver(_user_window(), fail_set=True)
     monkeypatch.setattr(l2_window, "_driver", lambda: fake)
-    monkeypatch.setattr(l2_window, "window_bytes", l2_window.span_bytes)
+    monkeypatch.setattr(l2_window, "window_bytes", _any_size_window)
     with l2_window.streaming_window(torch.randn(3), 7) as applied:
         assert not applied
     assert _window_of(fake.state[7]) == _window_of(_user_window())

@@ -47,6 +47,24 @@ def test_key_keeps_bools_and_floats_apart_from_ints():
     assert _launch._arg_key(2.0) == _launch._arg_key(3.5)  # Triton does not specialize floats by value
 
 
+def test_leading_tensor_key_is_finer_than_the_specialization(monkeypatch):
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)  # (CPU: no CUDA device to ask)
+    launcher = _launch.CachedLauncher(lambda: None, leading_tensors=2)
+    x = torch.randn(64, dtype=torch.float32)
+
+    def key(*args):
+        return launcher.key(args, (True,), 4, 3)
+
+    base = key(x, x, 16, 1)
+    assert base == key(x.clone(), x[4:], 16, 1)          # other tensors, same dtype and alignment
+    assert base != key(x[1:], x, 16, 1)                  # not 16-byte aligned
+    assert base != key(x, x.half(), 16, 1)               # dtype
+    assert base != key(x, x, 32, 1)                      # integers by value: 16 and 32 specialize
+    assert _launch._arg_key(16) == _launch._arg_key(32)  # alike, so the value key is the finer one
+    assert base != launcher.key((x, x, 16, 1), (False,), 4, 3)  # constexprs
+    assert base != launcher.key((x, x, 16, 1), (True,), 8, 3)   # warps
+
+
 def test_disabled_by_env_and_interpreter(monkeypatch):
     monkeypatch.setenv(_launch.FAST_LAUNCH_ENV, "0")
     assert not _launch.fast_launch_enabled()
@@ -88,12 +106,12 @@ def _clone_kwargs(kwargs):
 class _CheckingLauncher(_launch.CachedLauncher):
     """A cached launcher that asserts, on every call, that its kernel is Triton's own."""
 
-    def __init__(self, fn, checked: list) -> None:
-        super().__init__(fn)
+    def __init__(self, fn, checked: list, leading_tensors: int = 0) -> None:
+        super().__init__(fn, leading_tensors)
         self.checked = checked
 
-    def __call__(self, grid, args, constexprs, *, num_warps, num_stages):
-        super().__call__(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages)
+    def __call__(self, grid, args, constexprs, *, num_warps, num_stages, stream=None):
+        super().__call__(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages, stream=stream)
         key = self.key(args, constexprs, num_warps, num_stages)
         ours = self.kernels[key]
         theirs = self.fn.warmup(*args, *constexprs, grid=grid, num_warps=num_warps, num_stages=num_stages)
@@ -104,8 +122,9 @@ class _CheckingLauncher(_launch.CachedLauncher):
 @pytest.mark.gpu
 def test_cached_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
     checked = []
-    launcher = _CheckingLauncher(gemm._gemm_kernel, checked)
-    assert launcher.enabled
+    # Keyed as the production launcher keys (its leading tensors: integers by value).
+    launcher = _CheckingLauncher(gemm._gemm_kernel, checked, gemm._launch_gemm.leading_tensors)
+    assert launcher.enabled and launcher.leading_tensors == 5
     for a, b, kwargs in _variants():
         normal_kwargs = _clone_kwargs(kwargs)
         monkeypatch.setattr(gemm, "_launch_gemm", _launch.CachedLauncher(gemm._gemm_kernel))
@@ -202,7 +221,7 @@ def test_cached_launcher_compiles_once_per_key_then_calls_the_kernel_directly(mo
                 return kernel
             return launch
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 4321, raising=False)
     monkeypatch.setattr(_launch, "launch_hooks_active", lambda: False)
     launcher = _launch.CachedLauncher(FakeJitFunction())
@@ -220,3 +239,24 @@ def test_cached_launcher_compiles_once_per_key_then_calls_the_kernel_directly(mo
     launcher((6,), (x, 1, 32), (True, 64), num_warps=4, num_stages=3)
     launcher((6, 2), (x, 5, 32), (True, 64), num_warps=8, num_stages=3)
     assert len(jit_calls) == 3 and len(kernel.launches) == 2
+    # A stream the caller already has is used as given.
+    launcher((6, 2), (x, 5, 32), (True, 64), num_warps=4, num_stages=3, stream=99)
+    assert kernel.launches[-1][3] == 99
+
+
+def test_cached_launcher_key_count_is_bounded(monkeypatch):
+    compiled = []
+
+    class FakeJitFunction:
+        def __getitem__(self, grid):
+            return lambda *args, **options: compiled.append(args) or object()
+
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "launch_hooks_active", lambda: False)
+    monkeypatch.setattr(_launch, "MAX_KEYS", 8)
+    launcher = _launch.CachedLauncher(FakeJitFunction(), leading_tensors=1)
+    launcher.enabled = True
+    x = torch.randn(8)
+    for m in range(20):  # value-keyed integers: one key per M
+        launcher((1,), (x, m), (), num_warps=4, num_stages=3)
+    assert len(compiled) == 20 and 0 < len(launcher.kernels) <= 8

@@ -16,7 +16,8 @@ Triton's own cache returns for many argument variants).
 The key is at least as fine as Triton's specialization: the device, the compile
 options, every constexpr, each tensor's dtype and 16-byte alignment, and for each
 integer whether it is 1, a multiple of 16, or outside int32 -- the properties
-Triton specializes integers and pointers on. Launch hooks (profilers such as
+Triton specializes integers and pointers on (or, for launchers told which arguments
+are tensors, each integer's value, which is finer still). Launch hooks (profilers such as
 proton) and ``RLKERNELS_FAST_LAUNCH=0`` (read when rlkernels is imported) take the
 normal path every time.
 """
@@ -83,35 +84,58 @@ def launch_hooks_active() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+# A bound on the keys one launcher keeps (value-keyed integers make one key per problem
+# shape); past it the dict starts over, and each key's first call takes Triton's path again.
+MAX_KEYS = 4096
+
+# The current device without torch.cuda.current_device()'s Python wrapper (1-2 us of host
+# time per call on the H100 hosts); the launcher only runs once CUDA is initialized.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 class CachedLauncher:
     """``launcher(grid, args, constexprs, num_warps=, num_stages=)`` == ``fn[grid](*args, *constexprs, ...)``.
 
     ``args`` are the kernel's runtime parameters and ``constexprs`` the values of its
     constexpr parameters, both in declaration order (runtime ones first).
+
+    ``leading_tensors=n``: the caller promises that the first n arguments are always
+    tensors. The rest are then keyed by value -- finer than Triton's specialization on
+    integers, so never another kernel -- and the key costs a slice instead of a loop
+    over every argument (half the key's host time; decode calls are host-bound).
     """
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, leading_tensors: int = 0) -> None:
         self.fn = fn
         self.kernels: dict[tuple, Any] = {}
         self.enabled = fast_launch_enabled()
+        self.leading_tensors = leading_tensors
 
     def key(self, args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> tuple:
-        return (torch.cuda.current_device(), num_warps, num_stages, constexprs, _args_key(args))
+        n = self.leading_tensors
+        if n:
+            return (_current_device(), num_warps, num_stages, constexprs, args[n:],
+                    tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in args[:n]]))
+        return (_current_device(), num_warps, num_stages, constexprs, _args_key(args))
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, *, num_warps: int,
-                 num_stages: int) -> None:
+                 num_stages: int, stream: int | None = None) -> None:
+        """``stream``: the current raw stream, where the caller already has it."""
         if not self.enabled or launch_hooks_active():
             self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         key = self.key(args, constexprs, num_warps, num_stages)
         kernel = self.kernels.get(key)
         if kernel is None:
+            if len(self.kernels) >= MAX_KEYS:
+                self.kernels.clear()
             self.kernels[key] = self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
             return
-        stream = torch._C._cuda_getCurrentRawStream(key[0])
+        if stream is None:
+            stream = torch._C._cuda_getCurrentRawStream(key[0])
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                    kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
 
 
-def cached_launcher(fn: Any) -> CachedLauncher | None:
-    return CachedLauncher(fn) if triton is not None else None
+def cached_launcher(fn: Any, leading_tensors: int = 0) -> CachedLauncher | None:
+    return CachedLauncher(fn, leading_tensors) if triton is not None else None

@@ -301,8 +301,9 @@ if triton is not None:
                 tl.store(rs_ptrs, rs, mask=offs_m < M)
 
 
-    # Decode calls are host-bound: later launches skip Triton's binder (ops._launch).
-    _launch_gemm = cached_launcher(_gemm_kernel)
+    # Decode calls are host-bound: later launches skip Triton's binder (ops._launch). The
+    # five pointers come first in every call (bias and rowsum stand in as ``out`` when absent).
+    _launch_gemm = cached_launcher(_gemm_kernel, leading_tensors=5)
 
 
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
@@ -364,7 +365,7 @@ def triton_gemm(
         sbb, sbk, sbn = (0, *b.stride()) if b.dim() == 2 else b.stride()
     if out is None:
         shape = (Bt, M, N) if a.dim() == 3 or b.dim() == 3 else (M, N)
-        out = torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
+        out = a.new_empty(shape, dtype=out_dtype or a.dtype)  # (no device object to build: host time)
     scb, scm, scn = (0, *out.stride()) if out.dim() == 2 else out.stride()
     if accumulate and out.dtype != torch.float32:
         raise ValueError("rlkernels: accumulation target must be float32")
@@ -432,10 +433,11 @@ def triton_gemm(
     # One row of tiles: each B element is read by one program, once (a decode weight).
     stream = saved = None
     if STREAM_ONCE_L2_WINDOW and M <= cfg.block_m and Bt == 1 and a.is_cuda:
-        stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-        saved = l2_window.set_streaming(b, stream)
+        stream = torch._C._cuda_getCurrentRawStream(a.get_device())
+        # B's span from the strides at hand (2-D here: no batch axis).
+        saved = l2_window.set_streaming(b, stream, span=((K - 1) * sbk + (N - 1) * sbn + 1) * b.element_size())
     try:
-        _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, stream=stream)
     finally:
         if saved is not None:
             l2_window.restore(stream, saved)

@@ -107,14 +107,14 @@ def span_bytes(t: torch.Tensor) -> int:
     return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def window_bytes(t: torch.Tensor) -> int:
-    """The bytes of the window :func:`set_streaming` sets for ``t`` (:func:`span_bytes`), or 0
-    where none applies: not a CUDA tensor, larger than the device's largest window, no
-    driver API, or the switch off."""
+def window_bytes(t: torch.Tensor, span: int | None = None) -> int:
+    """The bytes of the window :func:`set_streaming` sets for ``t`` (:func:`span_bytes`, or
+    ``span`` where the caller has it), or 0 where none applies: not a CUDA tensor, larger
+    than the device's largest window, no driver API, or the switch off."""
     if not (ENABLED and t.is_cuda) or _driver() is None:
         return 0
-    n = span_bytes(t)
-    return n if n <= max_window_bytes(t.device.index) else 0
+    n = span_bytes(t) if span is None else span
+    return n if n <= max_window_bytes(t.get_device()) else 0
 
 
 def window_applies(t: torch.Tensor) -> bool:
@@ -122,17 +122,18 @@ def window_applies(t: torch.Tensor) -> bool:
     return window_bytes(t) > 0
 
 
-def set_streaming(t: torch.Tensor, stream: int) -> _StreamAttr | None:
+def set_streaming(t: torch.Tensor, stream: int, span: int | None = None) -> _StreamAttr | None:
     """Make ``t``'s bytes a streaming L2 window on raw ``stream`` for the launches that
     follow; returns the stream's previous window, to hand to :func:`restore` right after
     them (a lock is held until then), or None where no window was set
-    (:func:`window_applies`, or the driver refused).
+    (:func:`window_applies`, or the driver refused). ``span``: :func:`span_bytes` of ``t``,
+    where the caller has the strides at hand (host time per decode call).
 
     Also while ``stream`` is being captured into a CUDA graph: the captured kernel keeps
     the window for every replay (measured: benchmarks/explore_window_graph.py), which is
     where decode runs in serving engines -- with no host cost at replay.
     """
-    n = window_bytes(t)
+    n = window_bytes(t, span)
     if not n:
         return None
     key = (t.data_ptr(), n)
