@@ -48,7 +48,7 @@ def test_key_keeps_bools_and_floats_apart_from_ints():
 
 
 def test_leading_tensor_key_is_finer_than_the_specialization(monkeypatch):
-    monkeypatch.setattr(_launch, "_current_device", lambda: 0)  # (CPU: no CUDA device to ask)
+    monkeypatch.setattr(_launch, "current_device", lambda: 0)  # (CPU: no CUDA device to ask)
     launcher = _launch.CachedLauncher(lambda: None, leading_tensors=2)
     x = torch.randn(64, dtype=torch.float32)
 
@@ -221,7 +221,7 @@ def test_cached_launcher_compiles_once_per_key_then_calls_the_kernel_directly(mo
                 return kernel
             return launch
 
-    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 4321, raising=False)
     monkeypatch.setattr(_launch, "launch_hooks_active", lambda: False)
     launcher = _launch.CachedLauncher(FakeJitFunction())
@@ -251,7 +251,7 @@ def test_cached_launcher_key_count_is_bounded(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **options: compiled.append(args) or object()
 
-    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "current_device", lambda: 0)
     monkeypatch.setattr(_launch, "launch_hooks_active", lambda: False)
     monkeypatch.setattr(_launch, "MAX_KEYS", 8)
     launcher = _launch.CachedLauncher(FakeJitFunction(), leading_tensors=1)

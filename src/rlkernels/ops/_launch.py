@@ -89,8 +89,8 @@ def launch_hooks_active() -> bool:
 MAX_KEYS = 4096
 
 # The current device without torch.cuda.current_device()'s Python wrapper (1-2 us of host
-# time per call on the H100 hosts); the launcher only runs once CUDA is initialized.
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+# time per call on the H100 hosts); only called once CUDA is initialized (a launch).
+current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 class CachedLauncher:
@@ -114,9 +114,9 @@ class CachedLauncher:
     def key(self, args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> tuple:
         n = self.leading_tensors
         if n:
-            return (_current_device(), num_warps, num_stages, constexprs, args[n:],
+            return (current_device(), num_warps, num_stages, constexprs, args[n:],
                     tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in args[:n]]))
-        return (_current_device(), num_warps, num_stages, constexprs, _args_key(args))
+        return (current_device(), num_warps, num_stages, constexprs, _args_key(args))
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, *, num_warps: int,
                  num_stages: int, stream: int | None = None) -> None:

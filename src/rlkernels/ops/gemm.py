@@ -25,7 +25,7 @@ import torch
 
 from ..registry import triton_interpret
 
-from ._launch import cached_launcher
+from ._launch import cached_launcher, current_device
 from . import l2_window
 from ._tiles import grouped_tile
 from ._triton import DOT_ANY_M, cdiv, tl, triton
@@ -433,7 +433,7 @@ def triton_gemm(
     # One row of tiles: each B element is read by one program, once (a decode weight).
     stream = saved = None
     if STREAM_ONCE_L2_WINDOW and M <= cfg.block_m and Bt == 1 and a.is_cuda:
-        stream = torch._C._cuda_getCurrentRawStream(a.get_device())
+        stream = torch._C._cuda_getCurrentRawStream(current_device())  # the launch's stream
         # B's span from the strides at hand (2-D here: no batch axis).
         saved = l2_window.set_streaming(b, stream, span=((K - 1) * sbk + (N - 1) * sbn + 1) * b.element_size())
     try:
