@@ -58,19 +58,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of the built-in lists: comma-separated tiles such as 16x32x256/w4/s6")
     args = parser.parse_args(argv)
     if args.tiles:
-        CANDIDATES[:] = [parse_tile(t) for t in args.tiles.split(",")]
-        ROW_CANDIDATES.clear()
+        tiles, row_tiles = [parse_tile(t) for t in args.tiles.split(",")], []
+    else:
+        tiles, row_tiles = ([] if args.only_rows else CANDIDATES), ROW_CANDIDATES
     rows: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
-        rows += _shape(k, n, [int(v) for v in args.ms.split(",")], args.only_rows)
+        rows += _shape(k, n, [int(v) for v in args.ms.split(",")], tiles, row_tiles)
     print_table("eager, alternating rounds", rows, ["K", "N", "M", "tile", "us", "stock_us", "ratio", "graph_cold_ratio",
                                                     "same_bits"])
     write_json(args.json, "explore_lm_head_tiles", rows)
     return 0
 
 
-def _shape(k: int, n: int, ms: list[int], only_rows: bool) -> list[dict[str, Any]]:
+def _shape(k: int, n: int, ms: list[int], tiles: list[C], row_tiles: list[C]) -> list[dict[str, Any]]:
+    """Rows for one shape: the table's tile, ``tiles`` (x @ w^T) and ``row_tiles`` (w @ x^T)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
     w_cold = l2_cold_copies(w)
@@ -82,9 +84,9 @@ def _shape(k: int, n: int, ms: list[int], only_rows: bool) -> list[dict[str, Any
         same = {}
         table_cfg = gemm.gemm_config(m, n, x.dtype)
         calls = {}  # name -> (x, w) -> y
-        for cfg in dict.fromkeys([table_cfg] + ([] if only_rows else CANDIDATES)):
+        for cfg in dict.fromkeys([table_cfg] + tiles):
             calls[cfg.short()] = lambda x, w, cfg=cfg: gemm.triton_gemm(x, w, config=cfg, b_transposed=True)
-        for cfg in ROW_CANDIDATES:
+        for cfg in row_tiles:
             calls["rows " + cfg.short()] = lambda x, w, cfg=cfg: _weight_rows(x, w, cfg)
         for name, call in calls.items():
             try:

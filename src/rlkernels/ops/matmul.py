@@ -100,8 +100,6 @@ class TritonEngine:
 
     def use_cublaslt(self, a: torch.Tensor, n: int, bias: torch.Tensor | None) -> bool:
         mode = gemm_backend_mode()
-        if mode == "auto" and a.shape[0] < CUBLASLT_MIN_M_NARROW:
-            return False  # decode sizes (also short-cut in gemm)
         from ..batch_invariant import is_batch_invariant_mode_enabled  # (a cycle at import time)
 
         # In the mode F.linear is itself overridden (to Triton): no detour through it.
@@ -123,8 +121,9 @@ class TritonEngine:
              b_transposed: bool = False) -> torch.Tensor:
         """C = A @ B; ``b_transposed``: b is given as B^T [N, K] (an nn.Linear weight),
         so no transposed view is made per call (host time at decode sizes)."""
-        # Decode sizes on the auto path go straight to Triton, before the checks below
-        # (host time: a decode-size GEMM takes less on the GPU than its Python).
+        # Decode sizes on the auto path (below every cublaslt_min_m) go straight to Triton,
+        # before the checks below (host time: a decode-size GEMM takes less on the GPU
+        # than its Python).
         if a.dim() == 2 and a.shape[0] < CUBLASLT_MIN_M_NARROW and gemm_backend_mode() == "auto":
             return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum,
                                b_transposed=b_transposed)
