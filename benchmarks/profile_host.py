@@ -12,6 +12,7 @@ import cProfile
 import json
 import pstats
 import time
+from typing import Any
 
 import torch
 
@@ -35,16 +36,31 @@ def per_call_us(fn, n=2000):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
+    parser.add_argument("--shapes", default="1x4096x4096,16x4096x4096,1x4096x12288,128x4096x4096,300x1024x1024",
+                        help="MxKxN,... for the per-call table")
+    parser.add_argument("--profile-shapes", default="1x4096x4096,300x1024x1024",
+                        help="MxKxN,... to cProfile rlkernels.linear and triton_gemm on")
+    parser.add_argument("--plans-ab", type=int, default=0, metavar="ROUNDS",
+                        help="host µs of rlkernels.linear with ops.gemm's launch plans on and off, alternating "
+                             "in one process, on --shapes")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only host µs per call of rlkernels.linear and F.linear on --shapes, one line (A/B)")
     parser.add_argument("--breakdown-only", action="store_true",
                         help="only the launch breakdown, one line (for A/B runs across source trees)")
     args = parser.parse_args()
     if args.breakdown_only:
         print(json.dumps({"rlkernels": rlkernels.__file__, **launch_breakdown()}))
         return
+    if args.plans_ab:
+        print(json.dumps(plans_ab(_shapes(args.shapes), args.plans_ab)))
+        return
+    if args.host_only:
+        print(json.dumps({"rlkernels": rlkernels.__file__, **host_by_shape(_shapes(args.shapes))}))
+        return
     rows = []
     # M = 300 on 1024 x 1024 takes the table's TMA row (host-built descriptors) and a
     # few microseconds of GPU time, so the host side shows.
-    for m, k, n in ((1, 4096, 4096), (16, 4096, 4096), (1, 4096, 12288), (128, 4096, 4096), (300, 1024, 1024)):
+    for m, k, n in _shapes(args.shapes):
         x = torch.randn(m, k, device="cuda").bfloat16()
         w = torch.randn(n, k, device="cuda").bfloat16()
         row = {"shape": f"M={m} K={k} N={n}", "config": gemm.gemm_config(m, n, x.dtype).short()}
@@ -54,9 +70,12 @@ def main() -> None:
         slow = CachedLauncher(gemm._gemm_kernel), CachedLauncher(gemm_tma._gemm_tma_kernel)
         for launcher in slow:
             launcher.enabled = False
+        plans = getattr(gemm, "_PLANS", {})  # (launch plans keep the launcher's key: none across a swap)
         gemm._launch_gemm, gemm_tma._launch_tma = slow
+        plans.clear()
         row["triton_gemm_jit_launch_us"] = per_call_us(lambda: gemm.triton_gemm(x, w.t()))
         gemm._launch_gemm, gemm_tma._launch_tma = fast
+        plans.clear()
         row["triton_gemm_cached_launch_us"] = per_call_us(lambda: gemm.triton_gemm(x, w.t()))
         row["rlkernels.linear_us"] = per_call_us(lambda: rlkernels.linear(x, w))
         rows.append(row)
@@ -73,7 +92,7 @@ def main() -> None:
         doc["launch_breakdown_us"] = parts
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-    for m, k, n in ((1, 4096, 4096), (300, 1024, 1024)):
+    for m, k, n in _shapes(args.profile_shapes):
         x = torch.randn(m, k, device="cuda").bfloat16()
         w = torch.randn(n, k, device="cuda").bfloat16()
         for name, fn in (("rlkernels.linear", lambda: rlkernels.linear(x, w)),
@@ -85,7 +104,48 @@ def main() -> None:
                 fn()
             pr.disable()
             torch.cuda.synchronize()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(8)
+            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+
+
+def host_by_shape(shapes: list[tuple[int, int, int]]) -> dict[str, float]:
+    """Host µs per call (short bursts: the GPU never the slower side) of rlkernels.linear and
+    F.linear, bf16, per MxKxN."""
+    from rlkernels.bench.common import host_median_us
+
+    out = {}
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        w = torch.randn(n, k, device="cuda").bfloat16()
+        out[f"F.linear {m}x{k}x{n}"] = host_median_us(lambda: torch.nn.functional.linear(x, w))
+        out[f"rlkernels.linear {m}x{k}x{n}"] = host_median_us(lambda: rlkernels.linear(x, w))
+    return out
+
+
+def plans_ab(shapes: list[tuple[int, int, int]], rounds: int) -> dict[str, Any]:
+    """Host µs per call of rlkernels.linear with launch plans on and off (gemm.LAUNCH_PLANS),
+    alternating in one process (a host's speed moved by 2x between processes), F.linear
+    beside; per shape the median over rounds and the median of the per-round ratios."""
+    from rlkernels.bench.common import host_median_us
+
+    out: dict[str, Any] = {}
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        w = torch.randn(n, k, device="cuda").bfloat16()
+        times: dict[str, list[float]] = {"plans": [], "no_plans": [], "F.linear": []}
+        for r in range(rounds):
+            for variant in (("plans", "no_plans") if r % 2 == 0 else ("no_plans", "plans")):
+                gemm.LAUNCH_PLANS = variant == "plans"
+                times[variant].append(host_median_us(lambda: rlkernels.linear(x, w)))
+            times["F.linear"].append(host_median_us(lambda: torch.nn.functional.linear(x, w)))
+        gemm.LAUNCH_PLANS = True
+        ratios = sorted(p / q for p, q in zip(times["plans"], times["no_plans"]))
+        out[f"{m}x{k}x{n}"] = {**{name: sorted(ts)[len(ts) // 2] for name, ts in times.items()},
+                               "plans_over_no_plans": ratios[len(ratios) // 2]}
+    return out
+
+
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(v) for v in shape.split("x")) for shape in text.split(",") if shape]
 
 
 def launch_breakdown() -> dict[str, float]:

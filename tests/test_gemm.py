@@ -183,3 +183,71 @@ def test_engines_take_the_weight_transposed(gen):
     w = randn(7, 12, generator=gen)
     eng = TorchEngine()
     assert torch.equal(eng.gemm(x, w, b_transposed=True), eng.gemm(x, w.t()))
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_launch_plan_gives_the_full_paths_result(dtype, gen, monkeypatch):
+    # A repeated 2-D forward call launches from its plan; the result must be the one the
+    # full path gives (an explicit config skips the plans) for new tensors of the same
+    # shapes, with or without bias, weight as [N, K] or [K, N], strided, another out dtype.
+    monkeypatch.setattr(gemm, "_PLANS", {})
+    m, k, n = 7, 40, 37
+    cases = [
+        (lambda: randn(m, k, generator=gen).to(dtype), lambda: randn(k, n, generator=gen).to(dtype), {}),
+        (lambda: randn(m, k, generator=gen).to(dtype), lambda: randn(n, k, generator=gen).to(dtype),
+         {"b_transposed": True, "bias": randn(n, generator=gen).to(dtype)}),
+        (lambda: randn(m, k + 3, generator=gen).to(dtype)[:, 3:], lambda: randn(k, n, generator=gen).to(dtype),
+         {"out_dtype": torch.float32}),
+    ]
+    for make_a, make_b, kw in cases:
+        for _ in range(3):
+            a, b = make_a(), make_b()
+            b_kn = b.t() if kw.get("b_transposed") else b
+            cfg = gemm_config(m, n, dtype, swappable=swappable(a, b_kn))
+            full = {key: v for key, v in kw.items() if key != "b_transposed"}
+            want = triton_gemm(a, b_kn, config=cfg, **full)
+            assert torch.equal(triton_gemm(a, b, **kw), want)
+    assert len(gemm._PLANS) == len(cases)
+
+
+@interpreter_only
+def test_launch_plan_skips_the_tile_choice_and_keys_what_the_launch_depends_on(gen, monkeypatch):
+    monkeypatch.setattr(gemm, "_PLANS", {})
+    x, w = randn(5, 32, generator=gen).half(), randn(24, 32, generator=gen).half()
+    want = triton_gemm(x, w, b_transposed=True)
+    # A hit works nothing out again: the table is not consulted.
+    monkeypatch.setattr(gemm, "gemm_config", lambda *a, **k: pytest.fail("a plan hit chose a tile"))
+    assert torch.equal(triton_gemm(x.clone(), w.clone(), b_transposed=True), want)
+    monkeypatch.undo()
+    monkeypatch.setattr(gemm, "_PLANS", {})
+    triton_gemm(x, w, b_transposed=True)
+    keys = {gemm.plan_key(x, w, None, None, True)}
+    # Misaligned pointers (Triton specializes on 16-byte alignment), bias, the out dtype,
+    # the orientation and the module's switches each make another plan.
+    buf = randn(5 * 32 + 1, generator=gen).half()
+    x_odd = buf[1:].view(5, 32)
+    variants = [(x_odd, w, None, None, True), (x, w, randn(24, generator=gen).half(), None, True),
+                (x, w, None, torch.float32, True), (x, w.t().contiguous(), None, None, False)]
+    for a, b, bias, out_dtype, bt in variants:
+        keys.add(gemm.plan_key(a, b, bias, out_dtype, bt))
+        b_kn = b.t() if bt else b
+        got = triton_gemm(a, b, bias=bias, out_dtype=out_dtype, b_transposed=bt)
+        want_v = triton_gemm(a, b_kn, bias=bias, out_dtype=out_dtype,
+                             config=gemm_config(5, 24, torch.float16))
+        assert torch.equal(got, want_v)
+    monkeypatch.setattr(gemm, "MASK_SHORT_M", False)
+    keys.add(gemm.plan_key(x, w, None, None, True))
+    assert len(keys) == 6 and set(gemm._PLANS) <= keys and len(gemm._PLANS) == 5
+
+
+@interpreter_only
+def test_launch_plans_are_bounded(gen, monkeypatch):
+    monkeypatch.setattr(gemm, "_PLANS", {})
+    monkeypatch.setattr(gemm, "MAX_PLANS", 3)
+    w = randn(8, 16, generator=gen).half()
+    for m in range(1, 9):  # one plan per problem shape
+        x = randn(m, 16, generator=gen).half()
+        assert torch.equal(triton_gemm(x, w, b_transposed=True),
+                           triton_gemm(x, w.t(), config=gemm_config(m, 8, torch.float16)))
+        assert 0 < len(gemm._PLANS) <= 3

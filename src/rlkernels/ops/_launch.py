@@ -124,7 +124,21 @@ class CachedLauncher:
         if not self.enabled or launch_hooks_active():
             self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
             return
-        key = self.key(args, constexprs, num_warps, num_stages)
+        self._launch(self.key(args, constexprs, num_warps, num_stages), grid, args, constexprs, num_warps,
+                     num_stages, stream)
+
+    def launch_keyed(self, key: tuple, grid: tuple[int, ...], args: tuple, constexprs: tuple, *,
+                     num_warps: int, num_stages: int, stream: int | None = None) -> None:
+        """The same launch, with ``key`` (:meth:`key` of these arguments) kept by the caller
+        from an earlier call whose arguments differed at most in their tensors, with the
+        same dtypes and 16-byte alignment (``ops.gemm``'s launch plans)."""
+        if not self.enabled or launch_hooks_active():
+            self(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages, stream=stream)
+            return
+        self._launch(key, grid, args, constexprs, num_warps, num_stages, stream)
+
+    def _launch(self, key: tuple, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int,
+                num_stages: int, stream: int | None) -> None:
         kernel = self.kernels.get(key)
         if kernel is None:
             if len(self.kernels) >= MAX_KEYS:

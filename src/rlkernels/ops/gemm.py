@@ -25,7 +25,7 @@ import torch
 
 from ..registry import triton_interpret
 
-from ._launch import cached_launcher, current_device
+from ._launch import CachedLauncher, cached_launcher, current_device
 from . import l2_window
 from ._tiles import grouped_tile
 from ._triton import DOT_ANY_M, cdiv, tl, triton
@@ -323,6 +323,75 @@ STREAM_ONCE_L2_WINDOW = True
 _TMA_TOO_BIG: set[tuple] = set()
 
 
+class LaunchPlan:
+    """What :func:`triton_gemm` works out for a 2-D forward call before its launch -- the
+    tile, the grid, the integer arguments, the constexprs, B's window span, the launcher's
+    key -- kept under :func:`plan_key`, so that later calls with the same shapes, strides,
+    dtypes and alignment launch the same kernel with the same arguments (but the tensors)
+    without working it out again. Why: decode calls are host-bound; with plans
+    ``rlkernels.linear`` takes 15-25% less host time per call (H100 host, plans on and off
+    alternating in one process: benchmarks/results/plans_ab_h100_session15.json). The
+    kernel and its arguments are those the full path gives, so are the bits
+    (tests/test_gemm.py, tests/test_launch.py)."""
+
+    __slots__ = ("out_shape", "out_dtype", "b_as_kn", "grid", "ints", "constexprs", "num_warps", "num_stages",
+                 "window_span", "launch_key")
+
+    def __init__(self, out_shape: tuple[int, int], out_dtype: torch.dtype, b_as_kn: bool, grid: tuple[int, int],
+                 ints: tuple, constexprs: tuple, cfg: GemmConfig, window_span: int | None,
+                 launch_key: tuple | None) -> None:
+        self.out_shape, self.out_dtype, self.b_as_kn = out_shape, out_dtype, b_as_kn
+        self.grid, self.ints, self.constexprs = grid, ints, constexprs
+        self.num_warps, self.num_stages = cfg.num_warps, cfg.num_stages
+        self.window_span, self.launch_key = window_span, launch_key
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = a.new_empty(self.out_shape, dtype=self.out_dtype)
+        if self.b_as_kn:
+            b = b.t()
+        _launch_pointer(self.grid, (a, b, out, out if bias is None else bias, out, *self.ints), self.constexprs,
+                        self.num_warps, self.num_stages, b, self.window_span, self.launch_key)
+        return out
+
+
+# Launch plans by plan_key; bounded like the launcher's keys (one plan per problem shape).
+# False works every call out in full (for A/B benchmarks of host time).
+LAUNCH_PLANS = True
+_PLANS: dict[tuple, LaunchPlan] = {}
+MAX_PLANS = 4096
+
+
+def plan_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+             b_transposed: bool) -> tuple:
+    """Everything a 2-D forward launch is worked out from: shapes and strides (the integer
+    arguments, the tile), dtypes, the 16-byte alignment of each pointer (which Triton
+    specializes on; a fresh output is always aligned), the current device (the
+    launcher's key) and the module's A/B switches."""
+    return (a.shape, a.stride(), b.shape, b.stride(), b_transposed, a.dtype, b.dtype, out_dtype,
+            None if bias is None else (bias.dtype, bias.data_ptr() & 15 == 0),
+            a.data_ptr() & 15 == 0, b.data_ptr() & 15 == 0, current_device() if a.is_cuda else -1,
+            MASK_SHORT_M, STREAM_ONCE_L2_WINDOW)
+
+
+def _launch_pointer(grid: tuple[int, int], args: tuple, constexprs: tuple, num_warps: int, num_stages: int,
+                    b: torch.Tensor, window_span: int | None, launch_key: tuple | None = None) -> None:
+    """The pointer kernel's launch; ``window_span``: B's bytes, to stream through L2 during
+    it (None: no window)."""
+    stream = saved = None
+    if window_span is not None:
+        stream = torch._C._cuda_getCurrentRawStream(current_device())  # the launch's stream
+        saved = l2_window.set_streaming(b, stream, span=window_span)
+    try:
+        if launch_key is None:
+            _launch_gemm(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages, stream=stream)
+        else:
+            _launch_gemm.launch_keyed(launch_key, grid, args, constexprs, num_warps=num_warps,
+                                      num_stages=num_stages, stream=stream)
+    finally:
+        if saved is not None:
+            l2_window.restore(stream, saved)
+
+
 def triton_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -346,6 +415,14 @@ def triton_gemm(
     ``b_transposed``: a 2-D b is given as B^T [N, K] (an nn.Linear weight); the pointer
     kernel reads it through swapped strides, other paths through a transposed view.
     """
+    key = None
+    if (LAUNCH_PLANS and out is None and config is None and not accumulate and rowsum is None and a.dim() == 2
+            and b.dim() == 2):
+        key = plan_key(a, b, bias, out_dtype, b_transposed)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(a, b, bias)
+    b_given = b
     # Strides read directly (a 2-D operand has batch stride 0): no views are made,
     # since every host microsecond shows at decode sizes.
     if a.dim() == 3:
@@ -431,16 +508,17 @@ def triton_gemm(
     constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,
                   MASK_SHORT_M and M < cfg.block_m, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.swap_ab)
     # One row of tiles: each B element is read by one program, once (a decode weight).
-    stream = saved = None
-    if STREAM_ONCE_L2_WINDOW and M <= cfg.block_m and Bt == 1 and a.is_cuda:
-        stream = torch._C._cuda_getCurrentRawStream(current_device())  # the launch's stream
-        # B's span from the strides at hand (2-D here: no batch axis).
-        saved = l2_window.set_streaming(b, stream, span=((K - 1) * sbk + (N - 1) * sbn + 1) * b.element_size())
-    try:
-        _launch_gemm(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, stream=stream)
-    finally:
-        if saved is not None:
-            l2_window.restore(stream, saved)
+    # B's span from the strides at hand (2-D here: no batch axis).
+    window_span = (((K - 1) * sbk + (N - 1) * sbn + 1) * b.element_size()
+                   if STREAM_ONCE_L2_WINDOW and M <= cfg.block_m and Bt == 1 and a.is_cuda else None)
+    _launch_pointer(grid, args, constexprs, cfg.num_warps, cfg.num_stages, b, window_span)
+    if key is not None and not cfg.swap_ab:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        launch_key = (_launch_gemm.key(args, constexprs, cfg.num_warps, cfg.num_stages)
+                      if isinstance(_launch_gemm, CachedLauncher) and _launch_gemm.enabled else None)
+        _PLANS[key] = LaunchPlan(tuple(out.shape), out.dtype, b is not b_given, grid, args[5:], constexprs, cfg,
+                                 window_span, launch_key)
     return result if cfg.swap_ab else out
 
 

@@ -121,10 +121,10 @@ class TritonEngine:
              b_transposed: bool = False) -> torch.Tensor:
         """C = A @ B; ``b_transposed``: b is given as B^T [N, K] (an nn.Linear weight),
         so no transposed view is made per call (host time at decode sizes)."""
-        # Decode sizes on the auto path (below every cublaslt_min_m) go straight to Triton,
-        # before the checks below (host time: a decode-size GEMM takes less on the GPU
-        # than its Python).
-        if a.dim() == 2 and a.shape[0] < CUBLASLT_MIN_M_NARROW and gemm_backend_mode() == "auto":
+        # Sizes the auto path keeps on Triton (below cublaslt_min_m) go straight there, before
+        # the checks below (host time: a decode-size GEMM takes less on the GPU than its Python).
+        if (a.dim() == 2 and a.shape[0] < cublaslt_min_m(b.shape[0] if b_transposed else b.shape[-1])
+                and gemm_backend_mode() == "auto"):
             return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum,
                                b_transposed=b_transposed)
         # cuBLASLt only for activation-major A. A transposed A is a reduction over
