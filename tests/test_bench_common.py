@@ -50,6 +50,19 @@ def test_interleaved_rounds_rotate_and_take_the_median(monkeypatch):
     assert out == {"a": 5.0, "b": 3.0, "c": 4.0}
 
 
+def test_interleaved_rounds_put_every_variant_in_every_place_equally_often(monkeypatch):
+    from rlkernels.bench import common
+
+    calls = []
+    monkeypatch.setattr(common, "median_ms", lambda fn, warmup_ms, rep_ms: calls.append(fn()) or 1.0)
+    names = ["stock", "nosplit", "rlk", "triton"]
+    common.interleaved_median_ms({name: (lambda name=name: name) for name in names}, rounds=5)
+    # 5 rounds of 4 variants round up to 8: each variant twice in each of the 4 places.
+    assert len(calls) == 32
+    places = {name: sorted(i % 4 for i, c in enumerate(calls) if c == name) for name in names}
+    assert all(p == [0, 0, 1, 1, 2, 2, 3, 3] for p in places.values()), places
+
+
 def test_host_median_is_the_median_burst_per_call(monkeypatch):
     import time
 

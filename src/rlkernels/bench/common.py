@@ -12,6 +12,7 @@ import importlib
 import itertools
 import json
 import platform
+import statistics
 from typing import Any, Callable
 
 import torch
@@ -67,11 +68,16 @@ def interleaved_median_ms(fns: dict[str, Callable[[], Any]], rounds: int = 5, wa
     """
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
+    # Every variant takes every place in a round equally often (rounds rounded up to a
+    # multiple of the variant count): later places ran up to 1.5% slower at compute-bound
+    # points, and 5 rounds of 4 variants put the last two one place later in the median
+    # round (H100: benchmarks/results/explore_round_position_h100_session15.json).
+    rounds = -(-rounds // len(names)) * len(names) if names else 0
     for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             times[name].append(median_ms(fns[name], warmup_ms=warmup_ms, rep_ms=rep_ms))
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def host_median_us(fn: Callable[[], Any], calls: int = 20, trials: int = 21) -> float:
