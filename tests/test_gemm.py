@@ -251,3 +251,26 @@ def test_launch_plans_are_bounded(gen, monkeypatch):
         assert torch.equal(triton_gemm(x, w, b_transposed=True),
                            triton_gemm(x, w.t(), config=gemm_config(m, 8, torch.float16)))
         assert 0 < len(gemm._PLANS) <= 3
+
+
+@interpreter_only
+def test_launch_plan_after_a_tma_variant_that_did_not_fit(gen, monkeypatch):
+    # A TMA tile whose variant does not fit in shared memory runs the pointer kernel with the
+    # same tile (the weight read through its [K, N] view); its plan must land under the
+    # call's own plan key.
+    monkeypatch.setattr(gemm, "_PLANS", {})
+    monkeypatch.setattr(gemm, "_TMA_TOO_BIG", set())
+    tma_tile = GemmConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=1, tma=True)
+    monkeypatch.setattr(gemm, "gemm_config", lambda *args, **kwargs: tma_tile)
+
+    def too_big(*args, **kwargs):
+        raise gemm.OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(gemm, "tma_gemm", too_big)
+    monkeypatch.setattr(gemm, "tma_layouts", lambda a, b, out: (True, True, True))  # (a Hopper's answer)
+    x, w = randn(5, 32, generator=gen).half(), randn(24, 32, generator=gen).half()
+    first = triton_gemm(x, w, b_transposed=True)
+    assert set(gemm._PLANS) == {gemm.plan_key(x, w, None, None, True)} and len(gemm._TMA_TOO_BIG) == 1
+    assert torch.equal(triton_gemm(x.clone(), w.clone(), b_transposed=True), first)
+    rel = ((first.double() - _ref(x, w)).norm() / _ref(x, w).norm()).item()
+    assert rel <= contract.CONTRACT["matmul"][torch.float16].tolerance, rel

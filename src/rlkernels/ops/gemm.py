@@ -415,11 +415,11 @@ def triton_gemm(
     ``b_transposed``: a 2-D b is given as B^T [N, K] (an nn.Linear weight); the pointer
     kernel reads it through swapped strides, other paths through a transposed view.
     """
-    key = None
+    plan_id = None
     if (LAUNCH_PLANS and out is None and config is None and not accumulate and rowsum is None and a.dim() == 2
             and b.dim() == 2):
-        key = plan_key(a, b, bias, out_dtype, b_transposed)
-        plan = _PLANS.get(key)
+        plan_id = plan_key(a, b, bias, out_dtype, b_transposed)
+        plan = _PLANS.get(plan_id)
         if plan is not None:
             return plan(a, b, bias)
     b_given = b
@@ -512,12 +512,12 @@ def triton_gemm(
     window_span = (((K - 1) * sbk + (N - 1) * sbn + 1) * b.element_size()
                    if STREAM_ONCE_L2_WINDOW and M <= cfg.block_m and Bt == 1 and a.is_cuda else None)
     _launch_pointer(grid, args, constexprs, cfg.num_warps, cfg.num_stages, b, window_span)
-    if key is not None and not cfg.swap_ab:
+    if plan_id is not None and not cfg.swap_ab:
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
         launch_key = (_launch_gemm.key(args, constexprs, cfg.num_warps, cfg.num_stages)
                       if isinstance(_launch_gemm, CachedLauncher) and _launch_gemm.enabled else None)
-        _PLANS[key] = LaunchPlan(tuple(out.shape), out.dtype, b is not b_given, grid, args[5:], constexprs, cfg,
+        _PLANS[plan_id] = LaunchPlan(tuple(out.shape), out.dtype, b is not b_given, grid, args[5:], constexprs, cfg,
                                  window_span, launch_key)
     return result if cfg.swap_ab else out
 
