@@ -70,34 +70,40 @@ def hinted_ptx(ptx: str, param: int, kind: str, policy: str) -> tuple[str, int]:
     return "\n".join(lines), patched
 
 
-def _case(kind: str, policy: str, ptxas: str | None, strip: bool) -> None:
-    import torch
+def hinted_kernel(kernel, kind: str, policy: str = "createpolicy", ptxas: str | None = None, strip: bool = False):
+    """A launchable stand-in for Triton's compiled ``kernel`` (a CachedLauncher entry) whose
+    weight copies carry the evict-first L2 policy (:func:`hinted_ptx`; ``strip``: the same
+    PTX with the hints taken out again, a control), assembled by Triton's backend or
+    ``ptxas``."""
     from triton.compiler.compiler import make_backend
     from triton.runtime import driver
 
+    md = kernel.metadata
+    ptx, patched = hinted_ptx(kernel.asm["ptx"], 1 if kind == "pointer" else 5, kind, policy)
+    if strip:
+        ptx = ptx.replace(".L2::cache_hint", "").replace(f", {_POLICY};", ";")
+    print(f"copies hinted: {patched}{' (then stripped)' if strip else ''}", flush=True)
+    if ptxas:
+        d = tempfile.mkdtemp()
+        with open(f"{d}/k.ptx", "w") as f:
+            f.write(ptx)
+        subprocess.run([ptxas, "-lineinfo", "--gpu-name=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], check=True)
+        with open(f"{d}/k.cubin", "rb") as f:
+            cubin = f.read()
+    else:
+        backend = make_backend(md.target)
+        cubin = backend.make_cubin(ptx, dict(md._asdict()), backend.parse_options(md._asdict()), md.target.arch)
+    module, function, *_ = driver.active.utils.load_binary(md.name, cubin, md.shared,
+                                                            driver.active.get_current_device())
+    return types.SimpleNamespace(run=kernel.run, function=function, packed_metadata=kernel.packed_metadata,
+                                 module=module, patched=patched)
+
+
+def _case(kind: str, policy: str, ptxas: str | None, strip: bool) -> None:
+    import torch
+
     from rlkernels.ops import gemm, gemm_tma
     from rlkernels.ops.gemm import GemmConfig
-
-    def prepare(kernel, key):
-        md = kernel.metadata
-        ptx, patched = hinted_ptx(kernel.asm["ptx"], 1 if kind == "pointer" else 5, kind, policy)
-        if strip:
-            ptx = ptx.replace(".L2::cache_hint", "").replace(f", {_POLICY};", ";")
-        print(f"copies hinted: {patched}{' (then stripped)' if strip else ''}", flush=True)
-        if ptxas:
-            d = tempfile.mkdtemp()
-            with open(f"{d}/k.ptx", "w") as f:
-                f.write(ptx)
-            subprocess.run([ptxas, "-lineinfo", "--gpu-name=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], check=True)
-            with open(f"{d}/k.cubin", "rb") as f:
-                cubin = f.read()
-        else:
-            backend = make_backend(md.target)
-            cubin = backend.make_cubin(ptx, dict(md._asdict()), backend.parse_options(md._asdict()), md.target.arch)
-        module, function, *_ = driver.active.utils.load_binary(md.name, cubin, md.shared,
-                                                                driver.active.get_current_device())
-        return types.SimpleNamespace(run=kernel.run, function=function, packed_metadata=kernel.packed_metadata,
-                                     module=module)
 
     torch.manual_seed(0)
     w = (torch.randn(12288, 4096, device="cuda") / 64).bfloat16()
@@ -110,7 +116,7 @@ def _case(kind: str, policy: str, ptxas: str | None, strip: bool) -> None:
     gemm.triton_gemm(x, w, config=cfg, b_transposed=True)  # compiles; the launcher keeps the binary
     torch.cuda.synchronize()
     for key, kernel in list(launcher.kernels.items()):
-        launcher.kernels[key] = prepare(kernel, key)
+        launcher.kernels[key] = hinted_kernel(kernel, kind, policy, ptxas, strip)
     for _ in range(2):
         got = gemm.triton_gemm(x, w, config=cfg, b_transposed=True)
         torch.cuda.synchronize()
