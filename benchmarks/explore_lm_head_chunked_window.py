@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+from unittest import mock
 
 import torch
 
-from rlkernels.bench.common import graph_median_us, interleaved_median_ms, print_table, write_json
+from rlkernels.bench.common import compare_variants, print_table, write_json
 from rlkernels.ops import gemm
 
 
@@ -52,21 +53,12 @@ def main(argv: list[str] | None = None) -> int:
             fns[f"chunks of {c}"] = lambda c=c: chunked(x, w, c)
 
             def no_window(c=c):
-                gemm.STREAM_ONCE_L2_WINDOW = False
-                try:
+                with mock.patch.object(gemm, "STREAM_ONCE_L2_WINDOW", False):
                     return chunked(x, w, c)
-                finally:
-                    gemm.STREAM_ONCE_L2_WINDOW = True
             fns[f"chunks of {c}, no window"] = no_window
-        same = {name: torch.equal(fn(), want) for name, fn in fns.items() if name != "stock"}
-        eager = interleaved_median_ms(fns, rounds=6, warmup_ms=20, rep_ms=60)
-        graph = {name: graph_median_us(fn, replays=10, trials=7) for name, fn in fns.items()}
-        for name in fns:
-            row = {"M": m, "variant": name, "eager_us": eager[name] * 1e3, "eager_ratio": eager[name] / eager["stock"],
-                   "graph_us": graph[name], "graph_ratio": graph[name] / graph["stock"],
-                   "same_bits": same.get(name)}
-            rows.append(row)
-            print(row, flush=True)
+        for row in compare_variants(fns, want):
+            rows.append({"M": m, **row})
+            print(rows[-1], flush=True)
     print_table(f"lm head K={k} N={n}: one launch vs windowed chunks", rows,
                 ["M", "variant", "eager_us", "eager_ratio", "graph_us", "graph_ratio", "same_bits"])
     write_json(args.json, "explore_lm_head_chunked_window", rows)

@@ -14,18 +14,20 @@ replay (a clean L2), bits against the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
+from unittest import mock
 
 import torch
 
-from rlkernels.bench.common import graph_median_us, interleaved_median_ms, print_table, write_json
+from rlkernels.bench.common import compare_variants, print_table, write_json
 from rlkernels.ops import gemm, gemm_tma
 from rlkernels.ops._launch import CachedLauncher
-from rlkernels.ops.gemm import GemmConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
+from explore_lm_head_tiles import parse_tile  # noqa: E402
 from repro_async_copy_cache_hint import hinted_kernel  # noqa: E402
 
 
@@ -41,11 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
     xs = {m: torch.randn(m, k, device="cuda", generator=gen).bfloat16() for m in ms}
-    tiles = []
-    for text in args.tiles.split(","):
-        dims, warps, stages = text.split("/")
-        bm, bn, bk = (int(v) for v in dims.split("x"))
-        tiles.append(GemmConfig(bm, bn, bk, group_m=1, num_warps=int(warps[1:]), num_stages=int(stages[1:]), tma=True))
+    tiles = [dataclasses.replace(parse_tile(text), tma=True) for text in args.tiles.split(",")]
     plain = gemm_tma._launch_tma
     for cfg in tiles:  # compile every (tile, M) through Triton, then hint copies of them
         for x in xs.values():
@@ -57,11 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def through(launcher, cfg, x):
         def call():
-            gemm_tma._launch_tma = launcher
-            try:
+            with mock.patch.object(gemm_tma, "_launch_tma", launcher):
                 return gemm.triton_gemm(x, w, config=cfg, b_transposed=True)
-            finally:
-                gemm_tma._launch_tma = plain
         return call
 
     rows: list[dict[str, Any]] = []
@@ -72,15 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in tiles:
             fns[f"tma {cfg.short()}"] = through(plain, cfg, x)
             fns[f"tma {cfg.short()} evict-first"] = through(hinted, cfg, x)
-        same = {name: torch.equal(fn(), want) for name, fn in fns.items() if name != "stock"}
-        torch.cuda.synchronize()
-        eager = interleaved_median_ms(fns, rounds=6, warmup_ms=20, rep_ms=60)
-        graph = {name: graph_median_us(fn, replays=10, trials=7) for name, fn in fns.items()}
-        for name in fns:
-            row = {"M": m, "variant": name, "eager_us": eager[name] * 1e3, "eager_ratio": eager[name] / eager["stock"],
-                   "graph_us": graph[name], "graph_ratio": graph[name] / graph["stock"], "same_bits": same.get(name)}
-            rows.append(row)
-            print(row, flush=True)
+        for row in compare_variants(fns, want):
+            rows.append({"M": m, **row})
+            print(rows[-1], flush=True)
     print_table(f"lm head K={k} N={n}: TMA loads, weight evict-first", rows,
                 ["M", "variant", "eager_us", "eager_ratio", "graph_us", "graph_ratio", "same_bits"])
     print("weight copies hinted, per compiled kernel:", patched)
