@@ -8,11 +8,13 @@ the same with the cached launch (ops._launch), and the public rlkernels.linear;
 then a cProfile of rlkernels.linear.
 """
 import argparse
+import contextlib
 import cProfile
 import json
 import pstats
 import time
-from typing import Any
+from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -43,6 +45,9 @@ def main() -> None:
     parser.add_argument("--plans-ab", type=int, default=0, metavar="ROUNDS",
                         help="host µs of rlkernels.linear with ops.gemm's launch plans on and off, alternating "
                              "in one process, on --shapes")
+    parser.add_argument("--cublaslt-ab", type=int, default=0, metavar="ROUNDS",
+                        help="host µs on the cuBLASLt-no-split path (routing kept or worked out per call, flags "
+                             "set inline or by the context manager), alternating in one process, on --shapes")
     parser.add_argument("--host-only", action="store_true",
                         help="only host µs per call of rlkernels.linear and F.linear on --shapes, one line (A/B)")
     parser.add_argument("--breakdown-only", action="store_true",
@@ -53,6 +58,9 @@ def main() -> None:
         return
     if args.plans_ab:
         print(json.dumps(plans_ab(_shapes(args.shapes), args.plans_ab)))
+        return
+    if args.cublaslt_ab:
+        print(json.dumps(cublaslt_path_ab(_shapes(args.shapes), args.cublaslt_ab)))
         return
     if args.host_only:
         print(json.dumps({"rlkernels": rlkernels.__file__, **host_by_shape(_shapes(args.shapes))}))
@@ -121,26 +129,71 @@ def host_by_shape(shapes: list[tuple[int, int, int]]) -> dict[str, float]:
     return out
 
 
-def plans_ab(shapes: list[tuple[int, int, int]], rounds: int) -> dict[str, Any]:
-    """Host µs per call of rlkernels.linear with launch plans on and off (gemm.LAUNCH_PLANS),
-    alternating in one process (a host's speed moved by 2x between processes), F.linear
-    beside; per shape the median over rounds and the median of the per-round ratios."""
+def alternating_host_us(variants: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
+                        rounds: int) -> dict[str, Any]:
+    """Host µs per call of each variant -- name: (context factory that switches it on, fn) --
+    alternating in one process, the order rotated each round (a host's speed moved by 2x
+    between processes); the median over rounds per variant and the median per-round
+    ratio of each variant to the first."""
     from rlkernels.bench.common import host_median_us
+
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            switch, fn = variants[name]
+            with switch():
+                times[name].append(host_median_us(fn))
+    out: dict[str, Any] = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    for name in names[1:]:
+        ratios = sorted(p / q for p, q in zip(times[name], times[names[0]]))
+        out[f"{name}_over_{names[0]}"] = ratios[len(ratios) // 2]
+    return out
+
+
+def plans_ab(shapes: list[tuple[int, int, int]], rounds: int) -> dict[str, Any]:
+    """Host µs per call of rlkernels.linear with ops.gemm's launch plans off and on
+    (gemm.LAUNCH_PLANS), F.linear beside."""
+    out: dict[str, Any] = {}
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        w = torch.randn(n, k, device="cuda").bfloat16()
+        out[f"{m}x{k}x{n}"] = alternating_host_us({
+            "no_plans": (lambda: mock.patch.object(gemm, "LAUNCH_PLANS", False), lambda: rlkernels.linear(x, w)),
+            "plans": (contextlib.nullcontext, lambda: rlkernels.linear(x, w)),
+            # cuBLASLt's own host cost: the flags set once around the whole measurement.
+            "F.linear_flags_held": (lambda: cublaslt.no_split_k(x.dtype), lambda: torch.nn.functional.linear(x, w)),
+            "F.linear": (contextlib.nullcontext, lambda: torch.nn.functional.linear(x, w)),
+        }, rounds)
+    return out
+
+
+def cublaslt_path_ab(shapes: list[tuple[int, int, int]], rounds: int) -> dict[str, Any]:
+    """Host µs per call on the cuBLASLt-no-split path: rlkernels.linear with its routing
+    worked out on every call (TritonEngine.use_cublaslt) and kept (cublaslt_route); the
+    flags set around F.linear through the no_split_k context manager and inline
+    (linear_no_split_k); F.linear with the flags set once for the whole measurement
+    (cuBLASLt's own host cost); stock F.linear."""
+    from rlkernels.ops import matmul as mm
+
+    def through_context_manager(x, w):
+        with cublaslt.no_split_k(x.dtype):
+            return torch.nn.functional.linear(x, w)
 
     out: dict[str, Any] = {}
     for m, k, n in shapes:
         x = torch.randn(m, k, device="cuda").bfloat16()
         w = torch.randn(n, k, device="cuda").bfloat16()
-        times: dict[str, list[float]] = {"plans": [], "no_plans": [], "F.linear": []}
-        for r in range(rounds):
-            for variant in (("plans", "no_plans") if r % 2 == 0 else ("no_plans", "plans")):
-                gemm.LAUNCH_PLANS = variant == "plans"
-                times[variant].append(host_median_us(lambda: rlkernels.linear(x, w)))
-            times["F.linear"].append(host_median_us(lambda: torch.nn.functional.linear(x, w)))
-        gemm.LAUNCH_PLANS = True
-        ratios = sorted(p / q for p, q in zip(times["plans"], times["no_plans"]))
-        out[f"{m}x{k}x{n}"] = {**{name: sorted(ts)[len(ts) // 2] for name, ts in times.items()},
-                               "plans_over_no_plans": ratios[len(ratios) // 2]}
+        rlkernels.linear(x, w)
+        assert mm.TritonEngine().cublaslt_route(x, n, None), f"{m}x{k}x{n} is not on the cuBLASLt path"
+        out[f"{m}x{k}x{n}"] = alternating_host_us({
+            "no_routes": (lambda: mock.patch.object(mm.TritonEngine, "cublaslt_route", mm.TritonEngine.use_cublaslt),
+                          lambda: rlkernels.linear(x, w)),
+            "routes": (contextlib.nullcontext, lambda: rlkernels.linear(x, w)),
+            "no_split_k_context": (contextlib.nullcontext, lambda: through_context_manager(x, w)),
+            "linear_no_split_k": (contextlib.nullcontext, lambda: cublaslt.linear_no_split_k(x, w, None)),
+            "F.linear": (contextlib.nullcontext, lambda: torch.nn.functional.linear(x, w)),
+        }, rounds)
     return out
 
 

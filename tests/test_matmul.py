@@ -180,3 +180,79 @@ def test_auto_dispatch_threshold_depends_on_width(monkeypatch, m, n, want):
     monkeypatch.setattr(mm, "cublaslt_verified", lambda device, dtype, k, has_bias: True)
     a = torch.empty(m, 4096, dtype=torch.bfloat16)
     assert mm.TritonEngine().use_cublaslt(a, n, None) is want
+
+
+def _fake_cublaslt(monkeypatch, verified: bool = True) -> dict:
+    """cuBLASLt made 'available' on the CPU: calls are counted, its 'output' is the torch chain's."""
+    from rlkernels.ops import matmul as mm
+
+    calls = {"use_cublaslt": 0, "cublaslt": 0}
+    real_use = mm.TritonEngine.use_cublaslt
+
+    def counted_use(self, a, n, bias):
+        calls["use_cublaslt"] += 1
+        return real_use(self, a, n, bias)
+
+    def fake_linear(x, w, bias):
+        calls["cublaslt"] += 1
+        return mm.TorchEngine().gemm(x, w.t(), bias=bias)
+
+    monkeypatch.setattr(mm, "_CUBLASLT_ROUTES", {})
+    monkeypatch.delenv("RLKERNELS_GEMM_BACKEND", raising=False)
+    monkeypatch.setattr(mm.TritonEngine, "use_cublaslt", counted_use)
+    monkeypatch.setattr(mm, "cublaslt_available", lambda device, dtype: True)
+    monkeypatch.setattr(mm, "cublaslt_verified", lambda device, dtype, k, has_bias: verified)
+    monkeypatch.setattr(mm, "linear_no_split_k", fake_linear)
+    return calls
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cublaslt_route_is_worked_out_once_per_problem(monkeypatch, gen, with_bias):
+    from rlkernels.ops import matmul as mm
+
+    calls = _fake_cublaslt(monkeypatch)
+    engine = mm.TritonEngine()
+    w = randn(48, 40, dtype=torch.float16, generator=gen)
+    bias = randn(48, dtype=torch.float16, generator=gen) if with_bias else None
+    for m in (40, 40, 41, 40, 41):
+        y = engine.gemm(randn(m, 40, dtype=torch.float16, generator=gen), w, bias=bias, b_transposed=True)
+        assert y.shape == (m, 48)
+    assert calls == {"use_cublaslt": 2, "cublaslt": 5}
+    assert len(mm._CUBLASLT_ROUTES) == 2 and all(mm._CUBLASLT_ROUTES.values())
+
+
+def test_cublaslt_route_follows_the_backend_switch_and_the_mode(monkeypatch, gen):
+    # A kept route must not outlive what it was worked out from: forcing Triton, or
+    # the batch-invariant mode (where F.linear itself is rerouted to rlkernels, so a
+    # detour through it would recurse), turns cuBLASLt off at the next call.
+    from rlkernels.ops import matmul as mm
+
+    calls = _fake_cublaslt(monkeypatch)
+    engine = mm.TritonEngine()
+    x, w = randn(40, 40, dtype=torch.float16, generator=gen), randn(48, 40, dtype=torch.float16, generator=gen)
+    engine.gemm(x, w, b_transposed=True)
+    assert calls["cublaslt"] == 1
+    monkeypatch.setenv("RLKERNELS_GEMM_BACKEND", "triton")
+    engine.gemm(x, w, b_transposed=True)
+    assert calls["cublaslt"] == 1
+    monkeypatch.delenv("RLKERNELS_GEMM_BACKEND")
+    monkeypatch.setattr(mm, "_batch_invariant_mode", lambda: True)
+    engine.gemm(x, w, b_transposed=True)
+    assert calls["cublaslt"] == 1
+    monkeypatch.setattr(mm, "_batch_invariant_mode", lambda: False)
+    engine.gemm(x, w, b_transposed=True)
+    assert calls == {"use_cublaslt": 3, "cublaslt": 2}
+
+
+def test_cublaslt_route_keeps_a_failed_probe_and_is_bounded(monkeypatch, gen):
+    from rlkernels.ops import matmul as mm
+
+    calls = _fake_cublaslt(monkeypatch, verified=False)
+    monkeypatch.setattr(mm, "MAX_CUBLASLT_ROUTES", 2)
+    engine = mm.TritonEngine()
+    w = randn(48, 40, dtype=torch.float16, generator=gen)
+    for m in (40, 41, 42, 40):
+        x = randn(m, 40, dtype=torch.float16, generator=gen)
+        assert torch.equal(engine.gemm(x, w, b_transposed=True), mm.triton_gemm(x, w.t()))
+        assert 0 < len(mm._CUBLASLT_ROUTES) <= 2 and not any(mm._CUBLASLT_ROUTES.values())
+    assert calls == {"use_cublaslt": 4, "cublaslt": 0}

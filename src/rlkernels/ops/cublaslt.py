@@ -80,21 +80,34 @@ def _reduction_flag(dtype: torch.dtype) -> str:
 FLAGS = _FlagAccess()
 
 
+def _forbid_split_k(dtype: torch.dtype) -> tuple:
+    """cuBLASLt as the BLAS library, split-K disallowed for ``dtype``; returns what to restore.
+    Call with _FLAG_LOCK held."""
+    saved = FLAGS.get_library(), FLAGS.get_pair[dtype]()
+    FLAGS.set_library(FLAGS.cublaslt)
+    try:
+        # (allow_reduced_precision, allow_splitk): the pair form exists in torch >= 2.9.
+        FLAGS.set_pair[dtype](False, False)
+    except BaseException:
+        FLAGS.set_library(saved[0])
+        raise
+    return saved
+
+
+def _restore(dtype: torch.dtype, saved: tuple) -> None:
+    FLAGS.set_pair[dtype](*saved[1])
+    FLAGS.set_library(saved[0])
+
+
 @contextlib.contextmanager
 def no_split_k(dtype: torch.dtype) -> Iterator[None]:
     """cuBLASLt as the BLAS library and split-K disallowed for ``dtype``; restored on exit."""
-    set_pair = FLAGS.set_pair[dtype]
     with _FLAG_LOCK:
-        prev_lib = FLAGS.get_library()
-        prev_pair = FLAGS.get_pair[dtype]()
+        saved = _forbid_split_k(dtype)
         try:
-            FLAGS.set_library(FLAGS.cublaslt)
-            # (allow_reduced_precision, allow_splitk): the pair form exists in torch >= 2.9.
-            set_pair(False, False)
             yield
         finally:
-            set_pair(*prev_pair)
-            FLAGS.set_library(prev_lib)
+            _restore(dtype, saved)
 
 
 def linear_no_split_k(x: torch.Tensor, weight_nk: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -103,10 +116,16 @@ def linear_no_split_k(x: torch.Tensor, weight_nk: torch.Tensor, bias: torch.Tens
     The eager entry point: the library's own callers run eagerly (the public ops are
     graph breaks under torch.compile), and the custom-op dispatch below would add tens
     of microseconds of host time per call (measured: the eager M = 128 calls were
-    host-bound on the H100 host).
+    host-bound on the H100 host). The flags are handled inline rather than through
+    :func:`no_split_k`, whose generator costs about a microsecond per call.
     """
-    with no_split_k(x.dtype):
-        return torch.nn.functional.linear(x, weight_nk, bias)
+    dtype = x.dtype
+    with _FLAG_LOCK:
+        saved = _forbid_split_k(dtype)
+        try:
+            return torch.nn.functional.linear(x, weight_nk, bias)
+        finally:
+            _restore(dtype, saved)
 
 
 # The same call as an opaque torch.library op, for code that torch.compile traces.

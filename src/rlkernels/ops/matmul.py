@@ -95,15 +95,31 @@ def aligned_16_bytes(k: int, n: int) -> bool:
     return k % 8 == 0 and n % 8 == 0
 
 
+_batch_invariant_module = None
+
+
+def _batch_invariant_mode() -> bool:
+    global _batch_invariant_module
+    if _batch_invariant_module is None:
+        from .. import batch_invariant  # (a cycle at import time)
+
+        _batch_invariant_module = batch_invariant
+    return _batch_invariant_module.is_batch_invariant_mode_enabled()
+
+
+# use_cublaslt's answers by everything it reads (see TritonEngine.cublaslt_route);
+# bounded like the launch plans.
+_CUBLASLT_ROUTES: dict[tuple, bool] = {}
+MAX_CUBLASLT_ROUTES = 4096
+
+
 class TritonEngine:
     name = "triton"
 
     def use_cublaslt(self, a: torch.Tensor, n: int, bias: torch.Tensor | None) -> bool:
         mode = gemm_backend_mode()
-        from ..batch_invariant import is_batch_invariant_mode_enabled  # (a cycle at import time)
-
         # In the mode F.linear is itself overridden (to Triton): no detour through it.
-        if mode == "triton" or is_batch_invariant_mode_enabled():
+        if mode == "triton" or _batch_invariant_mode():
             return False
         ok = cublaslt_available(a.device, a.dtype)
         if mode == "cublaslt":
@@ -114,6 +130,21 @@ class TritonEngine:
             return True
         return (ok and a.shape[0] >= cublaslt_min_m(n) and aligned_16_bytes(a.shape[-1], n)
                 and cublaslt_verified(a.device, a.dtype, a.shape[-1], bias is not None))
+
+    def cublaslt_route(self, a: torch.Tensor, n: int, bias: torch.Tensor | None) -> bool:
+        """:meth:`use_cublaslt`, kept by what it depends on: A's shape, N, the dtype, the
+        device, the bias's presence, RLKERNELS_GEMM_BACKEND and the batch-invariant mode
+        (a probe's verdict is final for the process). Why: on the H100 host working the
+        answer out took ~10 us per call, about a cuBLASLt GEMM's GPU time at M = 128."""
+        key = (a.shape, n, a.dtype, a.get_device(), bias is None, env_get("RLKERNELS_GEMM_BACKEND"),
+               _batch_invariant_mode())
+        route = _CUBLASLT_ROUTES.get(key)
+        if route is None:
+            route = self.use_cublaslt(a, n, bias)  # (a forced backend that cannot run raises: nothing kept)
+            if len(_CUBLASLT_ROUTES) >= MAX_CUBLASLT_ROUTES:
+                _CUBLASLT_ROUTES.clear()
+            _CUBLASLT_ROUTES[key] = route
+        return route
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -132,7 +163,7 @@ class TritonEngine:
         # proven, and needs no cuBLASLt probe per token count.
         plain = (out is None and not accumulate and rowsum is None and a.dim() == 2 and b.dim() == 2
                  and a.stride(-1) == 1 and out_dtype in (None, a.dtype) and a.shape[0] > 0 and a.shape[1] > 0)
-        if plain and self.use_cublaslt(a, b.shape[0] if b_transposed else b.shape[1], bias):
+        if plain and self.cublaslt_route(a, b.shape[0] if b_transposed else b.shape[1], bias):
             return linear_no_split_k(a, b if b_transposed else b.t(), bias)
         return triton_gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate, rowsum=rowsum,
                            b_transposed=b_transposed)
