@@ -161,8 +161,6 @@ def plans_ab(shapes: list[tuple[int, int, int]], rounds: int) -> dict[str, Any]:
         out[f"{m}x{k}x{n}"] = alternating_host_us({
             "no_plans": (lambda: mock.patch.object(gemm, "LAUNCH_PLANS", False), lambda: rlkernels.linear(x, w)),
             "plans": (contextlib.nullcontext, lambda: rlkernels.linear(x, w)),
-            # cuBLASLt's own host cost: the flags set once around the whole measurement.
-            "F.linear_flags_held": (lambda: cublaslt.no_split_k(x.dtype), lambda: torch.nn.functional.linear(x, w)),
             "F.linear": (contextlib.nullcontext, lambda: torch.nn.functional.linear(x, w)),
         }, rounds)
     return out
@@ -192,6 +190,8 @@ def cublaslt_path_ab(shapes: list[tuple[int, int, int]], rounds: int) -> dict[st
             "routes": (contextlib.nullcontext, lambda: rlkernels.linear(x, w)),
             "no_split_k_context": (contextlib.nullcontext, lambda: through_context_manager(x, w)),
             "linear_no_split_k": (contextlib.nullcontext, lambda: cublaslt.linear_no_split_k(x, w, None)),
+            # cuBLASLt's own host cost: the flags set once around the whole measurement.
+            "F.linear_flags_held": (lambda: cublaslt.no_split_k(x.dtype), lambda: torch.nn.functional.linear(x, w)),
             "F.linear": (contextlib.nullcontext, lambda: torch.nn.functional.linear(x, w)),
         }, rounds)
     return out

@@ -266,7 +266,7 @@ def test_launch_plan_after_a_tma_variant_that_did_not_fit(gen, monkeypatch):
     def too_big(*args, **kwargs):
         raise gemm.OutOfResources(300_000, 232_448, "shared memory")
 
-    monkeypatch.setattr(gemm, "tma_gemm", too_big)
+    monkeypatch.setattr(gemm, "tma_gemm_planned", too_big)
     monkeypatch.setattr(gemm, "tma_layouts", lambda a, b, out: (True, True, True))  # (a Hopper's answer)
     x, w = randn(5, 32, generator=gen).half(), randn(24, 32, generator=gen).half()
     first = triton_gemm(x, w, b_transposed=True)
@@ -274,3 +274,75 @@ def test_launch_plan_after_a_tma_variant_that_did_not_fit(gen, monkeypatch):
     assert torch.equal(triton_gemm(x.clone(), w.clone(), b_transposed=True), first)
     rel = ((first.double() - _ref(x, w)).norm() / _ref(x, w).norm()).item()
     assert rel <= contract.CONTRACT["matmul"][torch.float16].tolerance, rel
+
+
+class _RecordingTmaLauncher:
+    """Stands in for gemm_tma._launch_tma on the CPU (the TMA kernel needs a Hopper): each
+    launch is recorded as what it hands the kernel -- descriptors as (base, shape, strides,
+    block), the output by its shape and strides, other tensors by address -- and writes
+    the product into the output so that the caller's result can be checked."""
+
+    def __new__(cls):
+        from rlkernels.ops import _launch
+
+        class Recording(_launch.CachedLauncher):
+            def __init__(self):
+                super().__init__(fn=None)
+                self.enabled, self.launches = True, []
+
+            def key(self, args, constexprs, num_warps, num_stages):
+                return ("tma", constexprs, num_warps, num_stages)
+
+            def _launch(self, key, grid, args, constexprs, num_warps, num_stages, stream):
+                a_desc, b_desc, c_desc, out, bias = args[:5]
+                # (descriptors lie over the operands' own memory: base is A [M, K], B [K, N])
+                out.copy_(a_desc.base.double() @ b_desc.base.double() + (bias.double() if constexprs[0] else 0))
+
+                def describe(t):
+                    if t is out:
+                        return ("out", tuple(t.shape), t.stride())
+                    if isinstance(t, torch.Tensor):
+                        return t.data_ptr()
+                    if hasattr(t, "block_shape"):
+                        return ("out" if t.base is out else t.base.data_ptr(), tuple(t.shape), tuple(t.strides),
+                                tuple(t.block_shape))
+                    return t
+
+                self.launches.append((key, grid, tuple(describe(t) for t in args), constexprs, num_warps, num_stages))
+
+        return Recording()
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tma_launch_plan_launches_what_the_full_path_launches(gen, monkeypatch, with_bias):
+    # A repeated 2-D forward call on a TMA tile launches from its plan: the same grid,
+    # constexprs, launcher key and integer arguments, and descriptors over the new call's
+    # own tensors exactly as tma_gemm builds them.
+    from rlkernels.ops import gemm_tma
+
+    tile = GemmConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=1, tma=True, persistent=True)
+    launcher = _RecordingTmaLauncher()
+    monkeypatch.setattr(gemm_tma, "_launch_tma", launcher)
+    monkeypatch.setattr(gemm, "_PLANS", {})
+    monkeypatch.setattr(gemm, "_TMA_TOO_BIG", set())
+    monkeypatch.setattr(gemm, "gemm_config", lambda *args, **kwargs: tile)
+    # (a Hopper's answer, from the operands' strides: tma_layouts itself wants CUDA tensors)
+    monkeypatch.setattr(gemm, "tma_layouts", lambda a, b, out: (gemm_tma.tma_layout_ok(a, 1),
+                                                                gemm_tma.tma_layout_ok(b, 0), True))
+    m, k, n = 37, 48, 40
+    bias = randn(n, generator=gen).half() if with_bias else None
+    calls = [(randn(m, k, generator=gen).half(), randn(n, k, generator=gen).half()) for _ in range(3)]
+    for i, (x, w) in enumerate(calls):
+        got = triton_gemm(x, w, bias=bias, b_transposed=True)
+        assert torch.equal(got, (_ref(x, w, bias)).half())
+        assert len(gemm._PLANS) == 1 and isinstance(next(iter(gemm._PLANS.values())), gemm_tma.TmaPlan)
+        if i == 0:
+            # Plan hits work nothing out again: neither the tile nor the layouts.
+            monkeypatch.setattr(gemm, "gemm_config", lambda *a, **kw: pytest.fail("a plan hit chose a tile"))
+            monkeypatch.setattr(gemm, "tma_layouts", lambda *a: pytest.fail("a plan hit checked layouts"))
+    planned = launcher.launches[1:]
+    assert len(planned) == 2 and all(launch[0] == launcher.launches[0][0] for launch in planned)
+    for (x, w), launch in zip(calls[1:], planned):
+        full = gemm_tma.tma_gemm(x, w.t(), tile, bias=bias, layouts=(True, True, True))
+        assert torch.equal(full, (_ref(x, w, bias)).half())
+        assert launch[1:] == launcher.launches[-1][1:]

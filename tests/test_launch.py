@@ -265,3 +265,40 @@ def test_cached_launcher_key_count_is_bounded(monkeypatch):
     for m in range(20):  # value-keyed integers: one key per M
         launcher((1,), (x, m), (), num_warps=4, num_stages=3)
     assert len(compiled) == 20 and 0 < len(launcher.kernels) <= 8
+
+
+@pytest.mark.gpu
+def test_tma_launch_plans_give_the_full_paths_bits(monkeypatch):
+    # 2-D forward calls on the table's TMA tiles (M > 256) launch from ops.gemm's plans
+    # after the first: the kernel must be Triton's own for the new arguments (the plan's
+    # kept launcher key is checked against them) and the bits those of the full path.
+    from rlkernels.ops import gemm_tma
+
+    probe = torch.zeros(16, 16, device="cuda", dtype=torch.bfloat16)
+    if not gemm_tma.tma_eligible(probe, probe, None):
+        pytest.skip("no TMA on this GPU")
+    g = torch.Generator(device="cuda").manual_seed(11)
+
+    def rnd(*shape, dtype):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    checked = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for m, k, n in ((300, 1000, 1032), (1031, 512, 2056), (2049, 256, 520)):
+            assert gemm.gemm_config(m, n, dtype).tma
+            w, bias = rnd(n, k, dtype=dtype), rnd(n, dtype=dtype)
+            for b, kwargs in ((w, {"b_transposed": True}), (w, {"b_transposed": True, "bias": bias}),
+                              (w.t().contiguous(), {})):
+                calls = [rnd(m, k, dtype=dtype) for _ in range(3)]
+                monkeypatch.setattr(gemm, "LAUNCH_PLANS", False)
+                monkeypatch.setattr(gemm_tma, "_launch_tma", _launch.CachedLauncher(gemm_tma._gemm_tma_kernel))
+                gemm_tma._launch_tma.enabled = False
+                wants = [gemm.triton_gemm(x, b, **kwargs) for x in calls]
+                monkeypatch.setattr(gemm, "LAUNCH_PLANS", True)
+                monkeypatch.setattr(gemm, "_PLANS", {})
+                monkeypatch.setattr(gemm_tma, "_launch_tma", _CheckingLauncher(gemm_tma._gemm_tma_kernel, checked))
+                for x, want in zip(calls, wants):
+                    assert torch.equal(gemm.triton_gemm(x, b, **kwargs), want), (m, k, n, dtype, sorted(kwargs))
+                plans = list(gemm._PLANS.values())
+                assert len(plans) == 1 and isinstance(plans[0], gemm_tma.TmaPlan)
+    assert len(checked) >= 36

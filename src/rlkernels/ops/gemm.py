@@ -29,7 +29,7 @@ from ._launch import CachedLauncher, cached_launcher, current_device
 from . import l2_window
 from ._tiles import grouped_tile
 from ._triton import DOT_ANY_M, cdiv, tl, triton
-from .gemm_tma import tma_gemm, tma_layouts
+from .gemm_tma import TmaPlan, tma_gemm_planned, tma_layouts
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -357,7 +357,7 @@ class LaunchPlan:
 # Launch plans by plan_key; bounded like the launcher's keys (one plan per problem shape).
 # False works every call out in full (for A/B benchmarks of host time).
 LAUNCH_PLANS = True
-_PLANS: dict[tuple, LaunchPlan] = {}
+_PLANS: dict[tuple, LaunchPlan | TmaPlan] = {}
 MAX_PLANS = 4096
 
 
@@ -485,7 +485,12 @@ def triton_gemm(
         key = (cfg, *layouts, accumulate, out.dtype, a.dtype)
         if key not in _TMA_TOO_BIG:
             try:
-                return tma_gemm(a, b, cfg, bias=bias, out=out, accumulate=accumulate, layouts=layouts)
+                out, tma_plan = tma_gemm_planned(a, b, cfg, bias=bias, out=out, accumulate=accumulate,
+                                                 layouts=layouts,
+                                                 plan_b_as_kn=None if plan_id is None else b is not b_given)
+                if tma_plan is not None:
+                    _keep_plan(plan_id, tma_plan)
+                return out
             except OutOfResources:
                 # Raised before launch (nothing written): some layout/epilogue variants need
                 # more shared memory than the chip has (e.g. a warp-specialized tile with an
@@ -513,13 +518,17 @@ def triton_gemm(
                    if STREAM_ONCE_L2_WINDOW and M <= cfg.block_m and Bt == 1 and a.is_cuda else None)
     _launch_pointer(grid, args, constexprs, cfg.num_warps, cfg.num_stages, b, window_span)
     if plan_id is not None and not cfg.swap_ab:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
         launch_key = (_launch_gemm.key(args, constexprs, cfg.num_warps, cfg.num_stages)
                       if isinstance(_launch_gemm, CachedLauncher) and _launch_gemm.enabled else None)
-        _PLANS[plan_id] = LaunchPlan(tuple(out.shape), out.dtype, b is not b_given, grid, args[5:], constexprs, cfg,
-                                 window_span, launch_key)
+        _keep_plan(plan_id, LaunchPlan(tuple(out.shape), out.dtype, b is not b_given, grid, args[5:], constexprs, cfg,
+                                       window_span, launch_key))
     return result if cfg.swap_ab else out
+
+
+def _keep_plan(plan_id: tuple, plan: LaunchPlan | TmaPlan) -> None:
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[plan_id] = plan
 
 
 @functools.lru_cache(maxsize=None)

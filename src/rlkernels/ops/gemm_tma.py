@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._launch import cached_launcher
+from ._launch import CachedLauncher, cached_launcher
 from ._tiles import grouped_tile
 from ._triton import cdiv, tl, triton
 
@@ -157,6 +157,46 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+class TmaPlan:
+    """What :func:`tma_gemm` works out for a 2-D forward call besides the tensors: layouts,
+    grid, integer arguments, constexprs, the launcher's key (``ops.gemm``'s launch plans,
+    same reason: a 4096 x 4096 x 1024 GEMM takes ~48 us on the GPU, and the full TMA path's
+    host time went past that on a slow H100 host). A later call with the same plan key
+    builds the same three descriptors over its own tensors and launches the same kernel
+    with the same arguments, so the bits are the same."""
+
+    __slots__ = ("out_shape", "out_dtype", "b_as_kn", "layouts", "c_desc_ok", "blocks", "grid", "ints",
+                 "constexprs", "num_warps", "num_stages", "launch_key")
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = a.new_empty(self.out_shape, dtype=self.out_dtype)
+        if self.b_as_kn:
+            b = b.t()
+        args = (*_descriptors(a, b, out, self.layouts, self.c_desc_ok, self.blocks), out,
+                out if bias is None else bias, *self.ints)
+        if self.launch_key is None:
+            _launch_tma(self.grid, args, self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+        else:
+            _launch_tma.launch_keyed(self.launch_key, self.grid, args, self.constexprs, num_warps=self.num_warps,
+                                     num_stages=self.num_stages)
+        return out
+
+
+def _descriptors(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layouts: tuple[bool, bool, bool],
+                 c_desc_ok: bool, blocks: tuple[int, int, int]) -> tuple:
+    """A, B and C descriptors over the operands' memory as it lies (rows along the
+    unit-stride dim); C's is A's stand-in where ``out`` goes through pointers."""
+    (M, K), N = a.shape, b.shape[1]
+    bm, bn, bk = blocks
+    a_kmajor, b_kmajor, _ = layouts
+    a_desc = (TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk]) if a_kmajor
+              else TensorDescriptor(a, [K, M], [a.stride(1), 1], [bk, bm]))
+    b_desc = (TensorDescriptor(b, [N, K], [b.stride(1), 1], [bn, bk]) if b_kmajor
+              else TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn]))
+    c_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [bm, bn]) if c_desc_ok else a_desc
+    return a_desc, b_desc, c_desc
+
+
 def tma_gemm(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias: torch.Tensor | None = None,
              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
              accumulate: bool = False, layouts: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
@@ -167,28 +207,39 @@ def tma_gemm(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias: torch.T
     ``out`` is the chain's starting value and is updated in place. ``cfg.persistent``
     and ``cfg.warp_specialize`` pick the schedule (module doc).
     """
+    return tma_gemm_planned(a, b, cfg, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate,
+                            layouts=layouts)[0]
+
+
+def tma_gemm_planned(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                     accumulate: bool = False, layouts: tuple[bool, bool, bool] | None = None,
+                     plan_b_as_kn: bool | None = None) -> tuple[torch.Tensor, TmaPlan | None]:
+    """:func:`tma_gemm`, and with ``plan_b_as_kn`` set (the caller's B was [N, K], given here
+    as its [K, N] view: True) the :class:`TmaPlan` that repeats this call for a fresh output."""
     M, K = a.shape
     N = b.shape[1]
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype or a.dtype, device=a.device)
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    blocks = (cfg.block_m, cfg.block_n, cfg.block_k)
     if layouts is None:
         layouts = (tma_layout_ok(a, 1), tma_layout_ok(b, 0), tma_layout_ok(out, 1))
     a_kmajor, b_kmajor, out_rows_ok = layouts
-    # Descriptors over the operands' memory as it lies (rows along the unit-stride dim).
-    a_desc = (TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk]) if a_kmajor
-              else TensorDescriptor(a, [K, M], [a.stride(1), 1], [bk, bm]))
-    b_desc = (TensorDescriptor(b, [N, K], [b.stride(1), 1], [bn, bk]) if b_kmajor
-              else TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn]))
     c_desc_ok = not accumulate and out.element_size() < 4 and out_rows_ok
-    c_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [bm, bn]) if c_desc_ok else a_desc
-    num_tiles = cdiv(M, bm) * cdiv(N, bn)
+    num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     sms = sm_count(a.device)
     grid = (min(sms, num_tiles),) if cfg.persistent else (num_tiles,)
-    _launch_tma(grid,
-                (a_desc, b_desc, c_desc, out, bias if bias is not None else out, M, N, K, out.stride(0),
-                 out.stride(1)),
-                (bias is not None, accumulate, c_desc_ok, a.dtype == torch.float32, a_kmajor, b_kmajor, bm, bn, bk,
-                 cfg.group_m, sms, cfg.persistent, cfg.warp_specialize),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    ints = (M, N, K, out.stride(0), out.stride(1))
+    args = (*_descriptors(a, b, out, layouts, c_desc_ok, blocks), out, bias if bias is not None else out, *ints)
+    constexprs = (bias is not None, accumulate, c_desc_ok, a.dtype == torch.float32, a_kmajor, b_kmajor, *blocks,
+                  cfg.group_m, sms, cfg.persistent, cfg.warp_specialize)
+    _launch_tma(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if plan_b_as_kn is None:
+        return out, None
+    plan = TmaPlan()
+    plan.out_shape, plan.out_dtype, plan.b_as_kn = (M, N), out.dtype, plan_b_as_kn
+    plan.layouts, plan.c_desc_ok, plan.blocks, plan.grid, plan.ints = layouts, c_desc_ok, blocks, grid, ints
+    plan.constexprs, plan.num_warps, plan.num_stages = constexprs, cfg.num_warps, cfg.num_stages
+    plan.launch_key = (_launch_tma.key(args, constexprs, cfg.num_warps, cfg.num_stages)
+                       if isinstance(_launch_tma, CachedLauncher) and _launch_tma.enabled else None)
+    return out, plan
