@@ -134,8 +134,9 @@ class TritonEngine:
     def cublaslt_route(self, a: torch.Tensor, n: int, bias: torch.Tensor | None) -> bool:
         """:meth:`use_cublaslt`, kept by what it depends on: A's shape, N, the dtype, the
         device, the bias's presence, RLKERNELS_GEMM_BACKEND and the batch-invariant mode
-        (a probe's verdict is final for the process). Why: on the H100 host working the
-        answer out took ~10 us per call, about a cuBLASLt GEMM's GPU time at M = 128."""
+        (a probe's verdict is final for the process). Why: working the answer out cost
+        3-6 us per call on the H100 hosts, where a cuBLASLt GEMM at M = 128 takes ~15 us of
+        GPU time (benchmarks/results/cublaslt_path_ab_h100_session16_*.json)."""
         key = (a.shape, n, a.dtype, a.get_device(), bias is None, env_get("RLKERNELS_GEMM_BACKEND"),
                _batch_invariant_mode())
         route = _CUBLASLT_ROUTES.get(key)
