@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlkernels import contract
-from rlkernels.ops import _triton, gemm
+from rlkernels.ops import _launch, _triton, gemm
 from rlkernels.ops.gemm import GemmConfig, gemm_config, swappable, triton_gemm
 from rlkernels.registry import triton_interpret
 
@@ -276,41 +276,35 @@ def test_launch_plan_after_a_tma_variant_that_did_not_fit(gen, monkeypatch):
     assert rel <= contract.CONTRACT["matmul"][torch.float16].tolerance, rel
 
 
-class _RecordingTmaLauncher:
+class _RecordingTmaLauncher(_launch.CachedLauncher):
     """Stands in for gemm_tma._launch_tma on the CPU (the TMA kernel needs a Hopper): each
     launch is recorded as what it hands the kernel -- descriptors as (base, shape, strides,
     block), the output by its shape and strides, other tensors by address -- and writes
     the product into the output so that the caller's result can be checked."""
 
-    def __new__(cls):
-        from rlkernels.ops import _launch
+    def __init__(self) -> None:
+        super().__init__(fn=None)
+        self.enabled, self.launches = True, []
 
-        class Recording(_launch.CachedLauncher):
-            def __init__(self):
-                super().__init__(fn=None)
-                self.enabled, self.launches = True, []
+    def key(self, args, constexprs, num_warps, num_stages):
+        return ("tma", constexprs, num_warps, num_stages)
 
-            def key(self, args, constexprs, num_warps, num_stages):
-                return ("tma", constexprs, num_warps, num_stages)
+    def _launch(self, key, grid, args, constexprs, num_warps, num_stages, stream):
+        a_desc, b_desc, c_desc, out, bias = args[:5]
+        # (descriptors lie over the operands' own memory: base is A [M, K], B [K, N])
+        out.copy_(a_desc.base.double() @ b_desc.base.double() + (bias.double() if constexprs[0] else 0))
 
-            def _launch(self, key, grid, args, constexprs, num_warps, num_stages, stream):
-                a_desc, b_desc, c_desc, out, bias = args[:5]
-                # (descriptors lie over the operands' own memory: base is A [M, K], B [K, N])
-                out.copy_(a_desc.base.double() @ b_desc.base.double() + (bias.double() if constexprs[0] else 0))
+        def describe(t):
+            if t is out:
+                return ("out", tuple(t.shape), t.stride())
+            if isinstance(t, torch.Tensor):
+                return t.data_ptr()
+            if hasattr(t, "block_shape"):
+                return ("out" if t.base is out else t.base.data_ptr(), tuple(t.shape), tuple(t.strides),
+                        tuple(t.block_shape))
+            return t
 
-                def describe(t):
-                    if t is out:
-                        return ("out", tuple(t.shape), t.stride())
-                    if isinstance(t, torch.Tensor):
-                        return t.data_ptr()
-                    if hasattr(t, "block_shape"):
-                        return ("out" if t.base is out else t.base.data_ptr(), tuple(t.shape), tuple(t.strides),
-                                tuple(t.block_shape))
-                    return t
-
-                self.launches.append((key, grid, tuple(describe(t) for t in args), constexprs, num_warps, num_stages))
-
-        return Recording()
+        self.launches.append((key, grid, tuple(describe(t) for t in args), constexprs, num_warps, num_stages))
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

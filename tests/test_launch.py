@@ -75,13 +75,27 @@ def test_disabled_by_env_and_interpreter(monkeypatch):
 
 # ---------------------------------------------------------------------------- GPU
 
-def _variants():
-    """(a, b, kwargs) covering the specializations: M/N/K of 1, odd and multiples of 16,
-    misaligned pointers, transposed operands, bias, accumulate, row sums, batches."""
-    g = torch.Generator(device="cuda").manual_seed(3)
+def _gpu_randn(seed: int, *, need_tma: bool = False):
+    """``rnd(*shape, dtype=bf16)``: seeded random CUDA tensors (``need_tma``: skip where
+    the GPU has no TMA)."""
+    if need_tma:
+        from rlkernels.ops import gemm_tma
+
+        probe = torch.zeros(16, 16, device="cuda", dtype=torch.bfloat16)
+        if not gemm_tma.tma_eligible(probe, probe, None):
+            pytest.skip("no TMA on this GPU")
+    g = torch.Generator(device="cuda").manual_seed(seed)
 
     def rnd(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    return rnd
+
+
+def _variants():
+    """(a, b, kwargs) covering the specializations: M/N/K of 1, odd and multiples of 16,
+    misaligned pointers, transposed operands, bias, accumulate, row sums, batches."""
+    rnd = _gpu_randn(seed=3)
 
     # (Each new specialization compiles: the list is kept to what the key must separate.)
     for dtype in (torch.bfloat16, torch.float32):
@@ -94,8 +108,8 @@ def _variants():
             yield a, w.t().contiguous(), {}  # b as [K, N] row-major
             yield a, w, {"b_transposed": True}  # the nn.Linear weight as given (rlkernels.linear)
         dy, x = rnd(96, 256, dtype=dtype), rnd(96, 80, dtype=dtype)
-        acc = torch.randn(256, 80, device="cuda", generator=g)
-        yield dy.t(), x, {"out": acc, "accumulate": True, "rowsum": torch.randn(256, device="cuda", generator=g)}
+        acc = rnd(256, 80, dtype=torch.float32)
+        yield dy.t(), x, {"out": acc, "accumulate": True, "rowsum": rnd(256, dtype=torch.float32)}
         yield rnd(5, 12, 64, dtype=dtype), rnd(5, 64, 12, dtype=dtype), {}
         yield rnd(5, 12, 64, dtype=dtype), rnd(64, 12, dtype=dtype), {}
 
@@ -149,21 +163,14 @@ def test_cached_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
 def test_cached_tma_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
     from rlkernels.ops import gemm_tma
 
-    probe = torch.zeros(16, 16, device="cuda", dtype=torch.bfloat16)
-    if not gemm_tma.tma_eligible(probe, probe, None):
-        pytest.skip("no TMA on this GPU")
-    g = torch.Generator(device="cuda").manual_seed(5)
-
-    def rnd(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
-
+    rnd = _gpu_randn(seed=5, need_tma=True)
     variants = []
     for dtype in (torch.bfloat16, torch.float16):
         for m, k, n in ((300, 4096, 4096), (1031, 1000, 1032), (2048, 512, 2056)):
             a, w = rnd(m, k, dtype=dtype), rnd(n, k, dtype=dtype)
             variants += [(a, w.t(), {}), (a, w.t(), {"bias": rnd(n, dtype=dtype)}), (a, w.t().contiguous(), {})]
         dy, x = rnd(1024, 520, dtype=dtype), rnd(1024, 264, dtype=dtype)  # dW = dY^T X into an fp32 main_grad
-        variants.append((dy.t(), x, {"out": torch.randn(520, 264, device="cuda", generator=g), "accumulate": True}))
+        variants.append((dy.t(), x, {"out": rnd(520, 264, dtype=torch.float32), "accumulate": True}))
     configs = [gemm.GEMM_ACCUMULATE_16BIT] + [c for c in gemm.all_configs(torch.bfloat16) if c.tma]
     checked = []
     for cfg in dict.fromkeys(configs):
@@ -274,13 +281,7 @@ def test_tma_launch_plans_give_the_full_paths_bits(monkeypatch):
     # kept launcher key is checked against them) and the bits those of the full path.
     from rlkernels.ops import gemm_tma
 
-    probe = torch.zeros(16, 16, device="cuda", dtype=torch.bfloat16)
-    if not gemm_tma.tma_eligible(probe, probe, None):
-        pytest.skip("no TMA on this GPU")
-    g = torch.Generator(device="cuda").manual_seed(11)
-
-    def rnd(*shape, dtype):
-        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    rnd = _gpu_randn(seed=11, need_tma=True)
 
     checked = []
     for dtype in (torch.bfloat16, torch.float16):

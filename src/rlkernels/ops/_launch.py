@@ -151,5 +151,22 @@ class CachedLauncher:
                    kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
 
 
+def kept_launch_key(launcher: Any, args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> tuple | None:
+    """The key a launch plan keeps for :meth:`CachedLauncher.launch_keyed`, or None where
+    ``launcher`` is not a live CachedLauncher (fast launch off, a benchmark's stand-in):
+    :func:`launch_with_key` then calls it normally."""
+    return (launcher.key(args, constexprs, num_warps, num_stages)
+            if isinstance(launcher, CachedLauncher) and launcher.enabled else None)
+
+
+def launch_with_key(launcher: Any, key: tuple | None, grid: tuple[int, ...], args: tuple, constexprs: tuple, *,
+                    num_warps: int, num_stages: int, stream: int | None = None) -> None:
+    """``launcher``'s launch, through ``key`` where a plan kept one (:func:`kept_launch_key`)."""
+    if key is None:
+        launcher(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages, stream=stream)
+    else:
+        launcher.launch_keyed(key, grid, args, constexprs, num_warps=num_warps, num_stages=num_stages, stream=stream)
+
+
 def cached_launcher(fn: Any, leading_tensors: int = 0) -> CachedLauncher | None:
     return CachedLauncher(fn, leading_tensors) if triton is not None else None

@@ -25,7 +25,7 @@ import torch
 
 from ..registry import triton_interpret
 
-from ._launch import CachedLauncher, cached_launcher, current_device
+from ._launch import cached_launcher, current_device, kept_launch_key, launch_with_key
 from . import l2_window
 from ._tiles import grouped_tile
 from ._triton import DOT_ANY_M, cdiv, tl, triton
@@ -382,11 +382,8 @@ def _launch_pointer(grid: tuple[int, int], args: tuple, constexprs: tuple, num_w
         stream = torch._C._cuda_getCurrentRawStream(current_device())  # the launch's stream
         saved = l2_window.set_streaming(b, stream, span=window_span)
     try:
-        if launch_key is None:
-            _launch_gemm(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages, stream=stream)
-        else:
-            _launch_gemm.launch_keyed(launch_key, grid, args, constexprs, num_warps=num_warps,
-                                      num_stages=num_stages, stream=stream)
+        launch_with_key(_launch_gemm, launch_key, grid, args, constexprs, num_warps=num_warps, num_stages=num_stages,
+                        stream=stream)
     finally:
         if saved is not None:
             l2_window.restore(stream, saved)
@@ -518,8 +515,7 @@ def triton_gemm(
                    if STREAM_ONCE_L2_WINDOW and M <= cfg.block_m and Bt == 1 and a.is_cuda else None)
     _launch_pointer(grid, args, constexprs, cfg.num_warps, cfg.num_stages, b, window_span)
     if plan_id is not None and not cfg.swap_ab:
-        launch_key = (_launch_gemm.key(args, constexprs, cfg.num_warps, cfg.num_stages)
-                      if isinstance(_launch_gemm, CachedLauncher) and _launch_gemm.enabled else None)
+        launch_key = kept_launch_key(_launch_gemm, args, constexprs, cfg.num_warps, cfg.num_stages)
         _keep_plan(plan_id, LaunchPlan(tuple(out.shape), out.dtype, b is not b_given, grid, args[5:], constexprs, cfg,
                                        window_span, launch_key))
     return result if cfg.swap_ab else out

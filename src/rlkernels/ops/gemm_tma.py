@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._launch import CachedLauncher, cached_launcher
+from ._launch import cached_launcher, kept_launch_key, launch_with_key
 from ._tiles import grouped_tile
 from ._triton import cdiv, tl, triton
 
@@ -174,11 +174,8 @@ class TmaPlan:
             b = b.t()
         args = (*_descriptors(a, b, out, self.layouts, self.c_desc_ok, self.blocks), out,
                 out if bias is None else bias, *self.ints)
-        if self.launch_key is None:
-            _launch_tma(self.grid, args, self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
-        else:
-            _launch_tma.launch_keyed(self.launch_key, self.grid, args, self.constexprs, num_warps=self.num_warps,
-                                     num_stages=self.num_stages)
+        launch_with_key(_launch_tma, self.launch_key, self.grid, args, self.constexprs, num_warps=self.num_warps,
+                        num_stages=self.num_stages)
         return out
 
 
@@ -240,6 +237,5 @@ def tma_gemm_planned(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias:
     plan.out_shape, plan.out_dtype, plan.b_as_kn = (M, N), out.dtype, plan_b_as_kn
     plan.layouts, plan.c_desc_ok, plan.blocks, plan.grid, plan.ints = layouts, c_desc_ok, blocks, grid, ints
     plan.constexprs, plan.num_warps, plan.num_stages = constexprs, cfg.num_warps, cfg.num_stages
-    plan.launch_key = (_launch_tma.key(args, constexprs, cfg.num_warps, cfg.num_stages)
-                       if isinstance(_launch_tma, CachedLauncher) and _launch_tma.enabled else None)
+    plan.launch_key = kept_launch_key(_launch_tma, args, constexprs, cfg.num_warps, cfg.num_stages)
     return out, plan
