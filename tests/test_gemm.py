@@ -212,6 +212,34 @@ def test_launch_plan_gives_the_full_paths_result(dtype, gen, monkeypatch):
 
 
 @interpreter_only
+@pytest.mark.parametrize("m", [7, 16])  # A^T padded to a whole token tile, or not
+def test_swapped_fp32_launch_plan_gives_the_full_paths_result(m, gen, monkeypatch):
+    # An fp32 call on a swapped tile keeps a plan too: a hit copies the new A^T into the
+    # same padded layout and launches the same kernel; with or without bias, weight as
+    # [N, K] or as its k-contiguous [K, N] view, a strided activation.
+    monkeypatch.setattr(gemm, "_PLANS", {})
+    k, n = 40, 37
+    monkeypatch.setattr(gemm, "gemm_config", lambda *a, **kw: SWAP_TILE)
+    cases = [({"b_transposed": True}, lambda w: w), ({"b_transposed": True, "bias": True}, lambda w: w),
+             ({}, lambda w: w.t())]
+    for kw, given in cases:
+        bias = randn(n, generator=gen) if kw.get("bias") else None
+        for i in range(3):
+            x = randn(m, k + 3, generator=gen)[:, 3:] if i == 2 else randn(m, k, generator=gen)
+            w = randn(n, k, generator=gen, scale=k ** -0.5)
+            got = triton_gemm(x, given(w), bias=bias, b_transposed=bool(kw.get("b_transposed")))
+            assert got.shape == (m, n) and got.is_contiguous()
+            assert torch.equal(got, triton_gemm(x, w.t(), bias=bias, config=SWAP_TILE))
+    plans = list(gemm._PLANS.values())
+    # One plan per layout (the strided activation is a third per case), each swapped.
+    assert len(plans) == 2 * len(cases) and all(p.swap_block == SWAP_TILE.block_n for p in plans)
+    # A hit works nothing out again.
+    monkeypatch.setattr(gemm, "gemm_config", lambda *a, **kw: pytest.fail("a plan hit chose a tile"))
+    x, w = randn(m, k, generator=gen), randn(n, k, generator=gen)
+    assert torch.equal(triton_gemm(x, w, b_transposed=True), triton_gemm(x, w.t(), config=SWAP_TILE))
+
+
+@interpreter_only
 def test_launch_plan_skips_the_tile_choice_and_keys_what_the_launch_depends_on(gen, monkeypatch):
     monkeypatch.setattr(gemm, "_PLANS", {})
     x, w = randn(5, 32, generator=gen).half(), randn(24, 32, generator=gen).half()

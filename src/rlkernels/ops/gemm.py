@@ -332,10 +332,11 @@ class LaunchPlan:
     ``rlkernels.linear`` takes 15-25% less host time per call (H100 host, plans on and off
     alternating in one process: benchmarks/results/plans_ab_h100_session15.json). The
     kernel and its arguments are those the full path gives, so are the bits
-    (tests/test_gemm.py, tests/test_launch.py)."""
+    (tests/test_gemm.py, tests/test_launch.py). ``swap_block``: an fp32 swapped tile
+    (C^T = B^T @ A^T), whose A^T copy is padded to whole tiles of this many tokens."""
 
     __slots__ = ("out_shape", "out_dtype", "b_as_kn", "grid", "ints", "constexprs", "num_warps", "num_stages",
-                 "window_span", "launch_key")
+                 "window_span", "launch_key", "swap_block")
 
     def __init__(self, out_shape: tuple[int, int], out_dtype: torch.dtype, b_as_kn: bool, grid: tuple[int, int],
                  ints: tuple, constexprs: tuple, cfg: GemmConfig, window_span: int | None,
@@ -344,14 +345,30 @@ class LaunchPlan:
         self.grid, self.ints, self.constexprs = grid, ints, constexprs
         self.num_warps, self.num_stages = cfg.num_warps, cfg.num_stages
         self.window_span, self.launch_key = window_span, launch_key
+        self.swap_block = cfg.block_n if cfg.swap_ab else None
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = a.new_empty(self.out_shape, dtype=self.out_dtype)
+        result = out = a.new_empty(self.out_shape, dtype=self.out_dtype)
         if self.b_as_kn:
             b = b.t()
+        if self.swap_block is not None:
+            a, b, out = b.t(), transposed_tiles(a, self.swap_block), out.t()
         _launch_pointer(self.grid, (a, b, out, out if bias is None else bias, out, *self.ints), self.constexprs,
                         self.num_warps, self.num_stages, b, self.window_span, self.launch_key)
-        return out
+        return result
+
+
+def transposed_tiles(a: torch.Tensor, block: int) -> torch.Tensor:
+    """A^T [K, M'] contiguous, M' = M rounded up to whole tiles of ``block`` tokens: the
+    swapped kernel reads A^T's rows unwrapped, and the zero padding's products land in
+    columns that are never stored."""
+    M, K = a.shape
+    m_pad = -(-M // block) * block
+    if m_pad == M:
+        return a.t().contiguous()
+    a_t = a.new_zeros(K, m_pad)
+    a_t[:, :M] = a.t()
+    return a_t
 
 
 # Launch plans by plan_key; bounded like the launcher's keys (one plan per problem shape).
@@ -461,19 +478,12 @@ def triton_gemm(
                                 swappable=can_swap)
     if b_transposed and (cfg.tma or Bt > MAX_GRID_BATCH):
         b, b_transposed = b.t(), False
+    b_as_kn = b is not b_given  # (what a launch plan repeats on the B it is given)
     if cfg.swap_ab:
         if not can_swap:
             raise ValueError(f"rlkernels: config {cfg.short()} needs 2-D fp32 operands with B k-contiguous")
         # C^T = B^T @ A^T: the same chain per element (fma(a, b, c) == fma(b, a, c)).
-        # A^T's rows are padded with zeros to whole tiles (the kernel reads them unwrapped);
-        # the padding's products land in columns that are never stored.
-        m_pad = -(-M // cfg.block_n) * cfg.block_n
-        if m_pad == M:
-            a_t = a.t().contiguous()
-        else:
-            a_t = a.new_zeros(K, m_pad)
-            a_t[:, :M] = a.t()
-        result, (a, b, out) = out, (b.t(), a_t, out.t())
+        result, (a, b, out) = out, (b.t(), transposed_tiles(a, cfg.block_n), out.t())
         M, N = N, M
         (sam, sak), (sbk, sbn), (scm, scn) = a.stride(), b.stride(), out.stride()
     layouts = tma_layouts(a, b, out) if cfg.tma and rowsum is None else None
@@ -484,7 +494,7 @@ def triton_gemm(
             try:
                 out, tma_plan = tma_gemm_planned(a, b, cfg, bias=bias, out=out, accumulate=accumulate,
                                                  layouts=layouts,
-                                                 plan_b_as_kn=None if plan_id is None else b is not b_given)
+                                                 plan_b_as_kn=None if plan_id is None else b_as_kn)
                 if tma_plan is not None:
                     _keep_plan(plan_id, tma_plan)
                 return out
@@ -514,10 +524,10 @@ def triton_gemm(
     window_span = (((K - 1) * sbk + (N - 1) * sbn + 1) * b.element_size()
                    if STREAM_ONCE_L2_WINDOW and M <= cfg.block_m and Bt == 1 and a.is_cuda else None)
     _launch_pointer(grid, args, constexprs, cfg.num_warps, cfg.num_stages, b, window_span)
-    if plan_id is not None and not cfg.swap_ab:
+    if plan_id is not None:
         launch_key = kept_launch_key(_launch_gemm, args, constexprs, cfg.num_warps, cfg.num_stages)
-        _keep_plan(plan_id, LaunchPlan(tuple(out.shape), out.dtype, b is not b_given, grid, args[5:], constexprs, cfg,
-                                       window_span, launch_key))
+        _keep_plan(plan_id, LaunchPlan(tuple(result.shape if cfg.swap_ab else out.shape), out.dtype,
+                                       b_as_kn, grid, args[5:], constexprs, cfg, window_span, launch_key))
     return result if cfg.swap_ab else out
 
 
