@@ -35,10 +35,13 @@ ROW_CANDIDATES = [C(64, 16, 256, 1, 4, 4), C(64, 16, 128, 1, 4, 6), C(128, 16, 1
 
 
 def parse_tile(text: str) -> C:
-    """'16x32x256/w4/s6' -> GemmConfig (group_m 1), as GemmConfig.short() prints it."""
-    dims, warps, stages = text.split("/")[:3]
+    """'16x32x256/w4/s6' -> GemmConfig, as GemmConfig.short() prints it; optional parts:
+    '/g8' (group_m, default 1), '/tma', '/pers', '/pers-ws'."""
+    dims, warps, stages, *rest = text.split("/")
     bm, bn, bk = (int(v) for v in dims.split("x"))
-    return C(bm, bn, bk, group_m=1, num_warps=int(warps[1:]), num_stages=int(stages[1:]))
+    group = next((int(part[1:]) for part in rest if part.startswith("g")), 1)
+    return C(bm, bn, bk, group_m=group, num_warps=int(warps[1:]), num_stages=int(stages[1:]), tma="tma" in rest,
+             persistent=any(part.startswith("pers") for part in rest), warp_specialize="pers-ws" in rest)
 
 
 def _weight_rows(x: torch.Tensor, w: torch.Tensor, cfg: C) -> torch.Tensor:

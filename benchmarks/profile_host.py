@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--plans-ab", type=int, default=0, metavar="ROUNDS",
                         help="host µs of rlkernels.linear with ops.gemm's launch plans on and off, alternating "
                              "in one process, on --shapes")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="--plans-ab's dtype")
     parser.add_argument("--cublaslt-ab", type=int, default=0, metavar="ROUNDS",
                         help="host µs on the cuBLASLt-no-split path (routing kept or worked out per call, flags "
                              "set inline or by the context manager), alternating in one process, on --shapes")
@@ -57,7 +58,8 @@ def main() -> None:
         print(json.dumps({"rlkernels": rlkernels.__file__, **launch_breakdown()}))
         return
     if args.plans_ab:
-        print(json.dumps(plans_ab(_shapes(args.shapes), args.plans_ab)))
+        print(json.dumps(plans_ab(_shapes(args.shapes), args.plans_ab,
+                                  torch.float32 if args.dtype == "fp32" else torch.bfloat16)))
         return
     if args.cublaslt_ab:
         print(json.dumps(cublaslt_path_ab(_shapes(args.shapes), args.cublaslt_ab)))
@@ -151,13 +153,15 @@ def alternating_host_us(variants: dict[str, tuple[Callable[[], Any], Callable[[]
     return out
 
 
-def plans_ab(shapes: list[tuple[int, int, int]], rounds: int) -> dict[str, Any]:
+def plans_ab(shapes: list[tuple[int, int, int]], rounds: int,
+             dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Host µs per call of rlkernels.linear with ops.gemm's launch plans off and on
-    (gemm.LAUNCH_PLANS), F.linear beside."""
+    (gemm.LAUNCH_PLANS), F.linear beside (fp32: TF32 off, as the grid times it)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
     out: dict[str, Any] = {}
     for m, k, n in shapes:
-        x = torch.randn(m, k, device="cuda").bfloat16()
-        w = torch.randn(n, k, device="cuda").bfloat16()
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        w = torch.randn(n, k, device="cuda").to(dtype)
         out[f"{m}x{k}x{n}"] = alternating_host_us({
             "no_plans": (lambda: mock.patch.object(gemm, "LAUNCH_PLANS", False), lambda: rlkernels.linear(x, w)),
             "plans": (contextlib.nullcontext, lambda: rlkernels.linear(x, w)),
