@@ -54,6 +54,9 @@ def _summary(rows: list[dict], fp32_rows: list[dict]) -> dict:
                                             default=None),
         "geomean_graph_cold_ratio_m_le_128": _geomean([r["graph_cold_ratio_vs_stock"] for r in graph_rows]),
         "max_ratio_vs_stock": max((r["ratio_vs_stock"] for r in rows), default=None),
+        # The A/A pair's largest deviation from 1: the method's resolution over the grid.
+        "max_stock_aa_deviation": max((abs(r["stock_aa_ratio"] - 1) for r in rows if "stock_aa_ratio" in r),
+                                      default=None),
         "max_ratio_m_le_16": max((r["ratio_vs_stock"] for r in rows if r["M"] <= 16), default=None),
         "min_triton_throughput_vs_stock_m_ge_1024": min((1 / r["triton_ratio_vs_stock"] for r in rows if r["M"] >= 1024),
                                                         default=None),
@@ -82,12 +85,15 @@ def run(args: argparse.Namespace) -> list[dict]:
             x = xs[:m]
             flops, nbytes = 2.0 * m * n * k, 2.0 * (m * k + k * n + m * n)
             # Eager timing in alternating rounds (clock drift shared out between variants).
+            # Stock twice (an A/A pair): their ratio is the method's own spread at this point,
+            # against which a ratio near 1 must be read.
             t = interleaved_median_ms({
                 "stock": lambda: torch.nn.functional.linear(x, w),
                 "cublaslt_nosplit": lambda: cublaslt_linear(x, w, None),
                 "rlkernels": lambda: rlkernels.linear(x, w),
                 "rlkernels_triton": _forced("triton", lambda: rlkernels.linear(x, w)),
-            })
+                "stock_again": lambda: torch.nn.functional.linear(x, w),
+            }, rounds=8)
             if sgemm_bi is not None:
                 try:
                     t["sgemm_bi"] = median_ms(lambda: sgemm_bi.deterministic_linear(x, w_kn, None, tensor_cores=True))
@@ -117,6 +123,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             row["ratio_vs_stock"] = t["rlkernels"] / t["stock"]
             row["triton_ratio_vs_stock"] = t["rlkernels_triton"] / t["stock"]
             row["cublaslt_ratio_vs_stock"] = t["cublaslt_nosplit"] / t["stock"]
+            row["stock_aa_ratio"] = t["stock_again"] / t["stock"]
             if "rlkernels_graph" in t:
                 row["graph_ratio_vs_stock"] = t["rlkernels_graph"] / t["stock_graph"]
                 row["graph_cold_ratio_vs_stock"] = t["rlkernels_graph_cold"] / t["stock_graph_cold"]
@@ -141,7 +148,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     summary = _summary(rows, fp32_rows)
     print_table("GEMM bf16 (us; ratio = time / stock cuBLAS)", rows,
                 ["K", "N", "M", "stock_us", "cublaslt_nosplit_us", "rlkernels_us", "rlkernels_triton_us", "sgemm_bi_us",
-                 "ratio_vs_stock", "triton_ratio_vs_stock", "graph_ratio_vs_stock", "graph_cold_ratio_vs_stock",
+                 "ratio_vs_stock", "triton_ratio_vs_stock", "stock_aa_ratio", "graph_ratio_vs_stock",
+                 "graph_cold_ratio_vs_stock",
                  "stock_host_us", "rlkernels_host_us", "rlk_tflops", "rlk_gbps"])
     print_table("GEMM fp32 IEEE (TF32 off)", fp32_rows, ["K", "N", "M", "stock_us", "rlkernels_us", "ratio_vs_stock", "rlk_tflops"])
     print(summary)
