@@ -118,6 +118,14 @@ def _clone_kwargs(kwargs):
     return {k: (v.clone() if isinstance(v, torch.Tensor) and k in ("out", "rowsum") else v) for k, v in kwargs.items()}
 
 
+def _normal_launches(monkeypatch, module, name: str) -> None:
+    """``module.name`` launches through Triton's own ``kernel[grid](...)`` path every time
+    (a disabled CachedLauncher of the same kernel): the reference the cached launches must match."""
+    launcher = _launch.CachedLauncher(getattr(module, name).fn)
+    launcher.enabled = False
+    monkeypatch.setattr(module, name, launcher)
+
+
 class _CheckingLauncher(_launch.CachedLauncher):
     """A cached launcher that asserts, on every call, that its kernel is Triton's own."""
 
@@ -143,8 +151,7 @@ def test_cached_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
     assert launcher.enabled and launcher.leading_tensors == 5
     for a, b, kwargs in _variants():
         normal_kwargs = _clone_kwargs(kwargs)
-        monkeypatch.setattr(gemm, "_launch_gemm", _launch.CachedLauncher(gemm._gemm_kernel))
-        gemm._launch_gemm.enabled = False
+        _normal_launches(monkeypatch, gemm, "_launch_gemm")
         want = gemm.triton_gemm(a, b, **normal_kwargs)
         monkeypatch.setattr(gemm, "_launch_gemm", launcher)
         monkeypatch.setattr(gemm, "_PLANS", {})
@@ -175,8 +182,7 @@ def test_cached_tma_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch
     checked = []
     for cfg in dict.fromkeys(configs):
         for a, b, kwargs in variants:
-            monkeypatch.setattr(gemm_tma, "_launch_tma", _launch.CachedLauncher(gemm_tma._gemm_tma_kernel))
-            gemm_tma._launch_tma.enabled = False
+            _normal_launches(monkeypatch, gemm_tma, "_launch_tma")
             try:
                 want = gemm_tma.tma_gemm(a, b, cfg, **_clone_kwargs(kwargs))
             except gemm.OutOfResources:
@@ -292,8 +298,7 @@ def test_tma_launch_plans_give_the_full_paths_bits(monkeypatch):
                               (w.t().contiguous(), {})):
                 calls = [rnd(m, k, dtype=dtype) for _ in range(3)]
                 monkeypatch.setattr(gemm, "LAUNCH_PLANS", False)
-                monkeypatch.setattr(gemm_tma, "_launch_tma", _launch.CachedLauncher(gemm_tma._gemm_tma_kernel))
-                gemm_tma._launch_tma.enabled = False
+                _normal_launches(monkeypatch, gemm_tma, "_launch_tma")
                 wants = [gemm.triton_gemm(x, b, **kwargs) for x in calls]
                 monkeypatch.setattr(gemm, "LAUNCH_PLANS", True)
                 monkeypatch.setattr(gemm, "_PLANS", {})

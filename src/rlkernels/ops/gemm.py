@@ -349,10 +349,11 @@ class LaunchPlan:
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         result = out = a.new_empty(self.out_shape, dtype=self.out_dtype)
-        if self.b_as_kn:
-            b = b.t()
         if self.swap_block is not None:
-            a, b, out = b.t(), transposed_tiles(a, self.swap_block), out.t()
+            # The kernel's A is B^T: the weight as given where the full path viewed it as [K, N].
+            a, b, out = b if self.b_as_kn else b.t(), transposed_tiles(a, self.swap_block), out.t()
+        elif self.b_as_kn:
+            b = b.t()
         _launch_pointer(self.grid, (a, b, out, out if bias is None else bias, out, *self.ints), self.constexprs,
                         self.num_warps, self.num_stages, b, self.window_span, self.launch_key)
         return result
