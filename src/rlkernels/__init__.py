@@ -8,6 +8,7 @@ from __future__ import annotations
 from .batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
 from .hf import patch_model, token_logprobs
 from .nn import Linear
+from .ops.attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops.bmm import bmm
 from .ops.linear_logprob import linear_logprob
 from .ops.matmul import TOKEN_BLOCK, linear, matmul
@@ -22,6 +23,9 @@ __all__ = [
     "Linear",
     "RMSNorm",
     "bmm",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "get_op",
     "is_batch_invariant_mode_enabled",
     "linear",

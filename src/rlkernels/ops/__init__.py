@@ -3,3 +3,4 @@ from . import matmul  # noqa: F401
 from . import linear_logprob  # noqa: F401
 from . import bmm  # noqa: F401
 from . import norms  # noqa: F401
+from . import attention  # noqa: F401

@@ -1,0 +1,1 @@
+"""Triton kernels only (``@triton.jit`` functions); host code lives in ``rlkernels.ops``."""

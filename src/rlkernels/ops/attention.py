@@ -1,0 +1,713 @@
+"""Batch-invariant fused attention with FlashAttention's API: prefill == decode bit for bit.
+
+    flash_attn_func(q, k, v, causal=True, softmax_scale=None)            q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]
+    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+                                                                          q [Tq, Hq, D], k/v [Tk, Hkv, D]
+    flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, ...)
+                                                                          q [B, Lq, Hq, D], caches [B, S, Hkv, D]
+
+The chain (one per query row, whatever the entry point, batch, padding or packing):
+keys in blocks of ``BLOCK_N`` aligned to the sequence's key 0, ascending; the blocks
+grouped into splits of ``S_SPLIT`` keys aligned to key 0; each split's online-softmax
+state (m, l, acc) in fp32 starts from scratch and is updated per block with
+``m' = max(m, rowmax(s))``, ``alpha = exp2(m - m')``, ``p = exp2(s - m')`` (p rounded
+to the input dtype), ``l' = l * alpha + rowsum(p)``, ``acc' = acc * alpha + p @ v``;
+the splits are merged in ascending order from the empty state with one formula; out =
+acc / l. Causal masking is bottom-right aligned (query i of Lq sits at key position
+Lk - Lq + i). Masked and out-of-range keys contribute exact zeros (their K/V loads are
+masked to 0 and their scores are -inf), which is why a tile's extra rows or blocks
+never change a row's bits. Every index is a function of the sequence alone.
+
+Backends: ``triton`` (kernels in ``rlkernels.kernels.attention``: a full kernel that
+keeps the merged and the current split state, and for decode a split-KV kernel plus a
+combine kernel that compute the same chain) and ``torch`` (the same chain from
+elementwise ops and ``ops.chain``'s ascending chains, in natural-log units with
+``exp``; any device, fp64 too). The
+two backends each keep the contract; their bits differ from each other (FMA vs
+separately rounded steps, tensor-core vs elementwise dots).
+
+Backward (flash_attn_func / varlen): delta = rowsum(dO * O) in fp32; dK/dV per key
+block over the GQA group's query heads in order and query blocks ascending; dQ per
+query block over key blocks ascending, recomputing P from the saved LSE; no atomics.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from typing import Iterator
+
+import torch
+
+from .. import _validate as V
+from ..registry import OpImpl, register, select_backend, triton_interpret
+from ._triton import cdiv, triton
+from .chain import accumulator_dtype, chain_matmul, chain_sum
+
+OP = "flash_attn"
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+CHECK_ENV = "RLKERNELS_ATTN_CHECK_INDICES"
+# Decode-like calls (query rows x GQA group <= this) take the split-KV kernels.
+SPLIT_KV_MAX_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """The chain-defining constants: key block and split size, both in keys from key 0.
+
+    Everything else (query tiles, warps, stages, which kernel) is launch detail that
+    leaves a row's bits unchanged; these two change them.
+    """
+
+    block_n: int = 64
+    split: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"rlkernels.attention: block_n must be a power of two >= 16, got {self.block_n}")
+        if self.split < self.block_n or self.split % self.block_n:
+            raise ValueError(f"rlkernels.attention: split ({self.split}) must be a positive multiple of "
+                             f"block_n ({self.block_n})")
+
+
+DEFAULT_CHAIN = Chain()
+_chain = DEFAULT_CHAIN
+
+
+def current_chain() -> Chain:
+    return _chain
+
+
+@contextlib.contextmanager
+def chain_settings(block_n: int, split: int) -> Iterator[Chain]:
+    """Use another (block_n, split) chain inside the block: for tests on the slow
+    interpreter only. Results under different settings are different chains."""
+    global _chain
+    saved, _chain = _chain, Chain(block_n, split)
+    try:
+        yield _chain
+    finally:
+        _chain = saved
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdLaunch:
+    """Launch parameters of the forward kernels (no effect on the bits)."""
+
+    block_m: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    split_block_m: int = 16
+    split_warps: int = 4
+    split_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdLaunch:
+    """Launch parameters of the backward kernels (dK/dV tile, dQ tile)."""
+
+    dkdv_block_m: int = 64
+    dkdv_block_n: int = 64
+    dq_block_m: int = 64
+    dq_block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_fwd_launch(head_dim: int) -> FwdLaunch:
+    if triton_interpret():
+        return FwdLaunch(16, 1, 1, 16, 1, 1)
+    if head_dim <= 64:
+        return FwdLaunch(128, 4, 3)
+    if head_dim <= 128:
+        return FwdLaunch(128, 8, 3)
+    return FwdLaunch(64, 4, 2)
+
+
+def default_bwd_launch(head_dim: int) -> BwdLaunch:
+    if triton_interpret():
+        return BwdLaunch(16, 16, 16, 16, 1, 1)
+    if head_dim <= 128:
+        return BwdLaunch(64, 64, 64, 64, 4, 2)
+    return BwdLaunch(32, 64, 64, 32, 4, 1)
+
+
+# Overrides for the tuning script (benchmarks/attention_gpu.py); None = the defaults.
+FWD_LAUNCH_OVERRIDE: FwdLaunch | None = None
+BWD_LAUNCH_OVERRIDE: BwdLaunch | None = None
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        V.require_tensor(op, name, t)
+        V.require_float(op, name, t)
+        V.require_ndim(op, name, t, rank, rank)
+    V.require_same_device(op, q=q, k=k, v=v)
+    V.require_same_dtype(op, q=q, k=k, v=v)
+    if k.shape != v.shape:
+        raise ValueError(f"rlkernels.{op}: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv, dk = k.shape[-2], k.shape[-1]
+    if d != dk:
+        raise ValueError(f"rlkernels.{op}: q and k must share head_dim, got {d} and {dk}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"rlkernels.{op}: unsupported head_dim {d} (supported: 1..{MAX_HEAD_DIM})")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"rlkernels.{op}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
+
+
+def _check_index(op: str, name: str, t: torch.Tensor, n: int | None, device: torch.device) -> None:
+    V.require_tensor(op, name, t)
+    if t.dtype != torch.int32:
+        raise ValueError(f"rlkernels.{op}: {name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or (n is not None and t.shape[0] != n):
+        want = f"[{n}]" if n is not None else "1-D"
+        raise ValueError(f"rlkernels.{op}: {name} must have shape {want}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"rlkernels.{op}: all tensors must be on one device, got {name} on {t.device} and q on {device}")
+
+
+def _read_indices(t: torch.Tensor) -> list[int] | None:
+    """The values of a small index tensor for the content checks, or None where reading
+    them would sync a device at a bad time (CUDA-graph capture, torch.compile tracing)
+    or the checks are switched off with RLKERNELS_ATTN_CHECK_INDICES=0."""
+    if t.device.type == "cpu":
+        return t.tolist()
+    if os.environ.get(CHECK_ENV, "1").strip() == "0":
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return t.tolist()
+
+
+def _check_cu(op: str, name: str, cu: list[int] | None, total: int, max_len: int, max_name: str) -> None:
+    if cu is None:
+        return
+    if cu[0] != 0:
+        raise ValueError(f"rlkernels.{op}: {name} must start at 0, got {cu[0]}")
+    for i in range(len(cu) - 1):
+        if cu[i + 1] < cu[i]:
+            raise ValueError(f"rlkernels.{op}: {name} must be non-decreasing, got {name}[{i}] = {cu[i]} > "
+                             f"{name}[{i + 1}] = {cu[i + 1]}")
+    if cu[-1] != total:
+        raise ValueError(f"rlkernels.{op}: {name} must end at the total length {total}, got {cu[-1]}")
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    if longest > max_len:
+        raise ValueError(f"rlkernels.{op}: a sequence of {longest} tokens exceeds {max_name} = {max_len}")
+
+
+def _scale(op: str, softmax_scale: float | None, d: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    s = float(softmax_scale)
+    if not math.isfinite(s):
+        raise ValueError(f"rlkernels.{op}: softmax_scale must be finite, got {softmax_scale}")
+    return s
+
+
+def _check_backend(op: str, backend: str, q: torch.Tensor) -> None:
+    if backend == "triton":
+        if q.dtype == torch.float64:
+            raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only")
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+            raise ValueError(f"rlkernels.{op}: the Triton interpreter's tl.dot is wrong on bfloat16; "
+                             "use float16/float32 or the torch backend on the CPU")
+
+
+# ---------------------------------------------------------------- torch backend
+
+
+def _empty_state(h: int, rows: int, d: int, adt: torch.dtype, device: torch.device):
+    return (torch.full((h, rows), float("-inf"), dtype=adt, device=device),
+            torch.zeros((h, rows), dtype=adt, device=device),
+            torch.zeros((h, rows, d), dtype=adt, device=device))
+
+
+def _merge(m1, l1, acc1, m2, l2, acc2):
+    m = torch.maximum(m1, m2)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    a1 = torch.exp(m1 - m_safe)
+    a2 = torch.exp(m2 - m_safe)
+    return m, l1 * a1 + l2 * a2, acc1 * a1[..., None] + acc2 * a2[..., None]
+
+
+def _torch_seq_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                   chain: Chain) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D] -> (out [Lq, Hq, D] fp32/fp64, lse [Hq, Lq]).
+
+    Natural-log units here (the Triton kernels use exp2 with log2(e) folded into the
+    scale): on the CPU, torch.exp gives every element the same bits whether it lands in
+    a vectorised body or a scalar tail, while torch.exp2 does not (measured, torch 2.13).
+    """
+    adt = accumulator_dtype(q.dtype)
+    lq, hq, d = q.shape
+    lk, hkv = k.shape[:2]
+    g = hq // hkv
+    qh = q.permute(1, 0, 2)
+    kh = k.permute(1, 0, 2).repeat_interleave(g, 0)
+    vh = v.permute(1, 0, 2).repeat_interleave(g, 0)
+    pos = torch.arange(lq, device=q.device) + (lk - lq)
+    m, l, acc = _empty_state(hq, lq, d, adt, q.device)
+    n_end = lk  # causal or not, the last row sees every key
+    for s0 in range(0, max(n_end, 0), chain.split):
+        m_s, l_s, acc_s = _empty_state(hq, lq, d, adt, q.device)
+        for n0 in range(s0, min(s0 + chain.split, n_end), chain.block_n):
+            n1 = min(n0 + chain.block_n, lk)
+            # Keys past the sequence would add exact zeros to both chains: leaving them out is the same.
+            s = chain_matmul(qh, kh[:, n0:n1].transpose(1, 2)) * scale
+            if causal:
+                keys = torch.arange(n0, n1, device=q.device)
+                s = torch.where(keys[None, :] <= pos[:, None], s, torch.full_like(s, float("-inf")))
+            m_new = torch.maximum(m_s, torch.amax(s, -1))
+            m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+            alpha = torch.exp(m_s - m_safe)
+            p = torch.exp(s - m_safe[..., None]).to(q.dtype)
+            l_s = l_s * alpha + chain_sum(p, -1)
+            acc_s = chain_matmul(p, vh[:, n0:n1], acc=acc_s * alpha[..., None])
+            m_s = m_new
+        m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
+    seen = l > 0
+    l1 = torch.where(seen, l, torch.ones_like(l))
+    out = acc / l1[..., None]
+    lse = torch.where(seen, m + torch.log(l1), torch.full_like(l, float("-inf")))
+    return out.permute(1, 0, 2), lse
+
+
+def _segments(q_start, q_len, k_start, k_len) -> list[tuple[int, int, int, int]]:
+    return list(zip(q_start.tolist(), q_len.tolist(), k_start.tolist(), k_len.tolist()))
+
+
+def torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal: bool, scale: float,
+              chain: Chain) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed forward on the torch backend: q [Tq, Hq, D], k/v [Tk, Hkv, D]; sequence b's
+    queries are rows q_start[b] + [0, q_len[b]) and its keys rows k_start[b] + [0, k_len[b])."""
+    tq, hq, d = q.shape
+    out = torch.zeros((tq, hq, d), dtype=q.dtype, device=q.device)
+    lse = torch.full((hq, tq), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
+    for qs, ql, ks, kl in _segments(q_start, q_len, k_start, k_len):
+        if ql == 0:
+            continue
+        o, ls = _torch_seq_fwd(q[qs:qs + ql], k[ks:ks + kl], v[ks:ks + kl], causal, scale, chain)
+        out[qs:qs + ql] = o.to(q.dtype)
+        lse[:, qs:qs + ql] = ls
+    return out, lse.float() if q.dtype != torch.float64 else lse
+
+
+def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: bool, scale: float):
+    """(dq, dk, dv) on the torch backend, the Triton kernels' chain orders with elementwise steps."""
+    adt = accumulator_dtype(q.dtype)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    for qs, ql, ks, kl in _segments(q_start, q_len, k_start, k_len):
+        if ql == 0 or kl == 0:
+            continue
+        qh = q[qs:qs + ql].permute(1, 0, 2)           # [Hq, Lq, D]
+        doh = do[qs:qs + ql].permute(1, 0, 2)
+        oh = out[qs:qs + ql].permute(1, 0, 2)
+        kh = k[ks:ks + kl].permute(1, 0, 2).repeat_interleave(g, 0)
+        vh = v[ks:ks + kl].permute(1, 0, 2).repeat_interleave(g, 0)
+        ls = lse[:, qs:qs + ql].to(adt)
+        ls = torch.where(ls == float("-inf"), torch.full_like(ls, float("inf")), ls)
+        delta = chain_sum(doh.to(adt) * oh.to(adt), -1)
+        s = chain_matmul(qh, kh.transpose(1, 2)) * scale
+        p = torch.exp(s - ls[..., None])
+        if causal:
+            pos = torch.arange(ql, device=q.device) + (kl - ql)
+            keys = torch.arange(kl, device=q.device)
+            p = torch.where(keys[None, :] <= pos[:, None], p, torch.zeros_like(p))
+        dp = chain_matmul(doh, vh.transpose(1, 2))
+        ds = (p * (dp - delta[..., None])).to(q.dtype)
+        p = p.to(q.dtype)
+        # dK/dV: one chain per key over (head of the group, query) in that order.
+        pg = p.reshape(hkv, g * ql, kl)  # head h = kv_head * g + j: rows ordered (j, query)
+        dsg = ds.reshape(hkv, g * ql, kl)
+        dv[ks:ks + kl] = chain_matmul(pg.transpose(1, 2), doh.reshape(hkv, g * ql, -1)).to(v.dtype).permute(1, 0, 2)
+        dk[ks:ks + kl] = (chain_matmul(dsg.transpose(1, 2), qh.reshape(hkv, g * ql, -1)) * scale).to(k.dtype).permute(1, 0, 2)
+        dq[qs:qs + ql] = (chain_matmul(ds, kh) * scale).to(q.dtype).permute(1, 0, 2)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------- triton backend
+
+
+def _pow2(x: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool, scale: float,
+               chain: Chain, split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernels (full kernel, or split-KV + combine); no host sync."""
+    from ..kernels.attention import attn_combine_kernel, attn_fwd_kernel, attn_split_kernel
+
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    nb = q_start.shape[0]
+    out = torch.empty_like(q)
+    lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
+    if tq == 0 or nb == 0 or max_q == 0:
+        return out, lse
+    cfg = FWD_LAUNCH_OVERRIDE or default_fwd_launch(d)
+    bd = _pow2(d)
+    ieee = q.dtype == torch.float32
+    qk_scale = scale * LOG2E
+    if split_kv:
+        bm = cfg.split_block_m
+        rows_pad = cdiv(max_q * g, bm) * bm
+        n_splits = max(1, cdiv(max_k, chain.split))
+        pm = torch.empty(nb * hkv * n_splits * rows_pad, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty(nb * hkv * n_splits * rows_pad * bd, dtype=torch.float32, device=q.device)
+        attn_split_kernel[(rows_pad // bm, nb * hkv, n_splits)](
+            q, k, v, pm, pl, pacc, q_start, q_len, k_start, k_len,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            hkv, g, d, qk_scale, n_splits, rows_pad,
+            CAUSAL=causal, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
+            num_warps=cfg.split_warps, num_stages=cfg.split_stages)
+        attn_combine_kernel[(rows_pad // bm, nb * hkv)](
+            pm, pl, pacc, out, lse, q_start, q_len,
+            out.stride(0), out.stride(1), lse.stride(0),
+            hkv, g, d, n_splits, rows_pad, BLOCK_M=bm, BLOCK_D=bd, num_warps=cfg.split_warps)
+        return out, lse
+    attn_fwd_kernel[(cdiv(max_q, cfg.block_m), nb * hq)](
+        q, k, v, out, lse, q_start, q_len, k_start, k_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        hq, g, d, qk_scale,
+        CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out, lse
+
+
+def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool,
+               scale: float):
+    from ..kernels.attention import attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    nb = q_start.shape[0]
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    if tq == 0 or nb == 0 or max_q == 0 or max_k == 0:
+        return dq, dk, dv
+    cfg = BWD_LAUNCH_OVERRIDE or default_bwd_launch(d)
+    bd = _pow2(d)
+    ieee = q.dtype == torch.float32
+    qk_scale = scale * LOG2E
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
+    bm0 = 16 if triton_interpret() else 64
+    attn_bwd_delta_kernel[(cdiv(max_q, bm0), nb * hq)](
+        out, do, delta, q_start, q_len, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+        hq, d, BLOCK_M=bm0, BLOCK_D=bd)
+    lse = lse.contiguous()
+    attn_bwd_dkdv_kernel[(cdiv(max_k, cfg.dkdv_block_n), nb * hkv)](
+        q, k, v, do, lse, delta, dk, dv, q_start, q_len, k_start, k_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        hkv, g, d, qk_scale, scale,
+        CAUSAL=causal, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, BLOCK_D=bd, IEEE=ieee,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    attn_bwd_dq_kernel[(cdiv(max_q, cfg.dq_block_m), nb * hq)](
+        q, k, v, do, lse, delta, dq, q_start, q_len, k_start, k_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
+        hq, g, d, qk_scale, scale,
+        CAUSAL=causal, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, BLOCK_D=bd, IEEE=ieee,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------- dispatch: autograd.Function and custom ops
+
+
+def _fwd_impl(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split, backend,
+              split_kv):
+    chain = Chain(block_n, split)
+    if backend == "triton":
+        return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, chain, split_kv)
+    return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, chain)
+
+
+def _bwd_impl(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend):
+    if backend == "triton":
+        return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale)
+    return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale)
+
+
+class _AttnFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split,  # type: ignore[override]
+                backend, split_kv):
+        out, lse = _fwd_impl(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n,
+                             split, backend, split_kv)
+        ctx.save_for_backward(q, k, v, out, lse, q_start, q_len, k_start, k_len)
+        ctx.args = (max_q, max_k, causal, scale, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):  # type: ignore[override]
+        q, k, v, out, lse, q_start, q_len, k_start, k_len = ctx.saved_tensors
+        max_q, max_k, causal, scale, backend = ctx.args
+        dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal,
+                               scale, backend)
+        return (dq, dk, dv) + (None,) * 12
+
+
+@torch.library.custom_op("rlkernels::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
+                      q_len: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, max_q: int, max_k: int,
+                      causal: bool, scale: float, block_n: int, split: int, backend: str,
+                      split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward as an opaque op for torch.compile (same backends, same bits)."""
+    return _fwd_impl(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split,
+                     backend, split_kv)
+
+
+@flash_attn_fwd_op.register_fake
+def _(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split, backend, split_kv):
+    lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dt)
+
+
+@torch.library.custom_op("rlkernels::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, k_start: torch.Tensor,
+                      k_len: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float,
+                      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend)
+
+
+@flash_attn_bwd_op.register_fake
+def _(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _op_setup(ctx, inputs, output):
+    q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale = inputs[:11]
+    ctx.save_for_backward(q, k, v, output[0], output[1], q_start, q_len, k_start, k_len)
+    ctx.args = (max_q, max_k, causal, scale, inputs[13])
+
+
+def _op_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, q_start, q_len, k_start, k_len = ctx.saved_tensors
+    max_q, max_k, causal, scale, backend = ctx.args
+    dq, dk, dv = flash_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, q_start, q_len, k_start, k_len,
+                                   max_q, max_k, causal, scale, backend)
+    return (dq, dk, dv) + (None,) * 12
+
+
+flash_attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+@torch.library.custom_op("rlkernels::flash_attn_kvcache_append", mutates_args=("k_cache", "v_cache"))
+def kvcache_append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cache_seqlens: torch.Tensor) -> None:
+    """k_cache[b, cache_seqlens[b] + j] = k[b, j] (and v), in place; no host sync."""
+    nb, lnew = k.shape[:2]
+    idx = cache_seqlens.long()[:, None] + torch.arange(lnew, device=k.device)[None, :]
+    bidx = torch.arange(nb, device=k.device)[:, None].expand(nb, lnew)
+    k_cache.index_put_((bidx, idx), k)
+    v_cache.index_put_((bidx, idx), v)
+
+
+@kvcache_append_op.register_fake
+def _(k_cache, v_cache, k, v, cache_seqlens):
+    return None
+
+
+def _run(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend, split_kv):
+    chain = _chain
+    args = (q, k, v, q_start, q_len, k_start, k_len, int(max_q), int(max_k), bool(causal), float(scale),
+            chain.block_n, chain.split, backend, bool(split_kv))
+    if torch.compiler.is_compiling():
+        return flash_attn_fwd_op(*args)
+    return _AttnFunction.apply(*args)
+
+
+def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """[B, L, H, D] as rows [B*L, H, D] with a unit last stride (a view when it can be)."""
+    return _last_dim_unit(t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3]))
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    softmax_scale: float | None = None, *, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant attention over a padded batch (FlashAttention's ``flash_attn_func``).
+
+    q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] with Hq a multiple of Hkv (GQA/MQA);
+    fp16/bf16/fp32 (fp64 on the torch backend), D <= 256. Causal masking is
+    bottom-right aligned when Lq != Lk. softmax_scale defaults to D**-0.5.
+    Returns [B, Lq, Hq, D] in q's dtype; differentiable wrt q, k, v.
+    """
+    op = "flash_attn_func"
+    _check_qkv(op, q, k, v, 4)
+    b, lq, hq, d = q.shape
+    if k.shape[0] != b:
+        raise ValueError(f"rlkernels.{op}: q and k must share the batch size, got {b} and {k.shape[0]}")
+    lk = k.shape[1]
+    name, _ = select_backend(OP, q.device, backend)
+    _check_backend(op, name, q)
+    scale = _scale(op, softmax_scale, d)
+    dev = q.device
+    ar = torch.arange(b, dtype=torch.int32, device=dev)
+    q_start, k_start = ar * lq, ar * lk
+    q_len = torch.full((b,), lq, dtype=torch.int32, device=dev)
+    k_len = torch.full((b,), lk, dtype=torch.int32, device=dev)
+    out, _ = _run(_packed(q), _packed(k), _packed(v), q_start, q_len, k_start, k_len, lq, lk, causal, scale,
+                  name, False)
+    return out.view(b, lq, hq, d)
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+                           softmax_scale: float | None = None, *, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant attention over packed sequences (FlashAttention's ``flash_attn_varlen_func``).
+
+    q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; cu_seqlens_q/k: int32 [B + 1], starting at 0,
+    non-decreasing, ending at Tq/Tk; max_seqlen_q/k: ints >= every sequence's length
+    (they size the launch grid, so nothing is read back from the device for it).
+    Returns [Tq, Hq, D]; differentiable wrt q, k, v.
+    """
+    op = "flash_attn_varlen_func"
+    _check_qkv(op, q, k, v, 3)
+    _check_index(op, "cu_seqlens_q", cu_seqlens_q, None, q.device)
+    _check_index(op, "cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"rlkernels.{op}: cu_seqlens_q must hold at least one entry, got shape {tuple(cu_seqlens_q.shape)}")
+    max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
+    if max_q < 0 or max_k < 0:
+        raise ValueError(f"rlkernels.{op}: max_seqlen_q/k must be >= 0, got {max_q} and {max_k}")
+    _check_cu(op, "cu_seqlens_q", _read_indices(cu_seqlens_q), q.shape[0], max_q, "max_seqlen_q")
+    _check_cu(op, "cu_seqlens_k", _read_indices(cu_seqlens_k), k.shape[0], max_k, "max_seqlen_k")
+    name, _ = select_backend(OP, q.device, backend)
+    _check_backend(op, name, q)
+    scale = _scale(op, softmax_scale, q.shape[-1])
+    q_start, k_start = cu_seqlens_q[:-1], cu_seqlens_k[:-1]
+    q_len = cu_seqlens_q[1:] - q_start
+    k_len = cu_seqlens_k[1:] - k_start
+    out, _ = _run(_last_dim_unit(q), _last_dim_unit(k), _last_dim_unit(v), q_start, q_len, k_start, k_len,
+                  max_q, max_k, causal, scale, name, False)
+    return out
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            cache_seqlens: torch.Tensor | int | None = None, causal: bool = True,
+                            softmax_scale: float | None = None, *, backend: str | None = None) -> torch.Tensor:
+    """Decode / chunked prefill over a KV cache (FlashAttention's ``flash_attn_with_kvcache``).
+
+    q: [B, Lq, Hq, D]; k_cache, v_cache: [B, S, Hkv, D] (unit last stride, batch stride
+    S times the token stride); k, v: optional [B, Lnew, Hkv, D], written in place into
+    the caches at positions cache_seqlens[b] + [0, Lnew); cache_seqlens: int32 [B], an
+    int, or None (the whole cache). Query i of a sequence attends as key position
+    cache_seqlens[b] + Lnew - Lq + i (causal, bottom-right). Slots past
+    cache_seqlens[b] + Lnew are never read into the result (NaN there is harmless).
+    Forward only (inference). Returns [B, Lq, Hq, D].
+    """
+    op = "flash_attn_with_kvcache"
+    _check_qkv(op, q, k_cache, v_cache, 4)
+    b, lq, hq, d = q.shape
+    nb, s_cap = k_cache.shape[:2]
+    if nb != b:
+        raise ValueError(f"rlkernels.{op}: q and k_cache must share the batch size, got {b} and {nb}")
+    for name_, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(-1) != 1 or (s_cap > 1 and c.stride(0) != s_cap * c.stride(1)):
+            raise ValueError(f"rlkernels.{op}: {name_} must have a unit last stride and batch stride "
+                             f"S * token stride, got strides {tuple(c.stride())}")
+    if (k is None) != (v is None):
+        raise ValueError(f"rlkernels.{op}: pass both k and v to append, or neither")
+    lnew = 0
+    if k is not None:
+        _check_qkv(op, q, k, v, 4)
+        V.require_same_dtype(op, q=q, k=k, k_cache=k_cache)
+        V.require_same_device(op, q=q, k=k, k_cache=k_cache)
+        if k.shape[0] != b or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"rlkernels.{op}: k must be [{b}, Lnew, {k_cache.shape[2]}, {k_cache.shape[3]}], "
+                             f"got {tuple(k.shape)}")
+        lnew = k.shape[1]
+    dev = q.device
+    if cache_seqlens is None:
+        if lnew:
+            raise ValueError(f"rlkernels.{op}: appending k/v needs cache_seqlens (the cache is full otherwise)")
+        cache_seqlens = torch.full((b,), s_cap, dtype=torch.int32, device=dev)
+    elif isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= s_cap - lnew:
+            raise ValueError(f"rlkernels.{op}: cache_seqlens {cache_seqlens} + {lnew} new tokens exceeds the "
+                             f"cache of {s_cap}")
+        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
+    else:
+        _check_index(op, "cache_seqlens", cache_seqlens, b, dev)
+        vals = _read_indices(cache_seqlens)
+        if vals is not None:
+            bad = [(i, x) for i, x in enumerate(vals) if not 0 <= x <= s_cap - lnew]
+            if bad:
+                i, x = bad[0]
+                raise ValueError(f"rlkernels.{op}: cache_seqlens[{i}] = {x} with {lnew} new tokens is beyond the "
+                                 f"cache of {s_cap} slots")
+    name, _ = select_backend(OP, dev, backend)
+    _check_backend(op, name, q)
+    scale = _scale(op, softmax_scale, d)
+    if lnew:
+        kvcache_append_op(k_cache, v_cache, k, v, cache_seqlens)
+    ar = torch.arange(b, dtype=torch.int32, device=dev)
+    q_start, k_start = ar * lq, ar * s_cap
+    q_len = torch.full((b,), lq, dtype=torch.int32, device=dev)
+    k_len = cache_seqlens + lnew
+    g = hq // k_cache.shape[2]
+    split_kv = name == "triton" and lq * g <= SPLIT_KV_MAX_ROWS
+    kf = k_cache.view(b * s_cap, k_cache.shape[2], d) if s_cap else k_cache.reshape(0, k_cache.shape[2], d)
+    vf = v_cache.view(b * s_cap, v_cache.shape[2], d) if s_cap else v_cache.reshape(0, v_cache.shape[2], d)
+    with torch.no_grad():
+        out, _ = _run(_packed(q), kf, vf, q_start, q_len, k_start, k_len, lq, s_cap, causal, scale, name, split_kv)
+    return out.view(b, lq, hq, d)
+
+
+# ---------------------------------------------------------------- registry entries
+
+
+class _AttnBase(OpImpl):
+    op_class = "attention"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                softmax_scale: float | None = None) -> torch.Tensor:
+        return flash_attn_func(q, k, v, causal, softmax_scale, backend=self.backend)
+
+    def forward_fp32(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                     softmax_scale: float | None = None) -> torch.Tensor:
+        """The chain on fp32 copies of the inputs (p kept in fp32), fp32 out."""
+        return flash_attn_func(q.float(), k.float(), v.float(), causal, softmax_scale, backend=self.backend)
+
+    def invariance_case(self, device, dtype, generator):
+        lq, h, d = (37, 2, 16) if device.type == "cpu" else (1031, 8, 128)
+        x = torch.randn(6, 3, lq, h, d, generator=generator).to(device=device, dtype=dtype)
+        return (lambda rows: self.forward(rows[:, 0], rows[:, 1], rows[:, 2])), x
+
+
+@register(OP, "triton")
+class FlashAttnTriton(_AttnBase):
+    pass
+
+
+@register(OP, "torch")
+class FlashAttnTorch(_AttnBase):
+    pass
