@@ -195,3 +195,217 @@ def test_mode_gpu_large_gemm_batch_invariance():
     w = torch.randn(1024, 768, device="cuda", dtype=torch.bfloat16) / 32
     with set_batch_invariant_mode():
         testing.assert_batch_invariant(lambda r: r @ w, a, sizes=[1, 7, 128, 129, 1000])
+
+
+# ---------------------------------------------------------------- the overrides keep stock's checks
+
+
+def _t(*shape, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed + 7 * len(shape))
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).to(device)
+    return torch.randint(-3, 4, shape, generator=g).to(dtype).to(device)
+
+
+def _odd_inputs(device):
+    """name -> a call of an overridden op on inputs stock rejects, or on unusual ones it accepts."""
+    f64, i64, c64 = torch.float64, torch.int64, torch.complex64
+    t = lambda *s, dtype=torch.float32: _t(*s, dtype=dtype, device=device)  # noqa: E731
+    return {
+        "mm_inner_mismatch": lambda: torch.mm(t(3, 4), t(5, 2)),
+        "matmul_inner_mismatch": lambda: t(3, 4) @ t(5, 2),
+        "matmul_3d_inner_mismatch": lambda: t(2, 3, 4) @ t(5, 2),
+        "addmm_inner_mismatch": lambda: torch.addmm(t(2), t(3, 4), t(5, 2)),
+        "linear_weight_mismatch": lambda: F.linear(t(3, 4), t(2, 5)),
+        "linear_bias_mismatch": lambda: F.linear(t(3, 4), t(2, 4), t(3)),
+        "linear_1d_input": lambda: F.linear(t(4), t(2, 4), t(2)),
+        "bmm_inner_mismatch": lambda: torch.bmm(t(2, 3, 4), t(2, 5, 2)),
+        "bmm_batch_mismatch": lambda: torch.bmm(t(2, 3, 4), t(3, 4, 2)),
+        "bmm_2d": lambda: torch.bmm(t(3, 4), t(4, 2)),
+        "baddbmm_base_mismatch": lambda: torch.baddbmm(t(2, 3, 3), t(2, 3, 4), t(2, 4, 2)),
+        "baddbmm_dtype_mismatch": lambda: torch.baddbmm(t(2, 3, 2, dtype=f64), t(2, 3, 4), t(2, 4, 2)),
+        "mm_fp32_fp64": lambda: torch.mm(t(3, 4), t(4, 2, dtype=f64)),
+        "matmul_fp32_fp64": lambda: t(3, 4) @ t(4, 2, dtype=f64),
+        "bmm_fp32_fp64": lambda: torch.bmm(t(2, 3, 4), t(2, 4, 2, dtype=f64)),
+        "addmm_bias_dtype": lambda: torch.addmm(t(2, dtype=f64), t(3, 4), t(4, 2)),
+        "addmm_bias_column": lambda: torch.addmm(t(3, 1), t(3, 4), t(4, 2)),
+        "addmm_bias_bad_broadcast": lambda: torch.addmm(t(3), t(3, 4), t(4, 2)),
+        "addmm_beta0_nan_bias": lambda: torch.addmm(torch.full((2,), float("nan"), device=device), t(3, 4), t(4, 2),
+                                                    beta=0),
+        "mm_1d": lambda: torch.mm(t(4), t(4, 2)),
+        "mm_int64": lambda: torch.mm(t(3, 4, dtype=i64), t(4, 2, dtype=i64)),
+        "mm_bool": lambda: torch.mm(t(3, 4, dtype=torch.bool), t(4, 2, dtype=torch.bool)),
+        "mm_complex": lambda: torch.mm(t(3, 4, dtype=c64), t(4, 2, dtype=c64)),
+        "mm_empty_rows": lambda: torch.mm(t(0, 4), t(4, 2)),
+        "mm_k0": lambda: torch.mm(t(3, 0), t(0, 2)),
+        "mm_out_wrong_dtype": lambda: torch.mm(t(3, 4), t(4, 2), out=torch.empty(3, 2, dtype=f64, device=device)),
+        "mv": lambda: t(5, 4) @ t(4),
+        "mv_mismatch": lambda: t(5, 4) @ t(3),
+        "dot": lambda: t(4) @ t(4),
+        "dot_mismatch": lambda: torch.dot(t(4), t(3)),
+        "dot_dtype": lambda: torch.dot(t(4), t(4, dtype=f64)),
+        "addmv": lambda: torch.addmv(t(5), t(5, 4), t(4), beta=0.5, alpha=2.0),
+        "softmax_dim_out_of_range": lambda: torch.softmax(t(3, 4), 5),
+        "softmax_int": lambda: torch.softmax(t(3, 4, dtype=i64), -1),
+        "log_softmax_int": lambda: F.log_softmax(t(3, 4, dtype=i64), -1),
+        "softmax_0d": lambda: torch.softmax(torch.tensor(2.0, device=device), 0),
+        "softmax_half_to_fp32": lambda: torch.softmax(t(3, 4, dtype=torch.float16), -1, dtype=torch.float32),
+        "softmax_empty": lambda: torch.softmax(t(0, 4), -1),
+        "softmax_backward_shape": lambda: torch.ops.aten._softmax_backward_data(t(3, 4), t(3, 5), 1, torch.float32),
+        "mean_int": lambda: t(3, 4, dtype=i64).mean(),
+        "mean_dim_int": lambda: t(3, 4, dtype=i64).mean(-1),
+        "mean_dim_out_of_range": lambda: t(3, 4).mean(5),
+        "mean_dtype_int": lambda: t(3, 4).mean(-1, dtype=i64),
+        "mean_duplicate_dim": lambda: t(3, 4).mean((0, 0)),
+        "mean_complex": lambda: t(3, 4, dtype=c64).mean(-1),
+        "mean_bool": lambda: t(3, 4, dtype=torch.bool).mean(),
+        "mean_empty_dim_list": lambda: t(3, 4).mean(dim=[]),
+        "mean_out": lambda: torch.mean(t(3, 4), -1, out=torch.empty(7, device=device)),
+        "silu_int": lambda: F.silu(t(3, 4, dtype=i64)),
+    }
+
+
+ODD = list(_odd_inputs("cpu"))
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 -- the outcome is the exception itself
+        return e
+
+
+def _assert_same_outcome(name, device):
+    stock = _outcome(_odd_inputs(device)[name])
+    with set_batch_invariant_mode():
+        ours = _outcome(_odd_inputs(device)[name])
+    if isinstance(stock, Exception):
+        assert type(ours) is type(stock), f"{name}: stock raised {stock!r}, the mode gave {ours!r}"
+        assert str(ours).strip()
+        return
+    assert not isinstance(ours, Exception), f"{name}: stock returned, the mode raised {ours!r}"
+    assert ours.dtype == stock.dtype and ours.shape == stock.shape and ours.device == stock.device, name
+    if stock.dtype.is_floating_point or stock.dtype.is_complex:
+        torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5, equal_nan=True)
+    else:
+        assert torch.equal(ours, stock)
+
+
+@pytest.mark.parametrize("name", ODD)
+def test_overrides_raise_and_accept_what_stock_does(name):
+    _assert_same_outcome(name, "cpu")
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name", ODD)
+def test_overrides_raise_and_accept_what_stock_does_triton_backend(name, monkeypatch):
+    monkeypatch.setenv("RLKERNELS_BACKEND", "triton")
+    _assert_same_outcome(name, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ODD)
+def test_overrides_raise_and_accept_what_stock_does_gpu(name):
+    _assert_same_outcome(name, "cuda")
+
+
+def test_stock_kernel_is_really_replaced_for_out_and_vector_forms():
+    # out= and matrix @ vector reach other ATen overloads (mm.out, mv, dot): each is
+    # covered, so its rows are the functional mode's rows bit for bit.
+    a = randn(33, 96, generator=torch.Generator().manual_seed(0))
+    w = _w(96, 80)
+    with set_batch_invariant_mode():
+        want = a @ w
+        out = torch.empty(0)
+        torch.mm(a, w, out=out)
+        assert torch.equal(out, want)
+        assert torch.equal(a @ w[:, 5], want[:, 5])
+        assert torch.equal(a[3] @ w[:, 5], want[3, 5])
+        testing.assert_batch_invariant(lambda r: r @ w[:, 7], a, sizes=[1, 2, 7, 32])
+        sm = torch.empty(0)
+        torch.softmax(a, -1, out=sm) if hasattr(torch.softmax, "out") else torch.ops.aten._softmax.out(a, -1, False,
+                                                                                                      out=sm)
+        assert torch.equal(sm, torch.softmax(a, -1))
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+def test_mode_refuses_bf16_on_the_interpreted_triton_backend(monkeypatch):
+    monkeypatch.setenv("RLKERNELS_BACKEND", "triton")
+    a, b = torch.randn(4, 8).bfloat16(), torch.randn(8, 5).bfloat16()
+    with set_batch_invariant_mode():
+        with pytest.raises(RuntimeError, match="bfloat16 on the Triton backend under TRITON_INTERPRET=1"):
+            a @ b
+
+
+# ---------------------------------------------------------------- process-wide state across threads
+
+
+def test_threads_overlapping_blocks_never_run_with_the_mode_off():
+    import threading
+    import time
+
+    seen: dict[str, list[bool]] = {"short": [], "long": []}
+    start = threading.Barrier(2)
+
+    def worker(name, seconds):
+        start.wait()
+        with set_batch_invariant_mode():
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                seen[name].append(is_batch_invariant_mode_enabled())
+                time.sleep(0.005)
+
+    threads = [threading.Thread(target=worker, args=("short", 0.2)), threading.Thread(target=worker, args=("long", 0.4))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert seen["short"] and seen["long"]
+    assert all(seen["short"]) and all(seen["long"])  # no block ran with the mode off
+    assert not is_batch_invariant_mode_enabled()      # off after the last holder left
+
+
+def test_threads_exception_and_nesting():
+    import threading
+
+    inside = threading.Event()
+    release = threading.Event()
+    errors = []
+
+    def holder():
+        try:
+            with set_batch_invariant_mode():
+                with set_batch_invariant_mode():
+                    inside.set()
+                    release.wait(5)
+                    raise RuntimeError("boom")
+        except RuntimeError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=holder)
+    th.start()
+    inside.wait(5)
+    assert is_batch_invariant_mode_enabled()
+    # This thread's own block and its exit leave the other thread's hold alone.
+    with set_batch_invariant_mode():
+        pass
+    assert is_batch_invariant_mode_enabled()
+    # An "off" here cannot remove the overrides under the other thread's block.
+    with set_batch_invariant_mode(False):
+        assert is_batch_invariant_mode_enabled()
+    release.set()
+    th.join()
+    assert len(errors) == 1
+    assert not is_batch_invariant_mode_enabled()
+
+
+def test_plain_call_in_one_thread_holds_until_turned_off():
+    import threading
+
+    th = threading.Thread(target=lambda: set_batch_invariant_mode(True))
+    th.start()
+    th.join()
+    assert is_batch_invariant_mode_enabled()  # a plain call stays until changed
+    with set_batch_invariant_mode():
+        pass
+    assert is_batch_invariant_mode_enabled()

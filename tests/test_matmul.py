@@ -183,10 +183,13 @@ def test_auto_dispatch_threshold_depends_on_width(monkeypatch, m, n, want):
 
 
 def _fake_cublaslt(monkeypatch, verified: bool = True) -> dict:
-    """cuBLASLt made 'available' on the CPU: calls are counted, its 'output' is the torch chain's."""
+    """cuBLASLt made 'available' on the CPU: calls are counted, its 'output' is the torch chain's.
+
+    The Triton producer is replaced by the torch chain too (counted), so the routing
+    is tested on any CPU, with or without TRITON_INTERPRET."""
     from rlkernels.ops import matmul as mm
 
-    calls = {"use_cublaslt": 0, "cublaslt": 0}
+    calls = {"use_cublaslt": 0, "cublaslt": 0, "triton": 0}
     real_use = mm.TritonEngine.use_cublaslt
 
     def counted_use(self, a, n, bias):
@@ -202,7 +205,14 @@ def _fake_cublaslt(monkeypatch, verified: bool = True) -> dict:
     monkeypatch.setattr(mm.TritonEngine, "use_cublaslt", counted_use)
     monkeypatch.setattr(mm, "cublaslt_available", lambda device, dtype: True)
     monkeypatch.setattr(mm, "cublaslt_verified", lambda device, dtype, k, has_bias: verified)
+    def fake_triton(a, b, *, bias=None, out=None, out_dtype=None, accumulate=False, rowsum=None,
+                    b_transposed=False):
+        calls["triton"] += 1
+        return mm.TorchEngine().gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate,
+                                     rowsum=rowsum, b_transposed=b_transposed)
+
     monkeypatch.setattr(mm, "linear_no_split_k", fake_linear)
+    monkeypatch.setattr(mm, "triton_gemm", fake_triton)
     return calls
 
 
@@ -217,7 +227,7 @@ def test_cublaslt_route_is_worked_out_once_per_problem(monkeypatch, gen, with_bi
     for m in (40, 40, 41, 40, 41):
         y = engine.gemm(randn(m, 40, dtype=torch.float16, generator=gen), w, bias=bias, b_transposed=True)
         assert y.shape == (m, 48)
-    assert calls == {"use_cublaslt": 2, "cublaslt": 5}
+    assert calls == {"use_cublaslt": 2, "cublaslt": 5, "triton": 0}
     assert len(mm._CUBLASLT_ROUTES) == 2 and all(mm._CUBLASLT_ROUTES.values())
 
 
@@ -236,12 +246,12 @@ def test_cublaslt_route_follows_the_backend_switch_and_the_mode(monkeypatch, gen
     engine.gemm(x, w, b_transposed=True)
     assert calls["cublaslt"] == 1
     monkeypatch.delenv("RLKERNELS_GEMM_BACKEND")
-    monkeypatch.setattr(mm, "_batch_invariant_mode", lambda: True)
+    monkeypatch.setattr(mm._mode_state, "overrides_installed", lambda: True)
     engine.gemm(x, w, b_transposed=True)
     assert calls["cublaslt"] == 1
-    monkeypatch.setattr(mm, "_batch_invariant_mode", lambda: False)
+    monkeypatch.setattr(mm._mode_state, "overrides_installed", lambda: False)
     engine.gemm(x, w, b_transposed=True)
-    assert calls == {"use_cublaslt": 3, "cublaslt": 2}
+    assert calls == {"use_cublaslt": 3, "cublaslt": 2, "triton": 2}
 
 
 def test_cublaslt_route_keeps_a_failed_probe_and_is_bounded(monkeypatch, gen):
@@ -253,6 +263,6 @@ def test_cublaslt_route_keeps_a_failed_probe_and_is_bounded(monkeypatch, gen):
     w = randn(48, 40, dtype=torch.float16, generator=gen)
     for m in (40, 41, 42, 40):
         x = randn(m, 40, dtype=torch.float16, generator=gen)
-        assert torch.equal(engine.gemm(x, w, b_transposed=True), mm.triton_gemm(x, w.t()))
+        assert torch.equal(engine.gemm(x, w, b_transposed=True), mm.TorchEngine().gemm(x, w.t()))
         assert 0 < len(mm._CUBLASLT_ROUTES) <= 2 and not any(mm._CUBLASLT_ROUTES.values())
-    assert calls == {"use_cublaslt": 4, "cublaslt": 0}
+    assert calls == {"use_cublaslt": 4, "cublaslt": 0, "triton": 4}

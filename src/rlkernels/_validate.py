@@ -9,6 +9,8 @@ from typing import Iterable
 
 import torch
 
+from .registry import BackendUnavailableError
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # float64 is accepted by the torch backend only (gradcheck, references).
 FLOAT_DTYPES_WITH_FP64 = FLOAT_DTYPES + (torch.float64,)
@@ -50,3 +52,17 @@ def require_same_device(op: str, **tensors: torch.Tensor | None) -> torch.device
 
 def require_same_dtype(op: str, **tensors: torch.Tensor | None) -> torch.dtype:
     return _require_one(op, "tensors must share one dtype", tensors, "dtype", " ")  # type: ignore[return-value]
+
+
+def refuse_interpreted_bf16(op: str, backend: str, t: torch.Tensor) -> None:
+    """bf16 on the Triton backend on the CPU is refused before any launch.
+
+    On the CPU the Triton backend runs through ``TRITON_INTERPRET=1``, whose ``tl.dot``
+    returns wrong values for bf16 operands (values near 1e10 where the answer is ~5).
+    Every op whose kernels multiply with ``tl.dot`` calls this first.
+    """
+    if backend == "triton" and t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        raise BackendUnavailableError(
+            f"rlkernels.{op}: bfloat16 on the Triton backend under TRITON_INTERPRET=1 is refused: the Triton "
+            "interpreter's tl.dot gives wrong results for bfloat16 operands; use float16 or float32 there, "
+            "or the torch backend (RLKERNELS_BACKEND=torch)")

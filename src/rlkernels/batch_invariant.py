@@ -27,9 +27,16 @@ it): the GEMMs call the Triton kernel directly (never the cuBLASLt path, which i
 ``F.linear``) or the elementwise chain; the reductions use ``ops.norms`` engines,
 which are built from elementwise ops, ``amax`` and Triton.
 
-Nesting: each call records the state it replaced; leaving a ``with`` block
-restores that state, also after an exception. The overrides are installed once
-(a ``torch.library.Library`` object) and removed when the last holder leaves.
+Every override first makes stock's own argument checks (``_aten_checks``): it
+raises what stock raises for inputs stock rejects and runs what stock runs.
+
+State: the overrides act in every thread, so the state is process-wide. Each
+thread's wish is kept apart (a plain call sets it; a ``with`` block restores the
+calling thread's previous wish on exit, exception or not, so blocks nest), and the
+overrides are installed while at least one thread wishes the mode on: no thread's
+block ever runs with the mode off, and the mode is off after the last holder
+leaves. A thread asking for "off" while another holds the mode on gets the
+overrides anyway (they cannot be removed for one thread only).
 """
 from __future__ import annotations
 
@@ -40,6 +47,9 @@ from typing import Iterator, Sequence
 
 import torch
 
+from . import _aten_checks as C
+from . import _mode_state
+from ._validate import refuse_interpreted_bf16
 from .ops.chain import accumulator_dtype
 from .ops.matmul import engine_for
 from .ops.norms import TorchReducer, TritonReducer, softmax_backward, softmax_forward
@@ -48,13 +58,14 @@ from .registry import select_backend
 __all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled", "COVERED_OPS"]
 
 COVERED_OPS: tuple[str, ...] = (
-    "mm", "addmm", "bmm", "baddbmm", "_softmax", "_log_softmax", "_softmax_backward_data",
+    "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "_softmax", "_log_softmax", "_softmax_backward_data",
     "_log_softmax_backward_data", "mean.dim", "mean", "silu (CPU)", "silu_backward (CPU)",
 )
 
-_LOCK = threading.RLock()
-_STATE = {"enabled": False, "lib": None}
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT = C.FLOAT_DTYPES
+# Threads that wish the mode on (a plain call or an open ``with`` block); guarded by _mode_state.LOCK.
+_WISH_ON: set[threading.Thread] = set()
+_LIB: list[torch.library.Library] = []
 
 
 # ---------------------------------------------------------------- engines
@@ -66,14 +77,20 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
     The registry's GEMM engine for the device (fp64: the torch chain); inside the
     mode the Triton engine never detours through cuBLASLt, whose entry point
-    (F.linear) is itself overridden here.
+    (F.linear) is itself overridden here. Arguments are already checked.
     """
-    if a.dtype not in _FLOAT or b.dtype not in _FLOAT:
-        # Integer products are exact: any summation order gives the same bits.
-        out = (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    if a.dtype in _FLOAT:
+        engine = engine_for(a.device, "torch" if a.dtype == torch.float64 else None)
+        refuse_interpreted_bf16("set_batch_invariant_mode (mm)", engine.name, a)
+        return engine.gemm(a, b, bias=bias, out_dtype=out_dtype)
+    if a.is_complex():
+        # Four real chains: each output's real and imaginary part is a fixed function of its own row.
+        ar, ai, br, bi = (t.contiguous() for t in (a.real, a.imag, b.real, b.imag))
+        out = torch.complex(_gemm(ar, br) - _gemm(ai, bi), _gemm(ar, bi) + _gemm(ai, br))
         return out + bias if bias is not None else out
-    engine = engine_for(a.device, "torch" if a.dtype == torch.float64 else None)
-    return engine.gemm(a, b, bias=bias, out_dtype=out_dtype)
+    # Integer products are exact: any summation order gives the same bits.
+    out = (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    return out + bias if bias is not None else out
 
 
 def _reducer(t: torch.Tensor) -> TorchReducer | TritonReducer:
@@ -85,19 +102,45 @@ def _scaled(x: torch.Tensor, s) -> torch.Tensor:
     return x if s == 1 else x * s
 
 
+def _plain_pair(a: torch.Tensor, b: torch.Tensor, ndim: int) -> bool:
+    """The common case, in a few attribute reads: one float dtype, one device, matching inner dims."""
+    return (a.dtype is b.dtype and a.dtype in _FLOAT and a.dim() == ndim and b.dim() == ndim
+            and a.shape[-1] == b.shape[-2] and a.device == b.device and (ndim == 2 or a.shape[0] == b.shape[0]))
+
+
+def _into(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """Stock's ``out=`` contract: same dtype and device, resized to the result's shape."""
+    if out.dtype != result.dtype:
+        raise RuntimeError(f"Expected out tensor to have dtype {result.dtype}, but got {out.dtype} instead")
+    C.require_same_device(out, result)
+    if out.shape != result.shape:
+        if out.numel():
+            warnings.warn(f"An output with one or more elements was resized since it had shape {list(out.shape)}, "
+                          f"which does not match the required output shape {list(result.shape)}.", stacklevel=3)
+        out.resize_(result.shape)
+    return out.copy_(result)
+
+
 # ---------------------------------------------------------------- overrides (no autograd here)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if not _plain_pair(a, b, 2):
+        C.check_mm(a, b)
     return _gemm(a, b)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if not _plain_pair(a, b, 3):
+        C.check_bmm(a, b)
     return _gemm(a, b)
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    if beta == 1 and alpha == 1 and bias.dim() == 1 and bias.dtype == a.dtype and bias.shape[0] == b.shape[1]:
+    if not (_plain_pair(a, b, 2) and bias.dtype is a.dtype and bias.device == a.device and bias.dim() == 1
+            and bias.shape[0] == b.shape[1]):
+        C.check_addmm(bias, a, b)
+    if beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == b.shape[1] and a.dtype in _FLOAT:
         return _gemm(a, b, bias)  # bias added to the fp32 accumulator, rounded once (like cuBLAS epilogues)
     prod = _scaled(_gemm(a, b), alpha)
     if beta == 0:
@@ -106,37 +149,66 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alph
 
 
 def _baddbmm(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    C.check_baddbmm(base, a, b)
     prod = _scaled(_gemm(a, b), alpha)
     if beta == 0:
         return prod
     return prod + _scaled(base, beta)
 
 
+def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    C.check_mv(a, v)
+    return _gemm(a, v.unsqueeze(1)).squeeze(1)
+
+
+def _addmv(base: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    C.check_addmv(base, a, v)
+    prod = _scaled(_gemm(a, v.unsqueeze(1)).squeeze(1), alpha)
+    if beta == 0:
+        return prod
+    return prod + _scaled(base, beta)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    C.check_dot(a, b)
+    return _gemm(a.unsqueeze(0), b.unsqueeze(1)).reshape(())
+
+
+def _softmax_out_dtype(x: torch.Tensor, half_to_float: bool) -> torch.dtype:
+    return torch.float32 if half_to_float and x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
 def _softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-    out_dtype = torch.float32 if half_to_float and x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    return softmax_forward(x, dim, out_dtype, False, _reducer(x))
+    C.check_softmax(x, dim, half_to_float, log=False)
+    return softmax_forward(x, dim, _softmax_out_dtype(x, half_to_float), False, _reducer(x))
 
 
 def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-    out_dtype = torch.float32 if half_to_float and x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    return softmax_forward(x, dim, out_dtype, True, _reducer(x))
+    C.check_softmax(x, dim, half_to_float, log=True)
+    return softmax_forward(x, dim, _softmax_out_dtype(x, half_to_float), True, _reducer(x))
 
 
 def _softmax_bwd(grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype) -> torch.Tensor:
+    C.check_softmax_backward(grad, out, dim)
     return softmax_backward(grad, out, dim, False, _reducer(out), input_dtype)
 
 
 def _log_softmax_bwd(grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype) -> torch.Tensor:
+    C.check_softmax_backward(grad, out, dim)
     return softmax_backward(grad, out, dim, True, _reducer(out), input_dtype)
 
 
 def _mean_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
               dtype: torch.dtype | None = None) -> torch.Tensor:
+    C.check_mean(x, dtype)
+    dims = C.mean_dims(x, dim)
     out_dtype = dtype or x.dtype
-    if not (x.is_floating_point() and out_dtype in _FLOAT):
-        raise RuntimeError(f"rlkernels batch-invariant mean: unsupported dtype {x.dtype} -> {out_dtype}")
+    if out_dtype.is_complex or x.is_complex():
+        # Real and imaginary parts through the same fixed-order chain.
+        xc = x.to(out_dtype) if x.dtype != out_dtype else x
+        real = _mean_dim(xc.real, dims, keepdim)
+        return torch.complex(real, _mean_dim(xc.imag, dims, keepdim))
     nd = x.dim()
-    dims = sorted({d % nd for d in dim}) if dim is not None and len(dim) and nd else list(range(nd))
     keep = [d for d in range(nd) if d not in dims]
     xt = x.permute(*keep, *dims) if nd else x.reshape(1)
     kept_shape = [x.shape[d] for d in keep]
@@ -160,30 +232,60 @@ def _mean_all(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Ten
 
 
 def _silu(x: torch.Tensor) -> torch.Tensor:
+    C.check_elementwise_float("silu_cpu", x)
     xf = x.to(accumulator_dtype(x.dtype))
     return (xf / (1 + torch.exp(-xf))).to(x.dtype)
 
 
 def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    C.check_elementwise_float("silu_backward_cpu", grad, x)
+    if grad.shape != x.shape:
+        torch.broadcast_shapes(grad.shape, x.shape)  # stock's broadcast error, if any
     xf = x.to(accumulator_dtype(x.dtype))
     sig = 1 / (1 + torch.exp(-xf))
     return (grad.to(xf.dtype) * sig * (1 + xf * (1 - sig))).to(grad.dtype)
 
 
-_OVERRIDES = (
-    ("mm", _mm, ("CPU", "CUDA")),
-    ("addmm", _addmm, ("CPU", "CUDA")),
-    ("bmm", _bmm, ("CPU", "CUDA")),
-    ("baddbmm", _baddbmm, ("CPU", "CUDA")),
-    ("_softmax", _softmax, ("CPU", "CUDA")),
-    ("_log_softmax", _log_softmax, ("CPU", "CUDA")),
-    ("_softmax_backward_data", _softmax_bwd, ("CPU", "CUDA")),
-    ("_log_softmax_backward_data", _log_softmax_bwd, ("CPU", "CUDA")),
-    ("mean.dim", _mean_dim, ("CPU", "CUDA")),
-    ("mean", _mean_all, ("CPU", "CUDA")),
+def _out_variant(fn):
+    """The ``out=`` overload of an override: the same checks and bits, written into ``out``."""
+    def out_variant(*args, out, **kwargs):
+        return _into(out, fn(*args, **kwargs))
+    out_variant.__name__ = fn.__name__ + "_out"
+    return out_variant
+
+
+_BOTH = ("CPU", "CUDA")
+_FUNCTIONAL = (
+    ("mm", _mm, _BOTH),
+    ("addmm", _addmm, _BOTH),
+    ("bmm", _bmm, _BOTH),
+    ("baddbmm", _baddbmm, _BOTH),
+    ("mv", _mv, _BOTH),
+    ("addmv", _addmv, _BOTH),
+    ("dot", _dot, _BOTH),
+    ("_softmax", _softmax, _BOTH),
+    ("_log_softmax", _log_softmax, _BOTH),
+    ("_softmax_backward_data", _softmax_bwd, _BOTH),
+    ("_log_softmax_backward_data", _log_softmax_bwd, _BOTH),
+    ("mean.dim", _mean_dim, _BOTH),
+    ("mean", _mean_all, _BOTH),
     ("silu", _silu, ("CPU",)),
     ("silu_backward", _silu_backward, ("CPU",)),
 )
+# ``out=`` spellings reach other overloads; without these they would run stock kernels.
+_OUT = (
+    ("mm.out", _mm, _BOTH),
+    ("addmm.out", _addmm, _BOTH),
+    ("bmm.out", _bmm, _BOTH),
+    ("baddbmm.out", _baddbmm, _BOTH),
+    ("mv.out", _mv, _BOTH),
+    ("addmv.out", _addmv, _BOTH),
+    ("dot.out", _dot, _BOTH),
+    ("_softmax.out", _softmax, _BOTH),
+    ("_log_softmax.out", _log_softmax, _BOTH),
+    ("mean.out", _mean_dim, _BOTH),
+)
+_OVERRIDES = _FUNCTIONAL + tuple((name, _out_variant(fn), keys) for name, fn, keys in _OUT)
 
 
 def _install() -> torch.library.Library:
@@ -197,46 +299,60 @@ def _install() -> torch.library.Library:
     return lib
 
 
-def _apply(enabled: bool) -> None:
-    if enabled and _STATE["lib"] is None:
-        _STATE["lib"] = _install()
-    elif not enabled and _STATE["lib"] is not None:
-        _STATE["lib"]._destroy()  # restores the stock kernels
-        _STATE["lib"] = None
-    _STATE["enabled"] = enabled
+def _sync() -> None:
+    """Install the overrides while any thread wishes the mode on; remove them otherwise. Holds LOCK."""
+    want = bool(_WISH_ON)
+    if want and not _LIB:
+        _LIB.append(_install())
+    elif not want and _LIB:
+        _LIB.pop()._destroy()  # restores the stock kernels
+    _mode_state.set_installed(want)
 
 
 class _ModeGuard(contextlib.AbstractContextManager):
-    """Returned by :func:`set_batch_invariant_mode`; as a context manager it restores the previous state."""
+    """Returned by :func:`set_batch_invariant_mode`; as a context manager it restores
+    the calling thread's previous wish on exit."""
 
-    def __init__(self, previous: bool) -> None:
-        self.previous = previous
+    def __init__(self, thread: threading.Thread, previous: bool) -> None:
+        self.thread, self.previous = thread, previous
 
     def __enter__(self) -> "_ModeGuard":
         return self
 
     def __exit__(self, *exc) -> None:
-        with _LOCK:
-            _apply(self.previous)
+        with _mode_state.LOCK:
+            if self.previous:
+                _WISH_ON.add(self.thread)
+            else:
+                _WISH_ON.discard(self.thread)
+            _sync()
         return None
 
 
 def set_batch_invariant_mode(enabled: bool = True) -> _ModeGuard:
-    """Turn the batch-invariant overrides on (or off) now.
+    """Turn the batch-invariant overrides on (or off) for the calling thread's part, now.
 
-    Plain call: the new state stays until changed. ``with set_batch_invariant_mode():``
-    restores the state found on entry when the block exits (exception or not), so
-    blocks nest. The overrides are process-wide (every thread), like any
-    ``torch.library`` registration.
+    Plain call: the thread's wish stays until changed. ``with set_batch_invariant_mode():``
+    restores the thread's previous wish when the block exits (exception or not), so
+    blocks nest. The overrides themselves are process-wide (``torch.library``
+    registrations act in every thread): they are on while any thread wishes them
+    on, so a block never runs with the mode off because another thread left its
+    own block, and they are off once the last holder has left.
     """
-    with _LOCK:
-        previous = _STATE["enabled"]
-        _apply(bool(enabled))
-        return _ModeGuard(previous)
+    with _mode_state.LOCK:
+        me = threading.current_thread()
+        previous = me in _WISH_ON
+        if enabled:
+            _WISH_ON.add(me)
+        else:
+            _WISH_ON.discard(me)
+        _sync()
+        return _ModeGuard(me, previous)
 
 
 def is_batch_invariant_mode_enabled() -> bool:
-    return bool(_STATE["enabled"])
+    """True while the overrides are installed (some thread holds the mode on)."""
+    return _mode_state.overrides_installed()
 
 
 @contextlib.contextmanager

@@ -435,6 +435,7 @@ def _run(a: Any, b: Any, out_dtype: torch.dtype | None, backend: str | None) -> 
         a, b = _autocast(a, b)
     validate_bmm(a, b)
     name, _ = select_backend(OP, a.device, backend)
+    V.refuse_interpreted_bf16(OP, name, a)
     if name == "triton" and a.dtype == torch.float64:
         raise ValueError(f"rlkernels.{OP}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
     return BmmFunction.apply(a, b, out_dtype or a.dtype, name)

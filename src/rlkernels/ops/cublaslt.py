@@ -20,6 +20,9 @@ from typing import Iterator
 
 import torch
 
+from .. import _mode_state
+from .gemm import triton_gemm
+
 log = logging.getLogger("rlkernels")
 
 _FLAG_LOCK = threading.Lock()
@@ -161,7 +164,14 @@ def cublaslt_verified(device: torch.device, dtype: torch.dtype, k: int, has_bias
     hit = _VERIFIED.get(key)
     if hit is not None:
         return hit
-    with _VERIFY_LOCK:
+    # The probe compares real cuBLASLt (F.linear) with the Triton chain. While the
+    # batch-invariant mode is on, F.linear is itself the Triton chain, so no verdict
+    # can be reached: answer "not verified" for now (the Triton chain gives the same
+    # bits) and probe on a later call. Holding the mode's lock keeps any thread from
+    # turning the mode on mid-probe.
+    with _VERIFY_LOCK, _mode_state.LOCK:
+        if _mode_state.overrides_installed():
+            return False
         if key not in _VERIFIED:
             _VERIFIED[key] = _probe(device, dtype, k, has_bias)
             if not _VERIFIED[key]:
@@ -171,13 +181,7 @@ def cublaslt_verified(device: torch.device, dtype: torch.dtype, k: int, has_bias
 
 
 def _probe(device: torch.device, dtype: torch.dtype, k: int, has_bias: bool) -> bool:
-    from ..batch_invariant import set_batch_invariant_mode
-    from .gemm import triton_gemm
-
-    # Inside the batch-invariant mode F.linear itself routes to Triton, and the
-    # probe would compare Triton with Triton: always probe the real cuBLASLt.
-    with set_batch_invariant_mode(False):
-        return _probe_bits(device, dtype, k, has_bias, triton_gemm)
+    return _probe_bits(device, dtype, k, has_bias, triton_gemm)
 
 
 def _probe_bits(device: torch.device, dtype: torch.dtype, k: int, has_bias: bool, triton_gemm) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _mode_state
 from .. import _validate as V
 from ..registry import OpImpl, env_get, implementation, register, select_backend
 from .chain import accumulator_dtype, chain_matmul, chain_sum
@@ -95,18 +96,6 @@ def aligned_16_bytes(k: int, n: int) -> bool:
     return k % 8 == 0 and n % 8 == 0
 
 
-_batch_invariant_module = None
-
-
-def _batch_invariant_mode() -> bool:
-    global _batch_invariant_module
-    if _batch_invariant_module is None:
-        from .. import batch_invariant  # (a cycle at import time)
-
-        _batch_invariant_module = batch_invariant
-    return _batch_invariant_module.is_batch_invariant_mode_enabled()
-
-
 # use_cublaslt's answers by everything it reads (see TritonEngine.cublaslt_route);
 # bounded like the launch plans.
 _CUBLASLT_ROUTES: dict[tuple, bool] = {}
@@ -119,7 +108,7 @@ class TritonEngine:
     def use_cublaslt(self, a: torch.Tensor, n: int, bias: torch.Tensor | None) -> bool:
         mode = gemm_backend_mode()
         # In the mode F.linear is itself overridden (to Triton): no detour through it.
-        if mode == "triton" or _batch_invariant_mode():
+        if mode == "triton" or _mode_state.overrides_installed():
             return False
         ok = cublaslt_available(a.device, a.dtype)
         if mode == "cublaslt":
@@ -138,7 +127,7 @@ class TritonEngine:
         3-6 us per call on the H100 hosts, where a cuBLASLt GEMM at M = 128 takes ~15 us of
         GPU time (benchmarks/results/cublaslt_path_ab_h100_session16_*.json)."""
         key = (a.shape, n, a.dtype, a.get_device(), bias is None, env_get("RLKERNELS_GEMM_BACKEND"),
-               _batch_invariant_mode())
+               _mode_state.overrides_installed())
         route = _CUBLASLT_ROUTES.get(key)
         if route is None:
             route = self.use_cublaslt(a, n, bias)  # (a forced backend that cannot run raises: nothing kept)
@@ -191,8 +180,9 @@ def validate_matmul(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tenso
         V.require_float(op, "bias", bias)
     V.require_ndim(op, "x" if weight_nk else "a", a, 1)
     V.require_ndim(op, "weight" if weight_nk else "b", b, 2, 2)
-    V.require_same_device(op, a=a, b=b, bias=bias)
-    V.require_same_dtype(op, a=a, b=b, bias=bias)
+    names = ("x", "weight") if weight_nk else ("a", "b")
+    V.require_same_device(op, **{names[0]: a, names[1]: b, "bias": bias})
+    V.require_same_dtype(op, **{names[0]: a, names[1]: b, "bias": bias})
     k_b, n = (b.shape[1], b.shape[0]) if weight_nk else (b.shape[0], b.shape[1])
     if a.shape[-1] != k_b:
         raise ValueError(f"rlkernels.{op}: inner dimensions differ: input {tuple(a.shape)} has K={a.shape[-1]}, "
@@ -311,8 +301,13 @@ def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
     if not (isinstance(bias, torch.Tensor) or bias is None) or not _obviously_valid(a, b, bias, weight_nk):
         validate_matmul(op, a, b, bias, weight_nk=weight_nk)
     if out_dtype is not None and out_dtype not in V.FLOAT_DTYPES_WITH_FP64:
-        raise ValueError(f"rlkernels.{op}: out_dtype must be a float dtype, got {out_dtype}")
+        want = "torch.float16, torch.bfloat16, torch.float32, torch.float64 or None"
+        if not isinstance(out_dtype, torch.dtype):
+            hint = f" (write torch.{out_dtype}, not the string)" if isinstance(out_dtype, str) else ""
+            raise TypeError(f"rlkernels.{op}: out_dtype must be a torch.dtype ({want}), got {out_dtype!r}{hint}")
+        raise ValueError(f"rlkernels.{op}: out_dtype must be one of {want}, got {out_dtype}")
     engine = engine_for(a.device, backend)
+    V.refuse_interpreted_bf16(op, engine.name, a)
     if a.dtype == torch.float64 and engine.name == "triton":
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)):
