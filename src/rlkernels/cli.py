@@ -15,6 +15,10 @@ from rich.table import Table
 from ._versions import installed_version
 
 
+# Column headers of the op table (the report's keys stay the check names).
+CHECK_HEADERS = {"padding": "pad", "determinism": "det"}
+
+
 def _default_device() -> str:
     import torch
 
@@ -98,16 +102,29 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
     if not args.model_only:
         with console.status("op-level invariance checks..."):
             rows = op_check_rows(device, dtypes)
-        table = Table(title=f"op invariance on {device} (bitwise)")
-        for col in ("op", "backend", "dtype") + CHECKS:
-            table.add_column(col)
+        # Short headers and one-word cells keep the table inside 80 columns (details follow it).
+        table = Table(title=f"op invariance on {device} (bitwise)",
+                      caption="each row's bits unchanged: batch = in a smaller batch, chunk = in chunks,\n"
+                              "pad = among other rows, order = rows shuffled, det = over 2 runs")
+        table.add_column("op", no_wrap=True)
+        table.add_column("backend", no_wrap=True)
+        table.add_column("dtype", no_wrap=True)
+        for c in CHECKS:
+            table.add_column(CHECK_HEADERS.get(c, c), no_wrap=True)
         for r in rows:
-            cells = [r.get(c, "") for c in CHECKS] if "error" not in r else [r["error"]] + [""] * (len(CHECKS) - 1)
-            table.add_row(r["op"], r["backend"], r["dtype"],
-                          *[("[green]ok[/]" if c == "ok" else f"[red]{c[:60]}[/]" if c else "") for c in cells])
+            if "error" in r:
+                word = "skipped" if r["error"].startswith("skipped") else "error"
+                cells = [f"[yellow]{word}[/]" if word == "skipped" else f"[red]{word}[/]"] + [""] * (len(CHECKS) - 1)
+            else:
+                cells = ["[green]ok[/]" if r.get(c) == "ok" else "[red]FAIL[/]" for c in CHECKS]
+            table.add_row(r["op"], r["backend"], r["dtype"], *cells)
         console.print(table)
         ops_ok = rows_ok(rows)
         for r in rows:
+            if "error" in r:
+                console.print(f"{'[yellow]' if r['error'].startswith('skipped') else '[red]'}"
+                              f"{r['op']} {r['dtype']}: {r['error']}[/]")
+                continue
             for c in CHECKS:
                 if r.get(c, "ok") != "ok":
                     console.print(f"[red]{r['op']} {r['dtype']} {c}: {r[c]}[/]")
@@ -136,30 +153,93 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def _device_arg(value: str) -> str:
+    """argparse type for --device: a device this machine has (cpu, cuda, cuda:N) or auto."""
+    from .model_check import resolve_device
+
+    try:
+        return str(resolve_device(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _dtype_arg(value: str) -> str:
+    from .model_check import DTYPE_CHOICES, _DTYPES
+
+    if value.lower() != "auto" and value.lower().replace("torch.", "") not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; expected one of {DTYPE_CHOICES}")
+    return value
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _model_arg(value: str) -> str:
+    from .model_check import check_model_path
+
+    try:
+        check_model_path(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _json_arg(value: str) -> str:
+    """argparse type for an output file: checked before the work whose report it receives."""
+    parent = os.path.dirname(os.path.abspath(value))
+    if os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is a directory; expected a file path")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent!r} does not exist")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .bench.__main__ import ALL, SUITES
+
     parser = argparse.ArgumentParser(prog="rlkernels", description="batch-invariant kernels for RL post-training")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument("--version", action="version", version=f"rlkernels {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{info,check,bench}")
+    device_help = "auto (default: cuda if available, else cpu), cpu, cuda or cuda:N"
     p_info = sub.add_parser("info", help="versions, devices, and which backend each op uses and why")
-    p_info.add_argument("--device", default=None)
+    p_info.add_argument("--device", default=None, type=_device_arg, help=device_help)
+    p_info.set_defaults(subparser=p_info)
     p_check = sub.add_parser("check", help="prove rollout-style and training-style log-probs agree bit for bit")
-    p_check.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p_check.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
-    p_check.add_argument("--seqs", type=int, default=None, help="number of sequences (default: the model check's)")
-    p_check.add_argument("--model", default=None, help="local Hugging Face checkpoint directory")
-    p_check.add_argument("--json", default=None, help="write the full report here")
-    p_check.add_argument("--ops-only", action="store_true", help="skip the model-level check")
-    p_check.add_argument("--model-only", action="store_true", help="skip the op-level checks")
-    sub.add_parser("bench", help="benchmarks (GPU): rlkernels bench {gemm,training,logprob,bmm,all} [--json PATH]",
-                   add_help=False)
+    p_check.add_argument("--device", default=None, type=_device_arg, help=device_help)
+    p_check.add_argument("--dtype", default=None, type=_dtype_arg,
+                         help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16")
+    p_check.add_argument("--seqs", type=_positive_int, default=None,
+                         help="number of sequences, >= 1 (default: 8)")
+    p_check.add_argument("--model", default=None, type=_model_arg,
+                         help="local Hugging Face checkpoint directory (default: a tiny random Qwen3)")
+    p_check.add_argument("--json", default=None, type=_json_arg, metavar="PATH", help="write the full report here")
+    only = p_check.add_mutually_exclusive_group()
+    only.add_argument("--ops-only", action="store_true", help="skip the model-level check")
+    only.add_argument("--model-only", action="store_true", help="skip the op-level checks")
+    p_check.set_defaults(subparser=p_check)
+    sub.add_parser("bench", help=f"benchmarks: suites {', '.join(SUITES)} (all = {', '.join(ALL)}); "
+                                 "rlkernels bench --help for more", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    console = Console()
     if args.cmd == "bench":
         from .bench.__main__ import main as bench_main
 
         return bench_main(rest)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"info": cmd_info, "check": cmd_check}[args.cmd](args, console)
+        args.subparser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return {"info": cmd_info, "check": cmd_check}[args.cmd](args, Console())
 
 
 if __name__ == "__main__":

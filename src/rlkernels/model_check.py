@@ -26,6 +26,7 @@ import copy
 import json
 import platform
 import time
+import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Callable
@@ -33,7 +34,7 @@ from typing import Callable
 import torch
 
 from .batch_invariant import set_batch_invariant_mode
-from .hf import hidden_states, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
+from .hf import decoder_of, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
 
 DEFAULT_SEQS = 8
 LAST_REPORT: dict = {}  # the JSON payload of the latest run(), for callers that write their own report
@@ -47,10 +48,31 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-def resolve_device(device: str | None) -> torch.device:
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:N"
+DTYPE_CHOICES = ", ".join(["auto"] + sorted(_DTYPES))
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``auto``/None -> cuda if available else cpu; ValueError for anything this machine can't run.
+
+    Only cpu and cuda have backends; cuda needs a visible CUDA device (and cuda:N one with that index).
+    """
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {str(device)!r}; expected one of {DEVICE_CHOICES}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: no CUDA device on this machine "
+                             "(torch.cuda.is_available() is False); use cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {str(device)!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    return dev
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
@@ -59,7 +81,22 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     try:
         return _DTYPES[str(dtype).lower().replace("torch.", "")]
     except KeyError:
-        raise ValueError(f"rlkernels check: unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPE_CHOICES}") from None
+
+
+def check_model_path(model_path: str) -> None:
+    """Raise ValueError unless ``model_path`` is a local Hugging Face checkpoint directory (with config.json).
+
+    Checked up front so that a typo fails before any work, not inside huggingface_hub.
+    """
+    import os
+
+    if not os.path.isdir(model_path):
+        raise ValueError(f"model {model_path!r} is not a directory; "
+                         "expected a local Hugging Face checkpoint directory (no downloads)")
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ValueError(f"model directory {model_path!r} has no config.json; "
+                         "expected a local Hugging Face checkpoint directory")
 
 
 def tiny_config_path() -> str:
@@ -127,12 +164,28 @@ class _Scorer:
         raise NotImplementedError
 
 
+_PAST_KEY_VALUES_DEPRECATED = r"`past_key_values` is deprecated"
+
+
 def _new_cache(model):
     from transformers import DynamicCache
     try:
         return DynamicCache(config=model.config)
     except TypeError:
         return DynamicCache()
+
+
+def _cache_kwargs(module: torch.nn.Module, cache) -> dict:
+    """The KV cache as the keyword this module's forward takes.
+
+    Recent transformers 5.x releases name it ``cache`` and warn (a FutureWarning per
+    call) on ``past_key_values``; earlier releases only know ``past_key_values``. The cache is
+    updated in place, so callers never read it back from the output (which warns too).
+    """
+    import inspect
+
+    params = inspect.signature(module.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 class StockScorer(_Scorer):
@@ -159,8 +212,8 @@ class StockScorer(_Scorer):
             piece = ids[:, start:start + c]
             mask = torch.ones(1, start + c, dtype=torch.long, device=ids.device)
             pos = torch.arange(start, start + c, device=ids.device)[None]
-            out = self.model(input_ids=piece, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = self.model(input_ids=piece, attention_mask=mask, position_ids=pos, use_cache=True,
+                             **_cache_kwargs(self.model, cache))
             parts.append(out.logits)
             start += c
         logits = torch.cat(parts, dim=1)
@@ -174,7 +227,11 @@ class RlkernelsScorer(_Scorer):
         self.model = model
 
     def batch(self, ids, mask):
-        return token_logprobs(self.model, ids, mask)
+        # hidden_states passes ``past_key_values=None``, which transformers releases that renamed
+        # it to ``cache`` answer with a FutureWarning per call; only that warning is silenced.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_PAST_KEY_VALUES_DEPRECATED, category=FutureWarning)
+            return token_logprobs(self.model, ids, mask)
 
     def chunked(self, ids, sizes):
         with set_batch_invariant_mode(True):
@@ -183,8 +240,11 @@ class RlkernelsScorer(_Scorer):
                 piece = ids[:, start:start + c]
                 mask = torch.ones(1, start + c, dtype=torch.long, device=ids.device)
                 pos = torch.arange(start, start + c, device=ids.device)[None]
-                parts.append(hidden_states(self.model, piece, mask, position_ids=pos,
-                                           past_key_values=cache, use_cache=True))
+                # the decoder directly (what hidden_states calls), with the cache keyword it takes
+                decoder = decoder_of(self.model)
+                out = decoder(input_ids=piece, attention_mask=mask, position_ids=pos, use_cache=True,
+                              **_cache_kwargs(decoder, cache))
+                parts.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
                 start += c
             hidden = torch.cat(parts, dim=1)
             return logprobs_from_hidden(self.model, hidden[:, :-1], next_token_targets(ids, None))
@@ -308,9 +368,11 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
     console = console or Console()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    n = int(seqs) if seqs else DEFAULT_SEQS
+    n = DEFAULT_SEQS if seqs is None else int(seqs)
     if n < 1:
-        raise ValueError("rlkernels check: seqs must be >= 1")
+        raise ValueError(f"rlkernels check: seqs must be >= 1, got {seqs!r}")
+    if model_path:
+        check_model_path(model_path)
     stock_model = build_model(dev, dt, model_path, config_overrides)
     vocab = int(stock_model.config.vocab_size)
     lo = min_len or (4 if model_path is None else 16)

@@ -1,46 +1,122 @@
-"""Entry point: ``python -m rlkernels.bench SUITE [--json PATH] [--quick]``.
+"""``rlkernels bench`` / ``python -m rlkernels.bench``: the benchmark entry point.
 
-Each suite lives in ``rlkernels/bench/<suite>.py`` and exposes ``run(args) -> list[dict]``
-and ``add_arguments(parser)``.
+Each suite lives in ``rlkernels/bench/<suite>.py`` and exposes ``run(args) -> list[dict]``,
+optionally ``add_arguments(parser)`` for its own options, and ``NEEDS_CUDA`` (default
+True; a suite that runs on the CPU sets it False). Every argument -- suite names first,
+then the GPU a suite needs, then the suite's own options -- is checked before any suite runs.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
-import sys
+import textwrap
+from types import ModuleType
 
-SUITES = ("gemm", "training", "logprob", "bmm")
+SUITES = ("gemm", "training", "logprob", "bmm", "cpu")
+# ``all``: the GPU suites (what the README's GPU benchmark command runs); ``cpu`` runs only by name.
+ALL = ("gemm", "training", "logprob", "bmm")
+SUITE_HELP = {
+    "gemm": "matmul/linear forward, bf16 and fp32 (IEEE), M from 1 (decode) to 16384 (prefill) on "
+            "LLM layer shapes: rlkernels vs stock cuBLAS and cuBLASLt-no-split; time, TFLOP/s, ratio to stock",
+    "training": "Linear forward+backward at 8192 tokens, bf16: rlkernels vs torch autograd; "
+                "the dX and dW kernels alone in TFLOP/s",
+    "logprob": "fused lm-head log-prob (+ entropy) vs materialized logits + log_softmax, and Liger / "
+               "Cut Cross-Entropy when installed: forward ms, forward+backward ms, extra peak memory",
+    "bmm": "tiny batched matmuls vs torch.bmm (CUDA-graph replay): µs, speedup, GB/s against a measured "
+           "copy bandwidth",
+    "cpu": "the CPU (torch) backend, a reference path, vs stock PyTorch on the CPU; needs no GPU",
+}
+
+DESCRIPTION = """\
+Time rlkernels against stock PyTorch (and installed peers) and print a table per
+suite: medians of device-event timings, with stock measured in the same run.
+Every suite except cpu needs a CUDA GPU."""
+
+
+def _suite_list() -> str:
+    width = max(len(s) for s in SUITES)
+    lines = [textwrap.fill(text, 78, initial_indent=f"  {name:<{width}}  ", subsequent_indent=" " * (width + 4))
+             for name, text in [*SUITE_HELP.items(), ("all", ", ".join(ALL))]]
+    return ("suites (one, a comma-separated list, or all):\n" + "\n".join(lines) +
+            "\n\nexamples:\n  rlkernels bench gemm --quick\n  rlkernels bench all --json results/\n"
+            "  rlkernels bench gemm --help   (the suite's own options)")
+
+
+def _common_parser(prog: str, description: str, epilog: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, add_help=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit (after a suite name: "
+                                                                  "that suite's options too)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write results as JSON: a file for one suite, a directory (one <suite>.json each) "
+                             "for several")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    return parser
+
+
+def _suite_parser(name: str, mod: ModuleType) -> argparse.ArgumentParser:
+    """The suite's own options (its add_arguments), for parsing what the common parser left."""
+    parser = argparse.ArgumentParser(prog=f"rlkernels bench {name}", add_help=False)
+    if hasattr(mod, "add_arguments"):
+        mod.add_arguments(parser)
+    return parser
+
+
+def _suite_help(name: str, mod: ModuleType) -> str:
+    parser = _common_parser(f"rlkernels bench {name}", textwrap.fill(SUITE_HELP[name], 78), None)
+    if hasattr(mod, "add_arguments"):
+        mod.add_arguments(parser.add_argument_group(f"{name} options"))
+    needs = "needs a CUDA GPU" if getattr(mod, "NEEDS_CUDA", True) else "runs without a GPU"
+    parser.epilog = f"This suite {needs}."
+    return parser.format_help()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlkernels bench", description=__doc__)
-    parser.add_argument("suite", help=f"one of {', '.join(SUITES)}, a comma-separated list, or all")
-    parser.add_argument("--json", default=None,
-                        help="write results here (a directory for several suites: one <suite>.json each)")
-    parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    parser = _common_parser("rlkernels bench", DESCRIPTION, _suite_list())
+    parser.add_argument("suite", nargs="?", help="which suite(s) to run: see below")
     args, rest = parser.parse_known_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("rlkernels bench: needs a CUDA GPU (timings are device-event medians)", file=sys.stderr)
-        return 2
-    suites = SUITES if args.suite == "all" else tuple(args.suite.split(","))
-    unknown = [s for s in suites if s not in SUITES]
+    if args.suite is None:
+        if args.help:
+            parser.print_help()
+            return 0
+        parser.error(f"missing suite; expected one of {', '.join(SUITES)}, all, or a comma-separated list")
+    names = tuple(n for item in args.suite.split(",") for n in (ALL if item == "all" else (item,)))
+    unknown = [s for s in names if s not in SUITES]
     if unknown:
-        parser.error(f"unknown suite(s) {unknown}; expected {SUITES} or all")
-    for name in suites:
-        mod = importlib.import_module(f"rlkernels.bench.{name}")
-        sub = argparse.ArgumentParser(prog=f"rlkernels bench {name}")
-        if hasattr(mod, "add_arguments"):
-            mod.add_arguments(sub)
-        sub_args = sub.parse_args(rest)
+        parser.error(f"unknown suite {', '.join(repr(s) for s in unknown)}; "
+                     f"expected one of {', '.join(SUITES)}, all, or a comma-separated list")
+    mods = {name: importlib.import_module(f"rlkernels.bench.{name}") for name in dict.fromkeys(names)}
+    if args.help:
+        print("\n".join(_suite_help(name, mod) for name, mod in mods.items()), end="")
+        return 0
+    many = len(mods) > 1
+    plans = []
+    for name, mod in mods.items():  # parse every suite's options before any suite runs
+        sub_args = _suite_parser(name, mod).parse_args(rest)
         sub_args.quick = args.quick
-        if args.json and (len(suites) > 1 or os.path.isdir(args.json)):
-            os.makedirs(args.json, exist_ok=True)
-            sub_args.json = os.path.join(args.json, f"{name}.json")
-        else:
-            sub_args.json = args.json
+        sub_args.json = os.path.join(args.json, f"{name}.json") if args.json and (many or os.path.isdir(args.json)) \
+            else args.json
+        plans.append((mod, sub_args))
+    if args.json and not (many or os.path.isdir(args.json)):
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            parser.error(f"argument --json: directory {parent!r} does not exist")
+    elif args.json and os.path.exists(args.json) and not os.path.isdir(args.json):
+        parser.error(f"argument --json: {args.json!r} is a file; several suites write one <suite>.json each "
+                     "into a directory")
+    need_cuda = [name for name, mod in mods.items() if getattr(mod, "NEEDS_CUDA", True)]
+    if need_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            hint = "" if "cpu" in mods else "; `rlkernels bench cpu` runs without one"
+            parser.error(f"suite{'s' if len(need_cuda) > 1 else ''} {', '.join(need_cuda)} "
+                         f"need{'' if len(need_cuda) > 1 else 's'} a CUDA GPU (timings are CUDA-event medians) "
+                         f"and torch sees none here{hint}")
+    if args.json and many:
+        os.makedirs(args.json, exist_ok=True)
+    for mod, sub_args in plans:
         mod.run(sub_args)
     return 0
 
