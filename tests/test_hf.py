@@ -203,3 +203,27 @@ def test_token_logprobs_warns_on_non_eager_attention():
     ids = torch.randint(3, 300, (2, 6))
     with pytest.warns(UserWarning, match="not batch-invariant"), torch.no_grad():
         token_logprobs(model, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_token_logprobs_empty_batch(dtype):
+    model = patch_model(_tiny("qwen3", dtype=dtype))
+    ids = torch.zeros(0, 7, dtype=torch.long)
+    lp, ent = token_logprobs(model, ids, torch.ones_like(ids), return_entropy=True)
+    want = token_logprobs(model, torch.randint(0, 300, (1, 7)))
+    assert lp.shape == ent.shape == (0, 6) and lp.dtype == ent.dtype == want.dtype
+    lp.sum().backward()  # an empty micro-batch contributes zero gradient, not an error
+    assert torch.equal(model.lm_head.weight.grad, torch.zeros_like(model.lm_head.weight))
+
+
+@pytest.mark.parametrize("bad,where", [(300, (1, 4)), (-1, (0, 2)), (10 ** 6, (1, 0))])
+def test_token_logprobs_rejects_ids_outside_the_vocab(bad, where):
+    model = patch_model(_tiny("llama"))
+    ids = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(0))
+    ids[where] = bad
+    ids[1, 5] = 301  # a later bad id: the first one (row-major) is named
+    b, i = where
+    with pytest.raises(ValueError, match=rf"rlkernels\.token_logprobs: input_ids\[{b}, {i}\] = {bad} is outside "
+                                         rf"the model's vocabulary \[0, 300\) \(first bad id, at batch {b}, "
+                                         rf"index {i}\)"):
+        token_logprobs(model, ids)

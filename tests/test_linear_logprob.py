@@ -6,6 +6,8 @@ several vocabulary splits). GPU tests (``-m gpu``) run the real sizes.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -133,6 +135,76 @@ def test_empty_batch(backend, dtype, gen):
     assert lp.shape == (0,) and ent.shape == (0,)
     (lp.sum() + ent.sum()).backward()
     assert h.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+def _zero_dim_ref(b, t, v, gl, ge, temperature):
+    """(logp, entropy, dbias) in float64 when D = 0: the logits are bias / T (zeros without bias)."""
+    bd = b.detach().double().requires_grad_() if b is not None else None
+    z = (bd / temperature) if bd is not None else torch.zeros(v, dtype=F64)
+    logsm = torch.log_softmax(z, dim=0)
+    flat = t.reshape(-1)
+    valid = flat != -100
+    logp = torch.where(valid, logsm[flat.clamp(min=0)], torch.zeros((), dtype=F64))
+    ent = torch.where(valid, -(logsm.exp() * logsm).sum(), torch.zeros((), dtype=F64))
+    db = None
+    if bd is not None:
+        loss = (logp * gl.double().reshape(-1)).sum() + (ent * ge.double().reshape(-1)).sum()
+        (db,) = torch.autograd.grad(loss, bd)
+    return logp.reshape(t.shape), ent.reshape(t.shape), db
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F16)))
+def test_zero_hidden_dim(backend, dtype, bias, gen):
+    # D = 0: every logit is the bias (or 0), as stock matmul gives for K = 0.
+    v = 37
+    b = randn(v, dtype=dtype, generator=gen) if bias else None
+    t = torch.tensor([[0, 36, -100], [5, 5, 1]])
+    h = torch.empty(2, 3, 0, dtype=dtype, requires_grad=True)
+    w = torch.empty(v, 0, dtype=dtype, requires_grad=True)
+    bb = b.clone().requires_grad_() if bias else None
+    lp, ent = linear_logprob(h, w, t, bb, temperature=TEMP, return_entropy=True, backend=backend)
+    assert lp.shape == ent.shape == t.shape and lp.dtype == ent.dtype == F32
+    gl, ge = torch.randn(t.shape, generator=gen), torch.randn(t.shape, generator=gen)
+    rl, re, rdb = _zero_dim_ref(b, t, v, gl, ge, TEMP)
+    tol = LINEAR_LOGPROB_ABS[dtype]
+    assert (lp.double() - rl).abs().max().item() <= tol
+    assert (ent.double() - re).abs().max().item() <= tol
+    if not bias:  # uniform over the vocabulary
+        assert (lp[t != -100].double() + math.log(v)).abs().max().item() <= tol
+    grads = torch.autograd.grad((lp * gl).sum() + (ent * ge).sum(), [x for x in (h, w, bb) if x is not None])
+    assert grads[0].shape == (2, 3, 0) and grads[1].shape == (v, 0)
+    assert grads[0].dtype == grads[1].dtype == dtype
+    if bias:
+        assert grads[2].dtype == dtype
+        assert rel_error(grads[2], rdb) <= LINEAR_LOGPROB_GRAD_REL[dtype]
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32,)))
+def test_zero_hidden_dim_and_no_tokens(backend, dtype, gen):
+    h = torch.empty(0, 0, dtype=dtype, requires_grad=True)
+    b = randn(5, dtype=dtype, generator=gen).requires_grad_()
+    lp, ent = linear_logprob(h, torch.empty(5, 0, dtype=dtype), torch.empty(0, dtype=torch.int64), b,
+                             return_entropy=True, backend=backend)
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad.shape == (0, 0) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32,)))
+def test_double_backward_is_refused(backend, dtype, gen):
+    h, w, b, t = _data(6, 16, 50, dtype, gen)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    plain = torch.autograd.grad(linear_logprob(h, w, t, b, backend=backend).sum(), (h, w))
+    # create_graph=True alone is fine (same first-order bits) ...
+    gh, gw = torch.autograd.grad(linear_logprob(h, w, t, b, backend=backend).sum(), (h, w), create_graph=True)
+    assert torch.equal(gh, plain[0]) and torch.equal(gw, plain[1])
+    # ... but differentiating the gradients must not silently drop the second-order terms.
+    with pytest.raises(RuntimeError, match=r"rlkernels\.linear_logprob: double backward is not supported"):
+        torch.autograd.grad((gh * h).sum(), h)
+    gw = torch.autograd.grad(linear_logprob(h, w, t, b, backend=backend).sum(), w, create_graph=True)[0]
+    with pytest.raises(RuntimeError, match=r"rlkernels\.linear_logprob: double backward is not supported"):
+        gw.square().sum().backward()
 
 
 def test_large_logits_stay_finite(gen):

@@ -128,6 +128,27 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
     return out.reshape(B, T)
 
 
+def _vocab_size(model: nn.Module) -> int | None:
+    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight.shape[0]  # the rows the embedding can index (may exceed config.vocab_size)
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _check_ids(model: nn.Module, input_ids: torch.Tensor) -> None:
+    """ValueError naming the first id outside [0, vocab) and its (batch, index); one host sync."""
+    vocab = _vocab_size(model)
+    if vocab is None or input_ids.numel() == 0:
+        return
+    bad = (input_ids < 0) | (input_ids >= vocab)
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"rlkernels.token_logprobs: input_ids[{b}, {i}] = {int(input_ids[b, i])} is outside "
+                         f"the model's vocabulary [0, {vocab}) (first bad id, at batch {b}, index {i})")
+
+
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    temperature: float = 1.0, return_entropy: bool = False,
                    batch_invariant: bool = True):
@@ -141,6 +162,11 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     log-softmax are the fused :func:`~rlkernels.ops.linear_logprob.linear_logprob`.
     For whole-model invariance, also :func:`patch_model` the model (or use eager
     attention); see docs/operators/batch_invariant_mode.md for what is covered.
+
+    An empty batch (B = 0) gives empty [0, L-1] results. Every id (padding included:
+    all of them go through the embedding) must lie in ``[0, vocab)``, the rows of the
+    input embedding; the first one outside raises ValueError with its (batch, index),
+    before the model runs.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"rlkernels.token_logprobs: input_ids must be [B, L], got {tuple(input_ids.shape)}")
@@ -148,10 +174,20 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         raise ValueError("rlkernels.token_logprobs: attention_mask must match input_ids' shape")
     if temperature <= 0:
         raise ValueError(f"rlkernels.token_logprobs: temperature must be > 0, got {temperature}")
+    _check_ids(model, input_ids)
     B, L = input_ids.shape
     if L < 2:
         empty = torch.zeros(B, 0, dtype=torch.float32, device=input_ids.device)
         return (empty, empty.clone()) if return_entropy else empty
+    if B == 0:
+        # No sequences: the decoder cannot run on an empty batch, but the head can score
+        # zero rows (the result's dtype, and its graph to the head's weight, as for B > 0).
+        head = model.get_output_embeddings()
+        width = head.weight.shape[1] if isinstance(getattr(head, "weight", None), torch.Tensor) else 0
+        hidden = torch.zeros(0, L - 1, width, dtype=head.weight.dtype if width else torch.float32,
+                             device=input_ids.device)
+        return logprobs_from_hidden(model, hidden, input_ids[:, 1:], temperature=temperature,
+                                    return_entropy=return_entropy)
     impl = attention_implementation(model)
     if batch_invariant and impl not in (None, "eager"):
         warnings.warn(f"rlkernels.token_logprobs: attention implementation {impl!r} is not batch-invariant; "

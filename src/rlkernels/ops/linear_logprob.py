@@ -674,7 +674,24 @@ class LinearLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):  # type: ignore[override]
-        h2, weight, bias, tgt, lse, ent = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        # The kernels compute first-order gradients only: never record them in a graph.
+        with torch.no_grad():
+            grads = LinearLogprobFunction._grads(ctx, saved, grad_logp, grad_ent)
+        if not torch.is_grad_enabled():
+            return grads
+        # create_graph=True: the gradients must not pass for constants of the inputs (a
+        # double backward through them would silently drop this op's second-order terms).
+        deps = [t for t in (*saved[:3], grad_logp, grad_ent) if t is not None and t.requires_grad]
+        outs = [g for g in grads if g is not None]
+        if not deps or not outs:
+            return grads
+        wrapped = iter(_NoDoubleBackward.apply(len(outs), *outs, *deps))
+        return tuple(next(wrapped) if g is not None else None for g in grads)
+
+    @staticmethod
+    def _grads(ctx, saved, grad_logp, grad_ent):
+        h2, weight, bias, tgt, lse, ent = saved
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if grad_logp is None and grad_ent is None or not (need_h or need_w or need_b):
@@ -718,7 +735,7 @@ class LinearLogprobFunction(torch.autograd.Function):
 
         def weight_grads(g: torch.Tensor, v0: int, v1: int) -> None:
             rowsum = db[v0:v1] if need_b else None
-            if need_w:
+            if need_w and D > 0:
                 # dW[chunk]: one fp32 chain over all tokens (ascending), rounded once;
                 # with main_grad the chain starts from it (Megatron convention).
                 if w_main is not None:
@@ -726,7 +743,9 @@ class LinearLogprobFunction(torch.autograd.Function):
                 else:
                     engine.gemm(g.t(), h2, out=dw[v0:v1], rowsum=rowsum)
             elif need_b:
-                engine.gemm(g.t(), h2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
+                # With D = 0 there are no dW columns (the engine may skip an empty output and
+                # its row sums with it): a zero [N, 1] operand carries the bias sums.
+                engine.gemm(g.t(), h2[:, :1] if D > 0 else g.new_zeros(N, 1), out_dtype=acc_dt, rowsum=rowsum)
 
         def chunk(g_buf: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
             g = grad_logits(g_buf, v0, v1)
@@ -771,6 +790,22 @@ class LinearLogprobFunction(torch.autograd.Function):
                 weight_grads(grad_logits(g_buf, v0, v1), v0, v1)
         grad_b = db.to(bias.dtype) if need_b and b_main is None else None
         return grad_h, dw, grad_b, None, None, None, None
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes linear_logprob's gradients through; differentiating them raises (see backward)."""
+
+    @staticmethod
+    def forward(ctx, n_out: int, *tensors):  # type: ignore[override]
+        # The first n_out tensors are the gradients; the rest only put the inputs that
+        # require grad upstream of them.
+        return tuple(t.view_as(t) for t in tensors[:n_out])
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        raise RuntimeError(f"rlkernels.{OP}: double backward is not supported (its backward is computed by "
+                           "fused kernels that are not themselves differentiable); differentiate a "
+                           "logits-based log_softmax instead where second-order gradients are needed")
 
 
 # ---------------------------------------------------------------------------------------
@@ -830,7 +865,7 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
         raise ValueError(f"rlkernels.{OP}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
     impl = implementation(OP, name)
     lead = target.shape
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = hidden.reshape(target.numel(), hidden.shape[-1])  # explicit N: -1 is ambiguous when D = 0
     t1 = target.reshape(-1).to(torch.int64)
     # Kernels see -1 for ignored rows (ignore_index may itself be a valid id in [0, V)).
     tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
@@ -852,5 +887,9 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
     ``(logp, entropy)`` with ``return_entropy``; ignored positions give 0 and get zero
     gradient. Differentiable w.r.t. hidden, weight, bias. Never materializes [N, V];
     each row's outputs (and dhidden row) are bitwise independent of the rest of the batch.
+    Empty inputs work as the matmul they stand for: no tokens give empty outputs; D = 0
+    gives logits equal to the bias (all 0 without one, so logp = -log V).
+    First-order gradients only: differentiating them again (double backward after
+    ``create_graph=True``) raises RuntimeError.
     """
     return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend)
