@@ -1,0 +1,432 @@
+"""flash_attn_func / flash_attn_varlen_func / flash_attn_with_kvcache: one chain per query row.
+
+Every property is bitwise (torch.equal plus a bit-pattern check): a row's output is the
+same as a full causal forward, as decode steps over a KV cache whose unused slots hold
+NaN, as chunked prefill, alone, inside a padded batch at any position and packed. The
+interpreter runs a small chain (block 16, split 32) to stay fast; the torch backend
+runs it too, and once at the library's default chain. The same chain is used by every
+entry point under one setting.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkernels import contract, reference, testing
+from rlkernels.ops import attention as A
+from rlkernels.registry import get_op, registered_ops
+
+from .conftest import cpu_backend_cases, randn
+
+SMALL_CHAIN = (16, 32)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same values and the same bit patterns (signed zeros, NaN payloads)."""
+    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+        return False
+    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(width), b.contiguous().view(width))
+
+
+def sizes(backend: str) -> tuple[int, int, int]:
+    """(Hq, Hkv, D): GQA everywhere; the interpreter gets the smallest."""
+    return (2, 1, 16) if backend == "triton" else (4, 2, 16)
+
+
+def qkv(L: int, hq: int, hkv: int, d: int, dtype, gen, batch: int = 1):
+    q = randn(batch, L, hq, d, dtype=dtype, generator=gen)
+    k = randn(batch, L, hkv, d, dtype=dtype, generator=gen)
+    v = randn(batch, L, hkv, d, dtype=dtype, generator=gen)
+    return q, k, v
+
+
+def nan_cache(batch: int, cap: int, hkv: int, d: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.full((batch, cap, hkv, d), float("nan"), dtype=dtype),
+            torch.full((batch, cap, hkv, d), float("nan"), dtype=dtype))
+
+
+def decode_row(q, k, v, p: int, backend: str, cap: int) -> torch.Tensor:
+    """Query p as a decode step: cache holds keys [0, p) and NaN beyond; key p appended."""
+    kc, vc = nan_cache(1, cap, k.shape[2], k.shape[3], k.dtype)
+    kc[:, :p], vc[:, :p] = k[:, :p], v[:, :p]
+    seqlens = torch.tensor([p], dtype=torch.int32)
+    out = A.flash_attn_with_kvcache(q[:, p:p + 1], kc, vc, k[:, p:p + 1], v[:, p:p + 1], seqlens, backend=backend)
+    assert torch.equal(kc[:, p], k[:, p]) and torch.isnan(kc[:, p + 1:]).all()  # appended in place, nothing else
+    return out[0, 0]
+
+
+def chunked(q, k, v, chunks: list[int], backend: str, cap: int) -> torch.Tensor:
+    """Chunked prefill over a NaN-filled cache, chunk sizes cycling through ``chunks``."""
+    L = q.shape[1]
+    kc, vc = nan_cache(1, cap, k.shape[2], k.shape[3], k.dtype)
+    outs, pos, i = [], 0, 0
+    while pos < L:
+        n = min(chunks[i % len(chunks)], L - pos)
+        outs.append(A.flash_attn_with_kvcache(q[:, pos:pos + n], kc, vc, k[:, pos:pos + n], v[:, pos:pos + n],
+                                              torch.tensor([pos], dtype=torch.int32), backend=backend))
+        pos, i = pos + n, i + 1
+    return torch.cat(outs, 1)
+
+
+def packed(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], backend: str) -> list[torch.Tensor]:
+    """Sequences (q [n, Hq, D], k, v [n, Hkv, D]) packed into one varlen call; per-sequence outputs."""
+    lens = [s[0].shape[0] for s in seqs]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v = (torch.cat([s[i] for s in seqs]) for i in range(3))
+    out = A.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), backend=backend)
+    return [out[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+
+
+@pytest.fixture
+def small_chain():
+    with A.chain_settings(*SMALL_CHAIN) as c:
+        yield c
+
+
+# ---------------------------------------------------------------- forward invariance
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases())
+def test_prefill_rows_equal_every_other_way(backend, dtype, gen, small_chain):
+    """Full causal rows == alone == in a padded batch at any position == right-padded ==
+    packed == decode steps == chunked prefill; lengths 1, primes, several splits."""
+    hq, hkv, d = sizes(backend)
+    L = 71 if backend == "triton" else 131  # > 2 splits of 32 (4 of 32 on the torch side)
+    q, k, v = qkv(L, hq, hkv, d, dtype, gen)
+    full = A.flash_attn_func(q, k, v, backend=backend)[0]
+    assert full.dtype == dtype and torch.isfinite(full).all()
+    # Inside a batch with other sequences, at position 0 and 2; a right-padded copy.
+    other = qkv(L, hq, hkv, d, dtype, gen, batch=2)
+    for at in (0, 2):
+        parts = [list(t.unbind(0)) for t in other]
+        for p, t in zip(parts, (q, k, v)):
+            p.insert(at, t[0])
+        batch = A.flash_attn_func(*(torch.stack(p) for p in parts), backend=backend)
+        assert bits_equal(batch[at], full)
+    pad = 5
+    padded = [torch.cat([t, randn(1, pad, *t.shape[2:], dtype=dtype, generator=gen)], 1) for t in (q, k, v)]
+    assert bits_equal(A.flash_attn_func(*padded, backend=backend)[0, :L], full)
+    # Prefixes are sequences too: rows of a shorter sequence == the first rows of the long one.
+    for n in (1, 17, 32, 33, 53):
+        assert bits_equal(A.flash_attn_func(q[:, :n], k[:, :n], v[:, :n], backend=backend)[0], full[:n])
+    # Packed with sequences of length 1, a prime and more splits.
+    seqs = [tuple(t[0] for t in qkv(n, hq, hkv, d, dtype, gen)) for n in (1, 37)]
+    seqs.insert(1, (q[0], k[0], v[0]))
+    outs = packed(seqs, backend)
+    assert bits_equal(outs[1], full)
+    for i in (0, 2):
+        assert bits_equal(outs[i], A.flash_attn_func(*(t[None] for t in seqs[i]), backend=backend)[0])
+    # Decode steps at split and block boundaries, the first and the last position.
+    cap = L + 9
+    for p in (0, 1, 15, 16, 31, 32, 33, 64, L - 1):
+        assert bits_equal(decode_row(q, k, v, p, backend, cap), full[p]), f"decode row {p}"
+    # Chunked prefill (chunk sizes scaled to the chain: 1, 7, 2 blocks, 3 blocks + 4).
+    for chunks in ([1, 7, 32, 52], [7], [32, 1]):
+        if backend == "triton" and chunks == [7]:
+            continue  # the interpreter is slow; [1, 7, 32, 52] covers 7
+        assert bits_equal(chunked(q, k, v, chunks, backend, cap)[0], full), f"chunks {chunks}"
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_decode_batch_of_ragged_caches(backend, dtype, gen, small_chain):
+    """One decode step for a batch of caches of different lengths (NaN past each) == each
+    sequence's prefill row; the batch's lengths and positions change nothing."""
+    hq, hkv, d = sizes(backend)
+    lens = [1, 33, 64, 47]
+    cap = 80
+    seqs = [qkv(n, hq, hkv, d, dtype, gen) for n in lens]
+    kc, vc = nan_cache(len(lens), cap, hkv, d, dtype)
+    for i, (q, k, v) in enumerate(seqs):
+        kc[i, :lens[i] - 1], vc[i, :lens[i] - 1] = k[0, :-1], v[0, :-1]
+    qs = torch.cat([s[0][:, -1:] for s in seqs])
+    kn = torch.cat([s[1][:, -1:] for s in seqs])
+    vn = torch.cat([s[2][:, -1:] for s in seqs])
+    out = A.flash_attn_with_kvcache(qs, kc, vc, kn, vn, torch.tensor([n - 1 for n in lens], dtype=torch.int32),
+                                    backend=backend)
+    for i, (q, k, v) in enumerate(seqs):
+        assert bits_equal(out[i, 0], A.flash_attn_func(q, k, v, backend=backend)[0, -1]), f"sequence {i}"
+
+
+def test_default_chain_torch_backend(gen):
+    """The library's chain (block 64, split 1024) on the torch backend: rows past the first
+    split boundary equal decode steps and a packed batch."""
+    assert A.current_chain() == A.Chain(64, 1024)
+    L, hq, hkv, d = 1100, 2, 1, 8
+    q, k, v = qkv(L, hq, hkv, d, torch.float32, gen)
+    full = A.flash_attn_func(q, k, v, backend="torch")[0]
+    for p in (0, 63, 64, 1023, 1024, 1099):
+        assert bits_equal(decode_row(q, k, v, p, "torch", L + 3), full[p]), f"decode row {p}"
+    outs = packed([tuple(t[0, :n] for t in qkv(n, hq, hkv, d, torch.float32, gen)) for n in (5,)]
+                  + [(q[0], k[0], v[0])], "torch")
+    assert bits_equal(outs[1], full)
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_tile_rows_past_their_keys(backend, dtype, gen, small_chain):
+    """Rows of one query tile whose later key blocks (and splits) are fully masked give the
+    rows' own bits: bottom-right causal chunks put a tile's rows at unaligned positions."""
+    hq, hkv, d = sizes(backend)
+    L = 50
+    q, k, v = qkv(L, hq, hkv, d, dtype, gen)
+    full = A.flash_attn_func(q, k, v, backend=backend)[0]
+    # Lq != Lk: queries are the last rows, positions L - Lq + i (not block aligned).
+    for lq in (1, 3, 19, 30):
+        out = A.flash_attn_func(q[:, L - lq:], k, v, backend=backend)[0]
+        assert bits_equal(out, full[L - lq:]), f"Lq = {lq}"
+
+
+def test_stock_sdpa_is_not_invariant(gen):
+    """Stock SDPA on the CPU: a decode row (one query over the keys so far) differs from
+    the same row of the full causal forward, so the properties above are not vacuous."""
+    L, h, d = 77, 4, 64
+    q, k, v = (randn(1, h, L, d, generator=gen) for _ in range(3))
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    differ = sum(not torch.equal(torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, p:p + 1], k[:, :, :p + 1], v[:, :, :p + 1]), full[:, :, p:p + 1]) for p in range(L))
+    assert differ > L // 2
+
+
+def test_nan_in_unused_cache_slots_does_not_leak(gen, small_chain):
+    hq, hkv, d = sizes("torch")
+    q, k, v = qkv(20, hq, hkv, d, torch.float32, gen)
+    kc, vc = nan_cache(1, 64, hkv, d, torch.float32)
+    kc[:, :20], vc[:, :20] = k, v
+    out = A.flash_attn_with_kvcache(q[:, -1:], kc, vc, cache_seqlens=torch.tensor([20], dtype=torch.int32),
+                                    backend="torch")
+    assert torch.isfinite(out).all()
+    assert bits_equal(out[:, 0], A.flash_attn_func(q, k, v, backend="torch")[:, -1])
+
+
+# ---------------------------------------------------------------- accuracy
+
+
+def _tol(dtype):
+    return contract.tolerance("attention", dtype).tolerance
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16, torch.bfloat16,
+                                                              torch.float64)))
+@pytest.mark.parametrize("causal", [True, False])
+def test_accuracy_vs_float64(backend, dtype, causal, gen):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("float64 runs on the torch backend")
+    hq, hkv, d = (4, 2, 24) if backend == "torch" else (2, 1, 24)  # 24: a head_dim padded to 32 in the kernel
+    with A.chain_settings(*SMALL_CHAIN):
+        for lq, lk in ((45, 45), (9, 45)):
+            q = randn(2, lq, hq, d, dtype=dtype, generator=gen)
+            k = randn(2, lk, hkv, d, dtype=dtype, generator=gen)
+            v = randn(2, lk, hkv, d, dtype=dtype, generator=gen)
+            out = A.flash_attn_func(q, k, v, causal, 0.3, backend=backend)
+            err = contract.check("attention", dtype, out, reference.attention_ref(q, k, v, causal, 0.3))
+            print(f"[contract] attention {backend} {dtype} causal={causal} {lq}x{lk}: rel {err:.2e}")
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
+def test_backward_accuracy_and_invariance(backend, dtype, gen, small_chain):
+    """dQ/dK/dV vs float64 autograd; a sequence's grads alone == inside a packed batch;
+    run to run equal."""
+    hq, hkv, d = sizes(backend)
+    lens = [1, 37, 29] if backend == "triton" else [1, 70, 41]
+
+    def grads(q, k, v, do, cu, mx):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        o = A.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, backend=backend)
+        return (o,) + torch.autograd.grad(o, (q, k, v), do)
+
+    seqs = [[randn(n, h, d, dtype=dtype, generator=gen) for h in (hq, hkv, hkv, hq)] for n in lens]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    cat = [torch.cat([s[i] for s in seqs]) for i in range(4)]
+    together = grads(*cat, cu, max(lens))
+    again = grads(*cat, cu, max(lens))
+    assert all(bits_equal(a, b) for a, b in zip(together, again))
+    for i, n in enumerate(lens):
+        a = int(cu[i])
+        alone = grads(*seqs[i], torch.tensor([0, n], dtype=torch.int32), n)
+        for name, t, u in zip(("out", "dq", "dk", "dv"), together, alone):
+            assert bits_equal(t[a:a + n], u), f"{name} of sequence {i}"
+    # accuracy of the middle sequence's grads
+    q, k, v, do = (t[None].double().requires_grad_() if j < 3 else t[None].double() for j, t in enumerate(seqs[1]))
+    ref = torch.autograd.grad(reference.attention_ref(q, k, v), (q, k, v), do)
+    a, n = int(cu[1]), lens[1]
+    for t, r in zip(together[1:], ref):
+        contract.check("attention_grad", dtype, t[a:a + n], r[0])
+
+
+def test_gradcheck_float64_torch_backend(gen, small_chain):
+    q = randn(1, 20, 2, 8, dtype=torch.float64, generator=gen).requires_grad_()
+    k = randn(1, 20, 1, 8, dtype=torch.float64, generator=gen).requires_grad_()
+    v = randn(1, 20, 1, 8, dtype=torch.float64, generator=gen).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b, c: A.flash_attn_func(a, b, c, backend="torch"), (q, k, v))
+
+
+# ---------------------------------------------------------------- errors, registry, custom op
+
+
+def test_bad_inputs_are_refused():
+    q = torch.randn(1, 8, 4, 16)
+    k = torch.randn(1, 8, 3, 16)
+    with pytest.raises(ValueError, match=r"rlkernels.flash_attn_func: query heads \(4\) must be a multiple of KV heads \(3\)"):
+        A.flash_attn_func(q, k, k)
+    with pytest.raises(ValueError, match="rlkernels.flash_attn_func: unsupported head_dim 300"):
+        A.flash_attn_func(torch.randn(1, 2, 2, 300), torch.randn(1, 2, 2, 300), torch.randn(1, 2, 2, 300))
+    with pytest.raises(ValueError, match="rlkernels.flash_attn_func: tensors must share one dtype"):
+        A.flash_attn_func(q, q.half(), q)
+    with pytest.raises(ValueError, match="rlkernels.flash_attn_func: q must have 4 dims"):
+        A.flash_attn_func(q[0], q, q)
+    t = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="rlkernels.flash_attn_varlen_func: cu_seqlens_q must be int32, got torch.int64"):
+        A.flash_attn_varlen_func(t, t, t, cu.long(), cu, 6, 6)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing, got cu_seqlens_k.1. = 7 > cu_seqlens_k.2. = 5"):
+        A.flash_attn_varlen_func(t, t, t, cu, torch.tensor([0, 7, 5], dtype=torch.int32), 6, 7)
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at the total length 10, got 9"):
+        A.flash_attn_varlen_func(t, t, t, torch.tensor([0, 4, 9], dtype=torch.int32), cu, 6, 6)
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0, got 1"):
+        A.flash_attn_varlen_func(t, t, t, torch.tensor([1, 4, 10], dtype=torch.int32), cu, 6, 6)
+    with pytest.raises(ValueError, match="a sequence of 6 tokens exceeds max_seqlen_q = 5"):
+        A.flash_attn_varlen_func(t, t, t, cu, cu, 5, 6)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must have shape \[3\]"):
+        A.flash_attn_varlen_func(t, t, t, cu, cu[:2], 6, 6)
+    kc = torch.zeros(2, 16, 2, 16)
+    qd = torch.randn(2, 1, 2, 16)
+    kn = torch.randn(2, 1, 2, 16)
+    with pytest.raises(ValueError, match=r"rlkernels.flash_attn_with_kvcache: cache_seqlens\[1\] = 16 with 1 new tokens is beyond the cache of 16"):
+        A.flash_attn_with_kvcache(qd, kc, kc.clone(), kn, kn, torch.tensor([3, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_seqlens must be int32"):
+        A.flash_attn_with_kvcache(qd, kc, kc.clone(), kn, kn, torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="pass both k and v"):
+        A.flash_attn_with_kvcache(qd, kc, kc.clone(), kn, None, 3)
+    with pytest.raises(ValueError, match="must have a unit last stride"):
+        odd = torch.zeros(2, 16, 16, 2).transpose(2, 3)  # [2, 16, 2, 16], last stride 2
+        A.flash_attn_with_kvcache(qd, odd, odd, cache_seqlens=3)
+
+
+def test_triton_refuses_bf16_on_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rlkernels.flash_attn_func: the Triton interpreter's tl.dot is wrong on bfloat16"):
+        A.flash_attn_func(x, x, x, backend="triton")
+    with pytest.raises(ValueError, match="rlkernels.flash_attn_func: float64 runs on the torch backend only"):
+        A.flash_attn_func(x.double(), x.double(), x.double(), backend="triton")
+
+
+def test_registry_and_custom_op(gen, small_chain):
+    assert registered_ops()["flash_attn"] == ("torch", "triton")
+    q, k, v = qkv(9, 2, 1, 8, torch.float32, gen, batch=2)
+    op = get_op("flash_attn", "torch")
+    assert op.op_class == "attention" and bits_equal(op(q, k, v), A.flash_attn_func(q, k, v, backend="torch"))
+    fn, x = A.FlashAttnTorch().invariance_case(torch.device("cpu"), torch.float32, gen)
+    testing.assert_batch_invariant(fn, x)
+    # The custom op (what torch.compile sees) gives the eager path's bits and gradients.
+    qs, ks, vs = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    ar = torch.arange(2, dtype=torch.int32)
+    lens = torch.full((2,), 9, dtype=torch.int32)
+    out, lse = torch.ops.rlkernels.flash_attn_fwd(qs, ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 0.35,
+                                                  *SMALL_CHAIN, "torch", False)
+    assert bits_equal(out.view(2, 9, 2, 8), A.flash_attn_func(q, k, v, softmax_scale=0.35, backend="torch"))
+    torch.library.opcheck(torch.ops.rlkernels.flash_attn_fwd.default,
+                          (qs.requires_grad_(), ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 0.35,
+                           *SMALL_CHAIN, "torch", False),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _gpu_qkv(B, L, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(B, L, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [128, 64])
+def test_gpu_prefill_decode_chunked_packed(dtype, d):
+    hq, hkv, L = 16, 8, 4096
+    q, k, v = _gpu_qkv(2, L, hq, hkv, d, dtype)
+    full = A.flash_attn_func(q, k, v)
+    err = contract.check("attention", dtype, full[:, :1031], reference.attention_ref(q[:, :1031], k[:, :1031], v[:, :1031]))
+    print(f"[contract gpu] attention {dtype} d={d}: rel {err:.2e}")
+    # alone, padded batch at position 1, packed with other lengths (primes, 1)
+    assert bits_equal(A.flash_attn_func(q[1:], k[1:], v[1:])[0], full[1])
+    lens = [1, 1031, L, 2053]
+    seqs = [tuple(t[0, :n] for t in _gpu_qkv(1, n, hq, hkv, d, dtype, seed=n)) for n in lens]
+    seqs[2] = (q[0], k[0], v[0])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    out = A.flash_attn_varlen_func(*(torch.cat([s[i] for s in seqs]) for i in range(3)), cu, cu, L, L)
+    a = int(cu[2])
+    assert bits_equal(out[a:a + L], full[0])
+    # decode steps over a NaN-filled cache (split-KV path), every 97th position and boundaries
+    cap = L + 64
+    kc = torch.full((1, cap, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    vc = kc.clone()
+    positions = sorted(set(range(0, L, 97)) | {0, 63, 64, 1023, 1024, 1025, 2047, 2048, L - 1})
+    for p in positions:
+        kc[:, :p], vc[:, :p] = k[:1, :p], v[:1, :p]
+        kc[:, p:], vc[:, p:] = float("nan"), float("nan")
+        row = A.flash_attn_with_kvcache(q[:1, p:p + 1], kc, vc, k[:1, p:p + 1], v[:1, p:p + 1],
+                                        torch.tensor([p], dtype=torch.int32, device="cuda"))
+        assert bits_equal(row[0, 0], full[0, p]), f"decode row {p}"
+    # chunked prefill in chunks of 1, 7, 64, 100
+    for chunks in ([1, 7, 64, 100], [100], [64]):
+        kc.fill_(float("nan"))
+        vc.fill_(float("nan"))
+        outs, pos, i = [], 0, 0
+        while pos < L:
+            n = min(chunks[i % len(chunks)], L - pos)
+            outs.append(A.flash_attn_with_kvcache(q[:1, pos:pos + n], kc, vc, k[:1, pos:pos + n], v[:1, pos:pos + n],
+                                                  torch.tensor([pos], dtype=torch.int32, device="cuda")))
+            pos, i = pos + n, i + 1
+        assert bits_equal(torch.cat(outs, 1)[0], full[0]), f"chunks {chunks}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_backward_invariant_and_deterministic(dtype):
+    hq, hkv, d = 16, 8, 128
+    lens = [1, 1031, 2048, 509]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    seqs = [[torch.randn(n, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv, hq)] for n in lens]
+
+    def grads(q, k, v, do, cu, mx):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        o = A.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx)
+        return (o,) + torch.autograd.grad(o, (q, k, v), do)
+
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cat = [torch.cat([s[i] for s in seqs]) for i in range(4)]
+    together = grads(*cat, cu, max(lens))
+    assert all(bits_equal(a, b) for a, b in zip(together, grads(*cat, cu, max(lens))))
+    for i, n in enumerate(lens):
+        a = int(cu[i])
+        alone = grads(*seqs[i], torch.tensor([0, n], dtype=torch.int32, device="cuda"), n)
+        for name, t, u in zip(("out", "dq", "dk", "dv"), together, alone):
+            assert bits_equal(t[a:a + n], u), f"{name} of sequence {i}"
+    q, k, v, do = (t[None].double().requires_grad_() if j < 3 else t[None].double() for j, t in enumerate(seqs[1]))
+    ref = torch.autograd.grad(reference.attention_ref(q, k, v), (q, k, v), do)
+    a, n = int(cu[1]), lens[1]
+    for t, r in zip(together[1:], ref):
+        contract.check("attention_grad", dtype, t[a:a + n], r[0])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph_capturable():
+    hq, hkv, d, cap = 16, 8, 128, 2048
+    q, k, v = _gpu_qkv(4, 1, hq, hkv, d, torch.bfloat16)
+    kc = torch.randn(4, cap, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    seqlens = torch.tensor([5, 100, 1500, 2000], dtype=torch.int32, device="cuda")
+    want = A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        got = A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bits_equal(got, want)
