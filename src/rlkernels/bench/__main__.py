@@ -13,7 +13,7 @@ import os
 import textwrap
 from types import ModuleType
 
-SUITES = ("gemm", "training", "logprob", "bmm", "cpu")
+SUITES = ("gemm", "training", "logprob", "bmm", "cpu", "attention")
 # ``all``: the GPU suites (what the README's GPU benchmark command runs); ``cpu`` runs only by name.
 ALL = ("gemm", "training", "logprob", "bmm")
 SUITE_HELP = {
@@ -26,6 +26,8 @@ SUITE_HELP = {
     "bmm": "tiny batched matmuls vs torch.bmm (CUDA-graph replay): µs, speedup, GB/s against a measured "
            "copy bandwidth",
     "cpu": "the CPU (torch) backend, a reference path, vs stock PyTorch on the CPU; needs no GPU",
+    "attention": "batch-invariant fused attention (bf16, 16/8 heads, causal): prefill fwd and fwd+bwd TFLOP/s "
+                 "vs SDPA flash/cuDNN and FlexAttention, decode µs and TB/s, prefill == decode bits",
 }
 
 DESCRIPTION = """\
