@@ -16,6 +16,7 @@ import json
 import torch
 
 from rlkernels.bench.common import cycling, environment, graph_median_us, l2_cold_copies, median_ms
+from rlkernels import matmul as rlkernels_matmul
 from rlkernels.ops import cublaslt
 from rlkernels.ops.gemm import GemmConfig, triton_gemm
 
@@ -51,6 +52,14 @@ _DECODE_TILES = [(16, 32, 256, 4, 5), (16, 64, 256, 4, 4), (16, 32, 128, 2, 4), 
                  (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3)]
 CANDIDATES_TMA_DECODE = [C(bm, bn, bk, 1, w, s) for bm, bn, bk, w, s in _DECODE_TILES[:4]] + [
     C(bm, bn, bk, 1, w, s, tma=True) for bm, bn, bk, w, s in _DECODE_TILES]
+# --layout kn: B stored [K, N] row-major (N contiguous; what ``rlkernels.matmul(x, b)``
+# documents), where the table's decode tiles were picked for a k-contiguous nn.Linear weight.
+_KN_TILES = [(16, 32, 256, 4, 5), (16, 32, 256, 4, 6), (16, 64, 128, 4, 4), (16, 64, 128, 4, 6), (16, 64, 64, 4, 6),
+             (16, 128, 64, 4, 4), (16, 128, 64, 4, 6), (16, 128, 128, 4, 3), (16, 128, 64, 8, 4),
+             (16, 256, 64, 8, 3), (16, 256, 32, 8, 4), (16, 64, 256, 4, 3), (16, 128, 32, 4, 6),
+             (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3),
+             (64, 256, 64, 8, 3), (64, 32, 256, 4, 4)]
+CANDIDATES_KN_DECODE = [C(bm, bn, bk, 1, w, s) for bm, bn, bk, w, s in _KN_TILES]
 SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
 MS_DECODE = [1, 4, 16, 24, 32, 48, 64, 96]
@@ -76,10 +85,14 @@ def main() -> None:
     p.add_argument("--tma-decode", action="store_true", help="with --decode: TMA-load decode tiles vs the table's")
     p.add_argument("--ms", default=None, help="comma-separated M values (default: the mode's list)")
     p.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
+    p.add_argument("--layout", choices=("nk", "kn"), default="nk",
+                   help="with --decode: B as an nn.Linear weight [N, K] (nk) or as a [K, N] matrix (kn)")
     args = p.parse_args()
     global CANDIDATES_16, MS
     if args.decode:
         CANDIDATES_16, MS = (CANDIDATES_TMA_DECODE if args.tma_decode else CANDIDATES_DECODE), MS_DECODE
+        if args.layout == "kn":
+            CANDIDATES_16 = CANDIDATES_KN_DECODE
     if args.ms:
         MS = [int(m) for m in args.ms.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -95,24 +108,39 @@ def main() -> None:
         # decode) with the weight read from HBM (copies cycled past the L2), as in a
         # decode step where every layer's weight is read once.
         w_cold = l2_cold_copies(w) if args.decode else [w]
+        kn = args.layout == "kn"
+        if kn:
+            # The [K, N] matrix itself (not a view of the weight): b_cold holds [K, N] copies.
+            b_cold = l2_cold_copies(w.t().contiguous())
 
         def timed(fn_of_w):
             if args.decode:
-                return graph_median_us(cycling(fn_of_w, w_cold), replays=50) / 1e3
+                return graph_median_us(cycling(fn_of_w, b_cold if kn else w_cold), replays=50) / 1e3
             return median_ms(lambda: fn_of_w(w))
         for m in MS:
             x = xs[:m]
             ref = cublaslt.cublaslt_linear(x, w, None)
-            row = {"K": k, "N": n, "M": m,
-                   "stock_ms": timed(lambda wc: torch.nn.functional.linear(x, wc)),
-                   "cublaslt_ms": timed(lambda wc: cublaslt.cublaslt_linear(x, wc, None)), "triton": {}}
+            if kn:
+                row = {"K": k, "N": n, "M": m, "layout": "kn",
+                       "stock_ms": timed(lambda bc: x @ bc),
+                       "cublaslt_ms": float("nan"),
+                       "auto_ms": timed(lambda bc: rlkernels_matmul(x, bc)),
+                       "auto_eager_ms": median_ms(lambda: rlkernels_matmul(x, b_cold[0])),
+                       "stock_eager_ms": median_ms(lambda: x @ b_cold[0]), "triton": {}}
+            else:
+                row = {"K": k, "N": n, "M": m,
+                       "stock_ms": timed(lambda wc: torch.nn.functional.linear(x, wc)),
+                       "cublaslt_ms": timed(lambda wc: cublaslt.cublaslt_linear(x, wc, None)), "triton": {}}
             for cfg in CANDIDATES_16:
                 if not plausible(cfg, m):
                     continue
                 try:
-                    out = triton_gemm(x, w.t(), config=cfg)
+                    out = triton_gemm(x, b_cold[0] if kn else w.t(), config=cfg)
                     same = bool(torch.equal(out, ref))
-                    t = timed(lambda wc: triton_gemm(x, wc.t(), config=cfg))
+                    if kn:
+                        t = timed(lambda bc: triton_gemm(x, bc, config=cfg))
+                    else:
+                        t = timed(lambda wc: triton_gemm(x, wc.t(), config=cfg))
                 except Exception as e:  # out of shared memory etc.
                     row["triton"][cfg.short()] = {"error": str(e)[:120]}
                     continue
@@ -121,6 +149,9 @@ def main() -> None:
             best = min(ok, key=ok.get) if ok else None
             row["best"], row["best_ms"] = best, ok.get(best)
             rows.append(row)
+            if kn:
+                print(f"   kn auto path {row['auto_ms']*1e3:.1f}us graph ({row['auto_ms']/row['stock_ms']:.3f}x), eager "
+                      f"{row['auto_eager_ms']*1e3:.1f} vs stock {row['stock_eager_ms']*1e3:.1f}us")
             if args.decode:
                 top = sorted((v["ms"], c) for c, v in row["triton"].items() if v.get("same_bits"))[:3]
                 print("   top:", [(c, round(t * 1e3, 1)) for t, c in top])

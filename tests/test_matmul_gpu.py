@@ -200,3 +200,17 @@ def test_microbatch_dw_bitwise_at_real_size(dtype):
         assert torch.equal(w, w_one), splits[:4]
         assert torch.equal(b, b_one), splits[:4]
     contract.check("matmul_fp32_out", dtype, w_one, reference.matmul_ref(dy.t(), x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [12289, 151936])
+def test_n_contiguous_b_has_its_own_decode_tile_and_the_same_bits(dtype, n):
+    # rlkernels.matmul(x, b) with b a row-major [K, N] matrix takes the N-contiguous decode
+    # tile at M <= 16; its rows are the nn.Linear layout's rows bit for bit.
+    x, w = _data(64, 4096, n, dtype)
+    b = w.t().contiguous()
+    wide = gemm.GEMM_TABLE_16BIT_N_CONTIGUOUS_B[0][2]
+    assert gemm.gemm_config(16, n, dtype, b_n_contiguous=True) == wide
+    assert gemm.gemm_config(16, n, dtype) != wide
+    for m in (1, 7, 16, 17, 64):
+        assert torch.equal(rlkernels.matmul(x[:m], b), rlkernels.linear(x[:m], w)), m

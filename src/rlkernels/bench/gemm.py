@@ -24,6 +24,9 @@ FP32_GRID = [((4096, 4096), [1, 4, 8, 16, 64, 128, 1024, 4096]), ((4096, 12288),
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ms", default=None, help="comma-separated M values")
     parser.add_argument("--dtypes", default="bf16,fp32", help="which grids to time: bf16, fp32 or both")
+    parser.add_argument("--layouts", default="nk",
+                        help="B's layout for bf16: nk (an nn.Linear weight [N, K]), kn (a row-major [K, N] matrix, "
+                             "rlkernels.matmul(x, b) vs x @ b), or both")
 
 
 def _forced(mode: str, fn):
@@ -65,6 +68,36 @@ def _summary(rows: list[dict], fp32_rows: list[dict]) -> dict:
     }
 
 
+def _kn_rows(ms: list[int]) -> list[dict]:
+    """bf16 with B a row-major [K, N] matrix: rlkernels.matmul(x, b) vs stock x @ b."""
+    import rlkernels
+
+    rows = []
+    for k, n in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        b = (torch.randn(k, n, device="cuda", generator=g) / k ** 0.5).bfloat16()
+        b_cold = l2_cold_copies(b) if min(ms) <= 128 else [b]
+        xs = torch.randn(max(ms), k, device="cuda", generator=g).bfloat16()
+        for m in ms:
+            x = xs[:m]
+            t = interleaved_median_ms({"stock": lambda: x @ b, "rlkernels": lambda: rlkernels.matmul(x, b),
+                                       "stock_again": lambda: x @ b}, rounds=6)
+            row = {"dtype": "bf16", "layout": "kn", "K": k, "N": n, "M": m,
+                   **{f"{name}_us": v * 1e3 for name, v in t.items()},
+                   "ratio_vs_stock": t["rlkernels"] / t["stock"], "stock_aa_ratio": t["stock_again"] / t["stock"]}
+            if m <= 128:
+                sg = graph_median_us(cycling(lambda bc: x @ bc, b_cold), replays=50)
+                rg = graph_median_us(cycling(lambda bc: rlkernels.matmul(x, bc), b_cold), replays=50)
+                row.update(stock_graph_cold_us=sg, rlkernels_graph_cold_us=rg, graph_cold_ratio_vs_stock=rg / sg)
+            rows.append(row)
+            print(f"[K,N] B: K={k} N={n} M={m}: stock {row['stock_us']:.1f}us rlk {row['rlkernels_us']:.1f}us "
+                  f"({row['ratio_vs_stock']:.3f}x)", flush=True)
+    print_table("GEMM bf16, B a row-major [K, N] matrix (us; ratio = time / stock x @ b)", rows,
+                ["K", "N", "M", "stock_us", "rlkernels_us", "ratio_vs_stock", "stock_aa_ratio",
+                 "graph_cold_ratio_vs_stock"])
+    return rows
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     import rlkernels
     from rlkernels.ops.cublaslt import linear_no_split_k as cublaslt_linear
@@ -75,7 +108,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     ms = ms_arg or ([1, 16, 1024, 4096] if args.quick else MS)
     dtypes = getattr(args, "dtypes", "bf16,fp32").split(",")
     rows: list[dict] = []
-    for k, n in SHAPES if "bf16" in dtypes else ():
+    nk = "nk" in getattr(args, "layouts", "nk").split(",")
+    for k, n in SHAPES if "bf16" in dtypes and nk else ():
         g = torch.Generator(device="cuda").manual_seed(0)
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
         w_kn = w.t().contiguous() if sgemm_bi is not None else None
@@ -132,6 +166,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             rows.append(row)
             print(f"K={k} N={n} M={m}: stock {row['stock_us']:.1f}us rlk {row['rlkernels_us']:.1f}us "
                   f"({row['ratio_vs_stock']:.3f}x) triton-only {row['triton_ratio_vs_stock']:.3f}x", flush=True)
+    kn_rows = _kn_rows(ms) if "kn" in getattr(args, "layouts", "nk").split(",") and "bf16" in dtypes else []
     fp32_rows = []
     for (k, n), fp32_ms in FP32_GRID if "fp32" in dtypes else ():
         w = torch.randn(n, k, device="cuda") / k ** 0.5
@@ -146,6 +181,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                               "ratio_vs_stock": tr / ts, "rlk_tflops": 2.0 * m * n * k / (tr * 1e-3) / 1e12})
         del w
     summary = _summary(rows, fp32_rows)
+    summary["kn_max_ratio_vs_stock"] = max((r["ratio_vs_stock"] for r in kn_rows), default=None)
+    summary["kn_max_graph_cold_ratio_m_le_16"] = max(
+        (r["graph_cold_ratio_vs_stock"] for r in kn_rows if r["M"] <= 16), default=None)
     print_table("GEMM bf16 (us; ratio = time / stock cuBLAS)", rows,
                 ["K", "N", "M", "stock_us", "cublaslt_nosplit_us", "rlkernels_us", "rlkernels_triton_us", "sgemm_bi_us",
                  "ratio_vs_stock", "triton_ratio_vs_stock", "stock_aa_ratio", "graph_ratio_vs_stock",
@@ -153,5 +191,5 @@ def run(args: argparse.Namespace) -> list[dict]:
                  "stock_host_us", "rlkernels_host_us", "rlk_tflops", "rlk_gbps"])
     print_table("GEMM fp32 IEEE (TF32 off)", fp32_rows, ["K", "N", "M", "stock_us", "rlkernels_us", "ratio_vs_stock", "rlk_tflops"])
     print(summary)
-    write_json(args.json, "gemm", rows + fp32_rows, {"summary": summary})
-    return rows + fp32_rows
+    write_json(args.json, "gemm", rows + kn_rows + fp32_rows, {"summary": summary})
+    return rows + kn_rows + fp32_rows

@@ -100,6 +100,14 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
                          warp_specialize=True)),
     (1 << 62, 0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)),
 )
+# Decode rows for a B stored [K, N] with N contiguous (``rlkernels.matmul(x, b)`` on a
+# row-major matrix), consulted before the table above: the table's 16x32 tiles were
+# picked for a k-contiguous nn.Linear weight, and on a [K, N] lm head they read 32-wide
+# row pieces (1.28x stock at M = 1-16). 128-wide N tiles read whole 256-byte rows; same
+# bits (the K chain does not depend on the tile). See docs/operators/matmul.md.
+GEMM_TABLE_16BIT_N_CONTIGUOUS_B: tuple[tuple[int, int, GemmConfig], ...] = (
+    (16, WIDE_N, GemmConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3)),
+)
 # dW = dY^T @ X (A read transposed, reduction over tokens) and fp32 chained outputs:
 # their own tile (the fp32 output goes through pointers, see ops.gemm_tma).
 GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)
@@ -180,7 +188,7 @@ def swappable(a: torch.Tensor, b: torch.Tensor, rowsum: torch.Tensor | None = No
 
 
 def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = False, *,
-                swappable: bool = True) -> GemmConfig:
+                swappable: bool = True, b_n_contiguous: bool = False) -> GemmConfig:
     """The tile config the table assigns to an [m, K] x [K, n] problem.
 
     ``token_reduction``: a backward GEMM -- A read transposed (dW = dY^T @ X) or an fp32
@@ -193,6 +201,10 @@ def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = Fals
         return GEMM_INTERPRETER_CONFIG
     if token_reduction and dtype != torch.float32 and m > 256:
         return GEMM_ACCUMULATE_16BIT
+    if b_n_contiguous and dtype != torch.float32:
+        for m_max, n_min, cfg in GEMM_TABLE_16BIT_N_CONTIGUOUS_B:
+            if m <= m_max and n >= n_min:
+                return cfg
     for m_max, n_min, cfg in gemm_table(dtype, swappable):
         if m <= m_max and n >= n_min:
             if cfg.block_m < 16 and not DOT_ANY_M:
@@ -476,7 +488,7 @@ def triton_gemm(
         b, b_transposed = b.t(), False
     can_swap = a.dtype == torch.float32 and swappable(a, b, rowsum)
     cfg = config or gemm_config(M, N, a.dtype, token_reduction=accumulate or (sam == 1 and sak != 1),
-                                swappable=can_swap)
+                                swappable=can_swap, b_n_contiguous=not b_transposed and sbn == 1 and sbk != 1)
     if b_transposed and (cfg.tma or Bt > MAX_GRID_BATCH):
         b, b_transposed = b.t(), False
     b_as_kn = b is not b_given  # (what a launch plan repeats on the B it is given)
@@ -544,5 +556,5 @@ def all_configs(dtype: torch.dtype) -> tuple[GemmConfig, ...]:
     if dtype == torch.float32:
         rows = GEMM_TABLE_FP32 + GEMM_TABLE_FP32_UNSWAPPED
     else:
-        rows = GEMM_TABLE_16BIT + ((0, 0, GEMM_ACCUMULATE_16BIT),)
+        rows = GEMM_TABLE_16BIT + GEMM_TABLE_16BIT_N_CONTIGUOUS_B + ((0, 0, GEMM_ACCUMULATE_16BIT),)
     return tuple(dict.fromkeys(cfg for _, _, cfg in rows))
