@@ -861,6 +861,7 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
         hidden, weight, bias = _autocast(hidden, weight, bias)
     validate(hidden, weight, target, bias, temperature, ignore_index)
     name, _ = select_backend(OP, hidden.device, backend)
+    V_.refuse_interpreted_bf16(OP, name, hidden)
     if name == "triton" and hidden.dtype == torch.float64:
         raise ValueError(f"rlkernels.{OP}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
     impl = implementation(OP, name)
