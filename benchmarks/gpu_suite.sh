@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call verifies everything: offline setup, the gpu-marked tests, the
 # benchmarks; logs and JSON land in $OUT. Usage (repo root, on the GPU machine):
-#   bash benchmarks/gpu_suite.sh [tests] [bench] [tune] [decode] [host] [bmmsweep] [floors] [lpprofile] [contract] [check] [tma]
+#   bash benchmarks/gpu_suite.sh [tests] [bench] [tune] [decode] [bmmsweep] [floors] [contract] [check]
 #   (default: tests bench check)
 # Test selection: GPU_TESTS="tests/test_matmul_gpu.py ..." (default: tests); extra pytest
 # arguments: GPU_PYTEST_ARGS="-k matmul"; extra bench arguments: GPU_BENCH_ARGS. Peers and other wheels the
@@ -28,11 +28,8 @@ for stage in ${*:-tests bench check}; do
     decode) python3 benchmarks/tune_gemm.py --decode --json "$OUT/tune_decode.json" 2>&1 | tee "$OUT/tune_decode.log" || status=1 ;;
     contract) python3 benchmarks/measure_contract.py --device cuda --trials 10 --json "$OUT/contract_gpu.json" 2>&1 | tail -40 || status=1 ;;
     tune)  python3 benchmarks/tune_gemm.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
-    host)  python3 benchmarks/profile_host.py --json "$OUT/host.json" 2>&1 | tee "$OUT/host.log" | head -30 || status=1 ;;
     bmmsweep) python3 -m rlkernels.bench bmm --sweep ${GPU_BMM_ARGS:-} --json "$OUT/bmm_sweep.json" 2>&1 | tee "$OUT/bmm_sweep.log" | tail -45 || status=1 ;;
     floors) python3 benchmarks/floors.py ${GPU_FLOORS:-} --json "$OUT/floors.json" 2>&1 | tee "$OUT/floors.log" | tail -60 || status=1 ;;
-    lpprofile) python3 benchmarks/profile_logprob.py --json "$OUT/logprob_profile.json" 2>&1 | tee "$OUT/logprob_profile.log" || status=1 ;;
-    tma)   python3 benchmarks/explore_tma.py --json "$OUT/explore_tma.json" ${GPU_TMA_ARGS:-} 2>&1 | tee "$OUT/explore_tma.log" | tail -120 || status=1 ;;
     check) python3 -m rlkernels.cli check --json "$OUT/check.json" 2>&1 | tail -40 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
