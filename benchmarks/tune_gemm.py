@@ -17,8 +17,9 @@ import torch
 
 from rlkernels.bench.common import cycling, environment, graph_median_us, l2_cold_copies, median_ms
 from rlkernels import matmul as rlkernels_matmul
-from rlkernels.ops import cublaslt
-from rlkernels.ops.gemm import GemmConfig, triton_gemm
+from rlkernels.gemm import cublaslt
+from rlkernels.gemm.table import GemmConfig
+from rlkernels.gemm.triton import triton_gemm
 
 C = GemmConfig
 CANDIDATES_16 = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkernels.registry import triton_interpret
+from rlkernels._env import triton_interpret
 
 HAS_CUDA = torch.cuda.is_available()
 

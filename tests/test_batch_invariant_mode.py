@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from rlkernels import testing
-from rlkernels.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
-from rlkernels.registry import triton_interpret
+from rlkernels.integrations.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
+from rlkernels._env import triton_interpret
 
 from .conftest import HAS_CUDA, randn
 

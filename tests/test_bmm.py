@@ -9,7 +9,8 @@ import torch
 import rlkernels.ops.bmm as bmm_mod
 from rlkernels import contract, reference, testing
 from rlkernels.ops.bmm import TINY_TABLE, TinyConfig, bmm, tiny_config
-from rlkernels.registry import get_op, triton_interpret
+from rlkernels.registry import get_op
+from rlkernels._env import triton_interpret
 
 from .conftest import cpu_backend_cases, randn
 

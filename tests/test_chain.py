@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlkernels.ops.chain import accumulator_dtype, chain_matmul, chain_sum
+from rlkernels.gemm.chain import accumulator_dtype, chain_matmul, chain_sum
 
 from .conftest import randn
 

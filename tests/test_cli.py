@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from rlkernels.gemm import table as gemm_table
+
 from rlkernels import cli
 from rlkernels._versions import installed_version
-from rlkernels.ops import gemm
+from rlkernels.gemm import triton as gemm
 
 
 def test_installed_version():
@@ -19,7 +21,7 @@ def test_info_lists_versions_backends_and_the_table(capsys):
     out = capsys.readouterr().out
     assert installed_version("rich") in out and "not installed" not in out.split("transformers")[0]
     assert "linear_logprob" in out and "matmul" in out
-    for _, _, cfg in gemm.GEMM_TABLE_16BIT:
+    for _, _, cfg in gemm_table.GEMM_TABLE_16BIT:
         assert cfg.short() in out
     assert "RLKERNELS_L2_STREAMING" in out and "L2 streaming window" in out
 
@@ -32,7 +34,9 @@ import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 
-from rlkernels import __version__, check_ops, model_check  # noqa: E402
+from rlkernels import __version__
+
+from rlkernels.check import ops as check_ops, model as model_check  # noqa: E402
 from rlkernels.bench import __main__ as bench_main  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkernels.ops import cublaslt
+from rlkernels.gemm import cublaslt
 
 
 class _FakeTorchFlags:

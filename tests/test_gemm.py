@@ -12,10 +12,15 @@ import dataclasses
 import pytest
 import torch
 
+from rlkernels.gemm import table as gemm_table
+
 from rlkernels import contract
-from rlkernels.ops import _launch, _triton, gemm
-from rlkernels.ops.gemm import GemmConfig, gemm_config, swappable, triton_gemm
-from rlkernels.registry import triton_interpret
+from rlkernels.runtime import launcher as _launch
+from rlkernels.kernels import _triton
+from rlkernels.gemm import triton as gemm
+from rlkernels.gemm.table import GemmConfig, gemm_config, swappable
+from rlkernels.gemm.triton import triton_gemm
+from rlkernels._env import triton_interpret
 
 from .conftest import randn
 
@@ -48,19 +53,19 @@ def test_fp32_table_rows():
         assert not plain.swap_ab
         # One row stays a weight stream in the forward orientation; a few rows swap on wide
         # outputs (one 16-token tile) and from M = 5 on narrower ones.
-        assert swapped.swap_ab == (m > 1 and (n >= gemm.WIDE_N or m > 4)), (m, n, swapped.short())
+        assert swapped.swap_ab == (m > 1 and (n >= gemm_table.WIDE_N or m > 4)), (m, n, swapped.short())
     # 16-bit tables never swap (the tensor cores read both operands from swizzled shared memory).
-    assert not any(cfg.swap_ab for cfg in gemm.all_configs(torch.bfloat16))
-    assert {c for _, _, c in gemm.GEMM_TABLE_FP32 + gemm.GEMM_TABLE_FP32_UNSWAPPED} == set(
-        gemm.all_configs(torch.float32))
+    assert not any(cfg.swap_ab for cfg in gemm_table.all_configs(torch.bfloat16))
+    assert {c for _, _, c in gemm_table.GEMM_TABLE_FP32 + gemm_table.GEMM_TABLE_FP32_UNSWAPPED} == set(
+        gemm_table.all_configs(torch.float32))
 
 
 @pytest.mark.skipif(triton_interpret(), reason="the interpreter has its own one-row config")
 def test_old_triton_gets_16_row_tiles(monkeypatch):
-    monkeypatch.setattr(gemm, "DOT_ANY_M", False)
+    monkeypatch.setattr(gemm_table, "DOT_ANY_M", False)
     cfg = gemm_config(1, 4096, torch.float32)
     assert cfg.block_m == 16
-    monkeypatch.setattr(gemm, "DOT_ANY_M", True)
+    monkeypatch.setattr(gemm_table, "DOT_ANY_M", True)
     assert gemm_config(1, 4096, torch.float32).block_m == 1
 
 
@@ -132,9 +137,9 @@ SHORT_TILE = GemmConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=1)
 @pytest.mark.parametrize("m,k", [(1, 48), (3, 40), (15, 33)])
 def test_rows_past_m_are_masked_not_read(dtype, m, k, gen, monkeypatch):
     # Fewer rows than the tile: rows past M are masked (zeros) instead of re-reading rows
-    # 0..M-1. A stored row's products are its own, so the two give the same rows; K = 33
-    # and 40 take the k-masked loop too. Rows past M lie in a poisoned buffer: a masked
-    # load never touches them, a wrapped one never reaches them either.
+    # 0..M-1. A stored row's products are its own, so its bits are those it gets inside a
+    # full tile of real rows; K = 33 and 40 take the k-masked loop too. Rows past M lie in
+    # a poisoned buffer: a masked load never touches them.
     n = 45
     buf = torch.full((16, k), float("nan")).to(dtype)
     buf[:m] = randn(m, k, generator=gen).to(dtype)
@@ -147,9 +152,8 @@ def test_rows_past_m_are_masked_not_read(dtype, m, k, gen, monkeypatch):
     start = randn(m, n, generator=gen)
     acc = triton_gemm(x, w.t(), out=start.clone(), accumulate=True, config=SHORT_TILE)
     assert torch.allclose(acc.double(), _ref(x, w, start=start), rtol=1e-3, atol=1e-3)
-    monkeypatch.setattr(gemm, "MASK_SHORT_M", False)
-    wrapped = triton_gemm(x, w.t(), bias=bias, config=SHORT_TILE)
-    assert torch.equal(masked, wrapped)
+    full = torch.cat([x, randn(16 - m, k, generator=gen).to(dtype)])  # a whole tile: nothing masked
+    assert torch.equal(masked, triton_gemm(full, w.t(), bias=bias, config=SHORT_TILE)[:m])
 
 
 @interpreter_only
@@ -177,7 +181,7 @@ def test_b_transposed_needs_a_2d_weight():
 
 
 def test_engines_take_the_weight_transposed(gen):
-    from rlkernels.ops.matmul import TorchEngine
+    from rlkernels.gemm.engines import TorchEngine
 
     x = randn(5, 12, generator=gen)
     w = randn(7, 12, generator=gen)
@@ -251,8 +255,8 @@ def test_launch_plan_skips_the_tile_choice_and_keys_what_the_launch_depends_on(g
     monkeypatch.setattr(gemm, "_PLANS", {})
     triton_gemm(x, w, b_transposed=True)
     keys = {gemm.plan_key(x, w, None, None, True)}
-    # Misaligned pointers (Triton specializes on 16-byte alignment), bias, the out dtype,
-    # the orientation and the module's switches each make another plan.
+    # Misaligned pointers (Triton specializes on 16-byte alignment), bias, the out dtype
+    # and the orientation each make another plan.
     buf = randn(5 * 32 + 1, generator=gen).half()
     x_odd = buf[1:].view(5, 32)
     variants = [(x_odd, w, None, None, True), (x, w, randn(24, generator=gen).half(), None, True),
@@ -264,9 +268,7 @@ def test_launch_plan_skips_the_tile_choice_and_keys_what_the_launch_depends_on(g
         want_v = triton_gemm(a, b_kn, bias=bias, out_dtype=out_dtype,
                              config=gemm_config(5, 24, torch.float16))
         assert torch.equal(got, want_v)
-    monkeypatch.setattr(gemm, "MASK_SHORT_M", False)
-    keys.add(gemm.plan_key(x, w, None, None, True))
-    assert len(keys) == 6 and set(gemm._PLANS) <= keys and len(gemm._PLANS) == 5
+    assert len(keys) == 5 and set(gemm._PLANS) <= keys and len(gemm._PLANS) == 5
 
 
 @interpreter_only
@@ -340,7 +342,7 @@ def test_tma_launch_plan_launches_what_the_full_path_launches(gen, monkeypatch, 
     # A repeated 2-D forward call on a TMA tile launches from its plan: the same grid,
     # constexprs, launcher key and integer arguments, and descriptors over the new call's
     # own tensors exactly as tma_gemm builds them.
-    from rlkernels.ops import gemm_tma
+    from rlkernels.gemm import tma as gemm_tma
 
     tile = GemmConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=1, tma=True, persistent=True)
     launcher = _RecordingTmaLauncher()

@@ -12,10 +12,15 @@ import dataclasses
 import pytest
 import torch
 
-from rlkernels.ops import gemm, linear_logprob as lp_mod
-from rlkernels.ops.gemm import GemmConfig, triton_gemm
-from rlkernels.ops.gemm_tma import tma_gemm, tma_layout_ok
-from rlkernels.registry import triton_interpret
+from rlkernels.gemm import table as gemm_table
+
+from rlkernels.gemm import triton as gemm
+
+from rlkernels.ops import linear_logprob as lp_mod
+from rlkernels.gemm.table import GemmConfig
+from rlkernels.gemm.triton import triton_gemm
+from rlkernels.gemm.tma import tma_gemm, tma_layout_ok
+from rlkernels._env import triton_interpret
 
 from .conftest import randn
 
@@ -87,7 +92,7 @@ def test_fp32_accuracy_and_k_tail(gen):
 # ---------------------------------------------------------------------------------------
 
 def _tma_configs(dtype: torch.dtype) -> list[GemmConfig]:
-    return [cfg for cfg in gemm.all_configs(dtype) if cfg.tma]
+    return [cfg for cfg in gemm_table.all_configs(dtype) if cfg.tma]
 
 
 @pytest.mark.gpu

@@ -9,10 +9,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
-from rlkernels import model_check  # noqa: E402
-from rlkernels.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode  # noqa: E402
-from rlkernels.hf import patch_model, token_logprobs  # noqa: E402
-from rlkernels.ops.norms import RMSNorm  # noqa: E402
+from rlkernels.check import model as model_check  # noqa: E402
+from rlkernels.integrations.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode  # noqa: E402
+from rlkernels.integrations.hf import patch_model, token_logprobs  # noqa: E402
+from rlkernels.nn import RMSNorm  # noqa: E402
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -116,7 +116,7 @@ def test_backward_through_patched_model():
 
 def _input_grads(model, ids, mask):
     """d(sum of token log-probs)/d(input embeddings): every backward formula of the model in play."""
-    from rlkernels.hf import logprobs_from_hidden, next_token_targets, positions_from_mask
+    from rlkernels.integrations.hf import logprobs_from_hidden, next_token_targets, positions_from_mask
 
     emb = model.model.embed_tokens(ids).detach().requires_grad_()
     h = model.model(inputs_embeds=emb, attention_mask=mask, position_ids=positions_from_mask(mask)).last_hidden_state

@@ -11,7 +11,7 @@ import ctypes
 import pytest
 import torch
 
-from rlkernels.ops import l2_window
+from rlkernels.runtime import l2_window
 
 
 @pytest.mark.parametrize("make,want", [
@@ -145,7 +145,7 @@ def _current_window() -> tuple:
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 12288), (12288, 4096), (1000, 4103)])
 def test_window_keeps_the_bits_and_the_callers_stream_state(monkeypatch, k, n):
     import rlkernels
-    from rlkernels.ops import gemm
+    from rlkernels.gemm import triton as gemm
 
     assert l2_window._driver() is not None and l2_window.max_window_bytes(0) > 0
     g = torch.Generator(device="cuda").manual_seed(k + n)
@@ -160,10 +160,10 @@ def test_window_keeps_the_bits_and_the_callers_stream_state(monkeypatch, k, n):
         before = _current_window()
         for m in (1, 5, 16, 32, 64):
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            monkeypatch.setattr(gemm, "STREAM_ONCE_L2_WINDOW", False)
+            monkeypatch.setattr(l2_window, "ENABLED", False)
             want = rlkernels.linear(x, w)
             plain = gemm.triton_gemm(x, w, b_transposed=True)
-            monkeypatch.setattr(gemm, "STREAM_ONCE_L2_WINDOW", True)
+            monkeypatch.setattr(l2_window, "ENABLED", True)
             got = rlkernels.linear(x, w)
             windowed = gemm.triton_gemm(x, w, b_transposed=True)
             torch.cuda.synchronize()

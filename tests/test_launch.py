@@ -9,7 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkernels.ops import _launch, gemm
+from rlkernels.gemm import table as gemm_table
+
+from rlkernels.runtime import launcher as _launch
+
+from rlkernels.gemm import triton as gemm
 
 
 @pytest.mark.parametrize("a,b", [
@@ -79,7 +83,7 @@ def _gpu_randn(seed: int, *, need_tma: bool = False):
     """``rnd(*shape, dtype=bf16)``: seeded random CUDA tensors (``need_tma``: skip where
     the GPU has no TMA)."""
     if need_tma:
-        from rlkernels.ops import gemm_tma
+        from rlkernels.gemm import tma as gemm_tma
 
         probe = torch.zeros(16, 16, device="cuda", dtype=torch.bfloat16)
         if not gemm_tma.tma_eligible(probe, probe, None):
@@ -147,7 +151,7 @@ class _CheckingLauncher(_launch.CachedLauncher):
 def test_cached_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
     checked = []
     # Keyed as the production launcher keys (its leading tensors: integers by value).
-    launcher = _CheckingLauncher(gemm._gemm_kernel, checked, gemm._launch_gemm.leading_tensors)
+    launcher = _CheckingLauncher(gemm.gemm_kernel, checked, gemm._launch_gemm.leading_tensors)
     assert launcher.enabled and launcher.leading_tensors == 5
     for a, b, kwargs in _variants():
         normal_kwargs = _clone_kwargs(kwargs)
@@ -168,7 +172,7 @@ def test_cached_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
 
 @pytest.mark.gpu
 def test_cached_tma_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch):
-    from rlkernels.ops import gemm_tma
+    from rlkernels.gemm import tma as gemm_tma
 
     rnd = _gpu_randn(seed=5, need_tma=True)
     variants = []
@@ -178,7 +182,7 @@ def test_cached_tma_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch
             variants += [(a, w.t(), {}), (a, w.t(), {"bias": rnd(n, dtype=dtype)}), (a, w.t().contiguous(), {})]
         dy, x = rnd(1024, 520, dtype=dtype), rnd(1024, 264, dtype=dtype)  # dW = dY^T X into an fp32 main_grad
         variants.append((dy.t(), x, {"out": rnd(520, 264, dtype=torch.float32), "accumulate": True}))
-    configs = [gemm.GEMM_ACCUMULATE_16BIT] + [c for c in gemm.all_configs(torch.bfloat16) if c.tma]
+    configs = [gemm_table.GEMM_ACCUMULATE_16BIT] + [c for c in gemm_table.all_configs(torch.bfloat16) if c.tma]
     checked = []
     for cfg in dict.fromkeys(configs):
         for a, b, kwargs in variants:
@@ -187,7 +191,7 @@ def test_cached_tma_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch
                 want = gemm_tma.tma_gemm(a, b, cfg, **_clone_kwargs(kwargs))
             except gemm.OutOfResources:
                 continue  # triton_gemm takes the pointer kernel there (tests/test_gemm_tma.py)
-            monkeypatch.setattr(gemm_tma, "_launch_tma", _CheckingLauncher(gemm_tma._gemm_tma_kernel, checked))
+            monkeypatch.setattr(gemm_tma, "_launch_tma", _CheckingLauncher(gemm_tma.gemm_tma_kernel, checked))
             for _ in range(2):  # the first call compiles through Triton, the second is the cached launch
                 got = gemm_tma.tma_gemm(a, b, cfg, **_clone_kwargs(kwargs))
                 assert torch.equal(got, want), (cfg.short(), tuple(a.shape), tuple(b.shape), sorted(kwargs))
@@ -285,24 +289,23 @@ def test_tma_launch_plans_give_the_full_paths_bits(monkeypatch):
     # 2-D forward calls on the table's TMA tiles (M > 256) launch from ops.gemm's plans
     # after the first: the kernel must be Triton's own for the new arguments (the plan's
     # kept launcher key is checked against them) and the bits those of the full path.
-    from rlkernels.ops import gemm_tma
+    from rlkernels.gemm import tma as gemm_tma
 
     rnd = _gpu_randn(seed=11, need_tma=True)
 
     checked = []
     for dtype in (torch.bfloat16, torch.float16):
         for m, k, n in ((300, 1000, 1032), (1031, 512, 2056), (2049, 256, 520)):
-            assert gemm.gemm_config(m, n, dtype).tma
+            assert gemm_table.gemm_config(m, n, dtype).tma
             w, bias = rnd(n, k, dtype=dtype), rnd(n, dtype=dtype)
             for b, kwargs in ((w, {"b_transposed": True}), (w, {"b_transposed": True, "bias": bias}),
                               (w.t().contiguous(), {})):
                 calls = [rnd(m, k, dtype=dtype) for _ in range(3)]
-                monkeypatch.setattr(gemm, "LAUNCH_PLANS", False)
                 _normal_launches(monkeypatch, gemm_tma, "_launch_tma")
-                wants = [gemm.triton_gemm(x, b, **kwargs) for x in calls]
-                monkeypatch.setattr(gemm, "LAUNCH_PLANS", True)
+                cfg = gemm_table.gemm_config(m, n, dtype)  # an explicit config: the full path, no plan
+                wants = [gemm.triton_gemm(x, b, config=cfg, **kwargs) for x in calls]
                 monkeypatch.setattr(gemm, "_PLANS", {})
-                monkeypatch.setattr(gemm_tma, "_launch_tma", _CheckingLauncher(gemm_tma._gemm_tma_kernel, checked))
+                monkeypatch.setattr(gemm_tma, "_launch_tma", _CheckingLauncher(gemm_tma.gemm_tma_kernel, checked))
                 for x, want in zip(calls, wants):
                     assert torch.equal(gemm.triton_gemm(x, b, **kwargs), want), (m, k, n, dtype, sorted(kwargs))
                 plans = list(gemm._PLANS.values())

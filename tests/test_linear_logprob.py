@@ -16,7 +16,8 @@ from rlkernels.ops.linear_logprob import (
     FUSED_16BIT, TorchKernels, TritonKernels, backward_chunk, linear_logprob,
 )
 from rlkernels.reference import linear_logprob_ref
-from rlkernels.registry import get_op, registered_ops, triton_interpret
+from rlkernels.registry import get_op, registered_ops
+from rlkernels._env import triton_interpret
 from rlkernels.testing import (
     assert_batch_invariant, assert_chunk_invariant, assert_deterministic, assert_order_invariant,
     assert_padding_invariant, rel_error,

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 import rlkernels
 from rlkernels import contract, reference, testing
-from rlkernels.registry import BackendUnavailableError, triton_interpret
+from rlkernels.registry import BackendUnavailableError
+from rlkernels._env import triton_interpret
 
 from .conftest import cpu_backend_cases, randn
 
@@ -145,7 +146,7 @@ def test_forced_triton_without_gpu_refuses(monkeypatch):
 def test_batch_axis_chunked_past_grid_limit(gen, monkeypatch):
     # The launcher splits batches larger than CUDA's grid-axis-1 limit; chunks are
     # independent, so every element's bits are those of the unchunked launch.
-    from rlkernels.ops import gemm
+    from rlkernels.gemm import triton as gemm
 
     a, b = randn(5, 3, 8, generator=gen), randn(5, 8, 4, generator=gen)
     whole = gemm.triton_gemm(a, b)
@@ -155,7 +156,7 @@ def test_batch_axis_chunked_past_grid_limit(gen, monkeypatch):
 
 
 def test_env_get_follows_os_environ(monkeypatch):
-    from rlkernels.registry import env_get
+    from rlkernels._env import env_get
 
     monkeypatch.setenv("RLKERNELS_TEST_SWITCH", "on")
     assert env_get("RLKERNELS_TEST_SWITCH") == "on"
@@ -173,7 +174,7 @@ def test_auto_dispatch_threshold_depends_on_width(monkeypatch, m, n, want):
     # M = 129 on lm heads (where the Triton tiles are faster); both give the canonical
     # bits, so only time decides.
     # (N = 8191: unaligned rows stay on the Triton chain.)
-    from rlkernels.ops import matmul as mm
+    from rlkernels.gemm import engines as mm
 
     monkeypatch.delenv("RLKERNELS_GEMM_BACKEND", raising=False)
     monkeypatch.setattr(mm, "cublaslt_available", lambda device, dtype: True)
@@ -187,7 +188,7 @@ def _fake_cublaslt(monkeypatch, verified: bool = True) -> dict:
 
     The Triton producer is replaced by the torch chain too (counted), so the routing
     is tested on any CPU, with or without TRITON_INTERPRET."""
-    from rlkernels.ops import matmul as mm
+    from rlkernels.gemm import engines as mm
 
     calls = {"use_cublaslt": 0, "cublaslt": 0, "triton": 0}
     real_use = mm.TritonEngine.use_cublaslt
@@ -218,7 +219,7 @@ def _fake_cublaslt(monkeypatch, verified: bool = True) -> dict:
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cublaslt_route_is_worked_out_once_per_problem(monkeypatch, gen, with_bias):
-    from rlkernels.ops import matmul as mm
+    from rlkernels.gemm import engines as mm
 
     calls = _fake_cublaslt(monkeypatch)
     engine = mm.TritonEngine()
@@ -235,7 +236,7 @@ def test_cublaslt_route_follows_the_backend_switch_and_the_mode(monkeypatch, gen
     # A kept route must not outlive what it was worked out from: forcing Triton, or
     # the batch-invariant mode (where F.linear itself is rerouted to rlkernels, so a
     # detour through it would recurse), turns cuBLASLt off at the next call.
-    from rlkernels.ops import matmul as mm
+    from rlkernels.gemm import engines as mm
 
     calls = _fake_cublaslt(monkeypatch)
     engine = mm.TritonEngine()
@@ -255,7 +256,7 @@ def test_cublaslt_route_follows_the_backend_switch_and_the_mode(monkeypatch, gen
 
 
 def test_cublaslt_route_keeps_a_failed_probe_and_is_bounded(monkeypatch, gen):
-    from rlkernels.ops import matmul as mm
+    from rlkernels.gemm import engines as mm
 
     calls = _fake_cublaslt(monkeypatch, verified=False)
     monkeypatch.setattr(mm, "MAX_CUBLASLT_ROUTES", 2)

@@ -4,9 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlkernels.gemm import table as gemm_table
+
 import rlkernels
 from rlkernels import contract, reference, testing
-from rlkernels.ops import cublaslt, gemm
+from rlkernels.gemm import cublaslt, triton as gemm
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +33,7 @@ def test_every_config_and_cublaslt_give_the_same_bits(dtype, k, n):
     x, w = _data(max(ROWS), k, n, dtype)
     canonical = cublaslt.cublaslt_linear(x, w, None)
     bad = []
-    for cfg in gemm.all_configs(dtype):
+    for cfg in gemm_table.all_configs(dtype):
         for m in ROWS:
             got = gemm.triton_gemm(x[:m], w.t(), config=cfg)
             if not torch.equal(got, canonical[:m]):
@@ -49,7 +51,7 @@ def test_weight_given_transposed_gives_the_same_bits(dtype):
     # table can pick reads it like the W^T view, and so does the public path.
     x, w = _data(300, 4096, 1024, dtype)
     bias = torch.randn(1024, device="cuda").to(dtype)
-    bad = [(cfg.short(), m) for cfg in gemm.all_configs(dtype) for m in (1, 7, 16, 64, 300)
+    bad = [(cfg.short(), m) for cfg in gemm_table.all_configs(dtype) for m in (1, 7, 16, 64, 300)
            if not torch.equal(gemm.triton_gemm(x[:m], w, bias=bias, config=cfg, b_transposed=True),
                               gemm.triton_gemm(x[:m], w.t(), bias=bias, config=cfg))]
     assert not bad, bad
@@ -61,8 +63,8 @@ def test_weight_given_transposed_gives_the_same_bits(dtype):
 @pytest.mark.parametrize("k,n", UNALIGNED)
 def test_triton_configs_agree_on_unaligned_shapes(dtype, k, n):
     x, w = _data(max(ROWS), k, n, dtype)
-    first = gemm.triton_gemm(x, w.t(), config=gemm.all_configs(dtype)[0])
-    bad = [(cfg.short(), m) for cfg in gemm.all_configs(dtype)[1:] for m in ROWS
+    first = gemm.triton_gemm(x, w.t(), config=gemm_table.all_configs(dtype)[0])
+    bad = [(cfg.short(), m) for cfg in gemm_table.all_configs(dtype)[1:] for m in ROWS
            if not torch.equal(gemm.triton_gemm(x[:m], w.t(), config=cfg), first[:m])]
     lt_same = torch.equal(cublaslt.cublaslt_linear(x, w, None), first)
     print(f"[unaligned] {dtype} K={k} N={n}: cuBLASLt-no-split same bits as the chain: {lt_same}")
@@ -75,7 +77,7 @@ def test_bias_epilogue_matches_cublaslt(dtype):
     x, w = _data(1031, 4096, 4096, dtype)
     bias = torch.randn(4096, device="cuda").to(dtype)
     want = cublaslt.cublaslt_linear(x, w, bias)
-    for cfg in gemm.all_configs(dtype):
+    for cfg in gemm_table.all_configs(dtype):
         assert torch.equal(gemm.triton_gemm(x, w.t(), bias=bias, config=cfg), want), cfg.short()
 
 
@@ -84,8 +86,8 @@ def test_fp32_configs_agree_and_are_ieee(k, n):
     """Every fp32 tile, forward or swapped orientation, runs the same FMA chain per element."""
     x, w = _data(max(ROWS), k, n, torch.float32)
     bias = torch.randn(n, device="cuda")
-    first = gemm.triton_gemm(x, w.t(), bias=bias, config=gemm.all_configs(torch.float32)[0])
-    bad = [(cfg.short(), m) for cfg in gemm.all_configs(torch.float32) for m in ROWS
+    first = gemm.triton_gemm(x, w.t(), bias=bias, config=gemm_table.all_configs(torch.float32)[0])
+    bad = [(cfg.short(), m) for cfg in gemm_table.all_configs(torch.float32) for m in ROWS
            if not torch.equal(gemm.triton_gemm(x[:m], w.t(), bias=bias, config=cfg), first[:m])]
     assert not bad, bad[:12]
     contract.check("matmul", torch.float32, first, reference.linear_ref(x, w, bias))
@@ -209,8 +211,8 @@ def test_n_contiguous_b_has_its_own_decode_tile_and_the_same_bits(dtype, n):
     # tile at M <= 16; its rows are the nn.Linear layout's rows bit for bit.
     x, w = _data(64, 4096, n, dtype)
     b = w.t().contiguous()
-    wide = gemm.GEMM_TABLE_16BIT_N_CONTIGUOUS_B[0][2]
-    assert gemm.gemm_config(16, n, dtype, b_n_contiguous=True) == wide
-    assert gemm.gemm_config(16, n, dtype) != wide
+    wide = gemm_table.GEMM_TABLE_16BIT_N_CONTIGUOUS_B[0][2]
+    assert gemm_table.gemm_config(16, n, dtype, b_n_contiguous=True) == wide
+    assert gemm_table.gemm_config(16, n, dtype) != wide
     for m in (1, 7, 16, 17, 64):
         assert torch.equal(rlkernels.matmul(x[:m], b), rlkernels.linear(x[:m], w)), m

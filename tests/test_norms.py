@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rlkernels import contract, reference, testing
+from rlkernels.nn import RMSNorm
 from rlkernels.ops import norms
 
 from .conftest import cpu_backend_cases, randn
@@ -134,7 +135,7 @@ def test_rms_norm_module_from_hf_like():
             self.weight = torch.nn.Parameter(torch.randn(8))
             self.variance_epsilon = 1e-5
     src = Fake()
-    mod = norms.RMSNorm.from_module(src)
+    mod = RMSNorm.from_module(src)
     assert mod.weight is src.weight and mod.variance_epsilon == 1e-5
     x = torch.randn(3, 8)
     assert testing.rel_error(mod(x), reference.rms_norm_ref(x, src.weight, 1e-5)) < 2e-6

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import rlkernels
-from rlkernels.registry import BackendUnavailableError, triton_interpret
+from rlkernels.registry import BackendUnavailableError
+from rlkernels._env import triton_interpret
 
 from .conftest import randn
 

@@ -5,14 +5,14 @@ padding, row position, run and process -- on every backend.
 """
 from __future__ import annotations
 
-from .batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
-from .hf import patch_model, token_logprobs
-from .nn import Linear
+from .integrations.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
+from .integrations.hf import patch_model, token_logprobs
+from .nn import Linear, RMSNorm
 from .ops.attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops.bmm import bmm
 from .ops.linear_logprob import linear_logprob
 from .ops.matmul import TOKEN_BLOCK, linear, matmul
-from .ops.norms import RMSNorm, log_softmax, rms_norm, softmax
+from .ops.norms import log_softmax, rms_norm, softmax
 from .registry import BackendUnavailableError, get_op, registered_ops, select_backend
 
 __version__ = "0.1.0"

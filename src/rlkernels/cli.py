@@ -28,8 +28,9 @@ def _default_device() -> str:
 def cmd_info(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    from .ops import gemm
-    from .registry import registered_ops, select_backend, triton_interpret
+    from .gemm import table as gemm_table
+    from .registry import registered_ops, select_backend
+    from ._env import triton_interpret
 
     versions = Table(title="rlkernels environment", show_header=False)
     from . import __version__
@@ -62,14 +63,14 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     table = Table(title="GEMM dispatch table (16-bit; checked in, never autotuned)")
     for col in ("M <=", "N >=", "tile BMxBNxBK/warps/stages"):
         table.add_column(col)
-    for m_max, n_min, cfg in gemm.GEMM_TABLE_16BIT:
+    for m_max, n_min, cfg in gemm_table.GEMM_TABLE_16BIT:
         table.add_row("inf" if m_max > 1 << 40 else str(m_max), str(n_min), cfg.short())
     console.print(table)
-    from .ops.matmul import CUBLASLT_MIN_M, CUBLASLT_MIN_M_LM_HEAD, CUBLASLT_MIN_M_NARROW, LM_HEAD_N, WIDE_N
+    from .gemm.engines import CUBLASLT_MIN_M, CUBLASLT_MIN_M_LM_HEAD, CUBLASLT_MIN_M_NARROW, LM_HEAD_N, WIDE_N
 
     console.print(f"cuBLASLt-no-split is used from M >= {CUBLASLT_MIN_M} (M >= {CUBLASLT_MIN_M_NARROW} for N < {WIDE_N}, "
                   f"M >= {CUBLASLT_MIN_M_LM_HEAD} for N >= {LM_HEAD_N}) for bf16/fp16 where a probe proves the same bits.")
-    from .ops import l2_window
+    from .runtime import l2_window
 
     max_window = l2_window.max_window_bytes(device.index or 0) if device.type == "cuda" else 0
     if not l2_window.ENABLED:
@@ -80,7 +81,7 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     else:
         console.print("Decode weights: no L2 streaming window here (it needs a CUDA device and its driver API).")
     if device.type == "cuda":
-        from .ops import cublaslt
+        from .gemm import cublaslt
 
         for dt in (torch.bfloat16, torch.float16):
             for k in (4096,):
@@ -93,7 +94,7 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    from .check_ops import CHECKS, op_check_rows, rows_ok
+    from .check.ops import CHECKS, op_check_rows, rows_ok
 
     device = torch.device(args.device or _default_device())
     dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
@@ -138,7 +139,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
                           "(pip install 'rlkernels[hf]')[/]")
             report["model"] = "skipped: transformers not installed"
         else:
-            from . import model_check
+            from .check import model as model_check
 
             model_ok = model_check.run(device=str(device), dtype=args.dtype, seqs=args.seqs,
                                        model_path=args.model, json_path=None, console=console)
@@ -155,7 +156,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
 
 def _device_arg(value: str) -> str:
     """argparse type for --device: a device this machine has (cpu, cuda, cuda:N) or auto."""
-    from .model_check import resolve_device
+    from .check.model import resolve_device
 
     try:
         return str(resolve_device(value))
@@ -164,7 +165,7 @@ def _device_arg(value: str) -> str:
 
 
 def _dtype_arg(value: str) -> str:
-    from .model_check import DTYPE_CHOICES, _DTYPES
+    from .check.model import DTYPE_CHOICES, _DTYPES
 
     if value.lower() != "auto" and value.lower().replace("torch.", "") not in _DTYPES:
         raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; expected one of {DTYPE_CHOICES}")
@@ -182,7 +183,7 @@ def _positive_int(value: str) -> int:
 
 
 def _model_arg(value: str) -> str:
-    from .model_check import check_model_path
+    from .check.model import check_model_path
 
     try:
         check_model_path(value)

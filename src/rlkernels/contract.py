@@ -13,6 +13,8 @@ import dataclasses
 
 import torch
 
+from .testing import rel_error
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
@@ -65,8 +67,6 @@ def tolerance(op: str, dtype: torch.dtype) -> Tolerance:
 
 def check(op: str, dtype: torch.dtype, out: torch.Tensor, ref: torch.Tensor) -> float:
     """The error of ``out`` vs ``ref`` under the op's metric; raises AssertionError past tolerance."""
-    from .testing import rel_error
-
     tol = tolerance(op, dtype)
     if tol.metric == "rel":
         err = rel_error(out, ref)

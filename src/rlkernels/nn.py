@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from .ops.matmul import linear
+from .ops.norms import rms_norm
 
 
 class Linear(nn.Linear):
@@ -29,3 +30,30 @@ class Linear(nn.Linear):
         new.weight = module.weight
         new.bias = module.bias
         return new
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for HF ``*RMSNorm`` modules (``weight``, ``variance_epsilon``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> "RMSNorm":
+        """An ``RMSNorm`` sharing ``module.weight`` (no copy); eps from ``variance_epsilon``/``eps``."""
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
+            raise TypeError(f"rlkernels.RMSNorm.from_module: {type(module).__name__} has no weight/eps")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.weight = module.weight
+        new.variance_epsilon = float(eps)
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

@@ -7,6 +7,9 @@ Backends:
   * ``torch`` -- ascending-chain PyTorch implementation (``rlkernels.ops.chain``);
     any device, float64 included. It keeps the invariance contract too.
 
+Ops register themselves when ``rlkernels.ops`` is imported (the package's
+``__init__`` does it); this module imports no op.
+
 Choice, per call, from the first tensor argument: ``RLKERNELS_BACKEND`` if set,
 else ``triton`` on GPUs and ``torch`` elsewhere. A forced backend that cannot run
 on the inputs raises :class:`BackendUnavailableError`; nothing falls back silently
@@ -14,11 +17,12 @@ to a path that would break the contract.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from ._env import env_get, triton_interpret
 
 BACKENDS = ("triton", "torch")
 
@@ -74,32 +78,8 @@ def register(op_name: str, backend: str) -> Callable[[type[OpImpl]], type[OpImpl
     return deco
 
 
-def _load_ops() -> None:
-    # Importing the op modules runs their @register decorators.
-    from . import ops  # noqa: F401
-
-
 def registered_ops() -> dict[str, tuple[str, ...]]:
-    _load_ops()
     return {name: tuple(sorted(impls)) for name, impls in sorted(_REGISTRY.items())}
-
-
-# os.environ.get re-encodes the name and wraps the lookup in three Python calls; the
-# switches below are read on every op call, which for decode-size GEMMs is host-bound.
-# On POSIX, os.environ keeps its bytes dict in ``_data`` (updated by every assignment).
-_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
-
-
-def env_get(name: str) -> str | None:
-    """``os.environ.get(name)``, cheaply."""
-    if _ENV_DATA is None:
-        return os.environ.get(name)
-    value = _ENV_DATA.get(name.encode())
-    return None if value is None else value.decode("utf-8", "surrogateescape")
-
-
-def triton_interpret() -> bool:
-    return env_get("TRITON_INTERPRET") not in (None, "", "0")
 
 
 def _triton_importable() -> bool:
@@ -151,7 +131,6 @@ def select_backend(op_name: str, device: torch.device, backend: str | None = Non
 
 
 def _select_backend(op_name: str, device: torch.device, backend: str | None) -> tuple[str, str]:
-    _load_ops()
     if op_name not in _REGISTRY:
         raise KeyError(f"rlkernels: no op named {op_name!r}; registered: {sorted(_REGISTRY)}")
     impls = _REGISTRY[op_name]
@@ -169,10 +148,7 @@ def _select_backend(op_name: str, device: torch.device, backend: str | None) -> 
 
 
 def implementation(op_name: str, backend: str) -> type[OpImpl]:
-    impls = _REGISTRY.get(op_name)
-    if impls is None or backend not in impls:
-        _load_ops()
-        impls = _REGISTRY.get(op_name, {})
+    impls = _REGISTRY.get(op_name, {})
     try:
         return impls[backend]
     except KeyError:
@@ -217,7 +193,6 @@ def get_op(name: str, backend: str | None = None) -> nn.Module:
     A forced backend is checked when called (it raises
     :class:`BackendUnavailableError` if it cannot run on the inputs given).
     """
-    _load_ops()
     if name not in _REGISTRY:
         raise KeyError(f"rlkernels: no op named {name!r}; registered: {sorted(_REGISTRY)}")
     if backend is None:

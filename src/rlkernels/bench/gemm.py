@@ -100,7 +100,7 @@ def _kn_rows(ms: list[int]) -> list[dict]:
 
 def run(args: argparse.Namespace) -> list[dict]:
     import rlkernels
-    from rlkernels.ops.cublaslt import linear_no_split_k as cublaslt_linear
+    from rlkernels.gemm.cublaslt import linear_no_split_k as cublaslt_linear
 
     torch.backends.cuda.matmul.allow_tf32 = False
     sgemm_bi = optional_import("sgemm_bi")

@@ -27,71 +27,18 @@ looping over rows), so it is independent of how the rows were batched.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from .. import _validate as V
+from . import _validate as V
 from ..registry import OpImpl, implementation, register, select_backend
-from .chain import accumulator_dtype
+from ..gemm.chain import accumulator_dtype
 
-from ._triton import cdiv, tl, triton
+from ..kernels._triton import cdiv
+from ..kernels.norms import col_sum_kernel, row_dot_kernel
 
-ROW_BLOCK = 1024  # must match _pairwise_sum_1024; Triton tile width of the per-row sum (fixed: the order must not depend on R's size class)
+ROW_BLOCK = 1024  # must match pairwise_sum_1024; Triton tile width of the per-row sum (fixed: the order must not depend on R's size class)
 COL_BLOCK = 128   # Triton column block of the dW row loop (any width gives the same bits)
 CHAIN_MAX = 16384  # torch backend: sequential chain up to this row length
 LANES = 1024       # torch backend: lane count of the long-row sum
-
-if triton is not None:
-
-    @triton.jit
-    def _pairwise_sum_1024(x):
-        # A fixed pairwise tree over lane *indices*: each level adds x[2i] + x[2i+1].
-        # tl.sum's own tree follows the register layout, which Triton derives from how
-        # the arguments specialize (R and strides divisible by 16 or not), so a padded
-        # row could be summed in another order (seen on H100). A two-element sum is
-        # commutative, so this tree has one result whatever the layout.
-        x = tl.sum(tl.reshape(x, (512, 2)), axis=1)
-        x = tl.sum(tl.reshape(x, (256, 2)), axis=1)
-        x = tl.sum(tl.reshape(x, (128, 2)), axis=1)
-        x = tl.sum(tl.reshape(x, (64, 2)), axis=1)
-        x = tl.sum(tl.reshape(x, (32, 2)), axis=1)
-        x = tl.sum(tl.reshape(x, (16, 2)), axis=1)
-        x = tl.sum(tl.reshape(x, (8, 2)), axis=1)
-        x = tl.sum(tl.reshape(x, (4, 2)), axis=1)
-        x = tl.sum(tl.reshape(x, (2, 2)), axis=1)
-        return tl.sum(x, axis=0)
-
-    @triton.jit
-    def _row_dot_kernel(a_ptr, b_ptr, out_ptr, R, stride_a, stride_b,
-                        HAS_B: tl.constexpr, BLOCK: tl.constexpr):
-        # One row per program; lanes accumulate tile by tile in ascending order.
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, R, BLOCK):
-            idx = start + offs
-            mask = idx < R
-            a = tl.load(a_ptr + row * stride_a + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
-            if HAS_B:
-                b = tl.load(b_ptr + row * stride_b + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
-                a = a * b
-            acc += a
-        tl.store(out_ptr + row, _pairwise_sum_1024(acc))
-
-    @triton.jit
-    def _col_sum_kernel(x_ptr, out_ptr, M, N, stride_m, BLOCK_N: tl.constexpr):
-        # Rows one at a time, ascending: a column's sum is one sequential chain.
-        pid = tl.program_id(0)
-        offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = offs < N
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        ptrs = x_ptr + offs.to(tl.int64)  # stepping the pointer keeps row offsets 64-bit
-        for _ in range(0, M):
-            acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            ptrs += stride_m
-        tl.store(out_ptr + offs, acc, mask=mask)
-
-
-# ---------------------------------------------------------------- reduction engines
 
 
 class TorchReducer:
@@ -144,7 +91,7 @@ class TritonReducer:
             return out
         if R == 0:
             return out.zero_()
-        _row_dot_kernel[(M,)](a, b if b is not None else a, out, R, a.stride(0),
+        row_dot_kernel[(M,)](a, b if b is not None else a, out, R, a.stride(0),
                               (b if b is not None else a).stride(0),
                               HAS_B=b is not None, BLOCK=ROW_BLOCK, num_warps=4)
         return out
@@ -157,14 +104,14 @@ class TritonReducer:
         out = torch.zeros(N, dtype=torch.float32, device=x.device)
         if M == 0 or N == 0:
             return out
-        _col_sum_kernel[(cdiv(N, COL_BLOCK),)](x, out, M, N, x.stride(0), BLOCK_N=COL_BLOCK, num_warps=4)
+        col_sum_kernel[(cdiv(N, COL_BLOCK),)](x, out, M, N, x.stride(0), BLOCK_N=COL_BLOCK, num_warps=4)
         return out
 
 
-def reducer_for(device: torch.device, backend: str | None = None) -> TorchReducer | TritonReducer:
-    """The reduction engine the registry picks for ``device`` (``rms_norm``'s backend)."""
-    name, _ = select_backend("rms_norm", device, backend)
-    return implementation("rms_norm", name).reducer  # type: ignore[attr-defined]
+def reducer_for(op: str, device: torch.device, backend: str | None = None) -> TorchReducer | TritonReducer:
+    """The reduction engine of the backend the registry picks for ``op`` on ``device``."""
+    name, _ = select_backend(op, device, backend)
+    return implementation(op, name).reducer  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- softmax / log_softmax
@@ -241,14 +188,14 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
             backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``torch.softmax(x, dim, dtype=dtype)`` (fp32 math, fp64 for fp64)."""
     _check_softmax("softmax", x, dtype)
-    return _SoftmaxFunction.apply(x, dim, dtype, False, reducer_for(x.device, backend))
+    return _SoftmaxFunction.apply(x, dim, dtype, False, reducer_for("softmax", x.device, backend))
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
                 backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``torch.log_softmax(x, dim, dtype=dtype)`` (fp32 math, fp64 for fp64)."""
     _check_softmax("log_softmax", x, dtype)
-    return _SoftmaxFunction.apply(x, dim, dtype, True, reducer_for(x.device, backend))
+    return _SoftmaxFunction.apply(x, dim, dtype, True, reducer_for("log_softmax", x.device, backend))
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -301,7 +248,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     with torch's type promotion (an fp32 weight gives an fp32 output, as in HF).
     """
     _check_rms("rms_norm", x, weight)
-    return _RMSNormFunction.apply(x, weight, float(eps), reducer_for(x.device, backend), False)
+    return _RMSNormFunction.apply(x, weight, float(eps), reducer_for("rms_norm", x.device, backend), False)
 
 
 def _check_rms(op: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:
@@ -313,33 +260,6 @@ def _check_rms(op: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:
         V.require_same_device(op, x=x, weight=weight)
         if tuple(weight.shape) != (x.shape[-1],):
             raise ValueError(f"rlkernels.{op}: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
-
-
-class RMSNorm(nn.Module):
-    """Drop-in for HF ``*RMSNorm`` modules (``weight``, ``variance_epsilon``)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon)
-
-    @classmethod
-    def from_module(cls, module: nn.Module) -> "RMSNorm":
-        """An ``RMSNorm`` sharing ``module.weight`` (no copy); eps from ``variance_epsilon``/``eps``."""
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if eps is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
-            raise TypeError(f"rlkernels.RMSNorm.from_module: {type(module).__name__} has no weight/eps")
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.weight = module.weight
-        new.variance_epsilon = float(eps)
-        return new
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 # ---------------------------------------------------------------- registry entries

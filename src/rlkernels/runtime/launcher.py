@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ..registry import env_get, triton_interpret
-from ._triton import triton
+from .._env import switch_on, triton_interpret
+from ..kernels._triton import triton
 
 FAST_LAUNCH_ENV = "RLKERNELS_FAST_LAUNCH"
 
@@ -46,8 +46,7 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
 def fast_launch_enabled() -> bool:
-    return (_knobs is not None and (env_get(FAST_LAUNCH_ENV) or "1").strip() not in ("0", "false", "no")
-            and not triton_interpret())
+    return _knobs is not None and switch_on(FAST_LAUNCH_ENV) and not triton_interpret()
 
 
 def _arg_key(arg: Any) -> Any:

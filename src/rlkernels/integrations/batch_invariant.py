@@ -47,13 +47,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import _aten_checks as C
-from . import _mode_state
-from ._validate import refuse_interpreted_bf16
-from .ops.chain import accumulator_dtype
-from .ops.matmul import engine_for
-from .ops.norms import TorchReducer, TritonReducer, softmax_backward, softmax_forward
-from .registry import select_backend
+from . import aten_checks as C
+from ..runtime import mode_state as _mode_state
+from ..ops._validate import refuse_interpreted_bf16
+from ..gemm.chain import accumulator_dtype
+from ..ops.matmul import engine_for
+from ..ops.norms import TorchReducer, TritonReducer, reducer_for, softmax_backward, softmax_forward
 
 __all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled", "COVERED_OPS"]
 
@@ -63,8 +62,10 @@ COVERED_OPS: tuple[str, ...] = (
 )
 
 _FLOAT = C.FLOAT_DTYPES
-# Threads that wish the mode on (a plain call or an open ``with`` block); guarded by _mode_state.LOCK.
-_WISH_ON: set[threading.Thread] = set()
+# The mode's wishes, guarded by mode_state.LOCK: the plain calls' process-wide setting, and
+# each thread's stack of open ``with`` blocks (innermost last).
+_PLAIN_ON = [False]
+_BLOCKS: dict[threading.Thread, list[bool]] = {}
 _LIB: list[torch.library.Library] = []
 
 
@@ -94,8 +95,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def _reducer(t: torch.Tensor) -> TorchReducer | TritonReducer:
-    name, _ = select_backend("rms_norm", t.device)
-    return TritonReducer() if name == "triton" and t.dtype != torch.float64 else TorchReducer()
+    """The row-sum engine of softmax's backend for the device (every reduction the mode overrides)."""
+    return reducer_for("softmax", t.device)
 
 
 def _scaled(x: torch.Tensor, s) -> torch.Tensor:
@@ -299,9 +300,17 @@ def _install() -> torch.library.Library:
     return lib
 
 
+def _wanted() -> bool:
+    """On while any thread's innermost block is on; else the plain setting, unless a
+    thread's innermost block is off (an "off" block overrides a plain "on" but never
+    another thread's "on" block: the overrides cannot be removed for one thread only)."""
+    tops = [stack[-1] for stack in _BLOCKS.values() if stack]
+    return any(tops) or (_PLAIN_ON[0] and all(tops))
+
+
 def _sync() -> None:
-    """Install the overrides while any thread wishes the mode on; remove them otherwise. Holds LOCK."""
-    want = bool(_WISH_ON)
+    """Install the overrides while wanted; remove them otherwise. Holds LOCK."""
+    want = _wanted()
     if want and not _LIB:
         _LIB.append(_install())
     elif not want and _LIB:
@@ -310,44 +319,49 @@ def _sync() -> None:
 
 
 class _ModeGuard(contextlib.AbstractContextManager):
-    """Returned by :func:`set_batch_invariant_mode`; as a context manager it restores
-    the calling thread's previous wish on exit."""
+    """Returned by :func:`set_batch_invariant_mode`. Not entered, the call was a plain
+    setting; entered, it becomes a block of the calling thread instead, and leaving the
+    block restores what was there before it."""
 
-    def __init__(self, thread: threading.Thread, previous: bool) -> None:
-        self.thread, self.previous = thread, previous
+    def __init__(self, enabled: bool, previous_plain: bool) -> None:
+        self.enabled, self.previous_plain = enabled, previous_plain
 
     def __enter__(self) -> "_ModeGuard":
+        with _mode_state.LOCK:
+            _PLAIN_ON[0] = self.previous_plain
+            self.thread = threading.current_thread()
+            _BLOCKS.setdefault(self.thread, []).append(self.enabled)
+            _sync()
         return self
 
     def __exit__(self, *exc) -> None:
         with _mode_state.LOCK:
-            if self.previous:
-                _WISH_ON.add(self.thread)
-            else:
-                _WISH_ON.discard(self.thread)
+            stack = _BLOCKS.get(self.thread, [])
+            if stack:
+                stack.pop()
+            if not stack:
+                _BLOCKS.pop(self.thread, None)
             _sync()
         return None
 
 
 def set_batch_invariant_mode(enabled: bool = True) -> _ModeGuard:
-    """Turn the batch-invariant overrides on (or off) for the calling thread's part, now.
+    """Turn the batch-invariant overrides on (or off).
 
-    Plain call: the thread's wish stays until changed. ``with set_batch_invariant_mode():``
-    restores the thread's previous wish when the block exits (exception or not), so
-    blocks nest. The overrides themselves are process-wide (``torch.library``
-    registrations act in every thread): they are on while any thread wishes them
-    on, so a block never runs with the mode off because another thread left its
-    own block, and they are off once the last holder has left.
+    Plain call: a process-wide setting that stays until changed.
+    ``with set_batch_invariant_mode(enabled):`` a block of the calling thread; leaving
+    it (exception or not) restores what was there before, so blocks nest. The
+    overrides themselves are process-wide (``torch.library`` registrations act in
+    every thread): they are on while any thread's innermost block is on -- so no
+    block runs with the mode off because another thread left its own block -- or,
+    with no such block, while the plain setting is on and no thread's innermost
+    block is off. They are off once the last holder has left.
     """
     with _mode_state.LOCK:
-        me = threading.current_thread()
-        previous = me in _WISH_ON
-        if enabled:
-            _WISH_ON.add(me)
-        else:
-            _WISH_ON.discard(me)
+        previous = _PLAIN_ON[0]
+        _PLAIN_ON[0] = bool(enabled)
         _sync()
-        return _ModeGuard(me, previous)
+        return _ModeGuard(bool(enabled), previous)
 
 
 def is_batch_invariant_mode_enabled() -> bool:

@@ -33,8 +33,8 @@ from typing import Callable
 
 import torch
 
-from .batch_invariant import set_batch_invariant_mode
-from .hf import decoder_of, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
+from ..integrations.batch_invariant import set_batch_invariant_mode
+from ..integrations.hf import decoder_of, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
 
 DEFAULT_SEQS = 8
 LAST_REPORT: dict = {}  # the JSON payload of the latest run(), for callers that write their own report

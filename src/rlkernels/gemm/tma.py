@@ -1,6 +1,6 @@
 """The canonical K-chain GEMM with TMA tile loads (Hopper and later).
 
-Same arithmetic as ``ops.gemm._gemm_kernel`` -- ``acc = tl.dot(a_blk, b_blk, acc)`` over
+Same arithmetic as ``ops.gemm.gemm_kernel`` -- ``acc = tl.dot(a_blk, b_blk, acc)`` over
 k-blocks 0, 1, 2, ... in one fp32 accumulator, rounded once -- but the tiles are
 brought in by the Tensor Memory Accelerator from host-built descriptors instead of
 per-thread pointer loads. Out-of-range rows, columns and the K tail are zero-filled
@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._launch import cached_launcher, kept_launch_key, launch_with_key
-from ._tiles import grouped_tile
-from ._triton import cdiv, tl, triton
+from ..kernels._triton import cdiv
+from ..kernels.gemm_tma import gemm_tma_kernel
+from ..runtime.device import capability, sm_count
+from ..runtime.launcher import cached_launcher, kept_launch_key, launch_with_key
 
 if TYPE_CHECKING:
-    from .gemm import GemmConfig
+    from .table import GemmConfig
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -46,23 +47,13 @@ def tma_layout_ok(t: torch.Tensor, inner_dim: int = 1) -> bool:
     return (outer * t.element_size()) % 16 == 0 and outer >= t.shape[inner_dim]
 
 
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return _CAPABILITY[idx]
-
-
 def tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> tuple[bool, bool, bool] | None:
     """(A K-major, B K-major, ``out`` rows describable) for 2-D operands on a Hopper-or-later
     GPU whose layouts TMA can describe (module doc), else None. ``out`` is written through
     pointers when its rows are not describable (any strides work there). Each layout is
     checked once: this runs on every large-M call."""
     if (TensorDescriptor is None or a.dim() != 2 or b.dim() != 2 or (out is not None and out.dim() != 2)
-            or not a.is_cuda or _capability(a.device)[0] < 9):
+            or not a.is_cuda or capability(a.device)[0] < 9):
         return None
     a_kmajor = tma_layout_ok(a, 1)
     b_kmajor = tma_layout_ok(b, 0)
@@ -76,86 +67,10 @@ def tma_eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> 
     return tma_layouts(a, b, out) is not None
 
 
-if triton is not None:
-
-    @triton.jit
-    def _tma_tile(a_desc, b_desc, c_desc, c_ptr, bias_ptr, tile_id, M, N, K, stride_cm, stride_cn,
-                  HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, C_DESC: tl.constexpr, IEEE: tl.constexpr,
-                  A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        pid_m, pid_n = grouped_tile(tile_id, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        if not C_DESC:
-            # fp32 outputs (chained dH, main_grad) go through pointers: a TMA staging tile of
-            # 128x256 fp32 would not fit in shared memory beside the operand pipeline.
-            offs_m = off_m + tl.arange(0, BLOCK_M)
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-            c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
-        if ACC_FROM_C:
-            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # The canonical chain: one ascending pass over K, one fp32 accumulator.
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            off_k = k * BLOCK_K
-            if A_KMAJOR:
-                a = a_desc.load([off_m, off_k])
-            else:
-                a = a_desc.load([off_k, off_m]).T
-            if B_KMAJOR:
-                b = b_desc.load([off_n, off_k]).T
-            else:
-                b = b_desc.load([off_k, off_n])
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        if HAS_BIAS:
-            offs_bn = off_n + tl.arange(0, BLOCK_N)
-            bias = tl.load(bias_ptr + offs_bn, mask=offs_bn < N, other=0.0)
-            acc = acc + bias.to(tl.float32)[None, :]
-        if C_DESC:
-            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
-        else:
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-    @triton.jit
-    def _gemm_tma_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, stride_cm, stride_cn,
-                         HAS_BIAS: tl.constexpr, ACC_FROM_C: tl.constexpr, C_DESC: tl.constexpr,
-                         IEEE: tl.constexpr, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, PERSISTENT: tl.constexpr,
-                         WARP_SPECIALIZE: tl.constexpr):
-        if PERSISTENT:
-            num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-            for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=False,
-                                    warp_specialize=WARP_SPECIALIZE):
-                _tma_tile(a_desc, b_desc, c_desc, c_ptr, bias_ptr, tile_id, M, N, K, stride_cm, stride_cn,
-                          HAS_BIAS, ACC_FROM_C, C_DESC, IEEE, A_KMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K,
-                          GROUP_M)
-        else:
-            _tma_tile(a_desc, b_desc, c_desc, c_ptr, bias_ptr, tl.program_id(0), M, N, K, stride_cm, stride_cn,
-                      HAS_BIAS, ACC_FROM_C, C_DESC, IEEE, A_KMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-
-    # Triton's per-call binder costs more host time than a mid-size GEMM takes on the
-    # GPU (H100, 4096 x 4096 x 1024 bf16: 112 us eager vs 48 us of kernel): later
-    # launches skip it (ops._launch; descriptors are keyed by what Triton specializes).
-    _launch_tma = cached_launcher(_gemm_tma_kernel)
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, so the persistent loop is exercised
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
+# Triton's per-call binder costs more host time than a mid-size GEMM takes on the
+# GPU (H100, 4096 x 4096 x 1024 bf16: 112 us eager vs 48 us of kernel): later
+# launches skip it (runtime.launcher; descriptors are keyed by what Triton specializes).
+_launch_tma = cached_launcher(gemm_tma_kernel) if gemm_tma_kernel is not None else None
 
 class TmaPlan:
     """What :func:`tma_gemm` works out for a 2-D forward call besides the tensors: layouts,

@@ -37,7 +37,7 @@ from typing import Iterator
 
 import torch
 
-from ..registry import env_get
+from .._env import switch_on
 
 L2_WINDOW_ENV = "RLKERNELS_L2_STREAMING"
 
@@ -77,7 +77,7 @@ def _driver() -> _Driver | None:
 
 
 def _enabled_from_env() -> bool:
-    return (env_get(L2_WINDOW_ENV) or "1").strip().lower() not in ("0", "false", "no")
+    return switch_on(L2_WINDOW_ENV)
 
 
 # Read once, like RLKERNELS_FAST_LAUNCH: this runs on every decode call.

@@ -20,8 +20,8 @@ from typing import Iterator
 
 import torch
 
-from .. import _mode_state
-from .gemm import triton_gemm
+from ..runtime import mode_state as _mode_state
+from .triton import triton_gemm
 
 log = logging.getLogger("rlkernels")
 

@@ -5,8 +5,8 @@ from typing import Any
 
 import torch
 
-from . import testing
-from .registry import implementation, registered_ops, select_backend
+from .. import testing
+from ..registry import implementation, registered_ops, select_backend
 
 CHECKS = ("batch", "chunk", "padding", "order", "determinism")
 

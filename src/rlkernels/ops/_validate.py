@@ -9,7 +9,7 @@ from typing import Iterable
 
 import torch
 
-from .registry import BackendUnavailableError
+from ..registry import BackendUnavailableError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # float64 is accepted by the torch backend only (gradcheck, references).
@@ -66,3 +66,13 @@ def refuse_interpreted_bf16(op: str, backend: str, t: torch.Tensor) -> None:
             f"rlkernels.{op}: bfloat16 on the Triton backend under TRITON_INTERPRET=1 is refused: the Triton "
             "interpreter's tl.dot gives wrong results for bfloat16 operands; use float16 or float32 there, "
             "or the torch backend (RLKERNELS_BACKEND=torch)")
+
+
+def autocast(*tensors: torch.Tensor | None) -> list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]:
+    """The float tensors cast to the autocast dtype where autocast is on (as stock ops are)."""
+    # is_cuda first: building the device object costs more than the autocast query.
+    dev = "cuda" if tensors[0].is_cuda else tensors[0].device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return [t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
+    return tensors

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from .batch_invariant import set_batch_invariant_mode
-from .nn import Linear
-from .ops.norms import RMSNorm
+from ..nn import Linear
+from ..nn import RMSNorm
+from ..ops.linear_logprob import linear_logprob
 
 IGNORE_INDEX = -100
 
@@ -113,8 +114,6 @@ def next_token_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.Tensor, *,
                          temperature: float = 1.0, return_entropy: bool = False):
     """linear_logprob of ``target`` [B, T] from ``hidden`` [B, T, H] through the LM head."""
-    from .ops.linear_logprob import linear_logprob
-
     head = model.get_output_embeddings()
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise TypeError(f"rlkernels.token_logprobs: {type(model).__name__} has no linear output embedding")

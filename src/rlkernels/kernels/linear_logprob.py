@@ -1,0 +1,214 @@
+"""Kernels of the fused LM-head log-prob + entropy. Host side: ``rlkernels.ops.linear_logprob``."""
+from __future__ import annotations
+
+from ._triton import tl, triton
+from .tiles import grouped_tile
+
+if triton is not None:
+
+    @triton.jit
+    def logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, m0, v_lo, V, D, temperature,
+                     stride_hn, stride_hd, stride_wv, stride_wd,
+                     HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+        """z[BLOCK_M, BLOCK_V] = (h[rm] @ W[offs_v]^T + b) / T: the canonical ascending D-chain.
+
+        With TMA, h_ptr/w_ptr are descriptors and (m0, v_lo) the tile's first row and column.
+        """
+        rv = (offs_v % V).to(tl.int64)  # columns past V re-read valid rows of W; masked by the caller
+        offs_k = tl.arange(0, BLOCK_K)
+        if not TMA:
+            h_ptrs = h_ptr + rm[:, None] * stride_hn + offs_k[None, :].to(tl.int64) * stride_hd
+            w_ptrs = w_ptr + offs_k[:, None].to(tl.int64) * stride_wd + rv[None, :] * stride_wv
+        acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if TMA:
+                # Rows past N, columns past V and the D tail arrive as zeros (never stored,
+                # masked by the caller, or adding exactly 0 to the chain).
+                h = h_ptr.load([m0, k * BLOCK_K])
+                w = w_ptr.load([v_lo, k * BLOCK_K]).T
+            elif EVEN_D:
+                h = tl.load(h_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_left = D - k * BLOCK_K
+                h = tl.load(h_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if IEEE:
+                acc = tl.dot(h, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(h, w, acc)
+            if not TMA:
+                h_ptrs += BLOCK_K * stride_hd
+                w_ptrs += BLOCK_K * stride_wd
+        if HAS_BIAS:
+            b = tl.load(b_ptr + rv)
+            acc = acc + b.to(tl.float32)[None, :]
+        if HAS_TEMP:
+            # Exactly as samplers do: logits / T, correctly rounded (not a multiply by 1/T).
+            # (div_rn wants operands of one shape: broadcast T explicitly.)
+            acc = tl.math.div_rn(acc, tl.zeros((BLOCK_M, BLOCK_V), tl.float32) + temperature)
+        return acc
+
+    @triton.jit
+    def fwd_partial_kernel(
+        h_ptr, w_ptr, b_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
+        N, V, D, temperature,
+        stride_hn, stride_hd, stride_wv, stride_wd,
+        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+        TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target."""
+        # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
+        pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < N
+        rm = (offs_m % N).to(tl.int64)  # rows past N re-read valid rows; never stored
+        tgt = tl.load(t_ptr + rm).to(tl.int32)  # ids < V < 2^31; 32-bit compares are cheaper
+        v_start = pid_s * SPLIT_V
+        n_tiles = tl.cdiv(tl.minimum(V - v_start, SPLIT_V), BLOCK_V)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        s_i = tl.zeros((BLOCK_M,), tl.float32)
+        u_i = tl.zeros((BLOCK_M,), tl.float32)
+        zt = tl.zeros((BLOCK_M,), tl.float32)
+        # Tiles in ascending column order: the row's statistics are one fixed chain.
+        for j in range(0, n_tiles):
+            offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
+            z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
+                             temperature, stride_hn, stride_hd, stride_wv, stride_wd,
+                             HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+            col_ok = offs_v < V
+            # At most one column matches: the sum is that logit exactly. Taken first so
+            # z's registers can be reused by the statistics below.
+            zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+            z = tl.where(col_ok[None, :], z, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z, axis=1))
+            d = z - m_new[:, None]
+            e = tl.exp(d)  # 0 on columns past V (z = -inf there)
+            alpha = tl.exp(m_i - m_new)
+            ed = e * tl.where(col_ok[None, :], d, 0.0)
+            # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
+            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+            u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
+            s_i = alpha * s_i + tl.sum(e, axis=1)
+            m_i = m_new
+        part = pid_s.to(tl.int64) * N + offs_m
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(s_ptr + part, s_i, mask=row_ok)
+        tl.store(u_ptr + part, u_i, mask=row_ok)
+        in_split = row_ok & (tgt >= v_start) & (tgt < v_start + SPLIT_V)
+        tl.store(zt_ptr + offs_m, zt, mask=in_split)
+
+    @triton.jit
+    def logprob_combine_kernel(m_ptr, s_ptr, u_ptr, zt_ptr, t_ptr, logp_ptr, ent_ptr, lse_ptr, N, n_split,
+                        BLOCK: tl.constexpr):
+        """Merge the per-split statistics of each row in ascending split order."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        rows = offs.to(tl.int64)
+        mx = tl.full((BLOCK,), float("-inf"), tl.float32)
+        # Pointers advance by N per split: 64-bit pointer arithmetic, no int32 k * N product.
+        m_ptrs = m_ptr + rows
+        for k in range(0, n_split):
+            mx = tl.maximum(mx, tl.load(m_ptrs, mask=ok, other=0.0))
+            m_ptrs += N
+        s = tl.zeros((BLOCK,), tl.float32)
+        u = tl.zeros((BLOCK,), tl.float32)
+        m_ptrs = m_ptr + rows
+        s_ptrs = s_ptr + rows
+        u_ptrs = u_ptr + rows
+        for k in range(0, n_split):
+            mk = tl.load(m_ptrs, mask=ok, other=0.0)
+            sk = tl.load(s_ptrs, mask=ok, other=1.0)
+            uk = tl.load(u_ptrs, mask=ok, other=0.0)
+            a = tl.exp(mk - mx)
+            u += a * (uk + (mk - mx) * sk)
+            s += a * sk
+            m_ptrs += N
+            s_ptrs += N
+            u_ptrs += N
+        log_s = tl.log(s)
+        valid = ok & (tl.load(t_ptr + rows, mask=ok, other=-1) >= 0)
+        zt = tl.load(zt_ptr + rows, mask=ok, other=0.0)
+        tl.store(logp_ptr + rows, tl.where(valid, (zt - mx) - log_s, 0.0), mask=ok)
+        tl.store(ent_ptr + rows, tl.where(valid, log_s - u / s, 0.0), mask=ok)
+        tl.store(lse_ptr + rows, mx + log_s, mask=ok)
+
+    @triton.jit
+    def grad_logits_tile(
+        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
+        N, V, D, v0, v1, temperature,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
+        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
+        EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_DESC: tl.constexpr,
+    ):
+        """g[:, v - v0] = dL/d(h W^T + b)[:, v] on one [BLOCK_M, BLOCK_V] tile, recomputing its logits.
+
+        With G_DESC, g_ptr is a TMA descriptor over the chunk's [N, v1 - v0] columns."""
+        pid_m, pid_v = grouped_tile(tile_id, tl.cdiv(N, BLOCK_M), tl.cdiv(v1 - v0, BLOCK_V), GROUP_M)
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = (offs_m % N).to(tl.int64)
+        offs_v = v0 + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v0 + pid_v * BLOCK_V, V, D,
+                         temperature, stride_hn, stride_hd, stride_wv, stride_wd,
+                         HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+        lp = z - tl.load(lse_ptr + rm)[:, None]
+        p = tl.exp(lp)
+        gl = tl.load(gl_ptr + rm)  # already zero on ignored rows
+        if HAS_GE:
+            ge = tl.load(ge_ptr + rm)
+            coef = gl[:, None] + ge[:, None] * (lp + tl.load(ent_ptr + rm)[:, None])
+        else:
+            coef = gl[:, None] + tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
+        g = -(p * coef)
+        tgt = tl.load(t_ptr + rm).to(tl.int32)
+        g = tl.where(offs_v[None, :] == tgt[:, None], g + gl[:, None], g)
+        if HAS_TEMP:
+            g = tl.math.div_rn(g, tl.zeros((BLOCK_M, BLOCK_V), tl.float32) + temperature)
+        if G_DESC:
+            # Through shared memory by TMA, clipped at the descriptor's [N, v1 - v0]: no
+            # per-element pointers or masks in the epilogue's registers.
+            g_ptr.store([pid_m * BLOCK_M, pid_v * BLOCK_V], g.to(g_ptr.dtype))
+        else:
+            # Tile base as one 64-bit scalar, in-tile offsets in 32 bits (BLOCK_M * stride_gn
+            # is far below 2^31): fewer live 64-bit values in the epilogue.
+            g_base = g_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_gn + (pid_v * BLOCK_V).to(tl.int64) * stride_gv
+            loc_m = tl.arange(0, BLOCK_M)
+            loc_v = tl.arange(0, BLOCK_V)
+            mask = ((pid_m * BLOCK_M + loc_m)[:, None] < N) & ((offs_v < v1)[None, :])
+            tl.store(g_base + loc_m[:, None] * stride_gn + loc_v[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty),
+                     mask=mask)
+
+    @triton.jit
+    def grad_logits_kernel(
+        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr,
+        N, V, D, v0, v1, temperature,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
+        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
+        EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
+        G_DESC: tl.constexpr,
+    ):
+        """g for the chunk [v0, v1): one tile per program, or NUM_SMS programs walking the
+        tiles (a tile's arithmetic is the same whichever program computes it)."""
+        if PERSISTENT:
+            num_tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(v1 - v0, BLOCK_V)
+            for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=False):
+                grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
+                                  N, V, D, v0, v1, temperature,
+                                  stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
+                                  HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+                                  G_DESC)
+        else:
+            grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tl.program_id(0),
+                              N, V, D, v0, v1, temperature,
+                              stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
+                              HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+                              G_DESC)
+else:  # pragma: no cover - the torch backend still imports without Triton
+    logits_tile = fwd_partial_kernel = logprob_combine_kernel = grad_logits_tile = grad_logits_kernel = None
