@@ -41,3 +41,6 @@ def gen():
 def randn(*shape, dtype=torch.float32, device="cpu", generator=None, scale=1.0):
     """Random normal data made on the CPU (same values on any device), then moved."""
     return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+
+interpreter_only = pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")

@@ -141,11 +141,11 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         else:
             from .check import model as model_check
 
-            model_ok = model_check.run(device=str(device), dtype=args.dtype, seqs=args.seqs,
-                                       model_path=args.model, json_path=None, console=console)
-            report["model_ok"] = model_ok
-            report["model"] = getattr(model_check, "LAST_REPORT", None)
-            ok &= model_ok
+            model_report = model_check.run(device=str(device), dtype=args.dtype, seqs=args.seqs,
+                                           model_path=args.model, json_path=None, console=console)
+            report["model_ok"] = model_report["ok"]
+            report["model"] = model_report
+            ok &= model_report["ok"]
     report["ok"] = ok
     if args.json:
         with open(args.json, "w") as f:

@@ -26,7 +26,6 @@ import copy
 import json
 import platform
 import time
-import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Callable
@@ -34,10 +33,9 @@ from typing import Callable
 import torch
 
 from ..integrations.batch_invariant import set_batch_invariant_mode
-from ..integrations.hf import decoder_of, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
+from ..integrations.hf import cache_kwargs, decoder_of, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
 
 DEFAULT_SEQS = 8
-LAST_REPORT: dict = {}  # the JSON payload of the latest run(), for callers that write their own report
 SEED = 1234
 WAYS = ("single", "padded", "chunked", "shuffled")
 WAY_LABELS = {"single": "(a) one at a time", "padded": "(b) padded batch",
@@ -164,7 +162,6 @@ class _Scorer:
         raise NotImplementedError
 
 
-_PAST_KEY_VALUES_DEPRECATED = r"`past_key_values` is deprecated"
 
 
 def _new_cache(model):
@@ -173,19 +170,6 @@ def _new_cache(model):
         return DynamicCache(config=model.config)
     except TypeError:
         return DynamicCache()
-
-
-def _cache_kwargs(module: torch.nn.Module, cache) -> dict:
-    """The KV cache as the keyword this module's forward takes.
-
-    Recent transformers 5.x releases name it ``cache`` and warn (a FutureWarning per
-    call) on ``past_key_values``; earlier releases only know ``past_key_values``. The cache is
-    updated in place, so callers never read it back from the output (which warns too).
-    """
-    import inspect
-
-    params = inspect.signature(module.forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 class StockScorer(_Scorer):
@@ -213,7 +197,7 @@ class StockScorer(_Scorer):
             mask = torch.ones(1, start + c, dtype=torch.long, device=ids.device)
             pos = torch.arange(start, start + c, device=ids.device)[None]
             out = self.model(input_ids=piece, attention_mask=mask, position_ids=pos, use_cache=True,
-                             **_cache_kwargs(self.model, cache))
+                             **cache_kwargs(self.model, cache))
             parts.append(out.logits)
             start += c
         logits = torch.cat(parts, dim=1)
@@ -227,11 +211,7 @@ class RlkernelsScorer(_Scorer):
         self.model = model
 
     def batch(self, ids, mask):
-        # hidden_states passes ``past_key_values=None``, which transformers releases that renamed
-        # it to ``cache`` answer with a FutureWarning per call; only that warning is silenced.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_PAST_KEY_VALUES_DEPRECATED, category=FutureWarning)
-            return token_logprobs(self.model, ids, mask)
+        return token_logprobs(self.model, ids, mask)
 
     def chunked(self, ids, sizes):
         with set_batch_invariant_mode(True):
@@ -243,7 +223,7 @@ class RlkernelsScorer(_Scorer):
                 # the decoder directly (what hidden_states calls), with the cache keyword it takes
                 decoder = decoder_of(self.model)
                 out = decoder(input_ids=piece, attention_mask=mask, position_ids=pos, use_cache=True,
-                              **_cache_kwargs(decoder, cache))
+                              **cache_kwargs(decoder, cache))
                 parts.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
                 start += c
             hidden = torch.cat(parts, dim=1)
@@ -353,8 +333,8 @@ def _table(results: list[ImplResult], title: str):
 def run(device: str | None = None, dtype: str | None = None, seqs: int | None = None,
         model_path: str | None = None, json_path: str | None = None, *,
         min_len: int | None = None, max_len: int | None = None, micro_batch: int = 3,
-        config_overrides: dict | None = None, console=None, cpu_threads: int | None = 1) -> bool:
-    """Run the check, print the table; True if rlkernels' four answers are bitwise equal for every token.
+        config_overrides: dict | None = None, console=None, cpu_threads: int | None = 1) -> dict:
+    """Run the check and print the table; returns the report (its "ok": rlkernels' four answers are bitwise equal for every token).
 
     ``cpu_threads``: torch intra-op threads while scoring on the CPU (restored after;
     None leaves torch's setting). 1 by default: the tiny model's ops are too small to
@@ -415,9 +395,7 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "results": [r.as_dict() for r in results],
     }
-    LAST_REPORT.clear()
-    LAST_REPORT.update(payload)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=2)
-    return ok
+    return payload

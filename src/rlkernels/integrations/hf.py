@@ -16,6 +16,8 @@ the [tokens, vocab] logits are never materialised.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import warnings
 from typing import Any
 
@@ -87,6 +89,23 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(module_type: type) -> str:
+    params = inspect.signature(module_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(module: nn.Module, cache: Any) -> dict[str, Any]:
+    """The KV cache as the keyword this module's forward takes.
+
+    Recent transformers 5.x releases name it ``cache`` and warn (a FutureWarning per
+    call) on ``past_key_values``; earlier releases only know ``past_key_values``. The
+    cache is updated in place, so callers never read it back from the output (which
+    warns too).
+    """
+    return {_cache_keyword(type(module)): cache}
+
+
 def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                   position_ids: torch.Tensor | None = None, past_key_values: Any = None,
                   use_cache: bool = False) -> torch.Tensor:
@@ -97,8 +116,10 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
         if past_key_values is not None:
             raise ValueError("rlkernels.hidden_states: pass position_ids when continuing from a KV cache")
         position_ids = positions_from_mask(attention_mask)
-    out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, use_cache=use_cache)
+    decoder = decoder_of(model)
+    cache = cache_kwargs(decoder, past_key_values) if past_key_values is not None else {}
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                  **cache)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 

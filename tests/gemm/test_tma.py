@@ -20,11 +20,9 @@ from rlkernels.ops import linear_logprob as lp_mod
 from rlkernels.gemm.table import GemmConfig
 from rlkernels.gemm.triton import triton_gemm
 from rlkernels.gemm.tma import tma_gemm, tma_layout_ok
-from rlkernels._env import triton_interpret
 
-from .conftest import randn
+from ..conftest import interpreter_only, randn
 
-interpreter_only = pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
 
 # One row per program (the interpreter's numpy dot rounds a row by its place in the
 # tile, see ops.gemm); a persistent schedule with 4 programs walking the tiles.

@@ -8,7 +8,7 @@ from rlkernels import contract, reference, testing
 from rlkernels.nn import RMSNorm
 from rlkernels.ops import norms
 
-from .conftest import cpu_backend_cases, randn
+from ..conftest import cpu_backend_cases, randn
 
 # (dtype) -> rel tolerance used here; measured values are reported by test_report_errors.
 # The loosest of the three ops' contract rows (the tests share one bound per dtype).

@@ -143,8 +143,8 @@ def test_backward_bitwise_under_mode():
 def test_model_check_run_cpu(tmp_path, capsys):
     out = tmp_path / "check.json"
     threads = torch.get_num_threads()
-    ok = model_check.run("cpu", None, 4, None, str(out))
-    assert ok is True and torch.get_num_threads() == threads
+    report = model_check.run("cpu", None, 4, None, str(out))
+    assert report["ok"] is True and torch.get_num_threads() == threads
     data = json.loads(out.read_text())
     assert data["ok"] and data["dtype"] == "float32"
     ours = [r for r in data["results"] if r["implementation"] == "rlkernels"][0]
@@ -175,11 +175,11 @@ def test_four_ways_bitwise_gpu_bf16(arch):
 
 @pytest.mark.gpu
 def test_model_check_run_gpu(tmp_path):
-    ok = model_check.run("cuda", "bfloat16", 16, None, str(tmp_path / "gpu.json"), max_len=256,
+    report = model_check.run("cuda", "bfloat16", 16, None, str(tmp_path / "gpu.json"), max_len=256,
                          config_overrides=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                                                num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                                vocab_size=8192))
-    assert ok is True
+    assert report["ok"] is True
 
 
 @pytest.mark.gpu

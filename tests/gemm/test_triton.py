@@ -2,7 +2,7 @@
 
 CPU: the table's rules (pure functions of M, N, dtype and operand layout) and, under
 TRITON_INTERPRET=1, the swapped kernel's arithmetic against float64 (the interpreter's
-numpy dot rounds by memory layout, so bits are a GPU property: tests/test_matmul_gpu.py
+numpy dot rounds by memory layout, so bits are a GPU property: tests/ops/test_matmul_gpu.py
 proves every fp32 config, swapped or not, gives the same bits).
 """
 from __future__ import annotations
@@ -22,9 +22,8 @@ from rlkernels.gemm.table import GemmConfig, gemm_config, swappable
 from rlkernels.gemm.triton import triton_gemm
 from rlkernels._env import triton_interpret
 
-from .conftest import randn
+from ..conftest import interpreter_only, randn
 
-interpreter_only = pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
 
 SWAP_TILE = GemmConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=1, swap_ab=True)
 

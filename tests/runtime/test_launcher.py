@@ -190,7 +190,7 @@ def test_cached_tma_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch
             try:
                 want = gemm_tma.tma_gemm(a, b, cfg, **_clone_kwargs(kwargs))
             except gemm.OutOfResources:
-                continue  # triton_gemm takes the pointer kernel there (tests/test_gemm_tma.py)
+                continue  # triton_gemm takes the pointer kernel there (tests/gemm/test_tma.py)
             monkeypatch.setattr(gemm_tma, "_launch_tma", _CheckingLauncher(gemm_tma.gemm_tma_kernel, checked))
             for _ in range(2):  # the first call compiles through Triton, the second is the cached launch
                 got = gemm_tma.tma_gemm(a, b, cfg, **_clone_kwargs(kwargs))

@@ -11,7 +11,7 @@ from rlkernels import contract, reference, testing
 from rlkernels.registry import BackendUnavailableError
 from rlkernels._env import triton_interpret
 
-from .conftest import cpu_backend_cases, randn
+from ..conftest import cpu_backend_cases, randn
 
 SHAPES = [(1, 1, 1), (7, 13, 5), (33, 97, 31), (64, 128, 80), (2, 300, 17)]  # (M, K, N): primes, 1, non-multiples
 

@@ -6,11 +6,9 @@ import torch
 
 import rlkernels
 from rlkernels.registry import BackendUnavailableError
-from rlkernels._env import triton_interpret
 
-from .conftest import randn
+from ..conftest import interpreter_only, randn
 
-interpreter_only = pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
 
 _BF16_CALLS = {
     "matmul": lambda a, b, w, t: rlkernels.matmul(a, b),

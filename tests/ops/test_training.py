@@ -7,7 +7,7 @@ import torch
 import rlkernels
 from rlkernels import contract, reference, testing
 
-from .conftest import cpu_backend_cases, randn
+from ..conftest import cpu_backend_cases, randn
 
 TB = rlkernels.TOKEN_BLOCK
 

@@ -23,7 +23,7 @@ from rlkernels.testing import (
     assert_padding_invariant, rel_error,
 )
 
-from .conftest import cpu_backend_cases, randn
+from ..conftest import cpu_backend_cases, randn
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 

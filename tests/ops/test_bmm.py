@@ -12,7 +12,7 @@ from rlkernels.ops.bmm import TINY_TABLE, TinyConfig, bmm, tiny_config
 from rlkernels.registry import get_op
 from rlkernels._env import triton_interpret
 
-from .conftest import cpu_backend_cases, randn
+from ..conftest import cpu_backend_cases, interpreter_only, randn
 
 # Local tolerances (rel. Frobenius error vs float64) until contract.py gets a
 # "bmm" entry; measured worst cases are in docs/operators/bmm.md.
@@ -29,7 +29,6 @@ CPU_B = 11
 ODD_SHAPES = [(1, 1, 1), (3, 17, 12), (17, 3, 64), (12, 64, 3), (64, 1, 17), (1, 12, 64), (17, 17, 17),
               (64, 64, 1), (3, 3, 3)]
 
-interpreter_only = pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
 
 
 def _operands(B, m, n, k, dtype, gen, *, shared_b=False, device="cpu"):

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlkernels.gemm.chain import accumulator_dtype, chain_matmul, chain_sum
 
-from .conftest import randn
+from ..conftest import randn
 
 SIZES = (1, 7, 33, 100)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
