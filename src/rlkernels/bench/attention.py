@@ -16,6 +16,8 @@ that a sequence's rows alone equal its rows inside the batch.
 
 Timing: ``triton.testing.do_bench`` medians (bench.common.median_ms). rlkernels'
 decode passes ``cache_seqlens`` as an int, so its call reads nothing back from the GPU.
+Decode is also timed as CUDA-graph replays (``*_graph_us``) for rlkernels and cuDNN:
+the GPU time of a step without the host's launch cost, as rollout engines run it.
 """
 from __future__ import annotations
 
@@ -95,6 +97,20 @@ def _time(fn: Callable[[], Any]) -> tuple[float | None, str | None]:
         return median_ms(fn), None
     except Exception as exc:  # noqa: BLE001 - a missing peer backend is a result, not a crash
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+
+
+def _graph_replay(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn captured once in a CUDA graph (after a warm-up on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], grad: torch.Tensor) -> Callable[[], Any]:
@@ -212,11 +228,22 @@ def _decode_rows(d: int, shapes: tuple[tuple[int, int], ...], copy_gbs: float) -
                 row[f"{name}_TB/s"] = kv_bytes / (ms * 1e-3) / 1e12 if ms else None
                 if err:
                     errors[name] = err
+            # GPU time without the host's launch cost: the same call captured in a CUDA graph
+            # (how rollout engines run decode steps), replayed.
+            for name in ("rlkernels", "sdpa_cudnn"):
+                if name in fns and not errors.get(name):
+                    ms, err = _time(_graph_replay(fns[name]))
+                    row[f"{name}_graph_us"] = ms * 1e3 if ms else None
+                    if err:
+                        errors[f"{name}_graph"] = err
             # The decode rows (split-KV kernel) == the full kernel's rows for Lq = 1 over the cache.
             row["bitwise_decode_eq_full"] = _bits_equal(fns["rlkernels"](), flash_attn_func(q, kc, vc))
         for name in ("sdpa_cudnn", "flex"):
             ours, theirs = row.get("rlkernels_us"), row.get(f"{name}_us")
             row[f"time_vs_{name}"] = ours / theirs if ours and theirs else None
+        ours, theirs = row.get("rlkernels_graph_us"), row.get("sdpa_cudnn_graph_us")
+        row["graph_time_vs_sdpa_cudnn"] = ours / theirs if ours and theirs else None
+        row["graph_TB/s"] = kv_bytes / (ours * 1e-6) / 1e12 if ours else None
         row["copy_%"] = 100 * row["rlkernels_TB/s"] * 1e3 / copy_gbs if row.get("rlkernels_TB/s") else None
         row["errors"] = errors or None
         rows.append(row)
@@ -248,7 +275,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if decode:
         print_table(f"attention decode, bf16, 16/8 heads (copy bandwidth {copy_gbs:.0f} GB/s)", decode,
                     ["D", "B", "S", "kv_MB", "rlkernels_us", "sdpa_cudnn_us", "flex_us", "time_vs_sdpa_cudnn",
-                     "time_vs_flex", "rlkernels_TB/s", "copy_%", "bitwise_decode_eq_full"])
+                     "time_vs_flex", "rlkernels_graph_us", "sdpa_cudnn_graph_us", "graph_time_vs_sdpa_cudnn",
+                     "rlkernels_TB/s", "graph_TB/s", "copy_%", "bitwise_decode_eq_full"])
     for r in prefill + decode:
         if r.get("errors"):
             print(f"errors at {r}: {r['errors']}", flush=True)

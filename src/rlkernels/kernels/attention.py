@@ -16,7 +16,7 @@ log2(e)); the saved LSE is m + log2(l) in the same units.
 """
 from __future__ import annotations
 
-from ..ops._triton import tl, triton
+from ._triton import tl, triton
 
 if triton is not None:
 
@@ -39,15 +39,20 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def block_step(q, k, v, valid, m, l, acc, qk_scale, ONES, IEEE: tl.constexpr):
+    def block_step(q, k, v, valid, m, l, acc, qk_scale, ONES, IEEE: tl.constexpr, MASK: tl.constexpr):
         """One key block of the online softmax: q [BM, BD], k/v [BN, BD], valid [BM, BN].
 
         The row sum of p goes through the tensor cores (p @ ones, every column equal,
         taken by an exact max) so its order is the dot chain's, which does not depend
         on the tile shape, rather than a tree reduction whose order follows the layout.
+        MASK=False is for blocks whose keys every row of the tile may see: the same
+        expressions without the select (``where(True, x, -inf)`` is x), so same bits.
         """
         s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), dtype=tl.float32), IEEE)
-        s = tl.where(valid, s * qk_scale, float("-inf"))
+        if MASK:
+            s = tl.where(valid, s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
@@ -56,6 +61,51 @@ if triton is not None:
         l = tl.fma(l, alpha, tl.max(rows, 1))
         acc = _dot(p, v, acc * alpha[:, None], IEEE)
         return m_new, l, acc
+
+    @triton.jit
+    def seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, K_ADD,
+                   DENSE: tl.constexpr, KLEN_PTR: tl.constexpr):
+        """(q_start, q_len, k_start, k_len) of sequence b. DENSE: a padded batch of LQ
+        queries and LK key slots per sequence, k_len = k_len_ptr[b] + K_ADD (or K_ADD),
+        so a decode step needs no index tensors built on the host; else read the tensors."""
+        if DENSE:
+            q_start = b.to(tl.int64) * LQ
+            q_len = b * 0 + LQ
+            k_start = b.to(tl.int64) * LK
+            if KLEN_PTR:
+                k_len = tl.load(k_len_ptr + b) + K_ADD
+            else:
+                k_len = b * 0 + K_ADD
+        else:
+            q_start = tl.load(q_start_ptr + b).to(tl.int64)
+            q_len = tl.load(q_len_ptr + b)
+            k_start = tl.load(k_start_ptr + b).to(tl.int64)
+            k_len = tl.load(k_len_ptr + b)
+        return q_start, q_len, k_start, k_len
+
+    @triton.jit
+    def load_rows(base, offs_n, stride, offs_d, n_lim, D, EVEN_D: tl.constexpr, MASK_N: tl.constexpr):
+        """Rows offs_n (< n_lim where MASK_N) of a [*, D] matrix, zeros elsewhere. With
+        EVEN_D (D == BLOCK_D) the mask is constant along d, so loads stay 16 bytes wide."""
+        ptrs = base + offs_n.to(tl.int64)[:, None] * stride + offs_d[None, :]
+        if MASK_N:
+            if EVEN_D:
+                return tl.load(ptrs, mask=(offs_n < n_lim)[:, None], other=0.0)
+            else:
+                return tl.load(ptrs, mask=(offs_n < n_lim)[:, None] & (offs_d < D)[None, :], other=0.0)
+        else:
+            if EVEN_D:
+                return tl.load(ptrs)
+            else:
+                return tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+
+    @triton.jit
+    def store_rows(base, offs_m, stride, offs_d, m_lim, D, x, EVEN_D: tl.constexpr):
+        ptrs = base + offs_m.to(tl.int64)[:, None] * stride + offs_d[None, :]
+        if EVEN_D:
+            tl.store(ptrs, x, mask=(offs_m < m_lim)[:, None])
+        else:
+            tl.store(ptrs, x, mask=(offs_m < m_lim)[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
     def finish(m, l, acc):
@@ -71,37 +121,43 @@ if triton is not None:
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
-        H, G, D, qk_scale,
+        H, G, D, qk_scale, LQ, LK, K_ADD,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        S_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
+        KLEN_PTR: tl.constexpr, REVERSE_M: tl.constexpr,
     ):
         """Full forward: one program per (query tile of BLOCK_M rows, sequence, query head).
 
         Keeps the merged state and the current split's state in registers and merges
         at each split boundary, which is the split kernel + combine's chain exactly.
+        Inside a split, the blocks every row of the tile sees in full run without the
+        mask (same bits), the rest (causal diagonal, sequence end) with it. REVERSE_M
+        starts the longest causal tiles first (launch order only).
         """
         pid_m = tl.program_id(0)
+        if REVERSE_M:
+            pid_m = tl.num_programs(0) - 1 - pid_m
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
-        q_len = tl.load(q_len_ptr + b)
+        q_start, q_len, k_start, k_len = seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, K_ADD,
+                                                    DENSE, KLEN_PTR)
         if pid_m * BLOCK_M >= q_len:
             return
-        q_start = tl.load(q_start_ptr + b).to(tl.int64)
-        k_start = tl.load(k_start_ptr + b).to(tl.int64)
-        k_len = tl.load(k_len_ptr + b)
         kvh = h // G
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
         row_ok = offs_m < q_len
-        q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = load_rows(q_ptr + q_start * stride_qt + h * stride_qh, offs_m, stride_qt, offs_d, q_len, D, EVEN_D, True)
         pos = k_len - q_len + offs_m
         if CAUSAL:
             n_end = tl.minimum(k_len, k_len - q_len + tl.minimum((pid_m + 1) * BLOCK_M, q_len))
+            n_full = tl.minimum(k_len, k_len - q_len + pid_m * BLOCK_M + 1)
         else:
             n_end = k_len
+            n_full = k_len
+        # Keys below n_full are visible to every row of the tile (rows past q_len load q = 0 and are not stored).
+        n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
         ONES = tl.full((BLOCK_N, 16), 1.0, dtype=q_ptr.dtype.element_ty)
         m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -113,63 +169,77 @@ if triton is not None:
             l_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
             acc_s = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
             s_end = tl.minimum(s0 + S_SPLIT, n_end)
-            for n0 in range(s0, s_end, BLOCK_N):
+            s_mid = tl.minimum(tl.maximum(n_full, s0), s_end)
+            for n0 in range(s0, s_mid, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
+                v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
+                m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, ONES, IEEE, False)
+            for n0 in range(s_mid, s_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 k_ok = offs_n < k_len
-                kv_mask = k_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+                k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, True)
+                v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, True)
                 valid = k_ok[None, :] & row_ok[:, None]
                 if CAUSAL:
                     valid = valid & (offs_n[None, :] <= pos[:, None])
-                m_s, l_s, acc_s = block_step(q, k, v, valid, m_s, l_s, acc_s, qk_scale, ONES, IEEE)
+                m_s, l_s, acc_s = block_step(q, k, v, valid, m_s, l_s, acc_s, qk_scale, ONES, IEEE, True)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
         out, lse = finish(m, l, acc)
-        tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        store_rows(o_ptr + q_start * stride_ot + h * stride_oh, offs_m, stride_ot, offs_d, q_len, D,
+                   out.to(o_ptr.dtype.element_ty), EVEN_D)
         tl.store(lse_ptr + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
 
     @triton.jit
     def attn_split_kernel(
-        q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, pacc_ptr,
+        q_ptr, k_ptr, v_ptr, ws_ptr, o_ptr, lse_ptr,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        HKV, G, D, qk_scale, N_SPLITS, ROWS_PAD,
+        stride_ot, stride_oh, stride_lh,
+        HKV, G, D, qk_scale, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, LK, K_ADD,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        S_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
+        KLEN_PTR: tl.constexpr, FINISH: tl.constexpr,
     ):
         """One split of S_SPLIT keys for a tile of (query, head of the GQA group) rows.
 
         Rows r = i * G + g pack a KV head's G query heads into the tile (decode: one
         query, G heads, padded to the minimum tile). Writes the split's (m, l, acc) to
-        the workspace [B, HKV, N_SPLITS, ROWS_PAD, BLOCK_D]; a split with nothing to do
-        writes the empty state, which the combine merges exactly as a no-op.
+        the workspace ws = [m | l | acc] over [B, HKV, N_SPLITS, ROWS_PAD] (acc with
+        BLOCK_D per row); a split with nothing to do writes the empty state, which the
+        combine merges exactly as a no-op. FINISH (N_SPLITS == 1): merge the one state
+        onto the empty state and finish here, the combine kernel's expressions exactly.
         """
         pid_m = tl.program_id(0)
         bk = tl.program_id(1)
         sp = tl.program_id(2)
         b = bk // HKV
         kvh = bk % HKV
-        q_len = tl.load(q_len_ptr + b)
+        q_start, q_len, k_start, k_len = seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, K_ADD,
+                                                    DENSE, KLEN_PTR)
         if pid_m * BLOCK_M >= q_len * G:
             return
-        q_start = tl.load(q_start_ptr + b).to(tl.int64)
-        k_start = tl.load(k_start_ptr + b).to(tl.int64)
-        k_len = tl.load(k_len_ptr + b)
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         i = r // G
         h = kvh * G + r % G
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         row_ok = i < q_len
+        if EVEN_D:
+            q_mask = row_ok[:, None]
+        else:
+            q_mask = row_ok[:, None] & d_ok[None, :]
         q = tl.load(q_ptr + (q_start + i)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=q_mask, other=0.0)
         pos = k_len - q_len + i
         if CAUSAL:
             last_i = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
             n_end = tl.minimum(k_len, k_len - q_len + last_i + 1)
+            n_full = tl.minimum(k_len, k_len - q_len + (pid_m * BLOCK_M) // G + 1)
         else:
             n_end = k_len
+            n_full = k_len
+        n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
         ONES = tl.full((BLOCK_N, 16), 1.0, dtype=q_ptr.dtype.element_ty)
         m_s = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -178,37 +248,57 @@ if triton is not None:
         v_base = v_ptr + k_start * stride_vt + kvh * stride_vh
         s0 = sp * S_SPLIT
         s_end = tl.minimum(s0 + S_SPLIT, n_end)
-        for n0 in range(s0, s_end, BLOCK_N):
+        s_mid = tl.minimum(tl.maximum(n_full, s0), s_end)
+        for n0 in range(s0, s_mid, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
+            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
+            m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, ONES, IEEE, False)
+        for n0 in range(s_mid, s_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             k_ok = offs_n < k_len
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, True)
+            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, True)
             valid = k_ok[None, :] & row_ok[:, None]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= pos[:, None])
-            m_s, l_s, acc_s = block_step(q, k, v, valid, m_s, l_s, acc_s, qk_scale, ONES, IEEE)
-        base = (bk.to(tl.int64) * N_SPLITS + sp) * ROWS_PAD + r
-        tl.store(pm_ptr + base, m_s)
-        tl.store(pl_ptr + base, l_s)
-        tl.store(pacc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], acc_s)
+            m_s, l_s, acc_s = block_step(q, k, v, valid, m_s, l_s, acc_s, qk_scale, ONES, IEEE, True)
+        if FINISH:
+            m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+            l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+            m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
+            out, lse = finish(m, l, acc)
+            if EVEN_D:
+                o_mask = row_ok[:, None]
+            else:
+                o_mask = row_ok[:, None] & d_ok[None, :]
+            tl.store(o_ptr + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(lse_ptr + h * stride_lh + q_start + i, lse, mask=row_ok)
+        else:
+            base = (bk.to(tl.int64) * N_SPLITS + sp) * ROWS_PAD + r
+            tl.store(ws_ptr + base, m_s)
+            tl.store(ws_ptr + WS_ROWS + base, l_s)
+            tl.store(ws_ptr + 2 * WS_ROWS + base[:, None] * BLOCK_D + offs_d[None, :], acc_s)
 
     @triton.jit
     def attn_combine_kernel(
-        pm_ptr, pl_ptr, pacc_ptr, o_ptr, lse_ptr, q_start_ptr, q_len_ptr,
+        ws_ptr, o_ptr, lse_ptr, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_ot, stride_oh, stride_lh,
-        HKV, G, D, N_SPLITS, ROWS_PAD,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+        HKV, G, D, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, LK, K_ADD,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
+        KLEN_PTR: tl.constexpr,
     ):
         """Merges a tile's split states in ascending split order from the empty state."""
         pid_m = tl.program_id(0)
         bk = tl.program_id(1)
         b = bk // HKV
         kvh = bk % HKV
-        q_len = tl.load(q_len_ptr + b)
+        q_start, q_len, k_start, k_len = seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, K_ADD,
+                                                    DENSE, KLEN_PTR)
         if pid_m * BLOCK_M >= q_len * G:
             return
-        q_start = tl.load(q_start_ptr + b).to(tl.int64)
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         i = r // G
         h = kvh * G + r % G
@@ -219,13 +309,17 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         for sp in range(0, N_SPLITS):
             base = (bk.to(tl.int64) * N_SPLITS + sp) * ROWS_PAD + r
-            m_s = tl.load(pm_ptr + base)
-            l_s = tl.load(pl_ptr + base)
-            acc_s = tl.load(pacc_ptr + base[:, None] * BLOCK_D + offs_d[None, :])
+            m_s = tl.load(ws_ptr + base)
+            l_s = tl.load(ws_ptr + WS_ROWS + base)
+            acc_s = tl.load(ws_ptr + 2 * WS_ROWS + base[:, None] * BLOCK_D + offs_d[None, :])
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
         out, lse = finish(m, l, acc)
+        if EVEN_D:
+            o_mask = row_ok[:, None]
+        else:
+            o_mask = row_ok[:, None] & (offs_d[None, :] < D)
         tl.store(o_ptr + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+                 out.to(o_ptr.dtype.element_ty), mask=o_mask)
         tl.store(lse_ptr + h * stride_lh + q_start + i, lse, mask=row_ok)
 
     @triton.jit
@@ -259,7 +353,7 @@ if triton is not None:
         stride_dot, stride_doh, stride_lh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
         HKV, G, D, qk_scale, sm_scale,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_D: tl.constexpr,
     ):
         """dK, dV of one key block: query heads of the GQA group in order, query blocks
         (aligned to the sequence's first query) ascending, fp32 accumulators, no atomics."""
@@ -275,27 +369,32 @@ if triton is not None:
         k_start = tl.load(k_start_ptr + b).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
         n_ok = offs_n < k_len
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (k_start + offs_n)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (k_start + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_rows(k_ptr + k_start * stride_kt + kvh * stride_kh, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, True)
+        v = load_rows(v_ptr + k_start * stride_vt + kvh * stride_vh, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, True)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         shift = k_len - q_len
         if CAUSAL:
             m_lo = tl.maximum(pid_n * BLOCK_N - shift, 0) // BLOCK_M * BLOCK_M
+            # From m_full on, every query row of a block sees every key of this block.
+            m_full = tl.maximum(pid_n * BLOCK_N + BLOCK_N - 1 - shift, 0)
+            m_full = tl.minimum((m_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
+            m_full = tl.maximum(m_full, m_lo)
         else:
             m_lo = 0
+            m_full = 0
         for g in range(0, G):
             h = kvh * G + g
-            for m0 in range(m_lo, q_len, BLOCK_M):
+            q_base = q_ptr + q_start * stride_qt + h * stride_qh
+            do_base = do_ptr + q_start * stride_dot + h * stride_doh
+            # Masked query blocks (causal diagonal), then the fully visible ones without the
+            # select (where(True, x, 0) is x; rows past q_len load q = do = 0, lse = +inf: p = 0).
+            for m0 in range(m_lo, m_full, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
                 m_ok = offs_m < q_len
-                rows = (q_start + offs_m)[:, None]
-                qm = m_ok[:, None] & d_ok[None, :]
-                q = tl.load(q_ptr + rows * stride_qt + h * stride_qh + offs_d[None, :], mask=qm, other=0.0)
-                do = tl.load(do_ptr + rows * stride_dot + h * stride_doh + offs_d[None, :], mask=qm, other=0.0)
+                q = load_rows(q_base, offs_m, stride_qt, offs_d, q_len, D, EVEN_D, True)
+                do = load_rows(do_base, offs_m, stride_dot, offs_d, q_len, D, EVEN_D, True)
                 lse = tl.load(lse_ptr + h * stride_lh + q_start + offs_m, mask=m_ok, other=float("inf"))
                 lse = tl.where(lse == float("-inf"), float("inf"), lse)
                 delta = tl.load(delta_ptr + h * stride_lh + q_start + offs_m, mask=m_ok, other=0.0)
@@ -308,11 +407,25 @@ if triton is not None:
                 dpT = _dot(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
                 dsT = pT * (dpT - delta[None, :])
                 dk = _dot(dsT.to(q.dtype), q, dk, IEEE)
+            for m0 in range(m_full, q_len, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < q_len
+                q = load_rows(q_base, offs_m, stride_qt, offs_d, q_len, D, EVEN_D, True)
+                do = load_rows(do_base, offs_m, stride_dot, offs_d, q_len, D, EVEN_D, True)
+                lse = tl.load(lse_ptr + h * stride_lh + q_start + offs_m, mask=m_ok, other=float("inf"))
+                lse = tl.where(lse == float("-inf"), float("inf"), lse)
+                delta = tl.load(delta_ptr + h * stride_lh + q_start + offs_m, mask=m_ok, other=0.0)
+                sT = _dot(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
+                pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+                dv = _dot(pT.to(do.dtype), do, dv, IEEE)
+                dpT = _dot(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
+                dsT = pT * (dpT - delta[None, :])
+                dk = _dot(dsT.to(q.dtype), q, dk, IEEE)
         dk = dk * sm_scale
-        tl.store(dk_ptr + (k_start + offs_n)[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :],
-                 dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(dv_ptr + (k_start + offs_n)[:, None] * stride_dvt + kvh * stride_dvh + offs_d[None, :],
-                 dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+        store_rows(dk_ptr + k_start * stride_dkt + kvh * stride_dkh, offs_n, stride_dkt, offs_d, k_len, D,
+                   dk.to(dk_ptr.dtype.element_ty), EVEN_D)
+        store_rows(dv_ptr + k_start * stride_dvt + kvh * stride_dvh, offs_n, stride_dvt, offs_d, k_len, D,
+                   dv.to(dv_ptr.dtype.element_ty), EVEN_D)
 
     @triton.jit
     def attn_bwd_dq_kernel(
@@ -322,9 +435,10 @@ if triton is not None:
         stride_dot, stride_doh, stride_lh, stride_dqt, stride_dqh,
         H, G, D, qk_scale, sm_scale,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_D: tl.constexpr,
     ):
-        """dQ of one query block: key blocks ascending from key 0, recomputing P; no atomics."""
+        """dQ of one query block: key blocks ascending from key 0, recomputing P; no atomics.
+        Key blocks every row of the tile sees in full skip the select (same bits)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -338,27 +452,38 @@ if triton is not None:
         kvh = h // G
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
         m_ok = offs_m < q_len
-        rows = (q_start + offs_m)[:, None]
-        qm = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptr + rows * stride_qt + h * stride_qh + offs_d[None, :], mask=qm, other=0.0)
-        do = tl.load(do_ptr + rows * stride_dot + h * stride_doh + offs_d[None, :], mask=qm, other=0.0)
+        q = load_rows(q_ptr + q_start * stride_qt + h * stride_qh, offs_m, stride_qt, offs_d, q_len, D, EVEN_D, True)
+        do = load_rows(do_ptr + q_start * stride_dot + h * stride_doh, offs_m, stride_dot, offs_d, q_len, D, EVEN_D,
+                       True)
         lse = tl.load(lse_ptr + h * stride_lh + q_start + offs_m, mask=m_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         delta = tl.load(delta_ptr + h * stride_lh + q_start + offs_m, mask=m_ok, other=0.0)
         pos = k_len - q_len + offs_m
         if CAUSAL:
             n_end = tl.minimum(k_len, k_len - q_len + tl.minimum((pid_m + 1) * BLOCK_M, q_len))
+            n_full = tl.minimum(k_len, k_len - q_len + pid_m * BLOCK_M + 1)
         else:
             n_end = k_len
+            n_full = k_len
+        n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
+        k_base = k_ptr + k_start * stride_kt + kvh * stride_kh
+        v_base = v_ptr + k_start * stride_vt + kvh * stride_vh
         dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for n0 in range(0, n_end, BLOCK_N):
+        for n0 in range(0, n_full, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
+            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
+            s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
+            p = tl.math.exp2(s * qk_scale - lse[:, None])
+            dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
+            ds = p * (dp - delta[:, None])
+            dq = _dot(ds.to(k.dtype), k, dq, IEEE)
+        for n0 in range(n_full, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < k_len
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + (k_start + offs_n)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + (k_start + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, True)
+            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, True)
             s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
             valid = m_ok[:, None] & n_ok[None, :]
             if CAUSAL:
@@ -368,4 +493,5 @@ if triton is not None:
             ds = p * (dp - delta[:, None])
             dq = _dot(ds.to(k.dtype), k, dq, IEEE)
         dq = dq * sm_scale
-        tl.store(dq_ptr + rows * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=qm)
+        store_rows(dq_ptr + q_start * stride_dqt + h * stride_dqh, offs_m, stride_dqt, offs_d, q_len, D,
+                   dq.to(dq_ptr.dtype.element_ty), EVEN_D)

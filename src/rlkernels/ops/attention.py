@@ -40,10 +40,11 @@ from typing import Iterator
 
 import torch
 
-from .. import _validate as V
-from ..registry import OpImpl, register, select_backend, triton_interpret
-from ._triton import cdiv, triton
-from .chain import accumulator_dtype, chain_matmul, chain_sum
+from . import _validate as V
+from ..registry import OpImpl, register, select_backend
+from .._env import triton_interpret
+from ..kernels._triton import cdiv, triton
+from ..gemm.chain import accumulator_dtype, chain_matmul, chain_sum
 
 OP = "flash_attn"
 MAX_HEAD_DIM = 256
@@ -116,13 +117,17 @@ class BwdLaunch:
     num_stages: int = 2
 
 
-def default_fwd_launch(head_dim: int) -> FwdLaunch:
+def default_fwd_launch(head_dim: int, max_q: int = 0) -> FwdLaunch:
+    """Measured on an H100 (bf16, causal, B * L = 16384; benchmarks/results/attention_h100.json):
+    D = 128: 128 rows / 8 warps / 3 stages beat 2 and 4 stages and 64-row tiles at every L;
+    the decode kernel's 8 warps beat 2 and 4 (4 at D = 64). D = 64: 128-row tiles at
+    L <= 2048, 64-row tiles (4 warps) beyond."""
     if triton_interpret():
         return FwdLaunch(16, 1, 1, 16, 1, 1)
     if head_dim <= 64:
-        return FwdLaunch(128, 4, 3)
+        return FwdLaunch(128, 8, 3) if max_q <= 2048 else FwdLaunch(64, 4, 3)
     if head_dim <= 128:
-        return FwdLaunch(128, 8, 3)
+        return FwdLaunch(128, 8, 3, 16, 8, 3)
     return FwdLaunch(64, 4, 2)
 
 
@@ -345,47 +350,69 @@ def _pow2(x: int, floor: int = 16) -> int:
 
 
 def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool, scale: float,
-               chain: Chain, split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernels (full kernel, or split-KV + combine); no host sync."""
+               chain: Chain, split_kv: bool, dense: tuple[int, int, int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernels (full kernel, or split-KV + combine); no host sync.
+
+    ``dense = (Lq, S, k_add)``: a padded batch (sequence b's queries at rows b * Lq, its
+    keys at rows b * S, k_len[b] = k_len[b] + k_add, or k_add where k_len is None), the
+    index tensors q_start/q_len/k_start are then unused and may be None: a decode step
+    builds no index tensors on the host. Same bits either way.
+    """
     from ..kernels.attention import attn_combine_kernel, attn_fwd_kernel, attn_split_kernel
 
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    nb = q_start.shape[0]
+    nb = tq // dense[0] if dense is not None else q_start.shape[0]
     out = torch.empty_like(q)
     lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     if tq == 0 or nb == 0 or max_q == 0:
         return out, lse
-    cfg = FWD_LAUNCH_OVERRIDE or default_fwd_launch(d)
+    if dense is not None:
+        lq_d, lk_d, k_add = dense
+        klen_ptr = k_len is not None
+        idx = k_len if klen_ptr else lse  # unread pointers (DENSE) just need a tensor
+        q_start = q_len = k_start = idx
+        k_len = idx
+    else:
+        lq_d = lk_d = k_add = 0
+        klen_ptr = True
+    cfg = FWD_LAUNCH_OVERRIDE or default_fwd_launch(d, max_q)
     bd = _pow2(d)
     ieee = q.dtype == torch.float32
     qk_scale = scale * LOG2E
+    # No mul+add contraction: the masked and unmasked block steps round s * scale alike.
+    opts = {} if triton_interpret() else {"enable_fp_fusion": False}
+    common = dict(EVEN_D=d == bd, DENSE=dense is not None, KLEN_PTR=klen_ptr)
     if split_kv:
         bm = cfg.split_block_m
         rows_pad = cdiv(max_q * g, bm) * bm
         n_splits = max(1, cdiv(max_k, chain.split))
-        pm = torch.empty(nb * hkv * n_splits * rows_pad, dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-        pacc = torch.empty(nb * hkv * n_splits * rows_pad * bd, dtype=torch.float32, device=q.device)
+        finish_here = n_splits == 1
+        ws_rows = nb * hkv * n_splits * rows_pad
+        ws = lse if finish_here else torch.empty(ws_rows * (bd + 2), dtype=torch.float32, device=q.device)
         attn_split_kernel[(rows_pad // bm, nb * hkv, n_splits)](
-            q, k, v, pm, pl, pacc, q_start, q_len, k_start, k_len,
+            q, k, v, ws, out, lse, q_start, q_len, k_start, k_len,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            hkv, g, d, qk_scale, n_splits, rows_pad,
-            CAUSAL=causal, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
-            num_warps=cfg.split_warps, num_stages=cfg.split_stages)
-        attn_combine_kernel[(rows_pad // bm, nb * hkv)](
-            pm, pl, pacc, out, lse, q_start, q_len,
             out.stride(0), out.stride(1), lse.stride(0),
-            hkv, g, d, n_splits, rows_pad, BLOCK_M=bm, BLOCK_D=bd, num_warps=cfg.split_warps)
+            hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, lk_d, k_add,
+            CAUSAL=causal, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
+            FINISH=finish_here, num_warps=cfg.split_warps, num_stages=cfg.split_stages, **common, **opts)
+        if not finish_here:
+            attn_combine_kernel[(rows_pad // bm, nb * hkv)](
+                ws, out, lse, q_start, q_len, k_start, k_len,
+                out.stride(0), out.stride(1), lse.stride(0),
+                hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, lk_d, k_add, BLOCK_M=bm, BLOCK_D=bd,
+                num_warps=cfg.split_warps, **common, **opts)
         return out, lse
     attn_fwd_kernel[(cdiv(max_q, cfg.block_m), nb * hq)](
         q, k, v, out, lse, q_start, q_len, k_start, k_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        hq, g, d, qk_scale,
+        hq, g, d, qk_scale, lq_d, lk_d, k_add,
         CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        REVERSE_M=causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **opts)
     return out, lse
 
 
@@ -418,14 +445,14 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         hkv, g, d, qk_scale, scale,
-        CAUSAL=causal, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, BLOCK_D=bd, IEEE=ieee,
+        CAUSAL=causal, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     attn_bwd_dq_kernel[(cdiv(max_q, cfg.dq_block_m), nb * hq)](
         q, k, v, do, lse, delta, dq, q_start, q_len, k_start, k_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
         hq, g, d, qk_scale, scale,
-        CAUSAL=causal, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, BLOCK_D=bd, IEEE=ieee,
+        CAUSAL=causal, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq, dk, dv
 
@@ -517,6 +544,11 @@ flash_attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup)
 def kvcache_append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cache_seqlens: torch.Tensor) -> None:
     """k_cache[b, cache_seqlens[b] + j] = k[b, j] (and v), in place; no host sync."""
+    _append(k_cache, v_cache, k, v, cache_seqlens)
+
+
+def _append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            cache_seqlens: torch.Tensor) -> None:
     nb, lnew = k.shape[:2]
     idx = cache_seqlens.long()[:, None] + torch.arange(lnew, device=k.device)[None, :]
     bidx = torch.arange(nb, device=k.device)[:, None].expand(nb, lnew)
@@ -646,15 +678,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                              f"got {tuple(k.shape)}")
         lnew = k.shape[1]
     dev = q.device
+    seqlen_int: int | None = None
     if cache_seqlens is None:
         if lnew:
             raise ValueError(f"rlkernels.{op}: appending k/v needs cache_seqlens (the cache is full otherwise)")
-        cache_seqlens = torch.full((b,), s_cap, dtype=torch.int32, device=dev)
+        seqlen_int = s_cap
     elif isinstance(cache_seqlens, int):
         if not 0 <= cache_seqlens <= s_cap - lnew:
             raise ValueError(f"rlkernels.{op}: cache_seqlens {cache_seqlens} + {lnew} new tokens exceeds the "
                              f"cache of {s_cap}")
-        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
+        seqlen_int = cache_seqlens
     else:
         _check_index(op, "cache_seqlens", cache_seqlens, b, dev)
         vals = _read_indices(cache_seqlens)
@@ -667,14 +700,32 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     name, _ = select_backend(OP, dev, backend)
     _check_backend(op, name, q)
     scale = _scale(op, softmax_scale, d)
+    g = hq // k_cache.shape[2]
+    split_kv = name == "triton" and lq * g <= SPLIT_KV_MAX_ROWS
+    if name == "triton" and not torch.compiler.is_compiling() and s_cap and b:
+        # Eager fast path (decode steps are launch-bound): no index tensors, no autograd
+        # node; the kernels read sequence b's bounds from (Lq, S, cache_seqlens + Lnew).
+        if lnew:
+            if seqlen_int is not None:
+                k_cache[:, seqlen_int:seqlen_int + lnew] = k
+                v_cache[:, seqlen_int:seqlen_int + lnew] = v
+            else:
+                _append(k_cache, v_cache, k, v, cache_seqlens)
+        klen = None if seqlen_int is not None else cache_seqlens
+        k_add = seqlen_int + lnew if seqlen_int is not None else lnew
+        kf = k_cache.view(b * s_cap, k_cache.shape[2], d)
+        vf = v_cache.view(b * s_cap, v_cache.shape[2], d)
+        out, _ = triton_fwd(_packed(q), kf, vf, None, None, None, klen, lq, s_cap, causal, scale, _chain, split_kv,
+                            dense=(lq, s_cap, k_add))
+        return out.view(b, lq, hq, d)
+    if seqlen_int is not None:
+        cache_seqlens = torch.full((b,), seqlen_int, dtype=torch.int32, device=dev)
     if lnew:
         kvcache_append_op(k_cache, v_cache, k, v, cache_seqlens)
     ar = torch.arange(b, dtype=torch.int32, device=dev)
     q_start, k_start = ar * lq, ar * s_cap
     q_len = torch.full((b,), lq, dtype=torch.int32, device=dev)
     k_len = cache_seqlens + lnew
-    g = hq // k_cache.shape[2]
-    split_kv = name == "triton" and lq * g <= SPLIT_KV_MAX_ROWS
     kf = k_cache.view(b * s_cap, k_cache.shape[2], d) if s_cap else k_cache.reshape(0, k_cache.shape[2], d)
     vf = v_cache.view(b * s_cap, v_cache.shape[2], d) if s_cap else v_cache.reshape(0, v_cache.shape[2], d)
     with torch.no_grad():
