@@ -495,3 +495,6 @@ if triton is not None:
         dq = dq * sm_scale
         store_rows(dq_ptr + q_start * stride_dqt + h * stride_dqh, offs_m, stride_dqt, offs_d, q_len, D,
                    dq.to(dq_ptr.dtype.element_ty), EVEN_D)
+else:  # pragma: no cover - the torch backend still imports without Triton
+    attn_fwd_kernel = attn_split_kernel = attn_combine_kernel = None
+    attn_bwd_delta_kernel = attn_bwd_dkdv_kernel = attn_bwd_dq_kernel = None

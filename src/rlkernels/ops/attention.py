@@ -35,15 +35,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from typing import Iterator
 
 import torch
 
 from . import _validate as V
 from ..registry import OpImpl, register, select_backend
-from .._env import triton_interpret
-from ..kernels._triton import cdiv, triton
+from .._env import switch_on, triton_interpret
+from ..kernels._triton import cdiv
+from ..kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_combine_kernel,
+                                 attn_fwd_kernel, attn_split_kernel)
 from ..gemm.chain import accumulator_dtype, chain_matmul, chain_sum
 
 OP = "flash_attn"
@@ -183,7 +184,7 @@ def _read_indices(t: torch.Tensor) -> list[int] | None:
     or the checks are switched off with RLKERNELS_ATTN_CHECK_INDICES=0."""
     if t.device.type == "cpu":
         return t.tolist()
-    if os.environ.get(CHECK_ENV, "1").strip() == "0":
+    if not switch_on(CHECK_ENV):
         return None
     if torch.compiler.is_compiling():
         return None
@@ -359,7 +360,6 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     index tensors q_start/q_len/k_start are then unused and may be None: a decode step
     builds no index tensors on the host. Same bits either way.
     """
-    from ..kernels.attention import attn_combine_kernel, attn_fwd_kernel, attn_split_kernel
 
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -418,7 +418,6 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
 
 def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool,
                scale: float):
-    from ..kernels.attention import attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 
     tq, hq, d = q.shape
     hkv = k.shape[1]

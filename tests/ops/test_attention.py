@@ -16,7 +16,7 @@ from rlkernels import contract, reference, testing
 from rlkernels.ops import attention as A
 from rlkernels.registry import get_op, registered_ops
 
-from .conftest import cpu_backend_cases, randn
+from ..conftest import cpu_backend_cases, randn
 
 SMALL_CHAIN = (16, 32)
 
