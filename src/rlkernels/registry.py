@@ -4,7 +4,7 @@ Backends:
   * ``triton`` -- Triton kernels; CUDA/ROCm tensors, or CPU tensors when
     ``TRITON_INTERPRET=1`` (the interpreter runs the real kernels on numpy, which is
     how CI exercises kernel logic).
-  * ``torch`` -- ascending-chain PyTorch implementation (``rlkernels.ops.chain``);
+  * ``torch`` -- ascending-chain PyTorch implementation (``rlkernels.gemm.chain``);
     any device, float64 included. It keeps the invariance contract too.
 
 Ops register themselves when ``rlkernels.ops`` is imported (the package's

@@ -1,4 +1,4 @@
-"""The torch backend's chains (ops.chain) against a slow, obviously correct reference.
+"""The torch backend's chains (gemm.chain) against a slow, obviously correct reference.
 
 ``chain_matmul`` and ``chain_sum`` lay their operands out and block their calls for
 speed; the bits of every output element must still be those of the plain per-k

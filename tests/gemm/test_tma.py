@@ -1,4 +1,4 @@
-"""TMA tile loads (ops.gemm_tma): the same canonical K-chain as the pointer kernel.
+"""TMA tile loads (gemm.tma): the same canonical K-chain as the pointer kernel.
 
 CPU: the kernel's logic under TRITON_INTERPRET=1 (fp16 bitwise against the pointer
 kernel with one-row tiles; fp32 against float64, since the interpreter's numpy dot
@@ -25,7 +25,7 @@ from ..conftest import interpreter_only, randn
 
 
 # One row per program (the interpreter's numpy dot rounds a row by its place in the
-# tile, see ops.gemm); a persistent schedule with 4 programs walking the tiles.
+# tile, see gemm.table); a persistent schedule with 4 programs walking the tiles.
 ONE_ROW = dict(block_m=1, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=1)
 
 

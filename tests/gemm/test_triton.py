@@ -1,4 +1,4 @@
-"""The GEMM dispatch table (ops.gemm) and the fp32 swapped orientation.
+"""The GEMM dispatch table (gemm.table) and the fp32 swapped orientation.
 
 CPU: the table's rules (pure functions of M, N, dtype and operand layout) and, under
 TRITON_INTERPRET=1, the swapped kernel's arithmetic against float64 (the interpreter's

@@ -474,7 +474,8 @@ def test_backward_chunk_rule():
     assert backward_chunk(32768, 151936, 2) == 4096
     assert backward_chunk(1024, 151936, 2) == 32768
     # The main loop at the benchmark shape: the first five chunks hold g in dW's free rows
-    # (45056 columns wide at first), the rest the 8192-column buffer; 9 chunks, was 19.
+    # (45056 columns wide at first), the rest the 8192-column buffer: 9 chunks instead of
+    # 19 (docs/design/linear_logprob_schedule.md).
     n, d, tail, last = 8192, 4096, 151936 - 16384, 147968
     schedule = main_loop_schedule(last, 8192, tail, n, d, 2)
     assert len(schedule) == 9 and schedule[0][:2] == (0, 45056)

@@ -1,4 +1,4 @@
-"""The decode weight's streaming L2 access-policy window (ops.l2_window).
+"""The decode weight's streaming L2 access-policy window (runtime.l2_window).
 
 CPU: the byte span, the switch, and set/restore against a stand-in driver (no GPU).
 GPU: the bits with and without the window, the caller's stream window unchanged after a

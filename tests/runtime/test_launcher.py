@@ -1,4 +1,4 @@
-"""ops._launch: the cached launch is Triton's own kernel, launched the same way.
+"""runtime.launcher: the cached launch is Triton's own kernel, launched the same way.
 
 CPU: the specialization key separates every property Triton specializes on.
 GPU: for many argument variants the cached kernel *is* the object Triton's cache
@@ -138,7 +138,7 @@ class _CheckingLauncher(_launch.CachedLauncher):
         self.checked = checked
 
     def _launch(self, key, grid, args, constexprs, num_warps, num_stages, stream):
-        # Every cached launch passes here: through __call__ and through ops.gemm's plans.
+        # Every cached launch passes here: through __call__ and through the launch plans.
         super()._launch(key, grid, args, constexprs, num_warps, num_stages, stream)
         assert key == self.key(args, constexprs, num_warps, num_stages)
         ours = self.kernels[key]
@@ -286,7 +286,7 @@ def test_cached_launcher_key_count_is_bounded(monkeypatch):
 
 @pytest.mark.gpu
 def test_tma_launch_plans_give_the_full_paths_bits(monkeypatch):
-    # 2-D forward calls on the table's TMA tiles (M > 256) launch from ops.gemm's plans
+    # 2-D forward calls on the table's TMA tiles (M > 256) launch from gemm.tma's plans
     # after the first: the kernel must be Triton's own for the new arguments (the plan's
     # kept launcher key is checked against them) and the bits those of the full path.
     from rlkernels.gemm import tma as gemm_tma

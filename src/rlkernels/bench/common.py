@@ -71,7 +71,7 @@ def interleaved_median_ms(fns: dict[str, Callable[[], Any]], rounds: int = 5, wa
     # Every variant takes every place in a round equally often (rounds rounded up to a
     # multiple of the variant count): later places ran up to 1.5% slower at compute-bound
     # points, and 5 rounds of 4 variants put the last two one place later in the median
-    # round (H100: benchmarks/results/explore_round_position_h100_session15.json).
+    # round (H100; docs/design/measurement.md).
     rounds = -(-rounds // len(names)) * len(names) if names else 0
     for r in range(rounds):
         shift = r % len(names)

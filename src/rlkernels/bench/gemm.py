@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 t["rlkernels_graph_cold"] = graph_median_us(cycling(lambda wc: rlkernels.linear(x, wc), w_cold),
                                                             replays=50) / 1e3
                 # Host time per call: where it nears the GPU time of a do_bench iteration
-                # the eager columns above include it (slow hosts; benchmarks/host_exposure.py).
+                # the eager columns above include it (slow hosts; docs/design/host_time.md).
                 t["stock_host"] = host_median_us(lambda: torch.nn.functional.linear(x, w)) / 1e3
                 t["rlkernels_host"] = host_median_us(lambda: rlkernels.linear(x, w)) / 1e3
             row = {"dtype": "bf16", "K": k, "N": n, "M": m}

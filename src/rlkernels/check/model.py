@@ -12,7 +12,7 @@ scores the same sequences four ways:
 and reports, for stock PyTorch and for rlkernels, the fraction of tokens whose
 log-prob is bitwise equal in all four ways, the largest |delta log-prob| against
 (a), and the time. Stock = the model as loaded (its default attention), full
-logits, ``log_softmax``. rlkernels = :func:`rlkernels.hf.patch_model` (eager
+logits, ``log_softmax``. rlkernels = :func:`rlkernels.patch_model` (eager
 attention) under :func:`rlkernels.set_batch_invariant_mode`, log-probs from
 ``linear_logprob``.
 

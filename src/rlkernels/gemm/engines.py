@@ -21,18 +21,17 @@ from .triton import triton_gemm
 # cuBLASLt-no-split from this M up (same bits, proven by a probe): measured on H100
 # it matches stock cuBLAS within ~3% for M >= 128, while the Triton decode tiles
 # beat both at M <= 16 and cuBLASLt's heuristics can pick badly there (M=16,
-# K=12288: 263 us vs 49 us). See benchmarks/results/tune_gemm_h100_run1.json.
+# K=12288: 263 us vs 49 us). See docs/design/gemm_dispatch.md.
 CUBLASLT_MIN_M = 65
 # Narrow outputs (N < WIDE_N) from M = 33: there cuBLASLt-no-split beat the Triton tile
 # at M = 33-64 (12288 x 4096: 0.91-0.92x stock from HBM vs 0.96-0.97x; 4096^2 M = 33:
 # 1.02-1.03x vs 1.06-1.08x, equal at 48-64), while on wide outputs the Triton tiles
-# win (lm head 0.93-0.95x vs 1.00x) (benchmarks/results/explore_mid_m_h100_session12.json).
+# win (lm head 0.93-0.95x vs 1.00x); docs/design/gemm_dispatch.md.
 CUBLASLT_MIN_M_NARROW = 33
 # lm heads (N >= LM_HEAD_N) keep the Triton 128x128x128 tile up to M = 128, one row of
-# tiles that streams the weight once: at M = 128 it ran 0.97x stock in four grid runs
-# (455-459 vs 470-472 us) where cuBLASLt-no-split ran 1.00x (grid runs 12, 14, 15, 16).
-# With two rows of tiles it is far slower (M = 192 / 256: 1.38x / 1.33x vs 1.00x;
-# benchmarks/results/explore_mid_m_128_256_h100_session12.json).
+# tiles that streams the weight once: at M = 128 it runs 0.97x stock (455-459 vs
+# 470-472 us) where cuBLASLt-no-split runs 1.00x. With two rows of tiles it is far
+# slower (M = 192 / 256: 1.38x / 1.33x vs 1.00x; docs/design/gemm_dispatch.md).
 CUBLASLT_MIN_M_LM_HEAD = 129
 
 
@@ -112,7 +111,7 @@ class TritonEngine:
         device, the bias's presence, RLKERNELS_GEMM_BACKEND and the batch-invariant mode
         (a probe's verdict is final for the process). Why: working the answer out cost
         3-6 us per call on the H100 hosts, where a cuBLASLt GEMM at M = 128 takes ~15 us of
-        GPU time (benchmarks/results/cublaslt_path_ab_h100_session16_*.json)."""
+        GPU time (docs/design/host_time.md)."""
         key = (a.shape, n, a.dtype, a.get_device(), bias is None, env_get("RLKERNELS_GEMM_BACKEND"),
                _mode_state.overrides_installed())
         route = _CUBLASLT_ROUTES.get(key)

@@ -25,7 +25,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    # Large-M tiles: operands by TMA (ops.gemm_tma) where the layouts allow -- else the
+    # Large-M tiles: operands by TMA (gemm.tma) where the layouts allow -- else the
     # pointer kernel with the same tile, which gives the same bits -- and a persistent,
     # optionally warp-specialized schedule.
     tma: bool = False
@@ -52,16 +52,14 @@ class GemmConfig:
 WIDE_N = 8192  # wide outputs (MLP up-projections, lm heads) want wider N tiles at decode
 LM_HEAD_N = 65536  # vocabulary-sized outputs (lm heads)
 GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
-    # M <= 16 (decode). Until session 11, M = 1 had its own row (16x64x256): the tiles'
-    # 15 wrapped rows re-read row 0 from the same L2 lines and made the narrower tiles
-    # up to 60% slower at M = 1 than at M = 4. With rows past M masked (MASK_SHORT_M) M = 1
-    # runs like M = 4, and one tile per width class serves M = 1..16 (graph replay, weight
-    # from HBM, benchmarks/results/explore_decode_short_m_h100_session11.json:
-    # 4096 x 12288 36.3-36.8 us on 16x32x128/w2 vs 37.0-37.9 on 16x64x256, as in session
-    # 10's tune_gemm_decode_occupancy_h100.json; 12288 x 4096 M = 1 37.8 vs 38.5).
-    # lm heads: 16x32x256/w4/s6 (was 16x64x256/w4/s4), found by session 14's narrower-tile
-    # sweep, eager and from HBM alike: M = 16 419 vs 423 us (0.928x vs 0.937x stock), M = 1-8
-    # 0.917-0.922x vs 0.921-0.929x (benchmarks/results/explore_lm_head_narrow_h100_session14.json).
+    # M <= 16 (decode): one tile per width class serves M = 1..16. Rows past M are masked,
+    # not wrapped (wrapped rows re-read row 0 from the same L2 lines: M = 1 ran up to 60%
+    # slower than M = 4), so M = 1 runs like M = 4. 32-wide N tiles keep more programs in
+    # flight while the weight streams from HBM (graph replay, 4096 x 12288: 36.3-36.8 us
+    # on 16x32x128/w2 vs 37.0-37.9 on 16x64x256; 12288 x 4096 M = 1 37.8 vs 38.5).
+    # lm heads: 16x32x256/w4/s6, eager and from HBM alike: M = 16 419 vs 423 us for
+    # 16x64x256/w4/s4 (0.928x vs 0.937x stock), M = 1-8 0.917-0.922x vs 0.921-0.929x.
+    # Same bits on every tile; docs/design/gemm_dispatch.md#decode-tiles.
     (16, LM_HEAD_N, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=6)),
     (16, WIDE_N, GemmConfig(16, 32, 128, group_m=1, num_warps=2, num_stages=4)),
     (16, 0, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
@@ -69,13 +67,13 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
     (32, 0, GemmConfig(32, 32, 256, group_m=4, num_warps=4, num_stages=4)),
     # M in (32, 64] on narrower outputs: 64-row tiles, N tiles of 32 keep 128 programs
     # on a 4096-wide output (graph replay, weight from HBM: 15.3 vs 16.9-17.4 us at
-    # M = 64 on 4096 x 4096; benchmarks/results/tune_gemm_decode_mid_h100.json).
+    # M = 64 on 4096 x 4096; docs/design/gemm_dispatch.md).
     (64, 0, GemmConfig(64, 32, 256, group_m=1, num_warps=4, num_stages=4)),
     (256, WIDE_N, GemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)),
     (256, 0, GemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
     # Large M: TMA operand loads and a persistent schedule, warp-specialized up to
     # M = 2048 (H100 bf16, M >= 1024: 0.96-1.06x stock cuBLAS where the pointer kernel
-    # ran 1.18-1.29x, same bits; benchmarks/results/explore_tma_h100.json).
+    # ran 1.18-1.29x, same bits; docs/design/gemm_dispatch.md#tma-tiles-large-m).
     (2048, 0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True,
                          warp_specialize=True)),
     (1 << 62, 0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)),
@@ -89,7 +87,7 @@ GEMM_TABLE_16BIT_N_CONTIGUOUS_B: tuple[tuple[int, int, GemmConfig], ...] = (
     (16, WIDE_N, GemmConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3)),
 )
 # dW = dY^T @ X (A read transposed, reduction over tokens) and fp32 chained outputs:
-# their own tile (the fp32 output goes through pointers, see ops.gemm_tma).
+# their own tile (the fp32 output goes through pointers, see gemm.tma).
 GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)
 # fp32 (IEEE): tl.dot's FMA lowering chains every output element over ascending k from
 # registers, whatever the tile or orientation, so every entry gives the same bits
@@ -101,9 +99,9 @@ GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_sta
 # transposed once into [K, M] (tokens x hidden: small next to the GEMM), the column
 # operand with lanes on consecutive addresses. A few rows on a narrow output stay
 # unswapped: their dot runs unpadded (Triton >= 3.5), one lane per output column.
-# Picked on H100 by benchmarks/explore_fp32.py (benchmarks/results/explore_fp32_v2_h100.json
-# and _v3_: every candidate's bits equal): 4096 x 4096 M = 1 48 us (was 108), M = 64
-# 93 us (was 297), M = 4096 3.3 ms (was 5.35); lm head M = 4-16 1.0 ms (was 1.7-2.9).
+# Picked on H100 (every candidate's bits equal): swapped, 4096 x 4096 runs M = 64 in
+# 93 us and M = 4096 in 3.3 ms against 297 us and 5.35 ms in the forward orientation;
+# docs/design/gemm_dispatch.md#fp32-the-swap.
 _FP32_M1 = GemmConfig(1, 32, 128, group_m=1, num_warps=1, num_stages=4)
 _FP32_SWAP_32X32 = GemmConfig(32, 32, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)
 GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
@@ -114,25 +112,25 @@ GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     (16, WIDE_N, GemmConfig(16, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
     (4, 0, GemmConfig(2, 64, 64, group_m=1, num_warps=2, num_stages=4)),
     # 16-row weight tiles: 256 programs on a 4096-wide output (4096^2 M = 16: 46 us vs
-    # 86 us for 32x32x32 and stock's 62; explore_fp32_v4/_v5_h100.json).
+    # 86 us for 32x32x32 and stock's 62; docs/design/gemm_dispatch.md#fp32-the-swap).
     (16, 0, GemmConfig(16, 16, 128, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
     (32, LM_HEAD_N, GemmConfig(64, 32, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
     (32, WIDE_N, _FP32_SWAP_32X32),
     (64, LM_HEAD_N, GemmConfig(128, 64, 16, group_m=8, num_warps=4, num_stages=3, swap_ab=True)),
     (64, WIDE_N, GemmConfig(32, 64, 32, group_m=1, num_warps=4, num_stages=3, swap_ab=True)),
     (64, 0, _FP32_SWAP_32X32),
-    # Session 9 (explore_fp32_v6_h100.json, same bits): M = 128 on 32-row weight tiles,
-    # 256 two-warp programs instead of 128 four-warp ones (4096^2: 133 vs 137 us), and
-    # 8 warps on 128x64 at large M (4096^2 M = 4096: 3.25 vs 3.34 ms).
-    # The lm head keeps 64x64 at M = 128 (3.65 ms; the 32-row tile took 3.89 ms,
-    # gemm_h100_run10_fp32_session10.json).
+    # M = 128 on 32-row weight tiles: 256 two-warp programs instead of 128 four-warp ones
+    # hide the FMA chain's latency (4096^2: 133 vs 137 us); 8 warps on 128x64 at large M
+    # (4096^2 M = 4096: 3.25 vs 3.34 ms). The lm head keeps 64x64 at M = 128: its 151936
+    # columns already give 2374 programs (3.65 ms; the 32-row tile took 3.89 ms).
+    # Same bits; docs/design/gemm_dispatch.md#fp32-the-swap.
     (128, LM_HEAD_N, GemmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
     (128, 0, GemmConfig(32, 64, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
     (1 << 62, 0, GemmConfig(128, 64, 32, group_m=1, num_warps=8, num_stages=3, swap_ab=True)),
 )
 # fp32 operands the swap does not apply to (B not k-contiguous, a batch axis, the fused
-# row-sum): the forward orientation (small tiles from the same sweeps; M > 8 from
-# session 5's, explore_fp32_h100.json).
+# row-sum): the forward orientation (tiles from the same offline sweeps, every
+# candidate's bits equal).
 GEMM_TABLE_FP32_UNSWAPPED: tuple[tuple[int, int, GemmConfig], ...] = (
     (1, 0, _FP32_M1),
     (4, LM_HEAD_N, GemmConfig(4, 64, 32, group_m=1, num_warps=2, num_stages=4)),
@@ -174,8 +172,8 @@ def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = Fals
     ``token_reduction``: a backward GEMM -- A read transposed (dW = dY^T @ X) or an fp32
     output chained from its current value (dW into main_grad, linear_logprob's dH over
     V) -- which gets the wide accumulate tile (H100, 8192 x 4096 x 4096 dH chunk:
-    18.4 ms vs 20.3 ms with the forward's large-M tile; benchmarks/results/
-    logprob_profile_h100.json).
+    18.4 ms vs 20.3 ms with the forward's large-M tile;
+    docs/design/gemm_dispatch.md#tma-tiles-large-m).
     """
     if triton_interpret():
         return GEMM_INTERPRETER_CONFIG

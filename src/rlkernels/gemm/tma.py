@@ -1,6 +1,6 @@
 """The canonical K-chain GEMM with TMA tile loads (Hopper and later).
 
-Same arithmetic as ``ops.gemm.gemm_kernel`` -- ``acc = tl.dot(a_blk, b_blk, acc)`` over
+Same arithmetic as ``kernels.gemm.gemm_kernel`` -- ``acc = tl.dot(a_blk, b_blk, acc)`` over
 k-blocks 0, 1, 2, ... in one fp32 accumulator, rounded once -- but the tiles are
 brought in by the Tensor Memory Accelerator from host-built descriptors instead of
 per-thread pointer loads. Out-of-range rows, columns and the K tail are zero-filled
@@ -74,7 +74,7 @@ _launch_tma = cached_launcher(gemm_tma_kernel) if gemm_tma_kernel is not None el
 
 class TmaPlan:
     """What :func:`tma_gemm` works out for a 2-D forward call besides the tensors: layouts,
-    grid, integer arguments, constexprs, the launcher's key (``ops.gemm``'s launch plans,
+    grid, integer arguments, constexprs, the launcher's key (``gemm.triton``'s launch plans,
     same reason: a 4096 x 4096 x 1024 GEMM takes ~48 us on the GPU, and the full TMA path's
     host time went past that on a slow H100 host). A later call with the same plan key
     builds the same three descriptors over its own tensors and launches the same kernel

@@ -59,7 +59,7 @@ class LaunchPlan:
     dtypes and alignment launch the same kernel with the same arguments (but the tensors)
     without working it out again. Why: decode calls are host-bound; with plans
     ``rlkernels.linear`` takes 15-25% less host time per call (H100 host, plans on and off
-    alternating in one process: benchmarks/results/plans_ab_h100_session15.json). The
+    alternating in one process: docs/design/host_time.md). The
     kernel and its arguments are those the full path gives, so are the bits
     (tests/test_gemm.py, tests/test_launch.py). ``swap_block``: an fp32 swapped tile
     (C^T = B^T @ A^T), whose A^T copy is padded to whole tiles of this many tokens."""

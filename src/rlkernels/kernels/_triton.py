@@ -26,7 +26,7 @@ DOT_ANY_M = _dot_any_m()
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for launch grids on the host. ``triton.cdiv`` is a
     ``constexpr_function`` in Triton >= 3.5 and cost 2.7 us per host call here and
-    6 us on the H100 host (benchmarks/profile_host.py) -- more than a decode GEMM's
+    6 us on the H100 host (docs/design/host_time.md) -- more than a decode GEMM's
     launch itself."""
     return -(-a // b)
 

@@ -31,8 +31,8 @@ if triton is not None:
         # MASK_M (fewer rows than the tile, i.e. decode): rows past M are not read at
         # all. Wrapped, every program fetched row 0 BLOCK_M times per k-block, all from
         # the same few L2 lines: at M = 1 a 16-row tile ran 5-60% slower than the same
-        # tile at M = 4, the narrower tiles worst (H100, benchmarks/results/
-        # explore_decode_short_m_h100_session11.json; masked, M = 1 runs like M = 4).
+        # tile at M = 4, the narrower tiles worst (H100; masked, M = 1 runs like M = 4;
+        # docs/design/gemm_dispatch.md#decode-tiles).
         # Either way a stored row's products are its own row's, so its bits are the same.
         rm = offs_m.to(tl.int64) if MASK_M else (offs_m % M).to(tl.int64)
         if SWAPPED:
@@ -61,7 +61,7 @@ if triton is not None:
 
         # The canonical chain: one ascending pass over K, one fp32 accumulator.
         # (No evict-first hint on the once-read decode weight: Triton 3.6's pipeliner
-        # drops it from the cp.async these loads become; docs/perf_notes.md, session 12.)
+        # drops it from the cp.async these loads become; docs/design/l2_window.md.)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 if MASK_M:

@@ -4,7 +4,7 @@
 
 Every output element is the fp32 accumulation of its dot product over k in
 ascending order, rounded once to the input dtype -- the library's canonical
-chain (see ``ops/gemm.py``). Each batch element is computed by code that sees
+chain (see ``gemm/triton.py``). Each batch element is computed by code that sees
 only that element, so its bits do not depend on B, on its position, or on the
 other elements.
 
@@ -108,11 +108,10 @@ _F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
 
 # Per-shape configs: (m, n, k, dtype) -> TinyConfig. Checked in, never tuned at run
 # time: the candidate of ``python -m rlkernels.bench bmm --sweep`` fastest on average
-# over two H100 sweeps (benchmarks/results/bmm_sweep_h100_session9.json and
-# _session9_constexpr.json; in each, every candidate gave the same bits). Persistent
-# entries (4th and 5th fields) from session 11's sweep of persistent variants
-# (bmm_sweep_h100_session11_persistent.json, every variant the table's bits): kept
-# where they won by >= 5% and a neighbouring variant agreed.
+# over H100 sweeps in which every candidate gave the same bits. Persistent entries (4th
+# and 5th fields), also all with the table's bits, are kept where they won by >= 5% and
+# a neighbouring variant agreed (docs/operators/bmm.md,
+# benchmarks/results/bmm_sweep_h100.json; what did not pay: docs/design/refuted.md).
 TINY_TABLE: dict[tuple[int, int, int, torch.dtype], TinyConfig] = {
     (12, 12, 64, _F32): TinyConfig(1, 1, True),
     (12, 12, 64, _BF16): TinyConfig(1, 1, True),

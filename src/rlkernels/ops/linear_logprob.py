@@ -14,7 +14,7 @@ statistics (max ``m``, ``s = sum exp(z - m)`` and ``u = sum exp(z - m) * (z - m)
 so the extra memory is O(N) plus one tile, never O(N * V).
 
 Invariance: every piece boundary is a function of V alone (never of N or of a
-row's position), the logits are the canonical ascending D-chain (``ops.gemm``
+row's position), the logits are the canonical ascending D-chain (``gemm.triton``
 conventions), and every per-row reduction runs over that row's own values in an
 order fixed by V. So a row's logp/entropy -- and its dhidden row -- are bitwise the
 same whatever else is in the batch. dW reduces over tokens in one ascending fp32
@@ -86,7 +86,7 @@ def backward_chunk(n_rows: int, vocab: int, elem_size: int) -> int:
 # share is at most this fraction of V and the accumulator (N*D*4 bytes) is at least the
 # g buffer it sits beside -- the trade is memory for time, worth it where the
 # accumulator is a large part of the peak (H100, N = 8192, D = 4096, V = 151936, bf16:
-# 1.35 -> 1.285 GiB, fwd+bwd 65.3 -> 67.4 ms; benchmarks/results/logprob_h100_run5_acc_in_dw.json).
+# 1.35 -> 1.285 GiB, fwd+bwd 65.3 -> 67.4 ms; docs/design/linear_logprob_schedule.md).
 ACC_IN_DW_MAX_RECOMPUTE = 0.25
 
 
@@ -331,7 +331,7 @@ class FusedConfig:
     num_warps: int
     num_stages: int
     # Operand tiles by TMA (Hopper+, 16-byte aligned rows) instead of pointer loads: the
-    # same D-chain, zero-filled edges (ops.gemm_tma).
+    # same D-chain, zero-filled edges (gemm.tma).
     tma: bool = False
     # Backward g kernel: NUM_SMS programs walk the tiles instead of one program per tile.
     persistent: bool = False
@@ -348,15 +348,15 @@ class FusedConfig:
 # GEMM table (128x256x64, 8 warps, 3 stages): the fused kernels are GEMMs with an epilogue.
 # TMA operand loads: forward 16.6 -> 14.4 ms, and with the persistent g schedule the g
 # recompute 17.5 -> 14.9 ms (H100, N=8192 D=4096 V=151936, same bits;
-# benchmarks/results/explore_tma_h100.json).
+# docs/design/linear_logprob_schedule.md).
 # g stored by TMA: the pointer store's epilogue spilled 2 KB per thread (offline sm_90
 # build: 2080 bytes of stack, none with the TMA store); same bits, and the time did not
-# move (benchmarks/results/ab_trees_store_h100.json, docs/perf_notes.md).
+# move (docs/design/linear_logprob_schedule.md).
 FUSED_16BIT = FusedConfig(128, 256, 64, split_v=2048, group_m=16, num_warps=8, num_stages=3, tma=True,
                           persistent=True, tma_store=True)
 FUSED_FP32 = FusedConfig(64, 64, 32, split_v=2048, group_m=8, num_warps=4, num_stages=3)
 # The interpreter's tl.dot is numpy's BLAS, whose rounding depends on a row's place in
-# the tile (see ops.gemm): one row per program keeps every row's numpy calls identical.
+# the tile (see gemm.table): one row per program keeps every row's numpy calls identical.
 # split_v=64 makes the small test vocabularies span several splits.
 FUSED_INTERPRETER = FusedConfig(1, 64, 32, split_v=64, group_m=1, num_warps=4, num_stages=1)
 

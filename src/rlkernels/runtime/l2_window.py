@@ -8,7 +8,7 @@ are the first ones replaced.
 
 How: Triton 3.6 drops an evict-first hint from the ``cp.async`` its pipelined loads
 become, and put back into the PTX by hand those copies trap on the H100 ("illegal
-instruction"; benchmarks/repro_async_copy_cache_hint.py). CUDA's access-policy window
+instruction"; docs/design/l2_window.md). CUDA's access-policy window
 does the same job from the host: set on a stream, it marks every access to an address
 range by the kernels launched into that stream. :func:`set_streaming` sets one over the
 weight's bytes (``hitProp`` streaming, everything outside it normal) before the launch
@@ -21,7 +21,7 @@ those without the window (tests/test_l2_window.py). Where the driver API is miss
 or the weight is larger than the device's largest window (the 1.2 GB lm heads), the
 launch runs without one. ``RLKERNELS_L2_STREAMING=0`` (read at import) turns it off.
 
-Measured (H100, session 13; docs/operators/matmul.md): under do_bench, which leaves the
+Measured (H100; docs/design/l2_window.md): under do_bench, which leaves the
 L2 full of dirty lines, 4096 x 12288 M = 1 went 0.984x -> 0.882x stock, 12288 x 4096
 M = 16 0.971x -> 0.862x, 4096^2 M = 16 0.941x -> 0.847x, same bits; 5 us of host time per
 call. A weight re-read while still in L2 loses those hits (one 32 MB weight back to
@@ -130,7 +130,7 @@ def set_streaming(t: torch.Tensor, stream: int, span: int | None = None) -> _Str
     where the caller has the strides at hand (host time per decode call).
 
     Also while ``stream`` is being captured into a CUDA graph: the captured kernel keeps
-    the window for every replay (measured: benchmarks/explore_window_graph.py), which is
+    the window for every replay (docs/design/l2_window.md), which is
     where decode runs in serving engines -- with no host cost at replay.
     """
     n = window_bytes(t, span)

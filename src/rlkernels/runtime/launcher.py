@@ -37,7 +37,7 @@ try:  # Triton >= 3.4 keeps the launch hooks in knobs
 except Exception:  # pragma: no cover - older or absent Triton
     _knobs = None
 
-try:  # host-built TMA descriptors (ops.gemm_tma)
+try:  # host-built TMA descriptors (gemm.tma)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 except Exception:  # pragma: no cover - older or absent Triton
     _TensorDescriptor = ()
@@ -130,7 +130,7 @@ class CachedLauncher:
                      num_warps: int, num_stages: int, stream: int | None = None) -> None:
         """The same launch, with ``key`` (:meth:`key` of these arguments) kept by the caller
         from an earlier call whose arguments differed at most in their tensors, with the
-        same dtypes and 16-byte alignment (``ops.gemm``'s launch plans)."""
+        same dtypes and 16-byte alignment (the launch plans of ``gemm.triton`` and ``gemm.tma``)."""
         if not self.enabled or launch_hooks_active():
             self(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages, stream=stream)
             return
