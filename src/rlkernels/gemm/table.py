@@ -3,7 +3,7 @@
 Pure and checked in, never tuned at run time (a timing-based pick can differ between
 processes). Every entry produces the canonical K-chain's bits -- the chain does not
 depend on the tile on Hopper -- so the table may pick by M, N and B's layout without
-changing a row's result; ``tests/test_matmul_gpu.py`` proves it for every entry.
+changing a row's result; ``tests/ops/test_matmul_gpu.py`` proves it for every entry.
 Measured choices: docs/design/gemm_dispatch.md.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ class GemmConfig:
 # Picked offline on H100 by benchmarks/tune_gemm.py (results under
 # benchmarks/results/); the canonical K-chain makes every entry produce the same
 # bits (measured: 19 candidate configs x 8 M x 4 shapes, 0 mismatches vs
-# cuBLASLt-no-split; tests/test_matmul_gpu.py re-proves it for each entry).
+# cuBLASLt-no-split; tests/ops/test_matmul_gpu.py re-proves it for each entry).
 WIDE_N = 8192  # wide outputs (MLP up-projections, lm heads) want wider N tiles at decode
 LM_HEAD_N = 65536  # vocabulary-sized outputs (lm heads)
 GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
@@ -91,7 +91,7 @@ GEMM_TABLE_16BIT_N_CONTIGUOUS_B: tuple[tuple[int, int, GemmConfig], ...] = (
 GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)
 # fp32 (IEEE): tl.dot's FMA lowering chains every output element over ascending k from
 # registers, whatever the tile or orientation, so every entry gives the same bits
-# (tests/test_matmul_gpu.py). What the tile changes is shared-memory traffic: each lane
+# (tests/ops/test_matmul_gpu.py). What the tile changes is shared-memory traffic: each lane
 # owns output columns and reads B's column k-values; a k-contiguous B (an nn.Linear
 # weight read as W^T) puts a lane's column 256 bytes from its neighbour's, 8-way bank
 # conflicts that held every forward-orientation tile near 26 TFLOP/s. Swapped, the

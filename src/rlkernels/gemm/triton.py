@@ -6,7 +6,7 @@ with no split over K, rounded once at the end. On Hopper the bits of that chain
 do not depend on the tile shape (the tensor cores step through K in fixed 16-wide
 pieces whatever BLOCK_K is; measured: 22 configs and cuBLASLt without split-K
 give identical bits), so the dispatch table may pick tiles by M without changing
-a row's result; ``tests/test_matmul_gpu.py`` proves it for every config here.
+a row's result; ``tests/ops/test_matmul_gpu.py`` proves it for every config here.
 
 The same kernel serves every GEMM in the library:
   * forward / dX:  C = A @ B (+ bias), any strides, optional batch axis;
@@ -42,7 +42,7 @@ _launch_gemm = cached_launcher(gemm_kernel, leading_tensors=5) if gemm_kernel is
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
 # Problems with fewer rows than the tile mask the rows past M instead of re-reading
 # rows 0..M-1 cyclically (see the kernel); the bits are the same either way
-# (tests/test_gemm.py). Where one program reads each B element (one row of tiles, no
+# (tests/gemm/test_triton.py). Where one program reads each B element (one row of tiles, no
 # batch: a decode weight), B's bytes are a streaming L2 access-policy window during the
 # launch (runtime.l2_window; RLKERNELS_L2_STREAMING=0 turns it off): a cache policy,
 # never a value.
@@ -61,7 +61,7 @@ class LaunchPlan:
     ``rlkernels.linear`` takes 15-25% less host time per call (H100 host, plans on and off
     alternating in one process: docs/design/host_time.md). The
     kernel and its arguments are those the full path gives, so are the bits
-    (tests/test_gemm.py, tests/test_launch.py). ``swap_block``: an fp32 swapped tile
+    (tests/gemm/test_triton.py, tests/runtime/test_launcher.py). ``swap_block``: an fp32 swapped tile
     (C^T = B^T @ A^T), whose A^T copy is padded to whole tiles of this many tokens."""
 
     __slots__ = ("out_shape", "out_dtype", "b_as_kn", "grid", "ints", "constexprs", "num_warps", "num_stages",
@@ -230,7 +230,7 @@ def triton_gemm(
                 # Raised before launch (nothing written): some layout/epilogue variants need
                 # more shared memory than the chip has (e.g. a warp-specialized tile with an
                 # fp32 chained output). The pointer kernel with the same tile gives the same
-                # bits (tests/test_gemm_tma.py).
+                # bits (tests/gemm/test_tma.py).
                 _TMA_TOO_BIG.add(key)
     if Bt > MAX_GRID_BATCH:
         # CUDA caps grid axis 1; batch elements are independent, so chunking the batch

@@ -17,7 +17,7 @@ caller's stream state is unchanged. In CUDA-graph capture the captured kernel ke
 window for every replay, at no host cost there.
 
 A cache policy changes which lines L2 keeps, never a value: the results are bitwise
-those without the window (tests/test_l2_window.py). Where the driver API is missing,
+those without the window (tests/runtime/test_l2_window.py). Where the driver API is missing,
 or the weight is larger than the device's largest window (the 1.2 GB lm heads), the
 launch runs without one. ``RLKERNELS_L2_STREAMING=0`` (read at import) turns it off.
 
