@@ -77,3 +77,10 @@ def test_meta_tensors_give_shapes_like_stock(call):
         a3, b3 = a.expand(5, 3, 4), b.expand(5, 4, 2)
         got, want = rlkernels.bmm(a3, b3), torch.bmm(a3, b3)
     assert got.device.type == "meta" and got.shape == want.shape and got.dtype == want.dtype
+
+
+def test_linear_logprob_on_meta_tensors_gives_shapes():
+    h, w = torch.empty(3, 4, device="meta"), torch.empty(5, 4, device="meta")
+    t = torch.empty(3, dtype=torch.long, device="meta")
+    lp, ent = rlkernels.linear_logprob(h, w, t, return_entropy=True)
+    assert lp.device.type == "meta" and lp.shape == (3,) and ent.shape == (3,) and lp.dtype == torch.float32
