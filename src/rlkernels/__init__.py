@@ -6,7 +6,7 @@ padding, row position, run and process -- on every backend.
 from __future__ import annotations
 
 from .integrations.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
-from .integrations.hf import patch_model, token_logprobs
+from .integrations.hf import generate, patch_model, token_logprobs
 from .nn import Linear, RMSNorm
 from .ops.attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops.bmm import bmm
@@ -26,6 +26,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "generate",
     "get_op",
     "is_batch_invariant_mode_enabled",
     "linear",

@@ -55,7 +55,7 @@ def test_patch_model_swaps_modules_and_shares_params(arch):
     for n, p in model.named_parameters():
         assert p is params[n]
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embeddings stay tied
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "rlkernels"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])

@@ -3,15 +3,18 @@
 ``patch_model`` swaps every ``nn.Linear`` for :class:`rlkernels.Linear` and every
 ``*RMSNorm`` module (Llama, Qwen2, Qwen3, Mistral, ... -- anything with ``weight``
 and ``variance_epsilon``/``eps`` computing the HF RMSNorm formula) for
-:class:`rlkernels.ops.norms.RMSNorm`, sharing the Parameter objects, and selects
-``attn_implementation="eager"`` so attention is ``matmul -> softmax -> matmul``,
-which :func:`rlkernels.set_batch_invariant_mode` covers. SDPA / flash kernels pick
-their split and tile strategy from the batch and sequence shape, so they are not
-batch-invariant; eager attention under the mode is.
+:class:`rlkernels.RMSNorm`, sharing the Parameter objects, and selects the
+``"rlkernels"`` attention implementation (``integrations.hf_attention``): the fused
+attention whose rows do not depend on the batch, the padding side, packing, or
+prefill vs decode. SDPA / flash kernels pick their split and tile strategy from the
+batch and sequence shape, and eager attention's row sums shift with left padding.
 
 ``token_logprobs`` runs the decoder under the mode and scores the next tokens with
-:func:`rlkernels.ops.linear_logprob.linear_logprob` on the final hidden states, so
-the [tokens, vocab] logits are never materialised.
+:func:`rlkernels.linear_logprob` on the final hidden states, so the [tokens, vocab]
+logits are never materialised. ``generate`` is the sampler's side of the same
+formula: Hugging Face ``generate``, with each new token's log-prob taken by the same
+fused op from the same final hidden state, so a rollout's log-probs and the
+trainer's ``token_logprobs`` of the finished sequences agree bit for bit.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import hf_attention
 from .batch_invariant import set_batch_invariant_mode
 from ..nn import Linear
 from ..nn import RMSNorm
@@ -40,16 +44,19 @@ def _is_rms_norm(module: nn.Module) -> bool:
             and "Gemma" not in type(module).__name__)
 
 
-def patch_model(model: nn.Module, *, attn_implementation: str | None = "eager") -> nn.Module:
+def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attention.NAME) -> nn.Module:
     """Make an HF causal LM's Linear and RMSNorm layers batch-invariant, in place; returns ``model``.
 
     Only modules whose type is exactly ``nn.Linear`` are swapped (quantized, LoRA or
     tensor-parallel subclasses are left alone and are not covered).
 
     Parameters are shared, never copied (tied embeddings stay tied; optimizer state
-    keeps pointing at the same tensors). ``attn_implementation`` ("eager" by
-    default, the invariant one; None leaves it unchanged) is set on the model.
+    keeps pointing at the same tensors). ``attn_implementation`` ("rlkernels" by
+    default, the invariant one; "eager" is invariant under the mode except to left
+    padding; None leaves it unchanged) is set on the model.
     """
+    if attn_implementation == hf_attention.NAME:
+        hf_attention.register()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             # Exact type: subclasses (quantized / LoRA / parallel linears) compute something else.
@@ -209,12 +216,87 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         return logprobs_from_hidden(model, hidden, input_ids[:, 1:], temperature=temperature,
                                     return_entropy=return_entropy)
     impl = attention_implementation(model)
-    if batch_invariant and impl not in (None, "eager"):
+    if batch_invariant and impl not in (None, "eager", hf_attention.NAME):
         warnings.warn(f"rlkernels.token_logprobs: attention implementation {impl!r} is not batch-invariant; "
-                      "call rlkernels.patch_model(model) (eager attention) first", stacklevel=2)
+                      "call rlkernels.patch_model(model) first", stacklevel=2)
     guard = set_batch_invariant_mode(True) if batch_invariant else contextlib.nullcontext()
     with guard:
         hidden = hidden_states(model, input_ids, attention_mask)
         target = next_token_targets(input_ids, attention_mask)
         return logprobs_from_hidden(model, hidden[:, :-1], target, temperature=temperature,
                                     return_entropy=return_entropy)
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    norm = getattr(decoder_of(model), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise TypeError(f"rlkernels.generate: {type(model).__name__}'s decoder has no final `norm` module "
+                        "(the hidden states the log-probs are taken from)")
+    return norm
+
+
+def _after_eos(new_tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """True where a token follows its sequence's first EOS (generate's padding of finished rows)."""
+    if not eos_ids:
+        return torch.zeros_like(new_tokens, dtype=torch.bool)
+    is_eos = torch.isin(new_tokens, torch.tensor(eos_ids, device=new_tokens.device))
+    seen = is_eos.long().cumsum(-1)
+    return (seen - is_eos.long()) > 0
+
+
+def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+             temperature: float = 1.0, return_entropy: bool = False, **generate_kwargs: Any):
+    """Hugging Face ``model.generate`` with the sampler's per-token log-probs, by the trainer's formula.
+
+    Returns ``(sequences, logprobs)`` (and ``entropy`` with ``return_entropy``):
+    sequences [B, L + T] as ``generate`` returns them (prompts left-padded as given),
+    logprobs / entropy [B, T] fp32, where ``logprobs[:, t]`` is the log-prob of
+    ``sequences[:, L + t]`` at ``temperature``; tokens after a sequence's EOS (generate's
+    padding) get 0. Each step's log-prob is :func:`rlkernels.linear_logprob` on the final
+    hidden state that produced the token -- the same op, on the same bits, as
+    :func:`token_logprobs` on the finished sequences, one at a time, batched, left- or
+    right-padded or packed, on a patched model. The tokens themselves are drawn by
+    ``generate`` from the LM head's logits (``do_sample`` and the other sampling options
+    pass through; ``temperature`` is given to both). Runs under the batch-invariant mode.
+    Beam search and assisted decoding (which call the model on other rows) are refused.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("rlkernels.generate: input_ids must be a [B, L] tensor")
+    if temperature <= 0:
+        raise ValueError(f"rlkernels.generate: temperature must be > 0, got {temperature}")
+    for option in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
+        value = generate_kwargs.get(option)
+        if value not in (None, 1):
+            raise ValueError(f"rlkernels.generate: {option}={value!r} is not supported (the log-prob of a "
+                             "token is taken from the forward that produced it)")
+    if generate_kwargs.get("return_dict_in_generate"):
+        raise ValueError("rlkernels.generate: return_dict_in_generate is not supported; it returns the sequences")
+    _check_ids(model, input_ids)
+    if generate_kwargs.get("do_sample"):
+        generate_kwargs["temperature"] = temperature
+    captured: list[torch.Tensor] = []
+    hook = _final_norm(model).register_forward_hook(lambda module, args, out: captured.append(
+        (out[0] if isinstance(out, tuple) else out)[:, -1]))
+    try:
+        with set_batch_invariant_mode(True):
+            sequences = model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
+    finally:
+        hook.remove()
+    new = sequences[:, input_ids.shape[1]:]
+    steps = new.shape[1]
+    if len(captured) != steps:
+        raise RuntimeError(f"rlkernels.generate: {len(captured)} forward passes for {steps} new tokens")
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    target = new.masked_fill(_after_eos(new, eos_ids), IGNORE_INDEX)
+    if steps == 0:
+        hidden_width = model.get_output_embeddings().weight.shape[1]
+        hidden = torch.zeros(new.shape[0], 0, hidden_width, device=new.device)
+    else:
+        hidden = torch.stack(captured, dim=1)
+    with set_batch_invariant_mode(True):
+        scores = logprobs_from_hidden(model, hidden, target, temperature=temperature, return_entropy=return_entropy)
+    if return_entropy:
+        return sequences, scores[0], scores[1]
+    return sequences, scores

@@ -641,6 +641,30 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return out
 
 
+def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
+                        q_len: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, max_q: int, max_k: int, *,
+                        causal: bool = True, scale: float | None = None,
+                        backend: str | None = None) -> torch.Tensor:
+    """The op over sequences given by their bounds, for integrations that hold padded rows.
+
+    q: [Tq, Hq, D], k, v: [Tk, Hkv, D]; sequence b owns query rows ``q_start[b] ..
+    q_start[b] + q_len[b] - 1`` and key rows ``k_start[b] .. k_start[b] + k_len[b] - 1``
+    (int32 device tensors, read by the kernels: no host sync), causal bottom-right
+    aligned, its keys counted from ``k_start[b]`` -- the same chain as every public entry
+    point. max_q / max_k: ints >= every q_len / k_len. Rows outside every sequence are
+    not written. Differentiable wrt q, k, v. ``op`` names the caller in errors.
+    """
+    _check_qkv(op, q, k, v, 3)
+    for name, t in (("q_start", q_start), ("q_len", q_len), ("k_start", k_start), ("k_len", k_len)):
+        _check_index(op, name, t, q_start.shape[0], q.device)
+    name, _ = select_backend(OP, q.device, backend)
+    _check_backend(op, name, q)
+    scale = _scale(op, scale, q.shape[-1])
+    out, _ = _run(_last_dim_unit(q), _last_dim_unit(k), _last_dim_unit(v), q_start, q_len, k_start, k_len,
+                  max_q, max_k, causal, scale, name, False)
+    return out
+
+
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                             cache_seqlens: torch.Tensor | int | None = None, causal: bool = True,

@@ -1,0 +1,180 @@
+"""The batch-invariant attention as a Hugging Face attention implementation, ``"rlkernels"``.
+
+Registered with transformers' ``AttentionInterface`` (and a mask function in
+``AttentionMaskInterface`` that hands the 2-D padding mask through unchanged, as
+FlashAttention's does), so ``model.set_attn_implementation("rlkernels")`` and
+``from_pretrained(..., attn_implementation="rlkernels")`` work after
+:func:`register` (``patch_model`` calls it).
+
+Each batch row's valid keys are one interval ``[ks, ke)`` of the key axis (left
+padding moves ``ks``, right padding ``ke``, a cache's unused slots lie past ``ke``);
+its valid queries are the positions inside that interval. The op reads those
+bounds per sequence from device tensors (no host sync) and runs the library's fixed
+chain over keys counted from ``ks``: a token's output is the same bits alone, left-
+or right-padded, in a batch, packed, in prefill or decode (``ops.attention``).
+Rows of padding get zeros. Packed sequences (one row, ``position_ids`` restarting
+at 0, or FlashAttention-style ``cu_seq_lens_*`` keyword arguments) run as separate
+sequences.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._env import switch_on
+from ..ops.attention import attention_by_bounds
+
+NAME = "rlkernels"
+
+
+def _padding_mask(attention_mask: torch.Tensor | None, batch: int, kv_length: int) -> torch.Tensor | None:
+    """The [B, S] key-validity mask from whatever transformers passed (2-D padding mask,
+    a 4-D boolean or additive mask), or None where every key is valid."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 4:  # [B, 1, Lq, S]: the last query row sees every valid key
+        row = attention_mask[:, 0, -1, :]
+        valid = row if row.dtype == torch.bool else row == 0
+    elif attention_mask.dim() == 2:
+        valid = attention_mask.bool()
+    else:
+        raise ValueError(f"rlkernels attention: unsupported attention_mask shape {tuple(attention_mask.shape)}")
+    if valid.shape[0] != batch:
+        raise ValueError(f"rlkernels attention: attention_mask has {valid.shape[0]} rows for a batch of {batch}")
+    s = valid.shape[-1]
+    if s < kv_length:  # keys past the mask (a static cache's unused slots) are not valid
+        valid = torch.cat([valid, valid.new_zeros(batch, kv_length - s)], dim=1)
+    elif s > kv_length:
+        valid = valid[:, s - kv_length:]
+    return valid
+
+
+def _interval(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, end) of each row's valid keys, as int32 device tensors (an empty row: 0, 0).
+
+    A row whose valid keys are not one interval (a hole in the padding mask) has no
+    invariant meaning here and is refused; the check reads one bool back from the
+    device, except during CUDA-graph capture or torch.compile tracing (as the op's own
+    index checks, RLKERNELS_ATTN_CHECK_INDICES=0 turns it off)."""
+    s = valid.shape[1]
+    v = valid.to(torch.int32)
+    count = v.sum(dim=1)
+    first = torch.where(count > 0, v.argmax(dim=1), 0)
+    end = torch.where(count > 0, s - v.flip(1).argmax(dim=1), 0)
+    holes = (end - first) != count
+    if _may_read(valid) and bool(holes.any()):
+        row = int(holes.nonzero()[0, 0])
+        raise ValueError(f"rlkernels attention: row {row} of the attention mask has padding between real tokens; "
+                         "each row must be one run of real tokens (left or right padding)")
+    return first.to(torch.int32), end.to(torch.int32)
+
+
+def _may_read(t: torch.Tensor) -> bool:
+    if t.device.type == "cpu":
+        return True
+    if not switch_on("RLKERNELS_ATTN_CHECK_INDICES") or torch.compiler.is_compiling():
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+# Every layer of one forward gets the same mask object: its intervals are worked out once.
+_LAST_INTERVALS: list = [None, None]
+
+
+def _intervals_of(attention_mask: torch.Tensor | None, batch: int, kv_length: int):
+    key = (attention_mask, batch, kv_length, None if attention_mask is None else attention_mask._version)
+    cached = _LAST_INTERVALS[0]
+    if cached is not None and cached[0] is attention_mask and cached[1:] == key[1:]:
+        return _LAST_INTERVALS[1]
+    valid = _padding_mask(attention_mask, batch, kv_length)
+    result = None if valid is None else _interval(valid)
+    _LAST_INTERVALS[0], _LAST_INTERVALS[1] = key, result
+    return result
+
+
+def _packed_bounds(kwargs: dict[str, Any], total: int, device: torch.device):
+    """cu_seqlens of a packed row: FlashAttention-style kwargs, or position_ids restarting at 0."""
+    cu = kwargs.get("cu_seq_lens_k")
+    if cu is None:
+        cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        return cu.to(device=device, dtype=torch.int32)
+    pos = kwargs.get("position_ids")
+    if pos is None or pos.dim() != 2 or pos.shape[0] != 1 or pos.shape[1] != total:
+        return None
+    starts = (pos[0] == 0).nonzero().flatten()  # one host sync per layer call
+    if starts.numel() <= 1 and (starts.numel() == 0 or int(starts[0]) == 0):
+        return None
+    if int(starts[0]) != 0:
+        raise ValueError("rlkernels attention: packed position_ids must start a sequence at 0 in the first slot")
+    return torch.cat([starts, starts.new_tensor([total])]).to(torch.int32)
+
+
+def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                attention_mask: torch.Tensor | None, scaling: float | None = None,
+                                dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [B, Hq, Lq, D], key/value
+    [B, Hkv, S, D] (the cache already appended) -> ([B, Lq, Hq, D], None)."""
+    if dropout and module.training:
+        raise ValueError(f"rlkernels attention: attention dropout ({dropout}) is not supported")
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"rlkernels attention: {unsupported}={kwargs[unsupported]!r} is not supported "
+                             "(the invariant chain covers plain causal attention)")
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError("rlkernels attention: non-causal attention is not supported")
+    b, hq, lq, d = query.shape
+    s = key.shape[2]
+    dev = query.device
+    q_rows = query.transpose(1, 2).reshape(b * lq, hq, d)
+    k_rows = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+    v_rows = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+    scale = scaling if scaling is not None else d ** -0.5
+    cu = _packed_bounds(kwargs, s, dev) if b == 1 and lq == s else None
+    if cu is not None:
+        # Packed: every sequence is its own interval of the one row (prefill only).
+        q_start = k_start = cu[:-1]
+        q_len = k_len = cu[1:] - cu[:-1]
+        valid_rows = None
+    else:
+        bounds = _intervals_of(attention_mask, b, s)
+        offset = s - lq  # keys before the first query (a cache)
+        if bounds is None:
+            ks = torch.zeros(b, dtype=torch.int32, device=dev)
+            ke = torch.full((b,), s, dtype=torch.int32, device=dev)
+        else:
+            ks, ke = bounds
+        first_q = (ks - offset).clamp(min=0, max=lq)
+        end_q = (ke - offset).clamp(min=0, max=lq)
+        base_q = torch.arange(b, dtype=torch.int32, device=dev) * lq
+        base_k = torch.arange(b, dtype=torch.int32, device=dev) * s
+        q_start, q_len = base_q + first_q, (end_q - first_q).clamp(min=0)
+        k_start, k_len = base_k + ks, (ke - ks).clamp(min=0)
+        q_len = torch.minimum(q_len, k_len)
+        pos = torch.arange(lq, device=dev)
+        valid_rows = (pos[None, :] >= first_q[:, None]) & (pos[None, :] < (first_q + q_len)[:, None])
+    out = attention_by_bounds("attention (Hugging Face)", q_rows, k_rows, v_rows, q_start, q_len, k_start, k_len, lq, s,
+                              causal=True, scale=scale)
+    out = out.view(b, lq, hq, d)
+    if valid_rows is not None:  # padding rows: zeros (no key of theirs was computed)
+        out = torch.where(valid_rows[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=dev))
+    return out, None
+
+
+def _pass_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    """transformers' mask-function hook: the 2-D padding mask as given (None: no padding)."""
+    return attention_mask
+
+
+def register() -> None:
+    """Register ``"rlkernels"`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, rlkernels_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # older transformers build the 4-D mask themselves; it is read the same way
+        return
+    AttentionMaskInterface.register(NAME, _pass_padding_mask)

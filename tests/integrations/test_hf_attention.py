@@ -1,0 +1,184 @@
+"""The "rlkernels" HF attention and the sampler-side ``generate``: rollout and trainer log-probs agree bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import rlkernels  # noqa: E402
+from rlkernels.integrations import hf_attention  # noqa: E402
+from rlkernels.integrations.hf import hidden_states, patch_model, token_logprobs  # noqa: E402
+
+from .test_hf import _tiny  # noqa: E402
+
+TEMPERATURE = 0.9
+
+
+def _prompts(lengths=(5, 11, 3, 8), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 300, (n,), generator=g) for n in lengths]
+
+
+def _pad(seqs, left: bool):
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        sl = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, sl], mask[i, sl] = s, 1
+    return ids, mask
+
+
+def _model(arch, patched=True):
+    model = _tiny(arch)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return patch_model(model) if patched else model
+
+
+def _rows(lp, seqs, left, width):
+    """Each sequence's own scored positions out of a padded batch's [B, width - 1] log-probs."""
+    return [lp[i, width - len(s):width - 1] if left else lp[i, :len(s) - 1] for i, s in enumerate(seqs)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_patched_model_alone_padded_and_packed_are_bitwise_equal(arch):
+    model = _model(arch)
+    seqs = _prompts((5, 11, 3, 8, 1, 13))
+    alone = [token_logprobs(model, s[None])[0] for s in seqs]
+    for left in (True, False):
+        ids, mask = _pad(seqs, left)
+        got = _rows(token_logprobs(model, ids, mask), seqs, left, ids.shape[1])
+        for a, b in zip(alone, got):
+            assert torch.equal(a, b), ("left" if left else "right")
+    # Packed: one row, position_ids restarting at 0 (as trainers pack); hidden states compared.
+    packed = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with rlkernels.set_batch_invariant_mode():
+        h_packed = hidden_states(model, packed, position_ids=positions)[0]
+        start = 0
+        for s in seqs:
+            h_alone = hidden_states(model, s[None])[0]
+            assert torch.equal(h_packed[start:start + len(s)], h_alone)
+            start += len(s)
+
+
+@pytest.mark.filterwarnings("ignore:.*not batch-invariant")
+def test_eager_attention_is_not_left_padding_invariant():
+    # Why the model needs its own attention: with eager attention (even under the mode)
+    # or SDPA, a left-padded row's scores are not the row's scores alone.
+    seqs = _prompts((5, 11, 3, 8, 1, 13))
+    ids, mask = _pad(seqs, left=True)
+    differ = 0
+    for impl in ("eager", "sdpa"):
+        model = patch_model(_tiny("llama", attn_implementation=impl), attn_implementation=impl)
+        got = _rows(token_logprobs(model, ids, mask), seqs, True, ids.shape[1])
+        differ += sum(not torch.equal(token_logprobs(model, s[None])[0], g) for s, g in zip(seqs, got))
+    assert differ > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_generate_logprobs_are_the_trainers_bit_for_bit(arch, sample):
+    model = _model(arch)
+    prompts = _prompts()
+    ids, mask = _pad(prompts, left=True)
+    torch.manual_seed(1)
+    seq, lp, ent = rlkernels.generate(model, ids, mask, max_new_tokens=6, do_sample=sample,
+                                      temperature=TEMPERATURE, return_entropy=True)
+    width, steps = ids.shape[1], seq.shape[1] - ids.shape[1]
+    assert steps == 6 and lp.shape == ent.shape == (len(prompts), steps) and lp.dtype == torch.float32
+    finished = [torch.cat([p, seq[i, width:]]) for i, p in enumerate(prompts)]
+    # The trainer, one sequence at a time ...
+    for i, f in enumerate(finished):
+        t_lp, t_ent = token_logprobs(model, f[None], temperature=TEMPERATURE, return_entropy=True)
+        assert torch.equal(t_lp[0, len(prompts[i]) - 1:], lp[i])
+        assert torch.equal(t_ent[0, len(prompts[i]) - 1:], ent[i])
+    # ... and batched, left- and right-padded.
+    for left in (True, False):
+        b_ids, b_mask = _pad(finished, left)
+        rows = _rows(token_logprobs(model, b_ids, b_mask, temperature=TEMPERATURE), finished, left, b_ids.shape[1])
+        for i, r in enumerate(rows):
+            assert torch.equal(r[len(prompts[i]) - 1:], lp[i])
+
+
+def test_stock_sampler_and_trainer_disagree():
+    # The same comparison on the unpatched model (SDPA): the rollout's log-probs are not
+    # the trainer's for every token (so the test above can fail).
+    model = _model("qwen3", patched=False)
+    prompts = _prompts()
+    ids, mask = _pad(prompts, left=True)
+    seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=6, temperature=TEMPERATURE)
+    full = torch.cat([mask, torch.ones(len(prompts), seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    with pytest.warns(UserWarning, match="not batch-invariant"):
+        trainer = token_logprobs(model, seq, full, temperature=TEMPERATURE)
+    assert not torch.equal(trainer[:, ids.shape[1] - 1:], lp)
+
+
+def test_generate_masks_tokens_after_eos_and_refuses_beam_search():
+    model = _model("qwen3")
+    prompts = _prompts((4, 6))
+    ids, mask = _pad(prompts, left=True)
+    seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=5)
+    eos = int(seq[0, ids.shape[1] + 1])  # the second new token of row 0 plays EOS
+    model.generation_config.eos_token_id = eos
+    seq2, lp2 = rlkernels.generate(model, ids, mask, max_new_tokens=5)
+    new = seq2[0, ids.shape[1]:]
+    first = int((new == eos).nonzero()[0, 0])
+    assert (lp2[0, first + 1:] == 0).all() and (lp2[0, :first + 1] != 0).all()
+    with pytest.raises(ValueError, match="num_beams=2 is not supported"):
+        rlkernels.generate(model, ids, mask, max_new_tokens=2, num_beams=2)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        rlkernels.generate(model, ids, mask, temperature=0)
+
+
+def test_attention_refuses_what_it_does_not_compute():
+    model = _model("qwen3")
+    attn = model.model.layers[0].self_attn
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+    with pytest.raises(ValueError, match="sliding_window=4 is not supported"):
+        hf_attention.rlkernels_attention_forward(attn, q, k, k, None, sliding_window=4)
+    attn.train()
+    with pytest.raises(ValueError, match="attention dropout"):
+        hf_attention.rlkernels_attention_forward(attn, q, k, k, None, dropout=0.1)
+    attn.eval()
+    holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="row 0 of the attention mask has padding between real tokens"):
+        hf_attention.rlkernels_attention_forward(attn, q, k, k, holes)
+
+
+def test_registered_for_from_config_and_set_attn_implementation():
+    hf_attention.register()
+    model = _tiny("qwen3")
+    model.set_attn_implementation("rlkernels")
+    assert model.config._attn_implementation == "rlkernels"
+    ids = torch.randint(1, 300, (2, 7))
+    out = model(ids).logits
+    assert out.shape == (2, 7, 300) and torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_generate_logprobs_are_the_trainers_bit_for_bit_gpu(arch):
+    # bf16 on CUDA, hidden 1024: wide enough for stock kernels to drift.
+    model = _tiny(arch, dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    patch_model(model)
+    prompts = [p.cuda() for p in _prompts((37, 120, 5, 64, 1, 99))]
+    ids, mask = _pad([p.cpu() for p in prompts], left=True)
+    ids, mask = ids.cuda(), mask.cuda()
+    torch.manual_seed(2)
+    seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=16, do_sample=True, temperature=TEMPERATURE)
+    width = ids.shape[1]
+    finished = [torch.cat([p, seq[i, width:]]) for i, p in enumerate(prompts)]
+    for i, f in enumerate(finished):
+        assert torch.equal(token_logprobs(model, f[None], temperature=TEMPERATURE)[0, len(prompts[i]) - 1:], lp[i])
+    for left in (True, False):
+        b_ids, b_mask = _pad([f.cpu() for f in finished], left)
+        rows = _rows(token_logprobs(model, b_ids.cuda(), b_mask.cuda(), temperature=TEMPERATURE), finished, left,
+                     b_ids.shape[1])
+        for i, r in enumerate(rows):
+            assert torch.equal(r[len(prompts[i]) - 1:], lp[i])
