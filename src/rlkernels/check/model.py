@@ -1,24 +1,26 @@
 """``rlkernels check``: whole-model per-token log-prob invariance, stock PyTorch vs rlkernels.
 
 A small random-initialised Qwen3 (transformers' own modelling code, config
-``configs/qwen3_tiny.json``, fixed seed; no download) -- or a local checkpoint --
-scores the same sequences four ways:
+``configs/qwen3_tiny.json``, fixed seed; no download; on a GPU widened to hidden 1024
+by default, where stock kernels drift) -- or a local checkpoint -- scores the same
+sequences five ways:
 
-  (a) one sequence at a time                       (the reference)
+  (a) one sequence at a time                       (the trainer's reference)
   (b) all sequences in one right-padded batch
   (c) each sequence in chunked-prefill pieces through a KV cache
   (d) shuffled into a different order, in smaller right-padded micro-batches
+  (e) as a sampler computes them: the prompts (each sequence's first half) prefilled
+      as one left-padded batch with a KV cache, the rest decoded one token per step,
+      each side's sampler formula (stock: the LM head's logits then log_softmax, what
+      generate's scores give; rlkernels: ``linear_logprob`` on the step's final hidden
+      state, what :func:`rlkernels.generate` gives)
 
 and reports, for stock PyTorch and for rlkernels, the fraction of tokens whose
-log-prob is bitwise equal in all four ways, the largest |delta log-prob| against
+log-prob is bitwise equal in all five ways, the largest |delta log-prob| against
 (a), and the time. Stock = the model as loaded (its default attention), full
-logits, ``log_softmax``. rlkernels = :func:`rlkernels.patch_model` (eager
+logits, ``log_softmax``. rlkernels = :func:`rlkernels.patch_model` (its invariant
 attention) under :func:`rlkernels.set_batch_invariant_mode`, log-probs from
 ``linear_logprob``.
-
-Padding is on the right: on GPUs the tensor-core chain of P @ V and the fixed-tile
-softmax sum are invariant to trailing zeros (masked keys) but not to leading ones,
-so left padding is not covered there (it is on the CPU torch backend).
 """
 from __future__ import annotations
 
@@ -33,11 +35,12 @@ from typing import Callable
 import torch
 
 from ..integrations.batch_invariant import set_batch_invariant_mode
+from ..integrations import hf_attention
 from ..integrations.hf import cache_kwargs, decoder_of, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
 
 DEFAULT_SEQS = 8
 SEED = 1234
-WAYS = ("single", "padded", "chunked", "shuffled")
+WAYS = ("single", "padded", "chunked", "shuffled", "rollout")
 WAY_LABELS = {"single": "(a) one at a time", "padded": "(b) padded batch",
               "chunked": "(c) chunked prefill", "shuffled": "(d) shuffled batches"}
 
@@ -95,6 +98,13 @@ def check_model_path(model_path: str) -> None:
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ValueError(f"model directory {model_path!r} has no config.json; "
                          "expected a local Hugging Face checkpoint directory")
+
+
+# The default model on a GPU: the tiny config widened to a real model's head layout
+# (16 query / 8 KV heads of 64, hidden 1024). At hidden 512 stock bf16 SDPA happened to be
+# bitwise invariant in every way on an H100, so the check showed nothing there.
+GPU_WIDTH = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=64, vocab_size=32000)
 
 
 def tiny_config_path() -> str:
@@ -161,6 +171,50 @@ class _Scorer:
     def chunked(self, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
+    def step_logprobs(self, ids, mask, pos, cache, targets) -> torch.Tensor:  # pragma: no cover
+        """The sampler's log-probs of ``targets`` [B, Lq] after feeding ``ids`` [B, Lq] with the cache."""
+        raise NotImplementedError
+
+    def rollout(self, seqs: list[torch.Tensor], prompt_lens: list[int], device: torch.device) -> list[torch.Tensor]:
+        """Each sequence as a sampler computes it: the prompts prefilled as one left-padded
+        batch with a KV cache, then the rest decoded one token per step (teacher-forced:
+        the step feeds the sequence's own next token, so the tokens are those of
+        ``seqs``). Per-sequence log-probs [len - 1], the prompt's from the prefill."""
+        n, width = len(seqs), max(prompt_lens)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        mask = torch.zeros(n, width, dtype=torch.long)
+        for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+            ids[i, width - p:], mask[i, width - p:] = s[:p], 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        targets = torch.full((n, width), -100, dtype=torch.long, device=device)
+        for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+            if p < len(s):
+                targets[i, width - 1] = s[p]
+            targets[i, width - p:width - 1] = s[1:p].to(device)
+        cache = _new_cache(self.model)
+        parts = [self.step_logprobs(ids, mask, pos, cache, targets)]
+        steps = max(len(s) - p for s, p in zip(seqs, prompt_lens))
+        for t in range(1, steps):
+            # Row i feeds its token at index p_i + t - 1 (or padding past its end) and scores the next.
+            feed = torch.zeros(n, 1, dtype=torch.long)
+            tgt = torch.full((n, 1), -100, dtype=torch.long)
+            for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+                if p + t - 1 < len(s):
+                    feed[i, 0] = s[p + t - 1]
+                if p + t < len(s):
+                    tgt[i, 0] = s[p + t]
+            mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype, device=device)], 1)
+            pos = pos[:, -1:] + 1
+            parts.append(self.step_logprobs(feed.to(device), mask, pos, cache, tgt.to(device)))
+        allp = torch.cat(parts, 1).cpu()
+        out = []
+        for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+            prompt_part = allp[i, width - p:width - 1]
+            rest = allp[i, width - 1:width - 1 + len(s) - p]
+            out.append(torch.cat([prompt_part, rest]))
+        return out
+
 
 
 
@@ -173,7 +227,7 @@ def _new_cache(model):
 
 
 class StockScorer(_Scorer):
-    name = "stock torch"
+    name = "stock"
 
     def __init__(self, model) -> None:
         self.model = model
@@ -189,6 +243,12 @@ class StockScorer(_Scorer):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         return self._pick(logits[:, :-1], next_token_targets(ids, mask))
+
+    def step_logprobs(self, ids, mask, pos, cache, targets):
+        # What a sampler reading generate's scores gets: the LM head's logits, then log_softmax.
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                            **cache_kwargs(self.model, cache)).logits
+        return self._pick(logits, targets)
 
     def chunked(self, ids, sizes):
         cache, parts, start = _new_cache(self.model), [], 0
@@ -212,6 +272,15 @@ class RlkernelsScorer(_Scorer):
 
     def batch(self, ids, mask):
         return token_logprobs(self.model, ids, mask)
+
+    def step_logprobs(self, ids, mask, pos, cache, targets):
+        # What rlkernels.generate gets: linear_logprob on the step's final hidden states.
+        with set_batch_invariant_mode(True):
+            decoder = decoder_of(self.model)
+            out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                          **cache_kwargs(decoder, cache))
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+            return logprobs_from_hidden(self.model, hidden, targets)
 
     def chunked(self, ids, sizes):
         with set_batch_invariant_mode(True):
@@ -286,6 +355,10 @@ def score_four_ways(scorer: _Scorer, seqs: list[torch.Tensor], device: torch.dev
                 shuffled[i] = res[r, :len(seqs[i]) - 1]
             advance(len(idx))
         out["shuffled"] = shuffled  # type: ignore[assignment]
+        # The sampler: prompts (the first half of each sequence) prefilled as a left-padded
+        # batch, the rest decoded with the KV cache, each side's sampler formula.
+        out["rollout"] = scorer.rollout(seqs, [max(1, len(s) // 2) for s in seqs], device)
+        advance(n)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out, time.perf_counter() - t0
@@ -312,21 +385,31 @@ def compare(name: str, ways: dict[str, list[torch.Tensor]], seconds: float) -> I
     return res
 
 
+def _share(equal: int, tokens: int) -> str:
+    """A share of tokens in at most 5 characters: 100%, 99.5%, 0%."""
+    if not tokens:
+        return "-"
+    pct = 100.0 * equal / tokens
+    return "100%" if equal == tokens else f"{min(pct, 99.9):.1f}%"
+
+
 def _table(results: list[ImplResult], title: str):
     from rich.table import Table
 
     table = Table(title=title, caption="share of tokens whose log-prob is bitwise equal to (a) one-at-a-time;\n"
-                  "(b) padded batch, (c) chunked prefill, (d) shuffled micro-batches")
+                  "(b) padded batch, (c) chunked prefill, (d) shuffled micro-batches,\n"
+                  "(e) rollout: left-padded prefill + KV-cache decode, the sampler's formula")
     table.add_column("", no_wrap=True)
-    for label in ("(b)", "(c)", "(d)"):
+    for label in ("(b)", "(c)", "(d)", "(e)"):
         table.add_column(label, justify="right", no_wrap=True)
-    table.add_column("all 4", justify="right", no_wrap=True)
-    table.add_column("max |Δ logp|", justify="right", no_wrap=True)
+    table.add_column("all 5", justify="right", no_wrap=True)
+    table.add_column("max|Δ|", justify="right", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
     for r in results:
         style = "green" if r.equal_all == r.tokens else "red"
-        cells = [f"{r.equal_by_way[w] / r.tokens:.2%}" if r.tokens else "-" for w in WAYS[1:]]
-        table.add_row(r.name, *cells, f"[{style}]{r.fraction:.2%}[/]", f"{r.max_abs_diff:.2e}", f"{r.seconds:.1f} s")
+        cells = [_share(r.equal_by_way[w], r.tokens) for w in WAYS[1:]]
+        table.add_row(r.name, *cells, f"[{style}]{_share(r.equal_all, r.tokens)}[/]", f"{r.max_abs_diff:.1e}",
+                      f"{r.seconds:.1f}s")
     return table
 
 
@@ -353,6 +436,8 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
         raise ValueError(f"rlkernels check: seqs must be >= 1, got {seqs!r}")
     if model_path:
         check_model_path(model_path)
+    if dev.type == "cuda" and model_path is None and config_overrides is None:
+        config_overrides = GPU_WIDTH  # wide enough for stock GPU kernels to drift
     stock_model = build_model(dev, dt, model_path, config_overrides)
     vocab = int(stock_model.config.vocab_size)
     lo = min_len or (4 if model_path is None else 16)
@@ -361,7 +446,7 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
     ours = patch_model(copy.deepcopy(stock_model))
     stock_attn = getattr(stock_model.config, "_attn_implementation", None)
     scorers = [StockScorer(stock_model), RlkernelsScorer(ours)]
-    per_impl = 3 * n + n  # single + chunked (one step per sequence), padded + shuffled (n each)
+    per_impl = 5 * n  # single, padded, chunked, shuffled and rollout: n steps each
 
     prev_threads = torch.get_num_threads()
     if dev.type == "cpu" and cpu_threads:
@@ -379,13 +464,14 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
     finally:
         torch.set_num_threads(prev_threads)
 
-    what = model_path or f"tiny random Qwen3 ({tiny_config_path().rsplit('/', 1)[-1]}, seed {SEED})"
+    what = model_path or (f"random Qwen3 ({tiny_config_path().rsplit('/', 1)[-1]}"
+                          f"{', hidden ' + str(config_overrides['hidden_size']) if config_overrides and 'hidden_size' in config_overrides else ''}, seed {SEED})")
     title = (f"per-token log-prob invariance\n{what}\n{n} sequences ({sum(len(s) - 1 for s in sequences)} scored tokens), "
-             f"lengths {lo}..{hi}, {dev.type}{f' ({threads} thread(s))' if dev.type == 'cpu' else ''} {str(dt)[6:]}\nattention: stock {stock_attn}, rlkernels eager")
+             f"lengths {lo}..{hi}, {dev.type}{f' ({threads} thread(s))' if dev.type == 'cpu' else ''} {str(dt)[6:]}\nattention: stock {stock_attn}, rlkernels {hf_attention.NAME}")
     console.print(_table(results, title))
     ok = results[-1].equal_all == results[-1].tokens
     console.print(f"rlkernels: {'[green]all tokens bitwise equal[/]' if ok else '[red]MISMATCH[/]'} across "
-                  f"one-at-a-time, padded, chunked-prefill and shuffled batches.")
+                  f"one-at-a-time, padded, chunked-prefill, shuffled batches and the sampler's rollout.")
     import transformers
     payload = {
         "ok": ok, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
