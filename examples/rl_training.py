@@ -69,9 +69,11 @@ def rollout(model, prompts: list[list[int]], group: int, max_new_tokens: int, te
     with torch.no_grad():
         # top_k=0 / top_p=1: sample from the full softmax(logits / T), the distribution
         # token_logprobs(temperature=T) scores.
-        seqs = model.generate(input_ids=ids, attention_mask=prompt_mask, do_sample=True, temperature=temperature,
-                              top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, min_new_tokens=1,
-                              pad_token_id=PAD, eos_token_id=EOS)
+        # rlkernels.generate: Hugging Face generate, plus each new token's log-prob by the
+        # trainer's formula (linear_logprob on the hidden state that produced it).
+        seqs, sampler_logp = rlkernels.generate(model, ids, prompt_mask, do_sample=True, temperature=temperature,
+                                                top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, min_new_tokens=1,
+                                                pad_token_id=PAD, eos_token_id=EOS)
     completion = seqs[:, P:]
     # Keep tokens up to and including the first EOS.
     after_eos = (completion == EOS).long().cumsum(-1) - (completion == EOS).long()
@@ -79,7 +81,9 @@ def rollout(model, prompts: list[list[int]], group: int, max_new_tokens: int, te
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
     response_mask = torch.zeros(seqs.shape[0], seqs.shape[1] - 1, dtype=torch.bool, device=dev)
     response_mask[:, P - 1:] = completion_mask.bool()  # position t scores token t+1
-    return seqs, mask, response_mask, P
+    old_logp = torch.zeros(seqs.shape[0], seqs.shape[1] - 1, dtype=torch.float32, device=dev)
+    old_logp[:, P - 1:] = sampler_logp * completion_mask  # the sampler's log-probs, at the trainer's positions
+    return seqs, mask, response_mask, P, old_logp
 
 
 def reward(seqs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {}
     for step in range(args.steps):
         torch.manual_seed(1000 + step)
-        seqs, mask, response_mask, _ = rollout(model, prompts, args.group, args.max_new_tokens, T)
+        seqs, mask, response_mask, _, sampler_old = rollout(model, prompts, args.group, args.max_new_tokens, T)
         adv = group_advantages(reward(seqs, response_mask), args.group)
         weights = token_weights(response_mask)
 
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             new, entropy = rlkernels.token_logprobs(model, seqs, mask, temperature=T, return_entropy=True)
         assert torch.equal(new, old), "old and new log-probs differ before any update"
+        # ... and the sampler's own log-probs from the rollout are those bits too.
+        assert torch.equal(new[response_mask], sampler_old[response_mask]), "sampler and trainer log-probs differ"
         ratio = torch.exp(new - old)[response_mask]
         assert torch.equal(ratio, torch.ones_like(ratio)), "first-step ratio is not exactly 1"
 
