@@ -33,7 +33,7 @@ def build_policy(device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Mod
         tie_word_embeddings=False, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval()
-    # rlkernels.Linear for every nn.Linear (lm head included), rlkernels RMSNorm, eager attention.
+    # rlkernels.Linear for every nn.Linear (lm head included), rlkernels RMSNorm, the "rlkernels" attention.
     return rlkernels.patch_model(model)
 
 
@@ -135,7 +135,7 @@ def backward(model, seqs, mask, old_logp, advantages, weights, temperature: floa
     """Forward + backward in micro-batches of ``micro`` sequences; returns the summed loss.
 
     The whole step runs under the batch-invariant mode, so the backward's stock ops
-    (eager attention's matmuls) are the invariant ones too.
+    (elementwise and reduction ops outside the patched modules) are the invariant ones too.
     """
     total = torch.zeros((), device=seqs.device)
     with rlkernels.set_batch_invariant_mode(True):
