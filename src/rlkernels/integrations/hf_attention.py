@@ -80,17 +80,19 @@ def _may_read(t: torch.Tensor) -> bool:
 
 
 # Every layer of one forward gets the same mask object: its intervals are worked out once.
-_LAST_INTERVALS: list = [None, None]
+# One (key, result) pair, replaced whole, so concurrent threads never pair one's key with
+# another's result.
+_LAST_INTERVALS: list = [None]
 
 
 def _intervals_of(attention_mask: torch.Tensor | None, batch: int, kv_length: int):
     key = (attention_mask, batch, kv_length, None if attention_mask is None else attention_mask._version)
     cached = _LAST_INTERVALS[0]
-    if cached is not None and cached[0] is attention_mask and cached[1:] == key[1:]:
-        return _LAST_INTERVALS[1]
+    if cached is not None and cached[0][0] is attention_mask and cached[0][1:] == key[1:]:
+        return cached[1]
     valid = _padding_mask(attention_mask, batch, kv_length)
     result = None if valid is None else _interval(valid)
-    _LAST_INTERVALS[0], _LAST_INTERVALS[1] = key, result
+    _LAST_INTERVALS[0] = (key, result)
     return result
 
 
