@@ -96,6 +96,8 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
 
     from .check.ops import CHECKS, op_check_rows, rows_ok
 
+    if args.locate and args.ops_only:
+        args.subparser.error("argument --locate: not allowed with --ops-only (it runs the model)")
     device = torch.device(args.device or _default_device())
     dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
     report: dict[str, Any] = {"device": str(device)}
@@ -146,6 +148,13 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
             report["model_ok"] = model_report["ok"]
             report["model"] = model_report
             ok &= model_report["ok"]
+            if args.locate:
+                from .check import locate
+
+                locate_report = locate.run(device=str(device), dtype=args.dtype, seqs=args.seqs,
+                                           model_path=args.model, console=console)
+                report["locate"] = locate_report
+                ok &= locate_report["ok"]
     report["ok"] = ok
     if args.json:
         with open(args.json, "w") as f:
@@ -222,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.add_argument("--model", default=None, type=_model_arg,
                          help="local Hugging Face checkpoint directory (default: a tiny random Qwen3)")
     p_check.add_argument("--json", default=None, type=_json_arg, metavar="PATH", help="write the full report here")
+    p_check.add_argument("--locate", action="store_true",
+                         help="also name the first module whose output drifts between one-at-a-time and "
+                              "batched runs, stock vs rlkernels (docs/operators/drift_locator.md)")
     only = p_check.add_mutually_exclusive_group()
     only.add_argument("--ops-only", action="store_true", help="skip the model-level check")
     only.add_argument("--model-only", action="store_true", help="skip the op-level checks")
