@@ -18,7 +18,7 @@ RANKS = {
     "registry": 3, "reference": 3, "testing": 3, "contract": 4,
     "ops": 5,
     "nn": 6,
-    "integrations": 7,
+    "integrations": 7, "parallel": 7,
     "check": 8,
     "__init__": 9,
     "bench": 10, "cli": 10,
