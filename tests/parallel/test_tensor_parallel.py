@@ -77,7 +77,7 @@ def test_plain_row_parallel_layer_drifts_across_tp(results):
     """The stock layer (one chain over K/TP, then all_reduce) is what the K-tree fixes."""
     name = _names(W.dtypes()[0])
     plain = {world: results[world][0][name + "plain"] for world in SIZES}
-    assert not torch.equal(plain[1], plain[2]) and not torch.equal(plain[1], plain[4])
+    assert not any(torch.equal(plain[1], plain[world]) for world in SIZES[1:])
 
 
 def test_planted_rank_combines(results):
