@@ -237,6 +237,25 @@ def _tree_rowsum(x: torch.Tensor) -> torch.Tensor:
     return x[:, 0]
 
 
+def online_softmax_step(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: torch.Tensor, z: torch.Tensor,
+                        t: torch.Tensor, v0: int, v1: int):
+    """The running statistics of rows [R] after the logits ``z`` [R, v1 - v0] of columns
+    v0..v1-1: max m, sum of e^(z-m) s, u = sum e^(z-m) (z-m), and the target's logit zt
+    (for targets ``t`` in range). The torch backend's one chain step, in fixed order."""
+    m_new = torch.maximum(m, z.amax(dim=1))  # max is exact: any order is fine
+    d = z - m_new[:, None]
+    e = torch.exp(d)
+    alpha = torch.exp(m - m_new)
+    # u is kept relative to the running max: u = sum e^(z-m) (z-m). Rescaled to a new
+    # max: alpha * (u + (m_old - m_new) * s). Before the first piece s == 0 (and
+    # m_old = -inf), so the term is 0, not NaN.
+    u = torch.where(s > 0, alpha * (u + (m - m_new) * s), torch.zeros_like(u)) + _tree_rowsum(e * d)
+    s = alpha * s + _tree_rowsum(e)
+    inside = (t >= v0) & (t < v1)
+    picked = z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+    return m_new, s, u, torch.where(inside, picked, zt)
+
+
 def _torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   v0: int, v1: int, temperature: float) -> torch.Tensor:
     """z = (h W[v0:v1]^T + b) / T for a block of rows, fp32 (fp64 for fp64), ascending D-chain."""
@@ -272,19 +291,7 @@ class TorchKernels:
             for v0 in range(0, vocab, TORCH_V_CHUNK):
                 v1 = min(vocab, v0 + TORCH_V_CHUNK)
                 z = _torch_logits(h_rows, weight, bias, v0, v1, temperature)
-                m_new = torch.maximum(m, z.amax(dim=1))  # max is exact: any order is fine
-                d = z - m_new[:, None]
-                e = torch.exp(d)
-                alpha = torch.exp(m - m_new)
-                # u is kept relative to the running max: u = sum e^(z-m) (z-m). Rescaled
-                # to a new max: alpha * (u + (m_old - m_new) * s). Before the first piece
-                # s == 0 (and m_old = -inf), so the term is 0, not NaN.
-                u = torch.where(s > 0, alpha * (u + (m - m_new) * s), torch.zeros_like(u)) + _tree_rowsum(e * d)
-                s = alpha * s + _tree_rowsum(e)
-                m = m_new
-                inside = (t >= v0) & (t < v1)
-                picked = z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-                zt = torch.where(inside, picked, zt)
+                m, s, u, zt = online_softmax_step(m, s, u, zt, z, t, v0, v1)
             log_s = torch.log(s)
             valid = t >= 0
             zero = torch.zeros_like(s)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..gemm.chain import accumulator_dtype
 from ..ops import _validate as V
-from ..ops.linear_logprob import _INT_DTYPES, _tree_rowsum, validate as validate_logprob
+from ..ops.linear_logprob import _INT_DTYPES, online_softmax_step, validate as validate_logprob
 from ..ops.matmul import engine_for
 
 # Default number of K-tree segments: SEG = K / 8, so TP = 1, 2, 4, 8 all split K on
@@ -262,17 +262,7 @@ def shard_stats(engine, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                 z.add_(bias[v0:v1].to(adt))
             if temperature != 1.0:
                 z.div_(temperature)
-            m_new = torch.maximum(m, z.amax(dim=1))  # max is exact in any order
-            d = z - m_new[:, None]
-            e = torch.exp(d)
-            alpha = torch.exp(m - m_new)
-            # Before the first piece s == 0 and m == -inf: the rescaled term is 0, not NaN.
-            u = torch.where(s > 0, alpha * (u + (m - m_new) * s), torch.zeros_like(u)) + _tree_rowsum(e * d)
-            s = alpha * s + _tree_rowsum(e)
-            m = m_new
-            inside = (t >= v0) & (t < v1)
-            picked = z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-            zt = torch.where(inside, picked, zt)
+            m, s, u, zt = online_softmax_step(m, s, u, zt, z, t, v0, v1)
         out[:, r0:r0 + R] = torch.stack([m, s, u, zt])
     return out
 
