@@ -1,0 +1,179 @@
+"""TRL: run ``GRPOTrainer`` on an rlkernels-patched policy with the fused log-prob path.
+
+One import::
+
+    from rlkernels.integrations.trl import RLKGRPOTrainer      # instead of trl.GRPOTrainer
+    trainer = RLKGRPOTrainer(model=model, reward_funcs=..., args=GRPOConfig(...), ...)
+
+or, on a trainer built already, ``patch_grpo_trainer(trainer)``.
+
+Where it hooks in (TRL >= 1.16, the version this is tested with): every per-token
+log-prob of ``GRPOTrainer`` -- the "old" ones taken right after generation, the
+training forward's, the reference model's -- comes from
+``GRPOTrainer._get_per_token_logps_and_entropies``, which calls
+``model(input_ids, attention_mask, labels=labels, fused_lm_head=True)`` on a forward
+that ``trl.trainer.utils.add_fused_lm_head`` installed. This module replaces that
+fused path of the forward (the plain path, which ``generate`` uses, is TRL's,
+untouched) by the rlkernels one: the decoder runs under the batch-invariant mode, and
+the next-token log-probs and entropies are :func:`rlkernels.linear_logprob` on the
+final hidden states, so no [tokens, vocab] logits are materialised and a token's
+log-prob is the same bits whatever the batch chunk, the rows beside it, or grad mode.
+Replacing the forward (rather than the trainer method) keeps DDP/FSDP/accelerate
+wrappers in the call path, and TRL's own chunking (``batch_size``), label building
+(``-100`` outside the completion, ``logits_to_keep``) and slicing stay as they are.
+
+Conventions kept from TRL: ``labels`` are the input ids with ``-100`` where not
+scored; the log-prob at position t scores ``labels[:, t+1]`` (``shift_labels``
+pre-shifted ones are scored at t); ignored positions give 0 log-prob and 0 entropy;
+logits are divided by the trainer's ``temperature``; the output is TRL's
+``FusedCausalLMOutput`` (``loss``, ``log_probs``, ``entropy``, ``label_mask``).
+One deliberate difference: position ids are recomputed from the attention mask
+(left padding starts each sequence at position 0, as in generation), where stock TRL
+numbers the padded columns too; RoPE makes the two the same function of the tokens,
+and the mask's positions are what makes a sequence's log-probs independent of its
+padding.
+
+Not covered (refused with an error naming the argument): multimodal inputs, MoE
+router outputs, ``cast_lm_head_to_fp32`` (unneeded: the fused head's logits are fp32
+already), PEFT adapters on the LM head.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from .batch_invariant import set_batch_invariant_mode
+from .hf import IGNORE_INDEX, decoder_of, hidden_states, patch_model
+from ..ops.linear_logprob import linear_logprob
+
+try:
+    import trl
+    from trl import GRPOTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError('rlkernels.integrations.trl needs TRL: pip install "rlkernels[trl]"') from exc
+
+OP = "integrations.trl"
+_TESTED = "1.16"
+
+
+def _fused_output_type() -> type:
+    """TRL's FusedCausalLMOutput, or an error naming the TRL version that lacks it."""
+    try:
+        from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            f"rlkernels.{OP}: TRL {trl.__version__} has no fused LM head (trl.trainer.utils.add_fused_lm_head / "
+            f"FusedCausalLMOutput), the hook this integration replaces; use TRL >= {_TESTED}") from exc
+    return FusedCausalLMOutput
+
+
+def _check_trainer(trainer: Any) -> None:
+    if not isinstance(trainer, GRPOTrainer):
+        raise TypeError(f"rlkernels.{OP}.patch_grpo_trainer: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
+    if not callable(getattr(trainer, "_get_per_token_logps_and_entropies", None)):
+        raise RuntimeError(
+            f"rlkernels.{OP}: TRL {trl.__version__}'s GRPOTrainer has no _get_per_token_logps_and_entropies, the "
+            f"per-token log-prob method this integration is built on (tested with TRL {_TESTED})")
+    if getattr(trainer.args, "cast_lm_head_to_fp32", False):
+        raise ValueError(f"rlkernels.{OP}: cast_lm_head_to_fp32=True is not supported (and not needed: "
+                         "linear_logprob keeps the logits in fp32); set it to False")
+
+
+def _fused_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    labels: torch.Tensor | None, shift_labels: torch.Tensor | None, temperature: float,
+                    num_items_in_batch: Any) -> Any:
+    """TRL's fused-head output, computed by rlkernels: log_probs / entropy [B, L-1] fp32 (or [B, L] pre-shifted)."""
+    if input_ids is None or input_ids.dim() != 2:
+        shape = None if input_ids is None else tuple(input_ids.shape)
+        raise ValueError(f"rlkernels.{OP}: the fused log-prob forward needs input_ids [B, L], got {shape}")
+    if (labels is None) == (shift_labels is None):
+        raise ValueError(f"rlkernels.{OP}: pass exactly one of labels / shift_labels to the fused log-prob forward")
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise TypeError(f"rlkernels.{OP}: {type(model).__name__} has no linear output embedding")
+    with set_batch_invariant_mode(True):
+        hidden = hidden_states(model, input_ids, attention_mask)
+        if shift_labels is None:
+            hidden, target = hidden[:, :-1], labels[:, 1:]
+        else:
+            target = shift_labels
+        target = target.to(hidden.device)
+        mask = target != IGNORE_INDEX
+        # Only scored positions go through the head: rows are independent in linear_logprob,
+        # so selecting them changes no bits and saves the prompt's share of the head.
+        logp, ent = linear_logprob(hidden[mask], head.weight, target[mask], getattr(head, "bias", None),
+                                   temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=True)
+    # masked_scatter keeps an all-ignored chunk connected to the graph (a zero with a gradient).
+    log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
+    entropy = ent.new_zeros(mask.shape).masked_scatter(mask, ent)
+    denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return _fused_output_type()(loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=entropy,
+                                label_mask=mask)
+
+
+def _install_forward(model: nn.Module, temperature: float) -> None:
+    """Route ``model(..., fused_lm_head=True)`` to rlkernels; every other call to the forward it had."""
+    previous = model.forward
+
+    def forward(self, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
+                num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        device = next(self.parameters()).device.type
+        # TRL's bf16/fp16 flags run the model under accelerate's autocast, whose per-op casts
+        # would hand the invariant ops mixed dtypes: the model computes in its parameters' dtype.
+        with torch.autocast(device, enabled=False):
+            if not fused_lm_head:
+                extra = {k: v for k, v in (("labels", labels), ("shift_labels", shift_labels),
+                                           ("num_items_in_batch", num_items_in_batch)) if v is not None}
+                return previous(*args, **kwargs, **extra)
+            input_ids = args[0] if args else kwargs.pop("input_ids", None)
+            attention_mask = args[1] if len(args) > 1 else kwargs.pop("attention_mask", None)
+            kwargs.pop("use_cache", None)
+            unsupported = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+            if len(args) > 2 or unsupported:
+                raise NotImplementedError(f"rlkernels.{OP}: the fused log-prob forward takes text inputs only "
+                                          f"(input_ids, attention_mask, labels); got "
+                                          f"{unsupported or 'extra positional arguments'}")
+            return _fused_logprobs(self, input_ids, attention_mask, labels, shift_labels, temperature,
+                                   num_items_in_batch)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)  # PEFT: the patched forward lives on the base model
+    return get_base() if callable(get_base) else model
+
+
+def patch_grpo_trainer(trainer: GRPOTrainer) -> GRPOTrainer:
+    """Make ``trainer``'s per-token log-probs rlkernels' fused, batch-invariant ones; in place, returns it.
+
+    Patches the policy (and the reference model, if any) with
+    :func:`rlkernels.patch_model` (Linear, RMSNorm, the invariant attention; parameters
+    shared, so an optimizer already built is unaffected) and routes the fused
+    log-prob forward that ``GRPOTrainer._get_per_token_logps_and_entropies`` calls to
+    :func:`rlkernels.linear_logprob` at ``trainer.temperature``. Call it before
+    training starts. Raises RuntimeError for a TRL without that method or without its
+    fused LM head, ValueError for ``cast_lm_head_to_fp32=True``.
+    """
+    _check_trainer(trainer)
+    _fused_output_type()
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is None:
+            continue
+        base = _base(model)
+        if decoder_of(base) is base:
+            raise TypeError(f"rlkernels.{OP}: {type(base).__name__} has no base decoder (expected a *ForCausalLM)")
+        patch_model(base)
+        _install_forward(base, float(trainer.temperature))
+    return trainer
+
+
+class RLKGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose per-token log-probs are rlkernels' (see :func:`patch_grpo_trainer`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        patch_grpo_trainer(self)
