@@ -86,33 +86,46 @@ class GemmFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         x2, weight, bias = ctx.saved_tensors
-        engine, weight_nk = ctx.engine, ctx.weight_nk
-        w_nk = weight if weight_nk else weight.t()  # [N, K] view either way
-        N, K = w_nk.shape
-        dy = grad_out.reshape(-1, N).to(x2.dtype)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = engine.gemm(dy, w_nk).reshape(ctx.in_shape)
-        need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        if need_w or need_b:
-            acc_dt = accumulator_dtype(x2.dtype)
-            w_main = main_grad_target("linear", weight, tuple(weight.shape), "weight") if need_w else None
-            # The fused row-sum writes the bias chain through a flat pointer: contiguous only.
-            b_main = main_grad_target("linear", bias, (N,), "bias", contiguous=True) if need_b else None
-            rowsum = (b_main if b_main is not None else torch.zeros(N, dtype=acc_dt, device=dy.device)) if need_b else None
-            if need_w and w_main is not None:
-                # dW = dY^T @ X: the reduction runs over tokens, ascending, continuing main_grad's chain.
-                engine.gemm(dy.t(), x2, out=w_main if weight_nk else w_main.t(), accumulate=True, rowsum=rowsum)
-            elif need_w:
-                # The same fp32 chain from zero, rounded once to the parameter dtype at the store.
-                dw = engine.gemm(dy.t(), x2, out_dtype=weight.dtype, rowsum=rowsum)
-                grad_w = dw if weight_nk else dw.t()
-            else:
-                # dbias alone: the same fused row-sum chain, against a one-column B.
-                engine.gemm(dy.t(), x2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
-            if need_b and b_main is None:
-                grad_b = rowsum.to(bias.dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        grads = linear_backward(ctx.engine, grad_out, x2, weight, bias, ctx.in_shape, ctx.needs_input_grad[:3],
+                                weight_nk=ctx.weight_nk)
+        return (*grads, None, None, None)
+
+
+def linear_backward(engine, grad_out: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None, in_shape: torch.Size, needs: tuple[bool, ...], *,
+                    weight_nk: bool = True, use_main_grad: bool = True):
+    """(dX, dW, dbias) of y = x @ W^T + bias (``weight_nk``) or x @ W + bias: the invariant triad.
+
+    x2: the input as [tokens, K]; needs: which of (x, weight, bias) want a gradient.
+    With ``use_main_grad`` a parameter's fp32 ``main_grad`` gets dW / dbias accumulated
+    into it (and None is returned for it)."""
+    w_nk = weight if weight_nk else weight.t()  # [N, K] view either way
+    N = w_nk.shape[0]
+    dy = grad_out.reshape(-1, N).to(x2.dtype)
+    grad_x = grad_w = grad_b = None
+    if needs[0]:
+        grad_x = engine.gemm(dy, w_nk).reshape(in_shape)
+    need_w, need_b = needs[1], bias is not None and needs[2]
+    if need_w or need_b:
+        acc_dt = accumulator_dtype(x2.dtype)
+        w_main = main_grad_target("linear", weight, tuple(weight.shape), "weight") if need_w and use_main_grad else None
+        # The fused row-sum writes the bias chain through a flat pointer: contiguous only.
+        b_main = (main_grad_target("linear", bias, (N,), "bias", contiguous=True)
+                  if need_b and use_main_grad else None)
+        rowsum = (b_main if b_main is not None else torch.zeros(N, dtype=acc_dt, device=dy.device)) if need_b else None
+        if need_w and w_main is not None:
+            # dW = dY^T @ X: the reduction runs over tokens, ascending, continuing main_grad's chain.
+            engine.gemm(dy.t(), x2, out=w_main if weight_nk else w_main.t(), accumulate=True, rowsum=rowsum)
+        elif need_w:
+            # The same fp32 chain from zero, rounded once to the parameter dtype at the store.
+            dw = engine.gemm(dy.t(), x2, out_dtype=weight.dtype, rowsum=rowsum)
+            grad_w = dw if weight_nk else dw.t()
+        else:
+            # dbias alone: the same fused row-sum chain, against a one-column B.
+            engine.gemm(dy.t(), x2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
+        if need_b and b_main is None:
+            grad_b = rowsum.to(bias.dtype)
+    return grad_x, grad_w, grad_b
 
 
 class _MatmulBase(OpImpl):

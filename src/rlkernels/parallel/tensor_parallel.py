@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..gemm.chain import accumulator_dtype
 from ..ops import _validate as V
 from ..ops.linear_logprob import _INT_DTYPES, online_softmax_step, validate as validate_logprob
-from ..ops.matmul import engine_for
+from ..ops.matmul import engine_for, linear_backward
 
 # Default number of K-tree segments: SEG = K / 8, so TP = 1, 2, 4, 8 all split K on
 # segment boundaries (K = 4096: 512-element chains, multiples of every engine K step).
@@ -157,22 +157,9 @@ class _TreeLinearFunction(torch.autograd.Function):
         # is this rank's columns of dY @ W, dW_rank = dY^T @ X_rank its columns of dW; both
         # are the engine's chains over N and over tokens, the same bits as the one-process layer.
         x2, weight, bias = ctx.saved_tensors
-        engine = ctx.engine
-        N = weight.shape[0]
-        dy = grad_out.reshape(-1, N).to(x2.dtype)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = engine.gemm(dy, weight).reshape(ctx.in_shape)
-        need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        if need_w or need_b:
-            rowsum = torch.zeros(N, dtype=accumulator_dtype(x2.dtype), device=dy.device) if need_b else None
-            if need_w:
-                grad_w = engine.gemm(dy.t(), x2, out_dtype=weight.dtype, rowsum=rowsum)
-            else:
-                engine.gemm(dy.t(), x2[:, :1], out_dtype=rowsum.dtype, rowsum=rowsum)
-            if need_b:
-                grad_b = rowsum.to(bias.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        grads = linear_backward(ctx.engine, grad_out, x2, weight, bias, ctx.in_shape, ctx.needs_input_grad[:3],
+                                use_main_grad=False)
+        return (*grads, None, None, None, None, None)
 
 
 def _tree_linear(op: str, x, weight, bias, segments, group, distributed: bool, backend: str | None):
