@@ -6,7 +6,7 @@ padding, row position, run and process -- on every backend.
 from __future__ import annotations
 
 from .integrations.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
-from .integrations.hf import generate, patch_model, token_logprobs
+from .integrations.hf import generate, is_patched, patch_model, token_logprobs
 from .nn import Linear, RMSNorm
 from .ops.attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops.bmm import bmm
@@ -29,6 +29,7 @@ __all__ = [
     "generate",
     "get_op",
     "is_batch_invariant_mode_enabled",
+    "is_patched",
     "linear",
     "linear_logprob",
     "log_softmax",

@@ -55,13 +55,35 @@ def test_patched_model_alone_padded_and_packed_are_bitwise_equal(arch):
     # Packed: one row, position_ids restarting at 0 (as trainers pack); hidden states compared.
     packed = torch.cat(seqs)[None]
     positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-    with rlkernels.set_batch_invariant_mode():
-        h_packed = hidden_states(model, packed, position_ids=positions)[0]
-        start = 0
-        for s in seqs:
-            h_alone = hidden_states(model, s[None])[0]
-            assert torch.equal(h_packed[start:start + len(s)], h_alone)
-            start += len(s)
+    assert not rlkernels.is_batch_invariant_mode_enabled()
+    h_packed = hidden_states(model, packed, position_ids=positions)[0]
+    start = 0
+    for s in seqs:
+        h_alone = hidden_states(model, s[None])[0]
+        assert torch.equal(h_packed[start:start + len(s)], h_alone)
+        start += len(s)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_patched_model_runs_without_the_mode_and_an_unpatched_one_under_it(arch):
+    # A patched model's forward is invariant as it is (the test above runs it so): no
+    # Python override per ATen call. Anything left unpatched puts the decoder under the mode.
+    seen: list[bool] = []
+    ids, mask = _pad(_prompts((5, 9)), left=True)
+    for patched in (True, False):
+        model = _model(arch, patched=patched)
+        assert rlkernels.is_patched(model) is patched
+        hook = model.model.layers[0].register_forward_hook(
+            lambda *_: seen.append(rlkernels.is_batch_invariant_mode_enabled()))
+        token_logprobs(model, ids, mask)
+        rlkernels.generate(model, ids, mask, max_new_tokens=2)
+        token_logprobs(model, ids, mask, batch_invariant=True)
+        hook.remove()
+    # token_logprobs, generate (a prefill and one decode step), token_logprobs forced under the mode
+    assert seen == [False, False, False, True] + [True] * 4
+    model = _model(arch)
+    model.model.layers[0].mlp.up_proj = torch.nn.Linear(8, 8)  # one module left stock
+    assert not rlkernels.is_patched(model)
 
 
 @pytest.mark.filterwarnings("ignore:.*not batch-invariant")

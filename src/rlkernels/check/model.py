@@ -19,8 +19,8 @@ and reports, for stock PyTorch and for rlkernels, the fraction of tokens whose
 log-prob is bitwise equal in all five ways, the largest |delta log-prob| against
 (a), and the time. Stock = the model as loaded (its default attention), full
 logits, ``log_softmax``. rlkernels = :func:`rlkernels.patch_model` (its invariant
-attention) under :func:`rlkernels.set_batch_invariant_mode`, log-probs from
-``linear_logprob``.
+attention; no global mode: a patched model's forward is invariant as it is),
+log-probs from ``linear_logprob``.
 """
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ from typing import Callable
 
 import torch
 
-from ..integrations.batch_invariant import set_batch_invariant_mode
 from ..integrations import hf_attention
-from ..integrations.hf import cache_kwargs, decoder_of, logprobs_from_hidden, next_token_targets, patch_model, token_logprobs
+from ..integrations.hf import (cache_kwargs, decoder_of, logprobs_from_hidden, mode_for, next_token_targets, patch_model,
+                               token_logprobs)
 
 DEFAULT_SEQS = 8
 SEED = 1234
@@ -275,7 +275,7 @@ class RlkernelsScorer(_Scorer):
 
     def step_logprobs(self, ids, mask, pos, cache, targets):
         # What rlkernels.generate gets: linear_logprob on the step's final hidden states.
-        with set_batch_invariant_mode(True):
+        with mode_for(self.model):
             decoder = decoder_of(self.model)
             out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                           **cache_kwargs(decoder, cache))
@@ -283,7 +283,7 @@ class RlkernelsScorer(_Scorer):
             return logprobs_from_hidden(self.model, hidden, targets)
 
     def chunked(self, ids, sizes):
-        with set_batch_invariant_mode(True):
+        with mode_for(self.model):
             cache, parts, start = _new_cache(self.model), [], 0
             for c in sizes:
                 piece = ids[:, start:start + c]

@@ -9,9 +9,11 @@ attention whose rows do not depend on the batch, the padding side, packing, or
 prefill vs decode. SDPA / flash kernels pick their split and tile strategy from the
 batch and sequence shape, and eager attention's row sums shift with left padding.
 
-``token_logprobs`` runs the decoder under the mode and scores the next tokens with
-:func:`rlkernels.linear_logprob` on the final hidden states, so the [tokens, vocab]
-logits are never materialised. ``generate`` is the sampler's side of the same
+``token_logprobs`` scores the next tokens with :func:`rlkernels.linear_logprob` on
+the final hidden states, so the [tokens, vocab] logits are never materialised. A
+patched model (:func:`is_patched`) runs as it is: every op of its forward that
+reduces is already an invariant one, so it needs no per-call Python override; any
+other model's decoder runs under the batch-invariant mode. ``generate`` is the sampler's side of the same
 formula: Hugging Face ``generate``, with each new token's log-prob taken by the same
 fused op from the same final hidden state, so a rollout's log-probs and the
 trainer's ``token_logprobs`` of the finished sequences agree bit for bit.
@@ -67,6 +69,26 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
     if attn_implementation is not None:
         _set_attention(model, attn_implementation)
     return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    """True where ``model``'s forward is invariant without the mode: the ``"rlkernels"``
+    attention is selected and no plain ``nn.Linear`` or HF RMSNorm is left.
+
+    The other ops a Llama/Qwen2/Qwen3/Mistral forward runs do not reduce across
+    tokens (embedding gathers, rotary tables from a one-term product, elementwise
+    activations and residual adds), so their bits do not depend on the batch.
+    """
+    if attention_implementation(model) != hf_attention.NAME:
+        return False
+    return not any(type(m) is nn.Linear or _is_rms_norm(m) for m in model.modules())
+
+
+def mode_for(model: nn.Module, batch_invariant: bool | None = None) -> contextlib.AbstractContextManager:
+    """The guard to run ``model`` under: the batch-invariant mode where asked (True), or
+    (None) where the model is not :func:`is_patched`; otherwise nothing."""
+    on = not is_patched(model) if batch_invariant is None else batch_invariant
+    return set_batch_invariant_mode(True) if on else contextlib.nullcontext()
 
 
 def _set_attention(model: nn.Module, impl: str) -> None:
@@ -178,17 +200,19 @@ def _check_ids(model: nn.Module, input_ids: torch.Tensor) -> None:
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    temperature: float = 1.0, return_entropy: bool = False,
-                   batch_invariant: bool = True):
+                   batch_invariant: bool | None = None):
     """Per-token log-probs of ``input_ids`` under ``model``: [B, L-1] float32.
 
     Position t scores ``input_ids[:, t+1]`` given ``input_ids[:, :t+1]``; targets
     that are padding (or follow padding) give 0 (and entropy 0). Positions are
     recomputed from ``attention_mask``, so left and right padding mean the same
-    sequences. The decoder runs under :func:`set_batch_invariant_mode`
-    (``batch_invariant=False`` leaves the current mode alone); the LM head and
-    log-softmax are the fused :func:`~rlkernels.ops.linear_logprob.linear_logprob`.
-    For whole-model invariance, also :func:`patch_model` the model (or use eager
-    attention); see docs/operators/batch_invariant_mode.md for what is covered.
+    sequences. The LM head and log-softmax are the fused
+    :func:`~rlkernels.ops.linear_logprob.linear_logprob`. ``batch_invariant``: None
+    (default) runs a patched model (:func:`patch_model`, :func:`is_patched`) as it is
+    and any other model's decoder under :func:`set_batch_invariant_mode`; True always
+    enters the mode; False leaves the current mode alone. An unpatched model is not
+    invariant to left padding even under the mode (its attention's row sums shift);
+    see docs/operators/batch_invariant_mode.md for what the mode covers.
 
     An empty batch (B = 0) gives empty [0, L-1] results. Every id (padding included:
     all of them go through the embedding) must lie in ``[0, vocab)``, the rows of the
@@ -216,11 +240,10 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         return logprobs_from_hidden(model, hidden, input_ids[:, 1:], temperature=temperature,
                                     return_entropy=return_entropy)
     impl = attention_implementation(model)
-    if batch_invariant and impl not in (None, "eager", hf_attention.NAME):
+    if batch_invariant is not False and impl not in (None, "eager", hf_attention.NAME):
         warnings.warn(f"rlkernels.token_logprobs: attention implementation {impl!r} is not batch-invariant; "
                       "call rlkernels.patch_model(model) first", stacklevel=2)
-    guard = set_batch_invariant_mode(True) if batch_invariant else contextlib.nullcontext()
-    with guard:
+    with mode_for(model, batch_invariant):
         hidden = hidden_states(model, input_ids, attention_mask)
         target = next_token_targets(input_ids, attention_mask)
         return logprobs_from_hidden(model, hidden[:, :-1], target, temperature=temperature,
@@ -245,7 +268,8 @@ def _after_eos(new_tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-             temperature: float = 1.0, return_entropy: bool = False, **generate_kwargs: Any):
+             temperature: float = 1.0, return_entropy: bool = False, batch_invariant: bool | None = None,
+             **generate_kwargs: Any):
     """Hugging Face ``model.generate`` with the sampler's per-token log-probs, by the trainer's formula.
 
     Returns ``(sequences, logprobs)`` (and ``entropy`` with ``return_entropy``):
@@ -257,7 +281,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     :func:`token_logprobs` on the finished sequences, one at a time, batched, left- or
     right-padded or packed, on a patched model. The tokens themselves are drawn by
     ``generate`` from the LM head's logits (``do_sample`` and the other sampling options
-    pass through; ``temperature`` is given to both). Runs under the batch-invariant mode.
+    pass through; ``temperature`` is given to both). ``batch_invariant`` as in
+    :func:`token_logprobs`: a patched model runs without the mode.
     Beam search and assisted decoding (which call the model on other rows) are refused.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -278,7 +303,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     hook = _final_norm(model).register_forward_hook(lambda module, args, out: captured.append(
         (out[0] if isinstance(out, tuple) else out)[:, -1]))
     try:
-        with set_batch_invariant_mode(True):
+        with mode_for(model, batch_invariant):
             sequences = model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
     finally:
         hook.remove()
@@ -295,7 +320,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         hidden = torch.zeros(new.shape[0], 0, hidden_width, device=new.device)
     else:
         hidden = torch.stack(captured, dim=1)
-    with set_batch_invariant_mode(True):
+    with mode_for(model, batch_invariant):
         scores = logprobs_from_hidden(model, hidden, target, temperature=temperature, return_entropy=return_entropy)
     if return_entropy:
         return sequences, scores[0], scores[1]

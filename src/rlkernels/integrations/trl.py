@@ -45,8 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batch_invariant import set_batch_invariant_mode
-from .hf import IGNORE_INDEX, decoder_of, hidden_states, patch_model
+from .hf import IGNORE_INDEX, decoder_of, hidden_states, mode_for, patch_model
 from ..ops.linear_logprob import linear_logprob
 
 try:
@@ -94,7 +93,7 @@ def _fused_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     head = model.get_output_embeddings()
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise TypeError(f"rlkernels.{OP}: {type(model).__name__} has no linear output embedding")
-    with set_batch_invariant_mode(True):
+    with mode_for(model):
         hidden = hidden_states(model, input_ids, attention_mask)
         if shift_labels is None:
             hidden, target = hidden[:, :-1], labels[:, 1:]
