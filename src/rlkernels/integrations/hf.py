@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hf_attention
+from . import hf_attention, hf_decode
 from .batch_invariant import set_batch_invariant_mode
 from ..nn import Linear
 from ..nn import RMSNorm
@@ -267,9 +267,64 @@ def _after_eos(new_tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     return (seen - is_eos.long()) > 0
 
 
+def _eos_ids(model: nn.Module, generate_kwargs: dict[str, Any]) -> list[int]:
+    eos = generate_kwargs.get("eos_token_id", getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _static_decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   temperature: float, generate_kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequences, hidden [B, T, H]) from the static-cache loop replayed as a CUDA graph."""
+    if input_ids.device.type != "cuda":
+        raise ValueError(f"rlkernels.generate: cuda_graph=True needs a model and inputs on a CUDA device, "
+                         f"got {input_ids.device}")
+    if not is_patched(model):
+        raise ValueError("rlkernels.generate: cuda_graph=True runs a patched model's decode step as a graph; "
+                         "call rlkernels.patch_model(model) first")
+    unknown = sorted(set(generate_kwargs) - hf_decode.SUPPORTED_OPTIONS)
+    if unknown:
+        raise ValueError(f"rlkernels.generate: with cuda_graph=True the options {unknown} are not supported "
+                         f"(supported: {sorted(hf_decode.SUPPORTED_OPTIONS)})")
+    config = model.generation_config
+    max_new = generate_kwargs.get("max_new_tokens", config.max_new_tokens)
+    if not isinstance(max_new, int) or max_new < 0:
+        raise ValueError(f"rlkernels.generate: max_new_tokens must be an int >= 0, got {max_new!r}")
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    if max_new == 0:
+        return input_ids, torch.zeros(input_ids.shape[0], 0, model.get_output_embeddings().weight.shape[1],
+                                      device=input_ids.device)
+    return hf_decode.static_generate(
+        model, decoder_of(model), input_ids, mask, max_new_tokens=max_new,
+        min_new_tokens=generate_kwargs.get("min_new_tokens", config.min_new_tokens) or 0,
+        do_sample=bool(generate_kwargs.get("do_sample", config.do_sample)), temperature=temperature,
+        top_k=generate_kwargs.get("top_k", config.top_k), top_p=generate_kwargs.get("top_p", config.top_p),
+        pad_token_id=generate_kwargs.get("pad_token_id", config.pad_token_id),
+        eos_token_ids=_eos_ids(model, generate_kwargs), generator=generate_kwargs.get("generator"),
+        cuda_graph=True, cache_kwargs=cache_kwargs)
+
+
+def _hf_decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               generate_kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequences, hidden [B, T, H]) from Hugging Face ``generate``, the final norm's output hooked."""
+    captured: list[torch.Tensor] = []
+    hook = _final_norm(model).register_forward_hook(lambda module, args, out: captured.append(
+        (out[0] if isinstance(out, tuple) else out)[:, -1]))
+    try:
+        sequences = model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
+    finally:
+        hook.remove()
+    steps = sequences.shape[1] - input_ids.shape[1]
+    if len(captured) != steps:
+        raise RuntimeError(f"rlkernels.generate: {len(captured)} forward passes for {steps} new tokens")
+    if steps == 0:
+        width = model.get_output_embeddings().weight.shape[1]
+        return sequences, torch.zeros(sequences.shape[0], 0, width, device=sequences.device)
+    return sequences, torch.stack(captured, dim=1)
+
+
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              temperature: float = 1.0, return_entropy: bool = False, batch_invariant: bool | None = None,
-             **generate_kwargs: Any):
+             cuda_graph: bool = False, **generate_kwargs: Any):
     """Hugging Face ``model.generate`` with the sampler's per-token log-probs, by the trainer's formula.
 
     Returns ``(sequences, logprobs)`` (and ``entropy`` with ``return_entropy``):
@@ -284,6 +339,13 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     pass through; ``temperature`` is given to both). ``batch_invariant`` as in
     :func:`token_logprobs`: a patched model runs without the mode.
     Beam search and assisted decoding (which call the model on other rows) are refused.
+
+    ``cuda_graph=True`` (a patched model on CUDA) decodes with a ``StaticCache`` and
+    replays each step from one captured CUDA graph, as rollout engines do
+    (:mod:`rlkernels.integrations.hf_decode`); it takes ``max_new_tokens``,
+    ``min_new_tokens``, ``do_sample``, ``top_k``, ``top_p``, ``pad_token_id``,
+    ``eos_token_id`` and ``generator``. Its hidden states, tokens and log-probs are the
+    eager loop's bits.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("rlkernels.generate: input_ids must be a [B, L] tensor")
@@ -297,30 +359,16 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     if generate_kwargs.get("return_dict_in_generate"):
         raise ValueError("rlkernels.generate: return_dict_in_generate is not supported; it returns the sequences")
     _check_ids(model, input_ids)
-    if generate_kwargs.get("do_sample"):
-        generate_kwargs["temperature"] = temperature
-    captured: list[torch.Tensor] = []
-    hook = _final_norm(model).register_forward_hook(lambda module, args, out: captured.append(
-        (out[0] if isinstance(out, tuple) else out)[:, -1]))
-    try:
-        with mode_for(model, batch_invariant):
-            sequences = model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
-    finally:
-        hook.remove()
-    new = sequences[:, input_ids.shape[1]:]
-    steps = new.shape[1]
-    if len(captured) != steps:
-        raise RuntimeError(f"rlkernels.generate: {len(captured)} forward passes for {steps} new tokens")
-    config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    target = new.masked_fill(_after_eos(new, eos_ids), IGNORE_INDEX)
-    if steps == 0:
-        hidden_width = model.get_output_embeddings().weight.shape[1]
-        hidden = torch.zeros(new.shape[0], 0, hidden_width, device=new.device)
-    else:
-        hidden = torch.stack(captured, dim=1)
+    eos_ids = _eos_ids(model, generate_kwargs)
     with mode_for(model, batch_invariant):
+        if cuda_graph:
+            sequences, hidden = _static_decode(model, input_ids, attention_mask, temperature, generate_kwargs)
+        else:
+            if generate_kwargs.get("do_sample"):
+                generate_kwargs["temperature"] = temperature
+            sequences, hidden = _hf_decode(model, input_ids, attention_mask, generate_kwargs)
+        new = sequences[:, input_ids.shape[1]:]
+        target = new.masked_fill(_after_eos(new, eos_ids), IGNORE_INDEX)
         scores = logprobs_from_hidden(model, hidden, target, temperature=temperature, return_entropy=return_entropy)
     if return_entropy:
         return sequences, scores[0], scores[1]

@@ -18,7 +18,7 @@ sequences.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -141,8 +141,10 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
         q_len = k_len = cu[1:] - cu[:-1]
         valid_rows = None
     else:
+        offset: int | torch.Tensor = s - lq  # keys before the first query (a cache)
+        if isinstance(attention_mask, PaddingMask):
+            attention_mask, offset = attention_mask
         bounds = _intervals_of(attention_mask, b, s)
-        offset = s - lq  # keys before the first query (a cache)
         if bounds is None:
             ks = torch.zeros(b, dtype=torch.int32, device=dev)
             ke = torch.full((b,), s, dtype=torch.int32, device=dev)
@@ -165,9 +167,29 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
     return out, None
 
 
-def _pass_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
-    """transformers' mask-function hook: the 2-D padding mask as given (None: no padding)."""
-    return attention_mask
+class PaddingMask(NamedTuple):
+    """What the mask hook hands each layer: the 2-D padding mask and the key slot of the
+    first query (an int, or a device tensor for caches that count on the device)."""
+
+    mask: torch.Tensor | None
+    q_offset: int | torch.Tensor
+
+
+def _pass_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, q_offset: Any = None,
+                       **kwargs: Any) -> PaddingMask | torch.Tensor | None:
+    """transformers' mask-function hook: the 2-D padding mask as given (None: no padding),
+    with the first query's key slot where transformers gives it.
+
+    A ``StaticCache`` hands attention every slot, written or not, so the queries are not
+    the last keys; transformers passes their offset (a device counter for a static
+    cache: it is copied here, before the first layer's cache update advances it)."""
+    if q_offset is None:
+        return attention_mask
+    if isinstance(q_offset, torch.Tensor):
+        q_offset = q_offset.reshape(()).to(torch.int32, copy=True)
+    elif attention_mask is None and q_offset == 0:
+        return None
+    return PaddingMask(attention_mask, q_offset)
 
 
 def register() -> None:

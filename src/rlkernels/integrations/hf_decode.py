@@ -1,0 +1,144 @@
+"""A static-cache decode loop for a patched Hugging Face causal LM, replayed as a CUDA graph.
+
+Rollout engines decode through CUDA graphs: one decode step is dozens of small
+kernels per layer, and launching them from Python costs more than running them.
+This loop keeps every input of a decode step in a fixed buffer (token ids, position
+ids, the padding mask over the whole cache, a ``StaticCache`` whose write position
+is a device counter), so the step -- decoder, final norm and LM head -- can be
+captured once with ``torch.cuda.graph`` and replayed for every new token.
+
+Replaying changes no bit: a graph replays the launches it recorded, and the patched
+model's step is the same computation whatever the key length (a ``StaticCache``
+hands the attention all ``L + max_new_tokens`` slots; the slots past a row's end are
+masked out of the fixed chain, so the eager, ``DynamicCache`` step and the replayed
+one agree). Sampling stays outside the graph (a few small ops on ``[B, vocab]``).
+The prompt is prefilled eagerly, and the first decode step runs eagerly too: it
+compiles every kernel and does every one-time host query before the capture.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+OP = "generate"
+
+# What the static loop knows how to do; anything else in generate_kwargs is refused.
+SUPPORTED_OPTIONS = frozenset({"max_new_tokens", "min_new_tokens", "do_sample", "top_k", "top_p",
+                               "pad_token_id", "eos_token_id", "temperature", "generator"})
+
+
+class _StepBuffers:
+    """The fixed inputs of one decode step (B rows; the mask spans the whole cache)."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> None:
+        self.ids = ids              # [B, 1] long: the token fed to this step
+        self.mask = mask            # [B, L + T] long: 1 for every real key written so far
+        self.positions = positions  # [B, 1] long: the position of the fed token
+
+
+def _sample(logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: int | None,
+            top_p: float | None, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token [B] from the LM head's logits [B, V], as Hugging Face's greedy / multinomial
+    sampling does (fp32 scores, temperature, then top-k, then top-p)."""
+    scores = logits.float()
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    scores = scores / temperature
+    if top_k is not None and 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1 - top_p)
+        drop_sorted[:, -1] = False  # keep at least the most likely token
+        scores = scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                    max_new_tokens: int, min_new_tokens: int = 0, do_sample: bool = False, temperature: float = 1.0,
+                    top_k: int | None = None, top_p: float | None = None, pad_token_id: int | None = None,
+                    eos_token_ids: list[int] | tuple[int, ...] = (), generator: torch.Generator | None = None,
+                    cuda_graph: bool = True, cache_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode up to ``max_new_tokens`` tokens after left-padded prompts with a ``StaticCache``.
+
+    input_ids, attention_mask: [B, L] (long; left padding). ``decoder`` is the model's base
+    decoder (returns the final, normed hidden states); ``cache_kwargs(decoder, cache)`` gives
+    the cache keyword its forward takes. Returns ``(sequences [B, L + T], hidden [B, T, H])``:
+    the prompts followed by the new tokens (``pad_token_id`` after a row's EOS, as
+    ``generate`` pads finished rows), and the final hidden state that produced each new
+    token, in the model dtype. T < ``max_new_tokens`` only where every row has ended.
+    ``cuda_graph``: replay steps 2.. from one captured graph (CUDA only); False runs every
+    step eagerly (the same loop, for CPUs and for comparison).
+    """
+    from transformers import StaticCache  # transformers is the optional "hf" extra
+
+    B, L = input_ids.shape
+    dev = input_ids.device
+    head = model.get_output_embeddings()
+    mask_long = attention_mask.long()
+    total = L + max_new_tokens
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    buffers = _StepBuffers(ids=torch.zeros(B, 1, dtype=torch.long, device=dev),
+                           mask=torch.zeros(B, total, dtype=torch.long, device=dev),
+                           positions=torch.zeros(B, 1, dtype=torch.long, device=dev))
+    buffers.mask[:, :L] = mask_long
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                      **cache_kwargs(decoder, cache))
+        hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
+        return hidden, head(hidden)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(buffers.ids, buffers.mask, buffers.positions)
+
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev) if eos_token_ids else None
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
+    unfinished = torch.ones(B, dtype=torch.bool, device=dev)
+    next_position = mask_long.sum(dim=1, keepdim=True)  # each row's real tokens so far
+
+    with torch.no_grad():
+        # Prefill: the prompt's keys fill slots [0, L); the mask's later slots are still 0.
+        hidden, logits = forward(input_ids, buffers.mask, (mask_long.cumsum(-1) - 1).clamp(min=0))
+        graph: torch.cuda.CUDAGraph | None = None
+        graph_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        new_tokens: list[torch.Tensor] = []
+        hiddens: list[torch.Tensor] = []
+        for t in range(max_new_tokens):
+            if t < min_new_tokens and eos is not None:
+                logits = logits.index_fill(1, eos, float("-inf"))
+            token = _sample(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                            generator=generator)
+            token = torch.where(unfinished, token, torch.full_like(token, pad))
+            new_tokens.append(token)
+            hiddens.append(hidden.clone())
+            if eos is not None:
+                unfinished &= ~torch.isin(token, eos)
+                if not bool(unfinished.any()):
+                    break
+            if t + 1 == max_new_tokens:
+                break
+            # The token just drawn is the next step's input, written into slot L + t.
+            buffers.ids.copy_(token[:, None])
+            buffers.positions.copy_(next_position)
+            buffers.mask[:, L + t] = 1
+            next_position += 1
+            if graph is not None:
+                graph.replay()
+                hidden, logits = graph_out
+            else:
+                hidden, logits = step()
+                if cuda_graph and t + 2 < max_new_tokens:
+                    # The eager step compiled every kernel and made every one-time host query;
+                    # record the next one (recording runs nothing: the cache's write counter
+                    # advances only when the graph replays).
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        graph_out = step()
+    sequences = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+    return sequences, torch.stack(hiddens, dim=1)
