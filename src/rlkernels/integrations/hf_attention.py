@@ -79,20 +79,37 @@ def _may_read(t: torch.Tensor) -> bool:
     return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-# Every layer of one forward gets the same mask object: its intervals are worked out once.
-# One (key, result) pair, replaced whole, so concurrent threads never pair one's key with
-# another's result.
-_LAST_INTERVALS: list = [None]
+# Every layer of one forward gets the same mask object: its bounds are worked out once
+# (a dozen small ops per layer otherwise; eager decode is host-bound). One (key, result)
+# pair, replaced whole, so concurrent threads never pair one's key with another's result.
+_LAST_BOUNDS: list = [None]
 
 
-def _intervals_of(attention_mask: torch.Tensor | None, batch: int, kv_length: int):
-    key = (attention_mask, batch, kv_length, None if attention_mask is None else attention_mask._version)
-    cached = _LAST_INTERVALS[0]
-    if cached is not None and cached[0][0] is attention_mask and cached[0][1:] == key[1:]:
+def _bounds_of(attention_mask: torch.Tensor | None, offset: int | torch.Tensor, b: int, lq: int, s: int,
+               device: torch.device):
+    """(q_start, q_len, k_start, k_len, valid_rows [B, Lq]) of each row's one interval of real tokens."""
+    key = (attention_mask, offset, b, lq, s, device,
+           None if attention_mask is None else attention_mask._version)
+    cached = _LAST_BOUNDS[0]
+    if cached is not None and cached[0][0] is attention_mask and cached[0][2:] == key[2:] and (
+            cached[0][1] is offset or (type(offset) is int and type(cached[0][1]) is int and cached[0][1] == offset)):
         return cached[1]
-    valid = _padding_mask(attention_mask, batch, kv_length)
-    result = None if valid is None else _interval(valid)
-    _LAST_INTERVALS[0] = (key, result)
+    valid = _padding_mask(attention_mask, b, s)
+    if valid is None:
+        ks = torch.zeros(b, dtype=torch.int32, device=device)
+        ke = torch.full((b,), s, dtype=torch.int32, device=device)
+    else:
+        ks, ke = _interval(valid)
+    first_q = (ks - offset).clamp(min=0, max=lq)
+    end_q = (ke - offset).clamp(min=0, max=lq)
+    base_q = torch.arange(b, dtype=torch.int32, device=device) * lq
+    base_k = torch.arange(b, dtype=torch.int32, device=device) * s
+    k_len = (ke - ks).clamp(min=0)
+    q_len = torch.minimum((end_q - first_q).clamp(min=0), k_len)
+    pos = torch.arange(lq, device=device)
+    valid_rows = (pos[None, :] >= first_q[:, None]) & (pos[None, :] < (first_q + q_len)[:, None])
+    result = (base_q + first_q, q_len, base_k + ks, k_len, valid_rows)
+    _LAST_BOUNDS[0] = (key, result)
     return result
 
 
@@ -144,21 +161,7 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
         offset: int | torch.Tensor = s - lq  # keys before the first query (a cache)
         if isinstance(attention_mask, PaddingMask):
             attention_mask, offset = attention_mask
-        bounds = _intervals_of(attention_mask, b, s)
-        if bounds is None:
-            ks = torch.zeros(b, dtype=torch.int32, device=dev)
-            ke = torch.full((b,), s, dtype=torch.int32, device=dev)
-        else:
-            ks, ke = bounds
-        first_q = (ks - offset).clamp(min=0, max=lq)
-        end_q = (ke - offset).clamp(min=0, max=lq)
-        base_q = torch.arange(b, dtype=torch.int32, device=dev) * lq
-        base_k = torch.arange(b, dtype=torch.int32, device=dev) * s
-        q_start, q_len = base_q + first_q, (end_q - first_q).clamp(min=0)
-        k_start, k_len = base_k + ks, (ke - ks).clamp(min=0)
-        q_len = torch.minimum(q_len, k_len)
-        pos = torch.arange(lq, device=dev)
-        valid_rows = (pos[None, :] >= first_q[:, None]) & (pos[None, :] < (first_q + q_len)[:, None])
+        q_start, q_len, k_start, k_len, valid_rows = _bounds_of(attention_mask, offset, b, lq, s, dev)
     out = attention_by_bounds("attention (Hugging Face)", q_rows, k_rows, v_rows, q_start, q_len, k_start, k_len, lq, s,
                               causal=True, scale=scale)
     out = out.view(b, lq, hq, d)
