@@ -13,7 +13,7 @@ import os
 import textwrap
 from types import ModuleType
 
-SUITES = ("gemm", "training", "logprob", "bmm", "cpu", "attention")
+SUITES = ("gemm", "training", "logprob", "bmm", "cpu", "attention", "model")
 # ``all``: the GPU suites (what the README's GPU benchmark command runs); ``cpu`` runs only by name.
 ALL = ("gemm", "training", "logprob", "bmm")
 SUITE_HELP = {
@@ -28,12 +28,16 @@ SUITE_HELP = {
     "cpu": "the CPU (torch) backend, a reference path, vs stock PyTorch on the CPU; needs no GPU",
     "attention": "batch-invariant fused attention (bf16, 16/8 heads, causal): prefill fwd and fwd+bwd TFLOP/s "
                  "vs SDPA flash/cuDNN and FlexAttention, decode µs and TB/s, prefill == decode bits",
+    "model": "a random-weight HF model (Qwen3-1.7B shape by default), stock vs rlkernels: scoring, a "
+             "policy-gradient training step, generate and long-sequence scoring; ms, tok/s, peak GiB, ratio, "
+             "and the share of log-probs that are bitwise equal batched vs alone (sampler vs trainer for "
+             "generate); --device cpu --config tiny runs without a GPU",
 }
 
 DESCRIPTION = """\
 Time rlkernels against stock PyTorch (and installed peers) and print a table per
 suite: medians of device-event timings, with stock measured in the same run.
-Every suite except cpu needs a CUDA GPU."""
+Every suite except cpu (and model with --device cpu) needs a CUDA GPU."""
 
 
 def _suite_list() -> str:
