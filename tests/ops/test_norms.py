@@ -8,7 +8,7 @@ from rlkernels import contract, reference, testing
 from rlkernels.nn import RMSNorm
 from rlkernels.ops import norms
 
-from ..conftest import cpu_backend_cases, randn
+from ..conftest import cpu_backend_cases, interpreter_only, randn
 
 # (dtype) -> rel tolerance used here; measured values are reported by test_report_errors.
 # The loosest of the three ops' contract rows (the tests share one bound per dtype).
@@ -112,7 +112,8 @@ def test_rms_norm_gradcheck():
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
 def test_rms_norm_dw_microbatch_invariance(backend, dtype, gen):
-    # dW reduces over tokens one row at a time: the grads of row subsets add up in the same chain.
+    # dW reduces over tokens in an order fixed by M: torch one row at a time; triton in blocks of
+    # ROWS_PER_BLOCK rows, and 30 rows are one block, i.e. one chain (more: test_rms_norm_triton_*).
     x = randn(30, 19, generator=gen)
     w = (1 + 0.1 * randn(19, generator=gen)).requires_grad_()
     g = randn(30, 19, generator=gen)
@@ -202,3 +203,119 @@ def test_norms_gpu(dtype, op):
         assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
         dx7 = torch.autograd.grad(norms.rms_norm(xg[:7], wg, 1e-6), xg, gy[:7])[0]
         assert torch.equal(dx7[:7], dx[:7])
+
+
+# ---------------------------------------------------------------- Triton RMSNorm: fused rows, blocked dW
+
+
+def _blocked_dw_emulation(g: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The Triton dW order on the host, in fp32: v = g * h; partial p = chain over rows
+    p*ROWS_PER_BLOCK.. ascending from 0.0; then a chain over the partials, p ascending."""
+    M, N = g.shape
+    rpb = norms.ROWS_PER_BLOCK
+    P = -(-M // rpb)
+    v = torch.zeros(P * rpb, N, dtype=torch.float32, device=g.device)
+    v[:M] = g.float() * h.float()
+    v = v.reshape(P, rpb, N)  # padded rows are exact zeros: adding them changes nothing
+    part = torch.zeros(P, N, dtype=torch.float32, device=g.device)
+    for k in range(rpb):  # every block's chain, one row step at a time
+        part = part + v[:, k]
+    total = torch.zeros(N, dtype=torch.float32, device=g.device)
+    for p in range(P):
+        total = total + part[p]
+    return total.to(out_dtype)
+
+
+def _unfused_rms(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float):
+    """HF RMSNorm and its grad_x from torch elementwise ops and the Triton row_dot kernel."""
+    red = norms.TritonReducer()
+    N = x.shape[-1]
+    xf = x.float()
+    rstd = torch.rsqrt(red.row_dot(xf, xf) / N + eps)
+    xhat = xf * rstd[:, None]
+    y = w * xhat.to(x.dtype)
+    gw = g.float() * w.float()
+    dx = rstd[:, None] * (gw - xhat * (red.row_dot(gw, xhat) / N)[:, None])
+    return y, dx.to(x.dtype)
+
+
+def _check_triton_rms(x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor, alone_rows: list[int],
+                      exact_formula: bool) -> None:
+    dtype = x.dtype
+    M, N = x.shape
+    eps = 1e-6
+
+    def run(rows, grads):
+        xr, wr = rows.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = norms.rms_norm(xr, wr, eps, backend="triton")
+        dx, dw = torch.autograd.grad(y, (xr, wr), grads)
+        return y.detach(), dx, dw
+
+    y, dx, dw = run(x, gy)
+    assert y.dtype == dtype and y.shape == (M, N) and dx.dtype == dtype and dw.dtype == w.dtype
+    # a row alone gives the bits it has inside the batch (forward and grad_x)
+    for r in alone_rows:
+        y1, dx1, _ = run(x[r:r + 1], gy[r:r + 1])
+        assert torch.equal(y1[0], y[r]) and torch.equal(dx1[0], dx[r]), f"row {r} of {M}x{N}"
+    # dW: the same bits run to run, and exactly the blocked fixed order
+    y2, dx2, dw2 = run(x, gy)
+    assert torch.equal(y2, y) and torch.equal(dx2, dx) and torch.equal(dw2, dw)
+    h = norms.rms_norm(x, None, eps, backend="triton")  # xhat rounded to x's dtype, same rstd
+    assert torch.equal(dw, _blocked_dw_emulation(gy, h, w.dtype))
+    assert torch.equal(norms.RMSNormTriton.reducer.col_sum(gy.float() * h.float()),
+                       _blocked_dw_emulation(gy, h, torch.float32))
+    if M == 0:
+        assert torch.equal(dw, torch.zeros_like(dw))
+        return
+    if exact_formula:
+        # the fused rows compute the HF formula with row_dot's sum order, bit for bit
+        y_ref, dx_ref = _unfused_rms(x, w, gy, eps)
+        assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    # accuracy against float64
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    rdx, rdw = torch.autograd.grad(reference.rms_norm_ref(xd, wd, eps), (xd, wd), gy.double())
+    tol = contract.tolerance("rms_norm", dtype).tolerance
+    assert testing.rel_error(y, reference.rms_norm_ref(x, w, eps)) <= tol
+    assert testing.rel_error(dw, rdw) <= tol and testing.rel_error(dx, rdx) <= (tol if dtype != torch.float32 else 2e-5)
+
+
+_FUSED_CASES = [(dt, M, N) for dt in (torch.float32, torch.float16)
+                for M, N in [(1, 128), (7, 13), (131, 128), (193, 37), (3, 2048), (5, 2053), (0, 64)]]
+_FUSED_CASES += [(torch.float16, 2, 16411)]  # a row of 17 tiles (the interpreter is slow: one dtype)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype,M,N", _FUSED_CASES)
+def test_rms_norm_triton_fused_and_blocked_dw(dtype, M, N, gen):
+    x = randn(M, N, dtype=dtype, generator=gen, scale=2.0)
+    w = (1 + 0.1 * randn(N, generator=gen)).to(dtype)
+    gy = randn(M, N, dtype=dtype, generator=gen)
+    _check_triton_rms(x, w, gy, alone_rows=sorted({0, M // 2, M - 1}) if M else [], exact_formula=True)
+
+
+@interpreter_only
+def test_rms_norm_triton_dw_order_depends_on_m_only(gen):
+    # Rows 0..199 of a 300-row batch: the first block's partial is the same chain either
+    # way, and the dW of the 200 rows is the blocked order for M=200 (not a prefix of 300's).
+    x = randn(300, 40, generator=gen)
+    gy = randn(300, 40, generator=gen)
+    h = norms.rms_norm(x, None, backend="triton")
+    full = norms.RMSNormTriton.reducer.col_sum(gy * h)
+    part = norms.RMSNormTriton.reducer.col_sum((gy * h)[:200])
+    assert torch.equal(part, _blocked_dw_emulation(gy[:200], h[:200], torch.float32))
+    assert torch.equal(full, _blocked_dw_emulation(gy, h, torch.float32))
+    seq = torch.zeros(40)
+    for r in range(300):
+        seq = seq + (gy[r] * h[r])
+    assert not torch.equal(full, seq), "300 rows must be summed in blocks, not one sequential chain"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N", [(4096 * 16, 128), (4096, 2048)])
+def test_rms_norm_triton_blocked_dw_gpu(M, N):
+    g = torch.Generator().manual_seed(11)
+    x = randn(M, N, dtype=torch.bfloat16, device="cuda", generator=g, scale=2.0)
+    w = (1 + 0.1 * randn(N, generator=g)).to(device="cuda", dtype=torch.bfloat16)
+    gy = randn(M, N, dtype=torch.bfloat16, device="cuda", generator=g)
+    # bf16 products are exact in fp32, so the emulation matches whether or not the GPU fuses mul+add
+    _check_triton_rms(x, w, gy, alone_rows=[0, 1, M // 2 + 3, M - 1], exact_formula=False)

@@ -1,4 +1,5 @@
-"""Fixed-order row and column sums for the norms and softmax. Host side: ``rlkernels.ops.norms``."""
+"""Fixed-order row and column sums for the norms and softmax, and the fused RMSNorm
+forward/backward rows. Host side: ``rlkernels.ops.norms``."""
 from __future__ import annotations
 
 from ._triton import tl, triton
@@ -41,16 +42,112 @@ if triton is not None:
         tl.store(out_ptr + row, pairwise_sum_1024(acc))
 
     @triton.jit
-    def col_sum_kernel(x_ptr, out_ptr, M, N, stride_m, BLOCK_N: tl.constexpr):
-        # Rows one at a time, ascending: a column's sum is one sequential chain.
-        pid = tl.program_id(0)
-        offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = offs < N
+    def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps,
+                            HAS_W: tl.constexpr, KEEP_FP32: tl.constexpr, BLOCK: tl.constexpr):
+        # One row per program. The sum of squares is row_dot_kernel's order (lanes stepped
+        # tile by tile, then pairwise_sum_1024), so the row's bits depend on the row alone.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        x_row = x_ptr + row * stride_x
+        y_row = y_ptr + row * stride_y
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            idx = start + offs
+            x = tl.load(x_row + idx.to(tl.int64), mask=idx < N, other=0.0).to(tl.float32)
+            acc += x * x
+        # div_rn: a plain fp32 '/' compiles to an approximate division on NVIDIA GPUs.
+        rstd = tl.rsqrt(tl.math.div_rn(pairwise_sum_1024(acc), N * 1.0) + eps)
+        for start in range(0, N, BLOCK):
+            idx = start + offs
+            mask = idx < N
+            xhat = tl.load(x_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32) * rstd
+            if KEEP_FP32:
+                h = xhat
+            else:
+                # HF rounds xhat to the input dtype before the weight multiply.
+                h = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
+            if HAS_W:
+                # One fp32 product rounded once to the promoted dtype, as torch's mul.
+                h = tl.load(w_ptr + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32) * h
+            tl.store(y_row + idx.to(tl.int64), h.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + row, rstd)
+
+    @triton.jit
+    def rms_norm_bwd_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, N, stride_g, stride_x, stride_dx,
+                            HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+        # grad_x of one row: gw = g * w, dot = sum(gw * xhat) / N (row_dot_kernel's order),
+        # dx = rstd * (gw - xhat * dot). Two passes over the row's tiles.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        g_row = g_ptr + row * stride_g
+        x_row = x_ptr + row * stride_x
+        rstd = tl.load(rstd_ptr + row)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            idx = start + offs
+            mask = idx < N
+            gw = tl.load(g_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                gw = gw * tl.load(w_ptr + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
+            xhat = tl.load(x_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32) * rstd
+            acc += gw * xhat
+        dot = tl.math.div_rn(pairwise_sum_1024(acc), N * 1.0)
+        for start in range(0, N, BLOCK):
+            idx = start + offs
+            mask = idx < N
+            gw = tl.load(g_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                gw = gw * tl.load(w_ptr + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
+            xhat = tl.load(x_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32) * rstd
+            dx = rstd * (gw - xhat * dot)
+            tl.store(dx_ptr + row * stride_dx + idx.to(tl.int64), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def col_partial_kernel(a_ptr, x_ptr, rstd_ptr, part_ptr, M, N, stride_a, stride_x,
+                           NORM: tl.constexpr, KEEP_FP32: tl.constexpr, ROWS: tl.constexpr,
+                           UNROLL: tl.constexpr, BLOCK_N: tl.constexpr):
+        # part[p, cols] = sum of v[r, cols] over rows r in [p*ROWS, (p+1)*ROWS) n [0, M),
+        # ascending from 0.0 in fp32, one sequential chain per column. v = a, or with NORM
+        # the RMSNorm dW term a * h, h = x * rstd (rounded to x's dtype unless KEEP_FP32).
+        # The blocks are fixed multiples of ROWS from row 0, so the order depends on M alone.
+        # Rows past M (in the last chunk) load 0 and add exactly 0.0: the chain never holds
+        # -0.0 (it starts at +0.0), so x + 0.0 == x.
+        p = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        cols = cols.to(tl.int64)
+        row0 = p * ROWS
+        n_rows = tl.minimum(M - row0, ROWS)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        ptrs = x_ptr + offs.to(tl.int64)  # stepping the pointer keeps row offsets 64-bit
-        for _ in range(0, M):
-            acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            ptrs += stride_m
-        tl.store(out_ptr + offs, acc, mask=mask)
+        for i in range(0, n_rows, UNROLL):
+            # The unrolled chunk issues its loads together; the adds stay in row order.
+            for j in tl.static_range(UNROLL):
+                r = row0 + i + j
+                # One vector comparison: the interpreter turns a vector & scalar mask into ints.
+                m = cols < tl.where(r < M, N, 0)
+                v = tl.load(a_ptr + r * stride_a + cols, mask=m, other=0.0).to(tl.float32)
+                if NORM:
+                    rs = tl.load(rstd_ptr + r, mask=r < M, other=0.0)
+                    h = tl.load(x_ptr + r * stride_x + cols, mask=m, other=0.0).to(tl.float32) * rs
+                    if not KEEP_FP32:
+                        h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
+                    v = v * h
+                acc += v
+        tl.store(part_ptr + p * N + cols, acc, mask=cmask)
+
+    @triton.jit
+    def col_finish_kernel(part_ptr, out_ptr, P, N, UNROLL: tl.constexpr, BLOCK_N: tl.constexpr):
+        # out[cols] = sum over p of part[p, cols], p ascending from 0.0 in fp32 (one chain
+        # per column), rounded once to out's dtype. Masked partials past P add exactly 0.0.
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        cols = cols.to(tl.int64)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for i in range(0, P, UNROLL):
+            for j in tl.static_range(UNROLL):
+                q = tl.cast(i + j, tl.int64)
+                acc += tl.load(part_ptr + q * N + cols, mask=cols < tl.where(q < P, N, 0), other=0.0)
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    pairwise_sum_1024 = row_dot_kernel = col_sum_kernel = None
+    pairwise_sum_1024 = row_dot_kernel = rms_norm_fwd_kernel = rms_norm_bwd_kernel = None
+    col_partial_kernel = col_finish_kernel = None

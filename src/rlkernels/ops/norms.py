@@ -20,9 +20,16 @@ invariance only needs the per-row sum to have a fixed order:
   lanes and add exactly 0; *leading* zeros shift lanes, so left padding is not
   bit-invariant here (nor in the tensor-core P@V).
 
-The RMSNorm weight gradient reduces over tokens: ascending over rows, one row per
-step (``torch``: a chain of row adds; ``triton``: one program per column block
-looping over rows), so it is independent of how the rows were batched.
+The RMSNorm weight gradient reduces over the M rows (tokens) of a call in an
+order fixed by M alone -- never by M's size class, the device or tuning:
+
+* ``torch``: ascending over rows, one row per step (a chain of row adds in fp64).
+* ``triton``: rows split into fixed blocks of :data:`ROWS_PER_BLOCK` aligned to
+  row 0; block p's partial is an fp32 chain over its rows ascending (from 0.0),
+  computed in parallel over blocks and column tiles; then each column's fp32
+  chain over the partials, p ascending (from 0.0), rounded once to the weight's
+  dtype. No atomics. RMSNorm's forward and grad_x run fused, one program per
+  row, with the row sums in the ``triton`` order above.
 """
 from __future__ import annotations
 
@@ -33,12 +40,27 @@ from ..registry import OpImpl, implementation, register, select_backend
 from ..gemm.chain import accumulator_dtype
 
 from ..kernels._triton import cdiv
-from ..kernels.norms import col_sum_kernel, row_dot_kernel
+from ..kernels.norms import (col_finish_kernel, col_partial_kernel, rms_norm_bwd_kernel, rms_norm_fwd_kernel,
+                             row_dot_kernel)
+from ..runtime.launcher import cached_launcher
 
 ROW_BLOCK = 1024  # must match pairwise_sum_1024; Triton tile width of the per-row sum (fixed: the order must not depend on R's size class)
-COL_BLOCK = 128   # Triton column block of the dW row loop (any width gives the same bits)
+COL_BLOCK = 128   # Triton column tile of the column sums (each column is its own chain: any width gives the same bits)
+# Triton column sums: rows [p*ROWS_PER_BLOCK, (p+1)*ROWS_PER_BLOCK) form partial p. Fixed, aligned
+# to row 0 and independent of M's size class, the GPU and any tuning: the order is a function of M.
+ROWS_PER_BLOCK = 128
+SUM_UNROLL = 16   # rows (partials) whose loads one step of a column chain issues together; order unchanged
+NUM_STAGES = 3    # Triton's CUDA default; the loops' pipelining does not change the order
 CHAIN_MAX = 16384  # torch backend: sequential chain up to this row length
 LANES = 1024       # torch backend: lane count of the long-row sum
+
+# Every Triton launch here goes through the cached launcher (runtime.launcher).
+_launch_row_dot = cached_launcher(row_dot_kernel)
+_launch_rms_fwd = cached_launcher(rms_norm_fwd_kernel)
+_launch_rms_bwd = cached_launcher(rms_norm_bwd_kernel)
+_launch_col_partial = cached_launcher(col_partial_kernel)
+_launch_col_finish = cached_launcher(col_finish_kernel)
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class TorchReducer:
@@ -67,6 +89,10 @@ class TorchReducer:
             acc.add_(lanes[:, j])
         return acc.to(out_dt)
 
+    def fuses_rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+        """Never: rms_norm runs torch elementwise ops around :meth:`row_dot` / :meth:`col_sum`."""
+        return False
+
     def col_sum(self, x: torch.Tensor) -> torch.Tensor:
         """sum_i x[i, j] over rows, ascending; fp32 (fp64 for fp64)."""
         acc = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
@@ -91,21 +117,97 @@ class TritonReducer:
             return out
         if R == 0:
             return out.zero_()
-        row_dot_kernel[(M,)](a, b if b is not None else a, out, R, a.stride(0),
-                              (b if b is not None else a).stride(0),
-                              HAS_B=b is not None, BLOCK=ROW_BLOCK, num_warps=4)
+        bb = b if b is not None else a
+        _launch_row_dot((M,), (a, bb, out, R, a.stride(0), bb.stride(0)), (b is not None, ROW_BLOCK),
+                        num_warps=4, num_stages=NUM_STAGES)
         return out
 
     def col_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """sum_i x[i, j] for a 2-D ``x`` [M, N], fp32 (fp64 for fp64): blocked, see :func:`blocked_col_sum`."""
         if x.dtype == torch.float64:
             return TorchReducer().col_sum(x)
         x = x.contiguous()
-        M, N = x.shape
-        out = torch.zeros(N, dtype=torch.float32, device=x.device)
-        if M == 0 or N == 0:
-            return out
-        col_sum_kernel[(cdiv(N, COL_BLOCK),)](x, out, M, N, x.stride(0), BLOCK_N=COL_BLOCK, num_warps=4)
+        out = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+        blocked_col_sum(x, out)
         return out
+
+    def fuses_rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+        """Whether rms_norm runs the fused row kernels (fp16/bf16/fp32 operands, rows not empty)."""
+        return (x.dtype in _FUSED_DTYPES and (weight is None or weight.dtype in _FUSED_DTYPES)
+                and x.shape[-1] > 0)
+
+
+def blocked_col_sum(a: torch.Tensor, out: torch.Tensor, x: torch.Tensor | None = None,
+                    rstd: torch.Tensor | None = None, keep_fp32: bool = False) -> None:
+    """``out[j] = sum_i v[i, j]`` on the Triton backend, in a fixed order that depends on M alone.
+
+    a: [M, N] contiguous (fp16/bf16/fp32); out: [N] (fp16/bf16/fp32), written once, the
+    fp32 sum rounded to its dtype. ``v = a``, or with ``x`` [M, N] and ``rstd`` [M] (fp32)
+    the RMSNorm weight-gradient term ``v = a * h`` with ``h = x * rstd`` rounded to x's
+    dtype (not with ``keep_fp32``). Order: partial p = fp32 chain over rows
+    p*ROWS_PER_BLOCK.. ascending, from 0.0; then out = fp32 chain over the partials, p
+    ascending, from 0.0. No atomics.
+    """
+    M, N = a.shape
+    if N == 0:
+        return
+    if M == 0:
+        out.zero_()
+        return
+    P = cdiv(M, ROWS_PER_BLOCK)
+    part = torch.empty(P, N, dtype=torch.float32, device=a.device)
+    norm = x is not None
+    xx = x if x is not None else a
+    rs = rstd if rstd is not None else a
+    _launch_col_partial((P, cdiv(N, COL_BLOCK)), (a, xx, rs, part, M, N, a.stride(0), xx.stride(0)),
+                        (norm, keep_fp32, ROWS_PER_BLOCK, SUM_UNROLL, COL_BLOCK), num_warps=4, num_stages=NUM_STAGES)
+    _launch_col_finish((cdiv(N, COL_BLOCK),), (part, out, P, N), (SUM_UNROLL, COL_BLOCK),
+                       num_warps=4, num_stages=NUM_STAGES)
+
+
+def rms_norm_forward_fused(x2: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                           keep_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused Triton RMSNorm rows: (y [M, N], rstd [M] fp32) for a contiguous x2 [M, N].
+
+    y = weight * (x * rstd).to(x.dtype) in torch's promoted dtype (fp32 with ``keep_fp32``,
+    where the fp32 xhat is kept); rstd = rsqrt(sum(x^2) / N + eps), the sum in
+    row_dot's fixed order.
+    """
+    M, N = x2.shape
+    if keep_fp32:
+        out_dt = torch.float32
+    else:
+        out_dt = x2.dtype if weight is None else torch.promote_types(weight.dtype, x2.dtype)
+    y = torch.empty(M, N, dtype=out_dt, device=x2.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x2.device)
+    if M == 0:
+        return y, rstd
+    w = weight.contiguous() if weight is not None else x2
+    _launch_rms_fwd((M,), (x2, w, y, rstd, N, x2.stride(0), y.stride(0), eps),
+                    (weight is not None, keep_fp32, ROW_BLOCK), num_warps=4, num_stages=NUM_STAGES)
+    return y, rstd
+
+
+def rms_norm_backward_fused(g2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+                            keep_fp32: bool, need_dx: bool, need_dw: bool
+                            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Fused Triton RMSNorm backward for g2, x2 [M, N] contiguous, rstd [M] fp32.
+
+    grad_x [M, N] in x's dtype (one program per row); grad_w [N] in weight's dtype,
+    :func:`blocked_col_sum` of ``g * h``.
+    """
+    M, N = x2.shape
+    grad_x = grad_w = None
+    if need_dx:
+        grad_x = torch.empty_like(x2)
+        if M:
+            w = weight.contiguous() if weight is not None else x2
+            _launch_rms_bwd((M,), (g2, x2, w, rstd, grad_x, N, g2.stride(0), x2.stride(0), grad_x.stride(0)),
+                            (weight is not None, ROW_BLOCK), num_warps=4, num_stages=NUM_STAGES)
+    if need_dw and weight is not None:
+        grad_w = torch.empty(N, dtype=weight.dtype, device=weight.device)
+        blocked_col_sum(g2, grad_w, x2, rstd, keep_fp32)
+    return grad_x, grad_w
 
 
 def reducer_for(op: str, device: torch.device, backend: str | None = None) -> TorchReducer | TritonReducer:
@@ -208,6 +310,13 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, eps, reducer, keep_fp32):  # type: ignore[override]
         N = x.shape[-1]
         x2 = x.reshape(-1, N)
+        ctx.fused = reducer.fuses_rms_norm(x, weight)
+        if ctx.fused:
+            x2 = x2.contiguous()
+            y, rstd = rms_norm_forward_fused(x2, weight, eps, keep_fp32)
+            ctx.save_for_backward(x2, weight, rstd)
+            ctx.reducer, ctx.keep_fp32, ctx.shape = reducer, keep_fp32, x.shape
+            return y.reshape(*x.shape[:-1], N)
         adt = accumulator_dtype(x.dtype)
         xf = x2.to(adt)
         mean_sq = reducer.row_dot(xf, xf) / N
@@ -224,6 +333,11 @@ class _RMSNormFunction(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         reducer = ctx.reducer
         N = x2.shape[-1]
+        if ctx.fused:
+            grad_x, grad_w = rms_norm_backward_fused(
+                grad.reshape(-1, N).contiguous(), x2, weight, rstd, ctx.keep_fp32,
+                ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1])
+            return (grad_x.reshape(ctx.shape) if grad_x is not None else None), grad_w, None, None, None
         adt = accumulator_dtype(x2.dtype)
         g = grad.reshape(-1, N).to(adt)
         xhat = x2.to(adt) * rstd[:, None]
