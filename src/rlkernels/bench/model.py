@@ -14,7 +14,8 @@ two ways in the same process:
 
 Workloads: ``scoring`` (right-padded batch, no grad), ``training`` (forward + backward of
 a per-token policy-gradient loss), ``generate`` (left-padded prompts, greedy, a fixed
-number of new tokens; ``--graphed`` adds the CUDA-graph variants where an API exists)
+number of new tokens; on a GPU also ``rlkernels.generate(..., cuda_graph=True)``;
+``--graphed`` adds transformers' compiled static-cache generate)
 and ``long`` (one long sequence per length). Per workload and side: median ms of the
 timed calls (CUDA events on a GPU, wall clock on the CPU), tokens/s, peak allocated GiB
 (less the other side's weights, which share the device), the time ratio
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import inspect
 import json
 import math
 import os
@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..integrations.hf import generate as rlk_generate, patch_model, token_logprobs
 from .common import print_table, write_json
 
 NEEDS_CUDA = False  # `--device cpu --config tiny` runs anywhere; the CUDA default is checked at parse time
@@ -173,8 +174,6 @@ def build_models(config: Any, device: torch.device, dtype: torch.dtype) -> tuple
     """
     import transformers
 
-    import rlkernels
-
     with torch.device(device):
         stock = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     g = torch.Generator(device=device).manual_seed(SEED)
@@ -187,7 +186,7 @@ def build_models(config: Any, device: torch.device, dtype: torch.dtype) -> tuple
     stock.generation_config.eos_token_id = None
     stock.generation_config.pad_token_id = PAD
     stock.generation_config.do_sample = False
-    patched = rlkernels.patch_model(copy.deepcopy(stock))
+    patched = patch_model(copy.deepcopy(stock))
     return stock, patched
 
 
@@ -198,19 +197,10 @@ def stock_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> t
 
 
 def rlkernels_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    import rlkernels
-
-    return rlkernels.token_logprobs(model, ids, mask)
+    return token_logprobs(model, ids, mask)
 
 
 Scorer = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def rlkernels_graph_kwargs() -> dict[str, Any] | None:
-    """The keyword that makes rlkernels.generate replay CUDA graphs, or None while it has none."""
-    import rlkernels
-
-    return {"cuda_graph": True} if "cuda_graph" in inspect.signature(rlkernels.generate).parameters else None
 
 
 # ---------------------------------------------------------------- measurement
@@ -352,8 +342,6 @@ def _stock_sampled(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
 
 
 def generate(b: Bench, graphed: bool) -> list[dict[str, Any]]:
-    import rlkernels
-
     s = b.sizes
     ids, mask = _left_padded_prompts(b)
     kw = dict(max_new_tokens=s.gen_new, min_new_tokens=s.gen_new, do_sample=False, pad_token_id=PAD)
@@ -361,24 +349,20 @@ def generate(b: Bench, graphed: bool) -> list[dict[str, Any]]:
     cases: list[tuple[str, str, Any]] = [
         ("generate", "stock", (lambda: b.stock.generate(ids, attention_mask=mask, **kw),
                                lambda: _stock_sampled(b.stock, ids, mask, kw))),
-        ("generate", "rlkernels", (lambda: rlkernels.generate(b.patched, ids, mask, **kw),
-                                   lambda: rlkernels.generate(b.patched, ids, mask, **kw))),
+        ("generate", "rlkernels", (lambda: rlk_generate(b.patched, ids, mask, **kw),
+                                   lambda: rlk_generate(b.patched, ids, mask, **kw))),
     ]
-    if graphed:
-        wl = "generate (graphed)"
-        if b.device.type != "cuda":
-            cases += [(wl, side, "skipped: CUDA graphs need a GPU") for side in ("stock", "rlkernels")]
-        else:
+    wl = "generate (graphed)"
+    if b.device.type != "cuda":
+        cases += [(wl, side, "skipped: CUDA graphs need a GPU") for side in ("stock", "rlkernels")]
+    else:
+        if graphed:  # transformers compiles its static-cache step: minutes of compilation per shape
             static = dict(kw, cache_implementation="static")
             cases.append((wl, "stock", (lambda: b.stock.generate(ids, attention_mask=mask, **static),
                                         lambda: _stock_sampled(b.stock, ids, mask, static))))
-            rg = rlkernels_graph_kwargs()
-            if rg is None:
-                cases.append((wl, "rlkernels", "skipped: rlkernels.generate has no cuda_graph keyword"))
-            else:
-                gkw = dict(kw, **rg)
-                cases.append((wl, "rlkernels", (lambda: rlkernels.generate(b.patched, ids, mask, **gkw),
-                                                lambda: rlkernels.generate(b.patched, ids, mask, **gkw))))
+        gkw = dict(kw, cuda_graph=True)
+        cases.append((wl, "rlkernels", (lambda: rlk_generate(b.patched, ids, mask, **gkw),
+                                        lambda: rlk_generate(b.patched, ids, mask, **gkw))))
     full_mask = torch.cat([mask, torch.ones(mask.shape[0], s.gen_new, dtype=mask.dtype, device=b.device)], dim=1)
     scorers = {side: (model, score) for side, model, score in b.sides()}
     shape = f"{s.gen_prompts}x({s.gen_prompt_width}+{s.gen_new})"
@@ -437,6 +421,10 @@ def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         base = stock.get(r["workload"])
         r["ratio"] = r["time_ms"] / base if r["side"] == "rlkernels" and r["time_ms"] and base else None
+        # A rollout engine decodes graphed; what it replaces is stock's eager generate.
+        eager = stock.get("generate")
+        r["vs_stock_eager"] = (r["time_ms"] / eager if r["workload"].startswith("generate") and r["time_ms"]
+                               and eager else None)
     return rows
 
 
@@ -462,8 +450,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
              f"{device.type}; time ratio = rlkernels / stock")
     shown = [{**r, "time ms": r["time_ms"], "tok/s": r["tok_s"], "peak GiB": r["peak_gib"],
               "bitwise %": None if r["bitwise"] is None else 100.0 * r["bitwise"]} for r in rows]
-    print_table(title, shown, ["workload", "side", "shape", "time ms", "tok/s", "peak GiB", "ratio", "bitwise %",
-                               "note"])
+    print_table(title, shown, ["workload", "side", "shape", "time ms", "tok/s", "peak GiB", "ratio",
+                               "vs_stock_eager", "bitwise %", "note"])
     write_json(args.json, "model", rows, {
         "config": name, "model_config": config.to_dict(),
         "layers": config.num_hidden_layers, "dtype": str(dtype), "bench_device": str(device), "reps": reps,
