@@ -319,3 +319,17 @@ def test_rms_norm_triton_blocked_dw_gpu(M, N):
     gy = randn(M, N, dtype=torch.bfloat16, device="cuda", generator=g)
     # bf16 products are exact in fp32, so the emulation matches whether or not the GPU fuses mul+add
     _check_triton_rms(x, w, gy, alone_rows=[0, 1, M // 2 + 3, M - 1], exact_formula=False)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rms_norm_inference_path_is_the_autograd_forward(dtype, gen):
+    # Without autograd (a decode step) rms_norm skips the Function; the launch is the same.
+    x = randn(3, 5, 131, dtype=dtype, generator=gen)
+    w = (1 + 0.1 * randn(131, generator=gen)).to(dtype).requires_grad_()
+    with_grad = norms.rms_norm(x.requires_grad_(), w, 1e-5, backend="triton")
+    assert with_grad.grad_fn is not None
+    with torch.no_grad():
+        plain = norms.rms_norm(x, w, 1e-5, backend="triton")
+    assert plain.grad_fn is None and plain.shape == x.shape
+    assert torch.equal(plain, with_grad.detach())

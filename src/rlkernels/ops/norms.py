@@ -362,7 +362,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     with torch's type promotion (an fp32 weight gives an fp32 output, as in HF).
     """
     _check_rms("rms_norm", x, weight)
-    return _RMSNormFunction.apply(x, weight, float(eps), reducer_for("rms_norm", x.device, backend), False)
+    reducer = reducer_for("rms_norm", x.device, backend)
+    if not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))) \
+            and reducer.fuses_rms_norm(x, weight):
+        # Inference (a decode step runs four norms per layer): the one fused launch, without
+        # an autograd node -- the forward the Function would run, so the same bits.
+        N = x.shape[-1]
+        y, _ = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), False)
+        return y.reshape(*x.shape[:-1], N)
+    return _RMSNormFunction.apply(x, weight, float(eps), reducer, False)
 
 
 def _check_rms(op: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:
