@@ -83,6 +83,56 @@ def cases(device: str) -> dict[str, str]:
             y = torch.softmax(x @ w, -1).mean(-1)
             y.float().sum().backward()
             out[f"mode {name}"] = _digest(y, x.grad, w.grad)
+    out.update(attention_cases(device))
+    return out
+
+
+def attention_cases(device: str) -> dict[str, str]:
+    """flash_attn_func forward + backward, the packed varlen call and KV-cache decode / chunked
+    prefill (GQA 16/8 heads). CUDA runs the triton kernels; the CPU one tiny fp32 case."""
+    import rlkernels
+
+    out: dict[str, str] = {}
+    if device == "cuda":
+        dtypes, hq, hkv, head_dims, cap = (torch.bfloat16, torch.float16), 16, 8, (128, 64), 4096
+        lens = (1, 100, 1024, 3000)
+        packed = (700, 1, 1299)
+        seqlens = (0, 1000, 2500, 4095)  # cache rows before this call: 1 to 4 splits of 1024 keys
+    else:
+        dtypes, hq, hkv, head_dims, cap = (torch.float32,), 2, 1, (16,), 40
+        lens = (5,)
+        packed = (5, 1, 7)
+        seqlens = (0, 9, 30)
+    for dt in dtypes:
+        name = str(dt).replace("torch.", "")
+        for d in head_dims:
+            for L in lens:
+                q = _rand(2, L, hq, d, dtype=dt, seed=L + d, grad=True, device=device)
+                k = _rand(2, L, hkv, d, dtype=dt, seed=L + d + 1, grad=True, device=device)
+                v = _rand(2, L, hkv, d, dtype=dt, seed=L + d + 2, grad=True, device=device)
+                y = rlkernels.flash_attn_func(q, k, v, causal=True)
+                y.backward(_rand(*y.shape, dtype=dt, seed=L + d + 3, device=device))
+                out[f"flash_attn_func causal {name} 2x{L}x{hq}/{hkv}x{d}"] = _digest(y, q.grad, k.grad, v.grad)
+            tq = sum(packed)
+            cu = torch.tensor([0, packed[0], packed[0] + packed[1], tq], dtype=torch.int32, device=device)
+            q = _rand(tq, hq, d, dtype=dt, seed=d + 4, grad=True, device=device)
+            k = _rand(tq, hkv, d, dtype=dt, seed=d + 5, grad=True, device=device)
+            v = _rand(tq, hkv, d, dtype=dt, seed=d + 6, grad=True, device=device)
+            y = rlkernels.flash_attn_varlen_func(q, k, v, cu, cu, max(packed), max(packed), causal=True)
+            y.backward(_rand(*y.shape, dtype=dt, seed=d + 7, device=device))
+            out[f"flash_attn_varlen_func causal {name} {packed}x{hq}/{hkv}x{d}"] = _digest(y, q.grad, k.grad, v.grad)
+            nb = len(seqlens)
+            cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+            for lq in (1, 20, 40):  # decode, and chunks that take the split (20 x 2 rows) or the full kernel
+                lq_seqlens = cache_seqlens.clamp(max=cap - lq)  # the appended rows fit the cache
+                kc = _rand(nb, cap, hkv, d, dtype=dt, seed=d + 8, device=device)
+                vc = _rand(nb, cap, hkv, d, dtype=dt, seed=d + 9, device=device)
+                q = _rand(nb, lq, hq, d, dtype=dt, seed=d + lq + 10, device=device)
+                kn = _rand(nb, lq, hkv, d, dtype=dt, seed=d + lq + 11, device=device)
+                vn = _rand(nb, lq, hkv, d, dtype=dt, seed=d + lq + 12, device=device)
+                y = rlkernels.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lq_seqlens, causal=True)
+                y2 = rlkernels.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lq_seqlens + lq, causal=True)
+                out[f"flash_attn_with_kvcache {name} {nb}x{lq}x{hq}/{hkv}x{d} cache {cap}"] = _digest(y, y2, kc, vc)
     return out
 
 

@@ -133,8 +133,8 @@ def _normal_launches(monkeypatch, module, name: str) -> None:
 class _CheckingLauncher(_launch.CachedLauncher):
     """A cached launcher that asserts, on every call, that its kernel is Triton's own."""
 
-    def __init__(self, fn, checked: list, leading_tensors: int = 0) -> None:
-        super().__init__(fn, leading_tensors)
+    def __init__(self, fn, checked: list, leading_tensors: int = 0, options: dict | None = None) -> None:
+        super().__init__(fn, leading_tensors, options)
         self.checked = checked
 
     def _launch(self, key, grid, args, constexprs, num_warps, num_stages, stream):
@@ -142,7 +142,8 @@ class _CheckingLauncher(_launch.CachedLauncher):
         super()._launch(key, grid, args, constexprs, num_warps, num_stages, stream)
         assert key == self.key(args, constexprs, num_warps, num_stages)
         ours = self.kernels[key]
-        theirs = self.fn.warmup(*args, *constexprs, grid=grid, num_warps=num_warps, num_stages=num_stages)
+        theirs = self.fn.warmup(*args, *constexprs, grid=grid, num_warps=num_warps, num_stages=num_stages,
+                                **self.options)
         assert ours is theirs, f"cached kernel differs from Triton's for key {key}"
         self.checked.append(key)
 
@@ -196,6 +197,75 @@ def test_cached_tma_launch_is_tritons_kernel_and_gives_the_same_bits(monkeypatch
                 got = gemm_tma.tma_gemm(a, b, cfg, **_clone_kwargs(kwargs))
                 assert torch.equal(got, want), (cfg.short(), tuple(a.shape), tuple(b.shape), sorted(kwargs))
     assert len(checked) > 20 and len(set(checked)) > 8
+
+
+# The attention launchers and the compile options Triton must have compiled each kernel with.
+_ATTN_LAUNCHERS = {"_launch_fwd": False, "_launch_split": False, "_launch_combine": False,
+                   "_launch_bwd_delta": True, "_launch_bwd_dkdv": True, "_launch_bwd_dq": True}
+
+
+@pytest.mark.gpu
+def test_cached_attention_launches_are_tritons_kernels_and_give_the_same_bits(monkeypatch):
+    from rlkernels.ops import attention as A
+
+    rnd = _gpu_randn(seed=7)
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for L, d in ((100, 128), (1500, 64)):
+            cases.append(("prefill", rnd(2, L, 16, d, dtype=dtype), rnd(2, L, 8, d, dtype=dtype),
+                          rnd(2, L, 8, d, dtype=dtype)))
+        for cap, lens in ((4096, [1, 900, 3000]), (1000, [1, 999])):  # split + combine; one split (FINISH)
+            seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            cases.append(("decode", rnd(len(lens), 1, 16, 128, dtype=dtype), rnd(len(lens), cap, 8, 128, dtype=dtype),
+                          rnd(len(lens), cap, 8, 128, dtype=dtype), seqlens))
+
+    def run(case):
+        if case[0] == "decode":
+            return [A.flash_attn_with_kvcache(case[1], case[2], case[3], cache_seqlens=case[4])]
+        q, k, v = (x.detach().requires_grad_() for x in case[1:])
+        out = A.flash_attn_func(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+        return [out, q.grad, k.grad, v.grad]
+
+    production = {name: getattr(A, name) for name in _ATTN_LAUNCHERS}
+    for name, prod in production.items():  # the reference: Triton's own launch path every time
+        normal = _launch.CachedLauncher(prod.fn, options=prod.options)
+        normal.enabled = False
+        monkeypatch.setattr(A, name, normal)
+    want = [run(c) for c in cases]
+    checked = []
+    launchers = {name: _CheckingLauncher(prod.fn, checked, options=prod.options) for name, prod in production.items()}
+    for name, launcher in launchers.items():
+        monkeypatch.setattr(A, name, launcher)
+    for _ in range(2):  # the first call compiles through Triton, the second is the cached launch
+        for case, w in zip(cases, want):
+            assert all(torch.equal(a, b) for a, b in zip(run(case), w)), case[0]
+    for name, fusion in _ATTN_LAUNCHERS.items():
+        kernels = list(launchers[name].kernels.values())
+        assert kernels and all(k.metadata.enable_fp_fusion is fusion for k in kernels), name
+    assert len(checked) > 20
+
+
+def test_cached_launcher_passes_its_compile_options(monkeypatch):
+    """Options given to the launcher reach Triton on the normal path and on each key's first launch."""
+    jit_calls = []
+
+    class FakeJitFunction:
+        def __getitem__(self, grid):
+            return lambda *args, **options: jit_calls.append(options) or object()
+
+    monkeypatch.setattr(_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "launch_hooks_active", lambda: False)
+    x = torch.randn(8)
+    for enabled in (False, True):
+        launcher = _launch.cached_launcher(FakeJitFunction(), options={"enable_fp_fusion": False})
+        launcher.enabled = enabled
+        launcher((1,), (x, 3), (True,), num_warps=2, num_stages=1)
+    assert jit_calls == [{"num_warps": 2, "num_stages": 1, "enable_fp_fusion": False}] * 2
+    plain = _launch.CachedLauncher(FakeJitFunction())
+    plain.enabled = False
+    plain((1,), (x, 3), (True,), num_warps=2, num_stages=1)
+    assert jit_calls[-1] == {"num_warps": 2, "num_stages": 1}
 
 
 @pytest.mark.skipif(_launch._knobs is None, reason="this Triton has no knobs module")

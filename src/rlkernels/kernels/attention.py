@@ -5,8 +5,9 @@ keys in blocks of BLOCK_N aligned to key 0, ascending; blocks grouped in splits 
 S_SPLIT keys aligned to key 0; each split's online-softmax state (m, l, acc) starts
 from scratch and the splits' states are merged in ascending order by :func:`merge_states`
 starting from the empty state. ``block_step`` and ``merge_states`` are the only places
-where the state is updated, and both the full (prefill) kernel and the split (decode)
-kernel + combine call them with the same expressions, so their rows agree bit for bit.
+where the state is updated; both the full (prefill) kernel and the split (decode)
+kernel walk a split with :func:`split_walk` and merge with :func:`merge_states`, so their
+rows agree bit for bit.
 
 Exactness of the no-op steps (why a tile's extra rows/blocks cost no bits): a block
 whose keys are all masked for a row leaves (m, l, acc) unchanged exactly (alpha =
@@ -116,6 +117,39 @@ if triton is not None:
         return out, lse
 
     @triton.jit
+    def split_walk(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, s0, n_end, n_full, k_len, D,
+                   qk_scale, ONES, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr):
+        """One split's online-softmax state (m, l, acc), from the empty state, over its key
+        blocks ascending: keys [s0, min(s0 + S_SPLIT, n_end)) of a tile whose rows have
+        query positions ``pos`` (row_ok: the row exists). Blocks below n_full (a multiple of
+        BLOCK_N) are seen in full by every row and run without the mask; the rest with it.
+
+        The full kernel (each split in turn) and the split kernel (one split per program)
+        both walk a split here, so the two compute one chain.
+        """
+        m_s = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc_s = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        s_end = tl.minimum(s0 + S_SPLIT, n_end)
+        s_mid = tl.minimum(tl.maximum(n_full, s0), s_end)
+        for n0 in range(s0, s_mid, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
+            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
+            m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, ONES, IEEE, False)
+        for n0 in range(s_mid, s_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k_ok = offs_n < k_len
+            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, True)
+            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, True)
+            valid = k_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= pos[:, None])
+            m_s, l_s, acc_s = block_step(q, k, v, valid, m_s, l_s, acc_s, qk_scale, ONES, IEEE, True)
+        return m_s, l_s, acc_s
+
+    @triton.jit
     def attn_fwd_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
@@ -165,25 +199,9 @@ if triton is not None:
         k_base = k_ptr + k_start * stride_kt + kvh * stride_kh
         v_base = v_ptr + k_start * stride_vt + kvh * stride_vh
         for s0 in range(0, n_end, S_SPLIT):
-            m_s = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-            l_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            acc_s = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-            s_end = tl.minimum(s0 + S_SPLIT, n_end)
-            s_mid = tl.minimum(tl.maximum(n_full, s0), s_end)
-            for n0 in range(s0, s_mid, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
-                v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
-                m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, ONES, IEEE, False)
-            for n0 in range(s_mid, s_end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                k_ok = offs_n < k_len
-                k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, True)
-                v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, True)
-                valid = k_ok[None, :] & row_ok[:, None]
-                if CAUSAL:
-                    valid = valid & (offs_n[None, :] <= pos[:, None])
-                m_s, l_s, acc_s = block_step(q, k, v, valid, m_s, l_s, acc_s, qk_scale, ONES, IEEE, True)
+            m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, s0, n_end,
+                                         n_full, k_len, D, qk_scale, ONES, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
+                                         S_SPLIT, IEEE, EVEN_D)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
         out, lse = finish(m, l, acc)
         store_rows(o_ptr + q_start * stride_ot + h * stride_oh, offs_m, stride_ot, offs_d, q_len, D,
@@ -241,28 +259,11 @@ if triton is not None:
             n_full = k_len
         n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
         ONES = tl.full((BLOCK_N, 16), 1.0, dtype=q_ptr.dtype.element_ty)
-        m_s = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc_s = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         k_base = k_ptr + k_start * stride_kt + kvh * stride_kh
         v_base = v_ptr + k_start * stride_vt + kvh * stride_vh
-        s0 = sp * S_SPLIT
-        s_end = tl.minimum(s0 + S_SPLIT, n_end)
-        s_mid = tl.minimum(tl.maximum(n_full, s0), s_end)
-        for n0 in range(s0, s_mid, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
-            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
-            m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, ONES, IEEE, False)
-        for n0 in range(s_mid, s_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            k_ok = offs_n < k_len
-            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, True)
-            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, True)
-            valid = k_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= pos[:, None])
-            m_s, l_s, acc_s = block_step(q, k, v, valid, m_s, l_s, acc_s, qk_scale, ONES, IEEE, True)
+        m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, sp * S_SPLIT, n_end,
+                                     n_full, k_len, D, qk_scale, ONES, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT,
+                                     IEEE, EVEN_D)
         if FINISH:
             m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
             l = tl.zeros((BLOCK_M,), dtype=tl.float32)

@@ -46,6 +46,7 @@ from ..kernels._triton import cdiv
 from ..kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_combine_kernel,
                                  attn_fwd_kernel, attn_split_kernel)
 from ..gemm.chain import accumulator_dtype, chain_matmul, chain_sum
+from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 
 OP = "flash_attn"
 MAX_HEAD_DIM = 256
@@ -345,6 +346,20 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
 
 # ---------------------------------------------------------------- triton backend
 
+# The forward kernels compile without mul+add contraction, so that the masked and unmasked
+# block steps round s * scale alike (the interpreter has no such option and ignores it).
+_FWD_OPTIONS = {} if triton_interpret() else {"enable_fp_fusion": False}
+# Triton's num_warps where a launch names none: the delta kernel is a light row sum that needs no more.
+DELTA_WARPS = 4
+# Decode steps are host-bound: later launches skip Triton's binder (runtime.launcher).
+_launch_fwd = cached_launcher(attn_fwd_kernel, options=_FWD_OPTIONS) if attn_fwd_kernel is not None else None
+_launch_split = cached_launcher(attn_split_kernel, options=_FWD_OPTIONS) if attn_split_kernel is not None else None
+_launch_combine = (cached_launcher(attn_combine_kernel, options=_FWD_OPTIONS) if attn_combine_kernel is not None
+                   else None)
+_launch_bwd_delta = cached_launcher(attn_bwd_delta_kernel) if attn_bwd_delta_kernel is not None else None
+_launch_bwd_dkdv = cached_launcher(attn_bwd_dkdv_kernel) if attn_bwd_dkdv_kernel is not None else None
+_launch_bwd_dq = cached_launcher(attn_bwd_dq_kernel) if attn_bwd_dq_kernel is not None else None
+
 
 def _pow2(x: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (x - 1).bit_length()))
@@ -382,9 +397,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     bd = _pow2(d)
     ieee = q.dtype == torch.float32
     qk_scale = scale * LOG2E
-    # No mul+add contraction: the masked and unmasked block steps round s * scale alike.
-    opts = {} if triton_interpret() else {"enable_fp_fusion": False}
-    common = dict(EVEN_D=d == bd, DENSE=dense is not None, KLEN_PTR=klen_ptr)
+    even_d = d == bd
+    is_dense = dense is not None
     if split_kv:
         bm = cfg.split_block_m
         rows_pad = cdiv(max_q * g, bm) * bm
@@ -392,27 +406,33 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         finish_here = n_splits == 1
         ws_rows = nb * hkv * n_splits * rows_pad
         ws = lse if finish_here else torch.empty(ws_rows * (bd + 2), dtype=torch.float32, device=q.device)
-        attn_split_kernel[(rows_pad // bm, nb * hkv, n_splits)](
-            q, k, v, ws, out, lse, q_start, q_len, k_start, k_len,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, lk_d, k_add,
-            CAUSAL=causal, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
-            FINISH=finish_here, num_warps=cfg.split_warps, num_stages=cfg.split_stages, **common, **opts)
+        _launch_split(
+            (rows_pad // bm, nb * hkv, n_splits),
+            (q, k, v, ws, out, lse, q_start, q_len, k_start, k_len,
+             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+             out.stride(0), out.stride(1), lse.stride(0),
+             hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, lk_d, k_add),
+            # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, FINISH
+            (causal, bm, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, finish_here),
+            num_warps=cfg.split_warps, num_stages=cfg.split_stages)
         if not finish_here:
-            attn_combine_kernel[(rows_pad // bm, nb * hkv)](
-                ws, out, lse, q_start, q_len, k_start, k_len,
-                out.stride(0), out.stride(1), lse.stride(0),
-                hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, lk_d, k_add, BLOCK_M=bm, BLOCK_D=bd,
-                num_warps=cfg.split_warps, **common, **opts)
+            _launch_combine(
+                (rows_pad // bm, nb * hkv),
+                (ws, out, lse, q_start, q_len, k_start, k_len,
+                 out.stride(0), out.stride(1), lse.stride(0),
+                 hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, lk_d, k_add),
+                (bm, bd, even_d, is_dense, klen_ptr),  # BLOCK_M, BLOCK_D, EVEN_D, DENSE, KLEN_PTR
+                num_warps=cfg.split_warps, num_stages=DEFAULT_NUM_STAGES)
         return out, lse
-    attn_fwd_kernel[(cdiv(max_q, cfg.block_m), nb * hq)](
-        q, k, v, out, lse, q_start, q_len, k_start, k_len,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        hq, g, d, qk_scale, lq_d, lk_d, k_add,
-        CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
-        REVERSE_M=causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **opts)
+    _launch_fwd(
+        (cdiv(max_q, cfg.block_m), nb * hq),
+        (q, k, v, out, lse, q_start, q_len, k_start, k_len,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         out.stride(0), out.stride(1), lse.stride(0),
+         hq, g, d, qk_scale, lq_d, lk_d, k_add),
+        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, REVERSE_M
+        (causal, cfg.block_m, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, causal),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
 
@@ -435,23 +455,30 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     bm0 = 16 if triton_interpret() else 64
-    attn_bwd_delta_kernel[(cdiv(max_q, bm0), nb * hq)](
-        out, do, delta, q_start, q_len, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
-        hq, d, BLOCK_M=bm0, BLOCK_D=bd)
+    _launch_bwd_delta(
+        (cdiv(max_q, bm0), nb * hq),
+        (out, do, delta, q_start, q_len, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+         hq, d),
+        (bm0, bd),  # BLOCK_M, BLOCK_D
+        num_warps=DELTA_WARPS, num_stages=DEFAULT_NUM_STAGES)
     lse = lse.contiguous()
-    attn_bwd_dkdv_kernel[(cdiv(max_k, cfg.dkdv_block_n), nb * hkv)](
-        q, k, v, do, lse, delta, dk, dv, q_start, q_len, k_start, k_len,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        hkv, g, d, qk_scale, scale,
-        CAUSAL=causal, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
+    _launch_bwd_dkdv(
+        (cdiv(max_k, cfg.dkdv_block_n), nb * hkv),
+        (q, k, v, do, lse, delta, dk, dv, q_start, q_len, k_start, k_len,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         do.stride(0), do.stride(1), lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+         hkv, g, d, qk_scale, scale),
+        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D
+        (causal, cfg.dkdv_block_m, cfg.dkdv_block_n, bd, ieee, d == bd),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    attn_bwd_dq_kernel[(cdiv(max_q, cfg.dq_block_m), nb * hq)](
-        q, k, v, do, lse, delta, dq, q_start, q_len, k_start, k_len,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
-        hq, g, d, qk_scale, scale,
-        CAUSAL=causal, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
+    _launch_bwd_dq(
+        (cdiv(max_q, cfg.dq_block_m), nb * hq),
+        (q, k, v, do, lse, delta, dq, q_start, q_len, k_start, k_len,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
+         hq, g, d, qk_scale, scale),
+        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D
+        (causal, cfg.dq_block_m, cfg.dq_block_n, bd, ieee, d == bd),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq, dk, dv
 

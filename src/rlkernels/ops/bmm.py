@@ -49,6 +49,7 @@ from ..kernels._triton import DOT_ANY_M, cdiv
 from ..kernels.bmm import bmm_tiny_kernel
 from ..gemm.triton import triton_gemm
 from ..runtime.device import sm_count
+from ..runtime.launcher import cached_launcher
 
 OP = "bmm"
 TINY_MAX_DIM = 64
@@ -56,6 +57,8 @@ DISABLE_ENV = "RLKERNELS_DISABLE_TINY_GEMM"
 
 _log = logging.getLogger("rlkernels")
 _failed_tiny: set[tuple] = set()
+# Tiny batched GEMMs are host-bound: later launches skip Triton's binder (runtime.launcher).
+_launch_bmm_tiny = cached_launcher(bmm_tiny_kernel) if bmm_tiny_kernel is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,19 +182,20 @@ def _launch_tiny(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TinyC
         grid = (min(groups, cfg.programs_per_sm * sm_count(a.device)),)
     else:
         grid = (groups,)
-    bmm_tiny_kernel[grid](
-        a, b, out,
-        Bt, M, N, K,
-        a.stride(0), a.stride(1), a.stride(2),
-        sbb, sbk, sbn,
-        out.stride(0), out.stride(1), out.stride(2),
-        M_DIV=_pow2_divisor(M), N_DIV=_pow2_divisor(N), K_DIV=_pow2_divisor(K),
-        AM_DIV=_pow2_divisor(a.stride(1)), AK_DIV=_pow2_divisor(a.stride(2)),
-        BK_DIV=_pow2_divisor(sbk), BN_DIV=_pow2_divisor(sbn),
-        CM_DIV=_pow2_divisor(out.stride(1)), CN_DIV=_pow2_divisor(out.stride(2)),
-        GROUP=cfg.group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        USE_DOT=cfg.use_dot, IEEE=a.dtype == torch.float32,
-        PERSISTENT=cfg.persistent, STAGES=cfg.num_stages,
+    _launch_bmm_tiny(
+        grid,
+        (a, b, out,
+         Bt, M, N, K,
+         a.stride(0), a.stride(1), a.stride(2),
+         sbb, sbk, sbn,
+         out.stride(0), out.stride(1), out.stride(2)),
+        (_pow2_divisor(M), _pow2_divisor(N), _pow2_divisor(K),  # M_DIV, N_DIV, K_DIV
+         _pow2_divisor(a.stride(1)), _pow2_divisor(a.stride(2)),  # AM_DIV, AK_DIV
+         _pow2_divisor(sbk), _pow2_divisor(sbn),  # BK_DIV, BN_DIV
+         _pow2_divisor(out.stride(1)), _pow2_divisor(out.stride(2)),  # CM_DIV, CN_DIV
+         cfg.group, bm, bn, bk,  # GROUP, BLOCK_M, BLOCK_N, BLOCK_K
+         cfg.use_dot, a.dtype == torch.float32,  # USE_DOT, IEEE
+         cfg.persistent, cfg.num_stages),  # PERSISTENT, STAGES
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

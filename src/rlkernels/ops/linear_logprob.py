@@ -48,6 +48,7 @@ from .matmul import engine_for, main_grad_target
 
 from ..kernels._triton import cdiv
 from ..kernels.linear_logprob import fwd_partial_kernel, logprob_combine_kernel, grad_logits_kernel
+from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 
 OP = "linear_logprob"
 
@@ -376,6 +377,11 @@ def fused_config(dtype: torch.dtype) -> FusedConfig:
 
 COMBINE_BLOCK = 256
 
+# The launches skip Triton's binder after their first call with a given key (runtime.launcher).
+_launch_fwd_partial = cached_launcher(fwd_partial_kernel) if fwd_partial_kernel is not None else None
+_launch_combine = cached_launcher(logprob_combine_kernel) if logprob_combine_kernel is not None else None
+_launch_grad_logits = cached_launcher(grad_logits_kernel) if grad_logits_kernel is not None else None
+
 
 class TritonKernels:
     """The two fused steps of the op as Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
@@ -419,16 +425,18 @@ class TritonKernels:
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         h_arg, w_arg, tma = self._operands(h2, weight, cfg)
         grid = (cdiv(N, cfg.block_m) * n_split,)
-        fwd_partial_kernel[grid](
-            h_arg, w_arg, bias if bias is not None else h2, tgt, m, s, u, zt,
-            N, vocab, D, float(temperature),
-            h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1),
-            HAS_BIAS=bias is not None, HAS_TEMP=temperature != 1.0, IEEE=h2.dtype == torch.float32,
-            EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        _launch_fwd_partial(
+            grid,
+            (h_arg, w_arg, bias if bias is not None else h2, tgt, m, s, u, zt,
+             N, vocab, D, float(temperature),
+             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
+            # HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M
+            (bias is not None, temperature != 1.0, h2.dtype == torch.float32, D % cfg.block_k == 0, tma,
+             cfg.split_v, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        logprob_combine_kernel[(cdiv(N, COMBINE_BLOCK),)](
-            m, s, u, zt, tgt, logp, ent, lse, N, n_split, BLOCK=COMBINE_BLOCK, num_warps=4)
+        _launch_combine((cdiv(N, COMBINE_BLOCK),), (m, s, u, zt, tgt, logp, ent, lse, N, n_split),
+                        (COMBINE_BLOCK,), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
         return logp, ent, lse
 
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
@@ -446,16 +454,18 @@ class TritonKernels:
         g_desc = tma and cfg.tma_store and tma_layout_ok(out)
         g_arg = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [cfg.block_m, cfg.block_v]) if g_desc \
             else out
-        grad_logits_kernel[grid](
-            h_arg, w_arg, bias if bias is not None else h2, tgt, lse, ent, g_logp,
-            g_ent if g_ent is not None else g_logp, g_arg,
-            N, weight.shape[0], D, v0, v1, float(temperature),
-            h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, HAS_TEMP=temperature != 1.0, HAS_GE=g_ent is not None,
-            IEEE=h2.dtype == torch.float32, EVEN_D=D % cfg.block_k == 0, TMA=tma,
-            BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            PERSISTENT=cfg.persistent, NUM_SMS=sms, G_DESC=g_desc, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+        _launch_grad_logits(
+            grid,
+            (h_arg, w_arg, bias if bias is not None else h2, tgt, lse, ent, g_logp,
+             g_ent if g_ent is not None else g_logp, g_arg,
+             N, weight.shape[0], D, v0, v1, float(temperature),
+             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1)),
+            # HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+            # PERSISTENT, NUM_SMS, G_DESC
+            (bias is not None, temperature != 1.0, g_ent is not None, h2.dtype == torch.float32,
+             D % cfg.block_k == 0, tma, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m,
+             cfg.persistent, sms, g_desc),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
 

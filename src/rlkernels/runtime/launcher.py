@@ -44,6 +44,10 @@ except Exception:  # pragma: no cover - older or absent Triton
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
+# Triton's num_stages on CUDA where ``kernel[grid](...)`` names none; a launcher takes it
+# explicitly, and kernels tuned without one keep the binary they were measured with.
+DEFAULT_NUM_STAGES = 3
+
 
 def fast_launch_enabled() -> bool:
     return _knobs is not None and switch_on(FAST_LAUNCH_ENV) and not triton_interpret()
@@ -102,13 +106,17 @@ class CachedLauncher:
     tensors. The rest are then keyed by value -- finer than Triton's specialization on
     integers, so never another kernel -- and the key costs a slice instead of a loop
     over every argument (half the key's host time; decode calls are host-bound).
+
+    ``options``: compile options (e.g. ``enable_fp_fusion``) passed to every normal
+    launch; fixed for the launcher's life, so the key need not hold them.
     """
 
-    def __init__(self, fn: Any, leading_tensors: int = 0) -> None:
+    def __init__(self, fn: Any, leading_tensors: int = 0, options: dict[str, Any] | None = None) -> None:
         self.fn = fn
         self.kernels: dict[tuple, Any] = {}
         self.enabled = fast_launch_enabled()
         self.leading_tensors = leading_tensors
+        self.options = dict(options or {})
 
     def key(self, args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> tuple:
         n = self.leading_tensors
@@ -121,7 +129,7 @@ class CachedLauncher:
                  num_stages: int, stream: int | None = None) -> None:
         """``stream``: the current raw stream, where the caller already has it."""
         if not self.enabled or launch_hooks_active():
-            self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+            self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages, **self.options)
             return
         self._launch(self.key(args, constexprs, num_warps, num_stages), grid, args, constexprs, num_warps,
                      num_stages, stream)
@@ -142,7 +150,8 @@ class CachedLauncher:
         if kernel is None:
             if len(self.kernels) >= MAX_KEYS:
                 self.kernels.clear()
-            self.kernels[key] = self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+            self.kernels[key] = self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages,
+                                              **self.options)
             return
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(key[0])
@@ -167,5 +176,5 @@ def launch_with_key(launcher: Any, key: tuple | None, grid: tuple[int, ...], arg
         launcher.launch_keyed(key, grid, args, constexprs, num_warps=num_warps, num_stages=num_stages, stream=stream)
 
 
-def cached_launcher(fn: Any, leading_tensors: int = 0) -> CachedLauncher | None:
-    return CachedLauncher(fn, leading_tensors) if triton is not None else None
+def cached_launcher(fn: Any, leading_tensors: int = 0, options: dict[str, Any] | None = None) -> CachedLauncher | None:
+    return CachedLauncher(fn, leading_tensors, options) if triton is not None else None
