@@ -593,6 +593,9 @@ def _run(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, b
             chain.block_n, chain.split, backend, bool(split_kv))
     if torch.compiler.is_compiling():
         return flash_attn_fwd_op(*args)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # Inference (decode): the same forward without an autograd node's host time.
+        return _fwd_impl(*args)
     return _AttnFunction.apply(*args)
 
 
