@@ -433,6 +433,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     name = args.config or ("qwen3-1.7b" if device.type == "cuda" else "tiny")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)  # CUDA events and the peak counters follow the current device
     config = model_config(name, args.layers)
     sizes = TINY if name == "tiny" else FULL
