@@ -66,7 +66,7 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     for m_max, n_min, cfg in gemm_table.GEMM_TABLE_16BIT:
         table.add_row("inf" if m_max > 1 << 40 else str(m_max), str(n_min), cfg.short())
     console.print(table)
-    from .gemm.engines import CUBLASLT_MIN_M, CUBLASLT_MIN_M_LM_HEAD, CUBLASLT_MIN_M_NARROW, LM_HEAD_N, WIDE_N
+    from .gemm.backends import CUBLASLT_MIN_M, CUBLASLT_MIN_M_LM_HEAD, CUBLASLT_MIN_M_NARROW, LM_HEAD_N, WIDE_N
 
     console.print(f"cuBLASLt-no-split is used from M >= {CUBLASLT_MIN_M} (M >= {CUBLASLT_MIN_M_NARROW} for N < {WIDE_N}, "
                   f"M >= {CUBLASLT_MIN_M_LM_HEAD} for N >= {LM_HEAD_N}) for bf16/fp16 where a probe proves the same bits.")

@@ -179,13 +179,13 @@ def test_b_transposed_needs_a_2d_weight():
         triton_gemm(torch.empty(2, 3, 4), torch.empty(2, 5, 4), b_transposed=True)
 
 
-def test_engines_take_the_weight_transposed(gen):
-    from rlkernels.gemm.engines import TorchEngine
+def test_gemm_backends_take_the_weight_transposed(gen):
+    from rlkernels.gemm.backends import TorchGemmBackend
 
     x = randn(5, 12, generator=gen)
     w = randn(7, 12, generator=gen)
-    eng = TorchEngine()
-    assert torch.equal(eng.gemm(x, w, b_transposed=True), eng.gemm(x, w.t()))
+    gemm_backend = TorchGemmBackend()
+    assert torch.equal(gemm_backend.gemm(x, w, b_transposed=True), gemm_backend.gemm(x, w.t()))
 
 
 @interpreter_only

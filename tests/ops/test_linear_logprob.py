@@ -13,7 +13,7 @@ import torch
 
 from rlkernels import contract
 from rlkernels.ops.linear_logprob import (
-    FUSED_16BIT, TorchKernels, TritonKernels, backward_chunk, linear_logprob,
+    FUSED_16BIT, TorchLinearLogprobBackend, TritonLinearLogprobBackend, backward_chunk, linear_logprob,
 )
 from rlkernels.reference import linear_logprob_ref
 from rlkernels.registry import get_op, registered_ops
@@ -506,18 +506,18 @@ def test_backward_deterministic_across_processes():
 @pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_triton_grad_kernel_matches_torch_kernel(dtype, gen):
-    """The fused g kernel against the torch backend's g, chunk by chunk (no GEMM engine)."""
+    """The fused g kernel against the torch backend's g, chunk by chunk (no GEMM backend)."""
     n, d, v = 5, 40, 150
     h, w, b, t = _data(n, d, v, dtype, gen)
     tgt = torch.where(t == -100, -1, t)
-    logp, ent, lse = TorchKernels().forward(h, w, b, tgt, TEMP)
+    logp, ent, lse = TorchLinearLogprobBackend().forward(h, w, b, tgt, TEMP)
     gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     gl = torch.where(tgt >= 0, gl, 0.0)
     for v0, v1 in [(0, 100), (100, 150)]:
         a = torch.empty(n, v1 - v0, dtype=dtype)
         c = torch.empty_like(a)
-        TritonKernels().grad_logits(h, w, b, tgt, lse, ent, gl, ge, TEMP, v0, v1, a)
-        TorchKernels().grad_logits(h, w, b, tgt, lse, ent, gl, ge, TEMP, v0, v1, c)
+        TritonLinearLogprobBackend().grad_logits(h, w, b, tgt, lse, ent, gl, ge, TEMP, v0, v1, a)
+        TorchLinearLogprobBackend().grad_logits(h, w, b, tgt, lse, ent, gl, ge, TEMP, v0, v1, c)
         assert rel_error(a, c) <= (1e-5 if dtype == F32 else 2e-3)
 
 
@@ -532,7 +532,7 @@ def test_tma_loads_and_persistent_g_kernel_keep_the_bits(gen):
     n, d, v = 13, 64, 200
     h, w, b, t = _data(n, d, v, F16, gen)
     tgt = torch.where(t == -100, -1, t)
-    base = TritonKernels(FUSED_INTERPRETER)
+    base = TritonLinearLogprobBackend(FUSED_INTERPRETER)
     want = base.forward(h, w, b, tgt, TEMP)
     gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     g_want = torch.empty(n, 128, dtype=F16)
@@ -541,7 +541,7 @@ def test_tma_loads_and_persistent_g_kernel_keep_the_bits(gen):
                 dataclasses.replace(FUSED_INTERPRETER, tma=True, persistent=True),
                 # g stored by TMA: the chunk's 128 columns (2 tiles), clipped at N = 13 rows.
                 dataclasses.replace(FUSED_INTERPRETER, tma=True, persistent=True, tma_store=True)):
-        k = TritonKernels(cfg)
+        k = TritonLinearLogprobBackend(cfg)
         assert all(torch.equal(x, y) for x, y in zip(k.forward(h, w, b, tgt, TEMP), want)), cfg.short()
         g = torch.empty_like(g_want)
         k.grad_logits(h, w, b, tgt, want[2], want[1], gl, ge, TEMP, 64, 192, g)

@@ -174,13 +174,13 @@ def test_auto_dispatch_threshold_depends_on_width(monkeypatch, m, n, want):
     # M = 129 on lm heads (where the Triton tiles are faster); both give the canonical
     # bits, so only time decides.
     # (N = 8191: unaligned rows stay on the Triton chain.)
-    from rlkernels.gemm import engines as mm
+    from rlkernels.gemm import backends as mm
 
     monkeypatch.delenv("RLKERNELS_GEMM_BACKEND", raising=False)
     monkeypatch.setattr(mm, "cublaslt_available", lambda device, dtype: True)
     monkeypatch.setattr(mm, "cublaslt_verified", lambda device, dtype, k, has_bias: True)
     a = torch.empty(m, 4096, dtype=torch.bfloat16)
-    assert mm.TritonEngine().use_cublaslt(a, n, None) is want
+    assert mm.TritonGemmBackend().use_cublaslt(a, n, None) is want
 
 
 def _fake_cublaslt(monkeypatch, verified: bool = True) -> dict:
@@ -188,10 +188,10 @@ def _fake_cublaslt(monkeypatch, verified: bool = True) -> dict:
 
     The Triton producer is replaced by the torch chain too (counted), so the routing
     is tested on any CPU, with or without TRITON_INTERPRET."""
-    from rlkernels.gemm import engines as mm
+    from rlkernels.gemm import backends as mm
 
     calls = {"use_cublaslt": 0, "cublaslt": 0, "triton": 0}
-    real_use = mm.TritonEngine.use_cublaslt
+    real_use = mm.TritonGemmBackend.use_cublaslt
 
     def counted_use(self, a, n, bias):
         calls["use_cublaslt"] += 1
@@ -199,18 +199,18 @@ def _fake_cublaslt(monkeypatch, verified: bool = True) -> dict:
 
     def fake_linear(x, w, bias):
         calls["cublaslt"] += 1
-        return mm.TorchEngine().gemm(x, w.t(), bias=bias)
+        return mm.TorchGemmBackend().gemm(x, w.t(), bias=bias)
 
     monkeypatch.setattr(mm, "_CUBLASLT_ROUTES", {})
     monkeypatch.delenv("RLKERNELS_GEMM_BACKEND", raising=False)
-    monkeypatch.setattr(mm.TritonEngine, "use_cublaslt", counted_use)
+    monkeypatch.setattr(mm.TritonGemmBackend, "use_cublaslt", counted_use)
     monkeypatch.setattr(mm, "cublaslt_available", lambda device, dtype: True)
     monkeypatch.setattr(mm, "cublaslt_verified", lambda device, dtype, k, has_bias: verified)
     def fake_triton(a, b, *, bias=None, out=None, out_dtype=None, accumulate=False, rowsum=None,
                     b_transposed=False):
         calls["triton"] += 1
-        return mm.TorchEngine().gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate,
-                                     rowsum=rowsum, b_transposed=b_transposed)
+        return mm.TorchGemmBackend().gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate,
+                                          rowsum=rowsum, b_transposed=b_transposed)
 
     monkeypatch.setattr(mm, "linear_no_split_k", fake_linear)
     monkeypatch.setattr(mm, "triton_gemm", fake_triton)
@@ -219,14 +219,14 @@ def _fake_cublaslt(monkeypatch, verified: bool = True) -> dict:
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cublaslt_route_is_worked_out_once_per_problem(monkeypatch, gen, with_bias):
-    from rlkernels.gemm import engines as mm
+    from rlkernels.gemm import backends as mm
 
     calls = _fake_cublaslt(monkeypatch)
-    engine = mm.TritonEngine()
+    gemm_backend = mm.TritonGemmBackend()
     w = randn(48, 40, dtype=torch.float16, generator=gen)
     bias = randn(48, dtype=torch.float16, generator=gen) if with_bias else None
     for m in (40, 40, 41, 40, 41):
-        y = engine.gemm(randn(m, 40, dtype=torch.float16, generator=gen), w, bias=bias, b_transposed=True)
+        y = gemm_backend.gemm(randn(m, 40, dtype=torch.float16, generator=gen), w, bias=bias, b_transposed=True)
         assert y.shape == (m, 48)
     assert calls == {"use_cublaslt": 2, "cublaslt": 5, "triton": 0}
     assert len(mm._CUBLASLT_ROUTES) == 2 and all(mm._CUBLASLT_ROUTES.values())
@@ -236,34 +236,34 @@ def test_cublaslt_route_follows_the_backend_switch_and_the_mode(monkeypatch, gen
     # A kept route must not outlive what it was worked out from: forcing Triton, or
     # the batch-invariant mode (where F.linear itself is rerouted to rlkernels, so a
     # detour through it would recurse), turns cuBLASLt off at the next call.
-    from rlkernels.gemm import engines as mm
+    from rlkernels.gemm import backends as mm
 
     calls = _fake_cublaslt(monkeypatch)
-    engine = mm.TritonEngine()
+    gemm_backend = mm.TritonGemmBackend()
     x, w = randn(40, 40, dtype=torch.float16, generator=gen), randn(48, 40, dtype=torch.float16, generator=gen)
-    engine.gemm(x, w, b_transposed=True)
+    gemm_backend.gemm(x, w, b_transposed=True)
     assert calls["cublaslt"] == 1
     monkeypatch.setenv("RLKERNELS_GEMM_BACKEND", "triton")
-    engine.gemm(x, w, b_transposed=True)
+    gemm_backend.gemm(x, w, b_transposed=True)
     assert calls["cublaslt"] == 1
     monkeypatch.delenv("RLKERNELS_GEMM_BACKEND")
     monkeypatch.setattr(mm._mode_state, "overrides_installed", lambda: True)
-    engine.gemm(x, w, b_transposed=True)
+    gemm_backend.gemm(x, w, b_transposed=True)
     assert calls["cublaslt"] == 1
     monkeypatch.setattr(mm._mode_state, "overrides_installed", lambda: False)
-    engine.gemm(x, w, b_transposed=True)
+    gemm_backend.gemm(x, w, b_transposed=True)
     assert calls == {"use_cublaslt": 3, "cublaslt": 2, "triton": 2}
 
 
 def test_cublaslt_route_keeps_a_failed_probe_and_is_bounded(monkeypatch, gen):
-    from rlkernels.gemm import engines as mm
+    from rlkernels.gemm import backends as mm
 
     calls = _fake_cublaslt(monkeypatch, verified=False)
     monkeypatch.setattr(mm, "MAX_CUBLASLT_ROUTES", 2)
-    engine = mm.TritonEngine()
+    gemm_backend = mm.TritonGemmBackend()
     w = randn(48, 40, dtype=torch.float16, generator=gen)
     for m in (40, 41, 42, 40):
         x = randn(m, 40, dtype=torch.float16, generator=gen)
-        assert torch.equal(engine.gemm(x, w, b_transposed=True), mm.TorchEngine().gemm(x, w.t()))
+        assert torch.equal(gemm_backend.gemm(x, w, b_transposed=True), mm.TorchGemmBackend().gemm(x, w.t()))
         assert 0 < len(mm._CUBLASLT_ROUTES) <= 2 and not any(mm._CUBLASLT_ROUTES.values())
     assert calls == {"use_cublaslt": 4, "cublaslt": 0, "triton": 4}

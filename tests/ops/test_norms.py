@@ -118,7 +118,7 @@ def test_rms_norm_dw_microbatch_invariance(backend, dtype, gen):
     w = (1 + 0.1 * randn(19, generator=gen)).requires_grad_()
     g = randn(30, 19, generator=gen)
     f = norms.RMSNormTorch if backend == "torch" else norms.RMSNormTriton
-    full = f.reducer.col_sum(g * x)
+    full = f.backend_impl.col_sum(g * x)
     acc = torch.zeros(19, dtype=torch.float64 if backend == "torch" else torch.float32)  # torch chains in fp64
     for i in range(30):
         acc = acc + (g[i] * x[i]).to(acc.dtype)
@@ -228,7 +228,7 @@ def _blocked_dw_emulation(g: torch.Tensor, h: torch.Tensor, out_dtype: torch.dty
 
 def _unfused_rms(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float):
     """HF RMSNorm and its grad_x from torch elementwise ops and the Triton row_dot kernel."""
-    red = norms.TritonReducer()
+    red = norms.TritonReductionBackend()
     N = x.shape[-1]
     xf = x.float()
     rstd = torch.rsqrt(red.row_dot(xf, xf) / N + eps)
@@ -262,7 +262,7 @@ def _check_triton_rms(x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor, alone_
     assert torch.equal(y2, y) and torch.equal(dx2, dx) and torch.equal(dw2, dw)
     h = norms.rms_norm(x, None, eps, backend="triton")  # xhat rounded to x's dtype, same rstd
     assert torch.equal(dw, _blocked_dw_emulation(gy, h, w.dtype))
-    assert torch.equal(norms.RMSNormTriton.reducer.col_sum(gy.float() * h.float()),
+    assert torch.equal(norms.RMSNormTriton.backend_impl.col_sum(gy.float() * h.float()),
                        _blocked_dw_emulation(gy, h, torch.float32))
     if M == 0:
         assert torch.equal(dw, torch.zeros_like(dw))
@@ -300,8 +300,8 @@ def test_rms_norm_triton_dw_order_depends_on_m_only(gen):
     x = randn(300, 40, generator=gen)
     gy = randn(300, 40, generator=gen)
     h = norms.rms_norm(x, None, backend="triton")
-    full = norms.RMSNormTriton.reducer.col_sum(gy * h)
-    part = norms.RMSNormTriton.reducer.col_sum((gy * h)[:200])
+    full = norms.RMSNormTriton.backend_impl.col_sum(gy * h)
+    part = norms.RMSNormTriton.backend_impl.col_sum((gy * h)[:200])
     assert torch.equal(part, _blocked_dw_emulation(gy[:200], h[:200], torch.float32))
     assert torch.equal(full, _blocked_dw_emulation(gy, h, torch.float32))
     seq = torch.zeros(40)

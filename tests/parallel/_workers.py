@@ -100,10 +100,10 @@ def _stock_vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, 
     h, w, b, t = logprob_inputs(dtype)
     vr = w.shape[0] // world
     rows = slice(rank * vr, (rank + 1) * vr)
-    engine = tp.engine_for(h.device)
+    gemm_backend = tp.gemm_backend_for(h.device)
     width, per_rank = w.shape[0] // SHARDS, SHARDS // world
     with torch.no_grad():
-        stats = [tp.shard_stats(engine, h, w[rows], b[rows], t, i * width, (i + 1) * width, rank * vr,
+        stats = [tp.shard_stats(gemm_backend, h, w[rows], b[rows], t, i * width, (i + 1) * width, rank * vr,
                                 TEMPERATURE, CHUNK) for i in range(per_rank)]
         acc = stats[0]
         for st in stats[1:]:

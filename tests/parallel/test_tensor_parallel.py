@@ -227,21 +227,21 @@ def test_nccl_tp2_equals_one_gpu():
 
 
 # ---------------------------------------------------------------------------------------
-# The Triton engine (interpreter): the rank-local work emulated in one process.
+# The Triton GEMM backend (interpreter): the rank-local work emulated in one process.
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=("float32", "float16"))
-def test_triton_engine_rank_subtrees_rebuild_tree_linear(dtype):
+def test_triton_gemm_backend_rank_subtrees_rebuild_tree_linear(dtype):
     """What each rank runs (its subtree on strided K-slices) recombined in rank order equals
-    tree_linear on the Triton engine, at every TP size."""
-    from rlkernels.ops.matmul import engine_for
+    tree_linear on the Triton GEMM backend, at every TP size."""
+    from rlkernels.ops.matmul import gemm_backend_for
     x, w, b, _ = W.linear_inputs(dtype, m=3, k=64, n=16)
     one = tree_linear(x, w, b, backend="triton")
-    engine = engine_for(x.device, "triton")
+    gemm_backend = gemm_backend_for(x.device, "triton")
     for world in SIZES:
         kr = x.shape[1] // world
-        parts = [tp._local_tree(engine, x[:, _cols(64, world, r)], w[:, _cols(64, world, r)], 64 // W.SEGMENTS,
+        parts = [tp._local_tree(gemm_backend, x[:, _cols(64, world, r)], w[:, _cols(64, world, r)], 64 // W.SEGMENTS,
                                 W.SEGMENTS // world) for r in range(world)]
         y = (tp.tree_combine(parts) + b.float()).to(dtype)
         assert kr * world == 64 and torch.equal(y, one), world

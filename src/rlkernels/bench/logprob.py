@@ -170,15 +170,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if getattr(args, "config", None):
         parts = args.config.split(",")
         a = [int(x) for x in parts[:7]]
-        L.LinearLogprobTriton.kernels = L.TritonKernels(L.FusedConfig(a[0], a[1], a[2], split_v=a[3], group_m=a[4],
-                                                                      num_warps=a[5], num_stages=a[6],
-                                                                      tma="tma" in parts[7:],
-                                                                      persistent="pers" in parts[7:]))
+        L.LinearLogprobTriton.backend_impl = L.TritonLinearLogprobBackend(
+            L.FusedConfig(a[0], a[1], a[2], split_v=a[3], group_m=a[4], num_warps=a[5], num_stages=a[6],
+                          tma="tma" in parts[7:], persistent="pers" in parts[7:]))
     if getattr(args, "shape", None):
         shapes = tuple(tuple(int(x) for x in s.split(",")) for s in args.shape)
     else:
         shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
-    cfg = L.LinearLogprobTriton.kernels._cfg(torch.bfloat16)
+    cfg = L.LinearLogprobTriton.backend_impl._cfg(torch.bfloat16)
     rows: list[dict[str, Any]] = []
     for n, d, v in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)

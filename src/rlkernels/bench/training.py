@@ -20,12 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     import rlkernels
-    from rlkernels.ops.matmul import engine_for
+    from rlkernels.ops.matmul import gemm_backend_for
 
     torch.backends.cuda.matmul.allow_tf32 = False
     sgemm_bi = optional_import("sgemm_bi")
     T = getattr(args, "tokens", TOKENS)
-    engine = engine_for(torch.device("cuda"))
+    gemm_backend = gemm_backend_for(torch.device("cuda"))
     rows = []
     for k, n in SHAPES[:1] if args.quick else SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             "rlk_fwdbwd": median_ms(step(rlkernels.linear, w)),
             "rlk_fwdbwd_main_grad": median_ms(step(rlkernels.linear, w_mg)),
             "torch_dx": median_ms(lambda: dy @ w),
-            "rlk_dx": median_ms(lambda: engine.gemm(dy, w)),
+            "rlk_dx": median_ms(lambda: gemm_backend.gemm(dy, w)),
             "torch_dw": median_ms(lambda: dy.t() @ x.detach()),
-            "rlk_dw": median_ms(lambda: engine.gemm(dy.t(), x.detach(), out=w_mg.main_grad, accumulate=True)),
+            "rlk_dw": median_ms(lambda: gemm_backend.gemm(dy.t(), x.detach(), out=w_mg.main_grad, accumulate=True)),
         }
         if sgemm_bi is not None:
             w_kn = w.detach().t().contiguous().requires_grad_()

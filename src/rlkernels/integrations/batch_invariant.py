@@ -24,7 +24,7 @@ position-independent and are left alone.
 
 An override must never call the op it overrides (the dispatcher would re-enter
 it): the GEMMs call the Triton kernel directly (never the cuBLASLt path, which is
-``F.linear``) or the elementwise chain; the reductions use ``ops.norms`` engines,
+``F.linear``) or the elementwise chain; the reductions use ``ops.norms`` reduction backends,
 which are built from elementwise ops, ``amax`` and Triton.
 
 Every override first makes stock's own argument checks (``_aten_checks``): it
@@ -51,8 +51,9 @@ from . import aten_checks as C
 from ..runtime import mode_state as _mode_state
 from ..ops._validate import refuse_interpreted_bf16
 from ..gemm.chain import accumulator_dtype
-from ..ops.matmul import engine_for
-from ..ops.norms import TorchReducer, TritonReducer, reducer_for, softmax_backward, softmax_forward
+from ..ops.matmul import gemm_backend_for
+from ..ops.norms import (TorchReductionBackend, TritonReductionBackend, reduction_backend_for, softmax_backward,
+                        softmax_forward)
 
 __all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled", "COVERED_OPS"]
 
@@ -69,21 +70,21 @@ _BLOCKS: dict[threading.Thread, list[bool]] = {}
 _LIB: list[torch.library.Library] = []
 
 
-# ---------------------------------------------------------------- engines
+# ---------------------------------------------------------------- backends
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a [M,K] or [B,M,K] @ b [K,N] or [B,K,N] (+ 1-D bias) by the canonical K-chain.
 
-    The registry's GEMM engine for the device (fp64: the torch chain); inside the
-    mode the Triton engine never detours through cuBLASLt, whose entry point
+    The registry's GEMM backend for the device (fp64: the torch chain); inside the
+    mode the Triton GEMM backend never detours through cuBLASLt, whose entry point
     (F.linear) is itself overridden here. Arguments are already checked.
     """
     if a.dtype in _FLOAT:
-        engine = engine_for(a.device, "torch" if a.dtype == torch.float64 else None)
-        refuse_interpreted_bf16("set_batch_invariant_mode (mm)", engine.name, a)
-        return engine.gemm(a, b, bias=bias, out_dtype=out_dtype)
+        gemm_backend = gemm_backend_for(a.device, "torch" if a.dtype == torch.float64 else None)
+        refuse_interpreted_bf16("set_batch_invariant_mode (mm)", gemm_backend.name, a)
+        return gemm_backend.gemm(a, b, bias=bias, out_dtype=out_dtype)
     if a.is_complex():
         # Four real chains: each output's real and imaginary part is a fixed function of its own row.
         ar, ai, br, bi = (t.contiguous() for t in (a.real, a.imag, b.real, b.imag))
@@ -94,9 +95,9 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return out + bias if bias is not None else out
 
 
-def _reducer(t: torch.Tensor) -> TorchReducer | TritonReducer:
-    """The row-sum engine of softmax's backend for the device (every reduction the mode overrides)."""
-    return reducer_for("softmax", t.device)
+def _reduction_backend(t: torch.Tensor) -> TorchReductionBackend | TritonReductionBackend:
+    """The reduction backend of softmax for the device (every reduction the mode overrides)."""
+    return reduction_backend_for("softmax", t.device)
 
 
 def _scaled(x: torch.Tensor, s) -> torch.Tensor:
@@ -181,22 +182,22 @@ def _softmax_out_dtype(x: torch.Tensor, half_to_float: bool) -> torch.dtype:
 
 def _softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     C.check_softmax(x, dim, half_to_float, log=False)
-    return softmax_forward(x, dim, _softmax_out_dtype(x, half_to_float), False, _reducer(x))
+    return softmax_forward(x, dim, _softmax_out_dtype(x, half_to_float), False, _reduction_backend(x))
 
 
 def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     C.check_softmax(x, dim, half_to_float, log=True)
-    return softmax_forward(x, dim, _softmax_out_dtype(x, half_to_float), True, _reducer(x))
+    return softmax_forward(x, dim, _softmax_out_dtype(x, half_to_float), True, _reduction_backend(x))
 
 
 def _softmax_bwd(grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype) -> torch.Tensor:
     C.check_softmax_backward(grad, out, dim)
-    return softmax_backward(grad, out, dim, False, _reducer(out), input_dtype)
+    return softmax_backward(grad, out, dim, False, _reduction_backend(out), input_dtype)
 
 
 def _log_softmax_bwd(grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype) -> torch.Tensor:
     C.check_softmax_backward(grad, out, dim)
-    return softmax_backward(grad, out, dim, True, _reducer(out), input_dtype)
+    return softmax_backward(grad, out, dim, True, _reduction_backend(out), input_dtype)
 
 
 def _mean_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
@@ -220,7 +221,7 @@ def _mean_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False,
     if count == 0:  # the mean of nothing is NaN, as in stock torch
         out = torch.full(kept_shape, float("nan"), dtype=out_dtype, device=x.device)
     else:
-        total = _reducer(x).row_dot(xt.reshape(-1, count).to(adt)).to(adt)
+        total = _reduction_backend(x).row_dot(xt.reshape(-1, count).to(adt)).to(adt)
         out = (total / count).to(out_dtype).reshape(kept_shape)
     if keepdim:
         for d in dims:

@@ -18,7 +18,7 @@ row's position), the logits are the canonical ascending D-chain (``gemm.triton``
 conventions), and every per-row reduction runs over that row's own values in an
 order fixed by V. So a row's logp/entropy -- and its dhidden row -- are bitwise the
 same whatever else is in the batch. dW reduces over tokens in one ascending fp32
-chain per vocabulary chunk (the GEMM engine, no atomics), so it is run-to-run
+chain per vocabulary chunk (the GEMM backend, no atomics), so it is run-to-run
 deterministic and rounded once.
 
 Backward (shared by both backends): for V chunks of ``Cv`` columns, a fused kernel
@@ -44,7 +44,7 @@ from .._env import triton_interpret
 from ..gemm.chain import accumulator_dtype, chain_matmul
 from ..gemm.tma import TensorDescriptor, tma_layout_ok
 from ..runtime.device import sm_count
-from .matmul import engine_for, main_grad_target
+from .matmul import gemm_backend_for, main_grad_target
 
 from ..kernels._triton import cdiv
 from ..kernels.linear_logprob import fwd_partial_kernel, logprob_combine_kernel, grad_logits_kernel
@@ -66,7 +66,7 @@ TORCH_ROW_CHUNK = 128
 # Backward: the g buffer [N, Cv] (hidden dtype) is sized to this many bytes, with Cv a
 # multiple of BWD_CHUNK_ALIGN in [BWD_MIN_CHUNK, BWD_MAX_CHUNK]. Cv may depend on N:
 # g's elements do not depend on Cv, and the dH chain over V is split at multiples of
-# 256 (a multiple of every K step of the GEMM engines), which leaves its bits unchanged.
+# 256 (a multiple of every K step of the GEMM backends), which leaves its bits unchanged.
 BWD_CHUNK_BYTES = 64 << 20
 BWD_CHUNK_ALIGN = 256
 # Each chunk re-reads and re-writes the fp32 dH accumulator (N*D*8 bytes): keep chunks
@@ -268,7 +268,7 @@ def _torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return z
 
 
-class TorchKernels:
+class TorchLinearLogprobBackend:
     """The two fused steps of the op, as chained elementwise torch ops (any device)."""
 
     name = "torch"
@@ -383,7 +383,7 @@ _launch_combine = cached_launcher(logprob_combine_kernel) if logprob_combine_ker
 _launch_grad_logits = cached_launcher(grad_logits_kernel) if grad_logits_kernel is not None else None
 
 
-class TritonKernels:
+class TritonLinearLogprobBackend:
     """The two fused steps of the op as Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
@@ -477,10 +477,11 @@ class LinearLogprobFunction(torch.autograd.Function):
     """(logp, entropy) [N] of rows h2 [N, D] against weight [V, D]; see the module doc."""
 
     @staticmethod
-    def forward(ctx, h2, weight, bias, tgt, temperature: float, kernels, engine):  # type: ignore[override]
-        logp, ent, lse = kernels.forward(h2, weight, bias, tgt, temperature)
+    def forward(ctx, h2, weight, bias, tgt, temperature: float,  # type: ignore[override]
+                logprob_backend, gemm_backend):
+        logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt, temperature)
         ctx.save_for_backward(h2, weight, bias, tgt, lse, ent)
-        ctx.temperature, ctx.kernels, ctx.engine = temperature, kernels, engine
+        ctx.temperature, ctx.logprob_backend, ctx.gemm_backend = temperature, logprob_backend, gemm_backend
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -516,7 +517,7 @@ class LinearLogprobFunction(torch.autograd.Function):
         zero = torch.zeros(N, dtype=acc_dt, device=dev)
         g_logp = torch.where(valid, grad_logp.to(acc_dt), zero) if grad_logp is not None else zero
         g_ent = torch.where(valid, grad_ent.to(acc_dt), zero) if grad_ent is not None else None
-        kernels, engine, T = ctx.kernels, ctx.engine, ctx.temperature
+        logprob_backend, gemm_backend, T = ctx.logprob_backend, ctx.gemm_backend, ctx.temperature
 
         w_main = main_grad_target(OP, weight, (vocab, D), "weight", contiguous=True) if need_w else None
         b_main = main_grad_target(OP, bias, (vocab,), "bias", contiguous=True) if need_b else None
@@ -542,7 +543,7 @@ class LinearLogprobFunction(torch.autograd.Function):
 
         def grad_logits(g_buf: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
             g = g_buf[:, :v1 - v0]
-            kernels.grad_logits(h2, weight, bias, tgt, lse, ent, g_logp, g_ent, T, v0, v1, g)
+            logprob_backend.grad_logits(h2, weight, bias, tgt, lse, ent, g_logp, g_ent, T, v0, v1, g)
             return g
 
         def weight_grads(g: torch.Tensor, v0: int, v1: int) -> None:
@@ -551,19 +552,19 @@ class LinearLogprobFunction(torch.autograd.Function):
                 # dW[chunk]: one fp32 chain over all tokens (ascending), rounded once;
                 # with main_grad the chain starts from it (Megatron convention).
                 if w_main is not None:
-                    engine.gemm(g.t(), h2, out=w_main[v0:v1], accumulate=True, rowsum=rowsum)
+                    gemm_backend.gemm(g.t(), h2, out=w_main[v0:v1], accumulate=True, rowsum=rowsum)
                 else:
-                    engine.gemm(g.t(), h2, out=dw[v0:v1], rowsum=rowsum)
+                    gemm_backend.gemm(g.t(), h2, out=dw[v0:v1], rowsum=rowsum)
             elif need_b:
-                # With D = 0 there are no dW columns (the engine may skip an empty output and
+                # With D = 0 there are no dW columns (the GEMM backend may skip an empty output and
                 # its row sums with it): a zero [N, 1] operand carries the bias sums.
-                engine.gemm(g.t(), h2[:, :1] if D > 0 else g.new_zeros(N, 1), out_dtype=acc_dt, rowsum=rowsum)
+                gemm_backend.gemm(g.t(), h2[:, :1] if D > 0 else g.new_zeros(N, 1), out_dtype=acc_dt, rowsum=rowsum)
 
         def chunk(g_buf: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
             g = grad_logits(g_buf, v0, v1)
             if need_h:
                 # dH chained over V ascending, chunk after chunk, in one fp32 accumulator.
-                engine.gemm(g, weight[v0:v1], out=dh_acc, accumulate=True)
+                gemm_backend.gemm(g, weight[v0:v1], out=dh_acc, accumulate=True)
             if v0 < dw_end:
                 # A column's dW depends on that column of g alone: any column range gives its bits.
                 w1 = min(v1, dw_end)
@@ -626,7 +627,7 @@ class _NoDoubleBackward(torch.autograd.Function):
 
 class _LinearLogprobBase(OpImpl):
     op_class = "linear_logprob"
-    kernels: TorchKernels | TritonKernels
+    backend_impl: TorchLinearLogprobBackend | TritonLinearLogprobBackend
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
@@ -657,12 +658,12 @@ class _LinearLogprobBase(OpImpl):
 
 @register(OP, "triton")
 class LinearLogprobTriton(_LinearLogprobBase):
-    kernels = TritonKernels()
+    backend_impl = TritonLinearLogprobBackend()
 
 
 @register(OP, "torch")
 class LinearLogprobTorch(_LinearLogprobBase):
-    kernels = TorchKernels()
+    backend_impl = TorchLinearLogprobBackend()
 
 
 def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend):
@@ -682,8 +683,8 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
     t1 = target.reshape(-1).to(torch.int64)
     # Kernels see -1 for ignored rows (ignore_index may itself be a valid id in [0, V)).
     tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
-    logp, ent = LinearLogprobFunction.apply(h2, weight, bias, tgt, float(temperature), impl.kernels,
-                                            engine_for(hidden.device, name))
+    logp, ent = LinearLogprobFunction.apply(h2, weight, bias, tgt, float(temperature), impl.backend_impl,
+                                            gemm_backend_for(hidden.device, name))
     logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp
 

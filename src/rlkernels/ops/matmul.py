@@ -1,6 +1,6 @@
 """``matmul`` / ``linear``: the batch-invariant GEMM and its training triad.
 
-The registry's backend for each device maps to a GEMM engine (``gemm.engines``),
+The registry's backend for each device maps to a GEMM backend object (``gemm.backends``),
 whose single primitive, :meth:`gemm`, serves the forward, dX and dW; backends differ
 in *how* they produce the canonical bits, never in which bits a row gets.
 
@@ -16,7 +16,7 @@ import torch
 
 from . import _validate as V
 from ..gemm.chain import accumulator_dtype
-from ..gemm.engines import TorchEngine, TritonEngine
+from ..gemm.backends import TorchGemmBackend, TritonGemmBackend
 from ..registry import OpImpl, implementation, register, select_backend
 
 # Token granularity of the dW/dbias chain: the tensor-core K step for 16-bit
@@ -74,24 +74,24 @@ class GemmFunction(torch.autograd.Function):
     """y = x @ W^T + bias (``weight_nk``) or y = x @ b + bias, with the invariant triad."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_nk: bool, out_dtype, engine):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, weight_nk: bool, out_dtype, gemm_backend):  # type: ignore[override]
         K = x.shape[-1]
         x2 = x.reshape(x.shape[:-1].numel(), K)
         b = weight.t() if weight_nk else weight
-        y = engine.gemm(x2, b, bias=bias, out_dtype=out_dtype)
+        y = gemm_backend.gemm(x2, b, bias=bias, out_dtype=out_dtype)
         ctx.save_for_backward(x2, weight, bias)
-        ctx.weight_nk, ctx.engine, ctx.in_shape = weight_nk, engine, x.shape
+        ctx.weight_nk, ctx.gemm_backend, ctx.in_shape = weight_nk, gemm_backend, x.shape
         return y.reshape(*x.shape[:-1], b.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         x2, weight, bias = ctx.saved_tensors
-        grads = linear_backward(ctx.engine, grad_out, x2, weight, bias, ctx.in_shape, ctx.needs_input_grad[:3],
-                                weight_nk=ctx.weight_nk)
+        grads = linear_backward(ctx.gemm_backend, grad_out, x2, weight, bias, ctx.in_shape,
+                                ctx.needs_input_grad[:3], weight_nk=ctx.weight_nk)
         return (*grads, None, None, None)
 
 
-def linear_backward(engine, grad_out: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
+def linear_backward(gemm_backend, grad_out: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None, in_shape: torch.Size, needs: tuple[bool, ...], *,
                     weight_nk: bool = True, use_main_grad: bool = True):
     """(dX, dW, dbias) of y = x @ W^T + bias (``weight_nk``) or x @ W + bias: the invariant triad.
@@ -104,7 +104,7 @@ def linear_backward(engine, grad_out: torch.Tensor, x2: torch.Tensor, weight: to
     dy = grad_out.reshape(-1, N).to(x2.dtype)
     grad_x = grad_w = grad_b = None
     if needs[0]:
-        grad_x = engine.gemm(dy, w_nk).reshape(in_shape)
+        grad_x = gemm_backend.gemm(dy, w_nk).reshape(in_shape)
     need_w, need_b = needs[1], bias is not None and needs[2]
     if need_w or need_b:
         acc_dt = accumulator_dtype(x2.dtype)
@@ -115,14 +115,14 @@ def linear_backward(engine, grad_out: torch.Tensor, x2: torch.Tensor, weight: to
         rowsum = (b_main if b_main is not None else torch.zeros(N, dtype=acc_dt, device=dy.device)) if need_b else None
         if need_w and w_main is not None:
             # dW = dY^T @ X: the reduction runs over tokens, ascending, continuing main_grad's chain.
-            engine.gemm(dy.t(), x2, out=w_main if weight_nk else w_main.t(), accumulate=True, rowsum=rowsum)
+            gemm_backend.gemm(dy.t(), x2, out=w_main if weight_nk else w_main.t(), accumulate=True, rowsum=rowsum)
         elif need_w:
             # The same fp32 chain from zero, rounded once to the parameter dtype at the store.
-            dw = engine.gemm(dy.t(), x2, out_dtype=weight.dtype, rowsum=rowsum)
+            dw = gemm_backend.gemm(dy.t(), x2, out_dtype=weight.dtype, rowsum=rowsum)
             grad_w = dw if weight_nk else dw.t()
         else:
             # dbias alone: the same fused row-sum chain, against a one-column B.
-            engine.gemm(dy.t(), x2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
+            gemm_backend.gemm(dy.t(), x2[:, :1], out_dtype=acc_dt, rowsum=rowsum)
         if need_b and b_main is None:
             grad_b = rowsum.to(bias.dtype)
     return grad_x, grad_w, grad_b
@@ -130,7 +130,7 @@ def linear_backward(engine, grad_out: torch.Tensor, x2: torch.Tensor, weight: to
 
 class _MatmulBase(OpImpl):
     op_class = "gemm"
-    engine: TorchEngine | TritonEngine
+    backend_impl: TorchGemmBackend | TritonGemmBackend
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
                 out_dtype: torch.dtype | None = None, weight_nk: bool = False) -> torch.Tensor:
@@ -150,18 +150,18 @@ class _MatmulBase(OpImpl):
 
 @register("matmul", "triton")
 class MatmulTriton(_MatmulBase):
-    engine = TritonEngine()
+    backend_impl = TritonGemmBackend()
 
 
 @register("matmul", "torch")
 class MatmulTorch(_MatmulBase):
-    engine = TorchEngine()
+    backend_impl = TorchGemmBackend()
 
 
-def engine_for(device: torch.device, backend: str | None = None) -> TorchEngine | TritonEngine:
-    """The GEMM engine the registry picks for ``device`` (used by other ops' backward)."""
+def gemm_backend_for(device: torch.device, backend: str | None = None) -> TorchGemmBackend | TritonGemmBackend:
+    """The GEMM backend object the registry picks for ``device`` (used by other ops' backward)."""
     name, _ = select_backend("matmul", device, backend)
-    return implementation("matmul", name).engine  # type: ignore[attr-defined]
+    return implementation("matmul", name).backend_impl  # type: ignore[attr-defined]
 
 
 def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
@@ -176,18 +176,18 @@ def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
             hint = f" (write torch.{out_dtype}, not the string)" if isinstance(out_dtype, str) else ""
             raise TypeError(f"rlkernels.{op}: out_dtype must be a torch.dtype ({want}), got {out_dtype!r}{hint}")
         raise ValueError(f"rlkernels.{op}: out_dtype must be one of {want}, got {out_dtype}")
-    engine = engine_for(a.device, backend)
-    V.refuse_interpreted_bf16(op, engine.name, a)
-    if a.dtype == torch.float64 and engine.name == "triton":
+    gemm_backend = gemm_backend_for(a.device, backend)
+    V.refuse_interpreted_bf16(op, gemm_backend.name, a)
+    if a.dtype == torch.float64 and gemm_backend.name == "triton":
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)):
-        return GemmFunction.apply(a, b, bias, weight_nk, out_dtype, engine)
-    # Inference (rollouts, decode): the same engine call without autograd's bookkeeping,
+        return GemmFunction.apply(a, b, bias, weight_nk, out_dtype, gemm_backend)
+    # Inference (rollouts, decode): the same GEMM backend call without autograd's bookkeeping,
     # which costs more host time than a decode-size GEMM takes on the GPU.
     if a.dim() == 2:
-        return engine.gemm(a, b, bias=bias, out_dtype=out_dtype, b_transposed=weight_nk)
-    y = engine.gemm(a.reshape(a.shape[:-1].numel(), a.shape[-1]), b, bias=bias, out_dtype=out_dtype,
-                    b_transposed=weight_nk)
+        return gemm_backend.gemm(a, b, bias=bias, out_dtype=out_dtype, b_transposed=weight_nk)
+    y = gemm_backend.gemm(a.reshape(a.shape[:-1].numel(), a.shape[-1]), b, bias=bias, out_dtype=out_dtype,
+                          b_transposed=weight_nk)
     return y.reshape(*a.shape[:-1], y.shape[-1])
 
 

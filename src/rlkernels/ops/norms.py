@@ -63,7 +63,7 @@ _launch_col_finish = cached_launcher(col_finish_kernel)
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class TorchReducer:
+class TorchReductionBackend:
     """Sequential-chain sums (any device). Accumulates in fp64 and rounds once to the
     op's accumulator dtype (fp32; fp64 for fp64): products of fp32 values are exact in
     fp64 and a long sequential fp32 chain loses accuracy (measured 6.9e-6 rel on a
@@ -101,14 +101,14 @@ class TorchReducer:
         return acc.to(accumulator_dtype(x.dtype))
 
 
-class TritonReducer:
+class TritonReductionBackend:
     """Fixed-tile Triton sums (fp32 accumulation)."""
 
     name = "triton"
 
     def row_dot(self, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if a.dtype == torch.float64:
-            return TorchReducer().row_dot(a, b)
+            return TorchReductionBackend().row_dot(a, b)
         a = a.contiguous()
         b = b.contiguous() if b is not None else None
         M, R = a.shape
@@ -125,7 +125,7 @@ class TritonReducer:
     def col_sum(self, x: torch.Tensor) -> torch.Tensor:
         """sum_i x[i, j] for a 2-D ``x`` [M, N], fp32 (fp64 for fp64): blocked, see :func:`blocked_col_sum`."""
         if x.dtype == torch.float64:
-            return TorchReducer().col_sum(x)
+            return TorchReductionBackend().col_sum(x)
         x = x.contiguous()
         out = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
         blocked_col_sum(x, out)
@@ -210,22 +210,23 @@ def rms_norm_backward_fused(g2: torch.Tensor, x2: torch.Tensor, weight: torch.Te
     return grad_x, grad_w
 
 
-def reducer_for(op: str, device: torch.device, backend: str | None = None) -> TorchReducer | TritonReducer:
-    """The reduction engine of the backend the registry picks for ``op`` on ``device``."""
+def reduction_backend_for(op: str, device: torch.device,
+                          backend: str | None = None) -> TorchReductionBackend | TritonReductionBackend:
+    """The reduction backend object the registry picks for ``op`` on ``device``."""
     name, _ = select_backend(op, device, backend)
-    return implementation(op, name).reducer  # type: ignore[attr-defined]
+    return implementation(op, name).backend_impl  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- softmax / log_softmax
 
 
 def softmax_forward(x: torch.Tensor, dim: int, out_dtype: torch.dtype | None, log: bool,
-                    reducer: TorchReducer | TritonReducer) -> torch.Tensor:
+                    reduction_backend: TorchReductionBackend | TritonReductionBackend) -> torch.Tensor:
     """(log_)softmax of ``x`` over ``dim``, no autograd; computed in fp32 (fp64 for fp64)."""
     out_dtype = out_dtype or x.dtype
     if x.dim() == 0:
         x1 = x.reshape(1, 1)
-        return softmax_forward(x1, -1, out_dtype, log, reducer).reshape(())
+        return softmax_forward(x1, -1, out_dtype, log, reduction_backend).reshape(())
     dim = dim % x.dim()
     xt = x.movedim(dim, -1)
     shape = xt.shape
@@ -239,13 +240,14 @@ def softmax_forward(x: torch.Tensor, dim: int, out_dtype: torch.dtype | None, lo
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     shifted = xf - m
     e = torch.exp(shifted)
-    s = reducer.row_dot(e)[:, None]
+    s = reduction_backend.row_dot(e)[:, None]
     out = shifted - torch.log(s) if log else e / s
     return out.to(out_dtype).reshape(shape).movedim(-1, dim)
 
 
 def softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, log: bool,
-                     reducer: TorchReducer | TritonReducer, in_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     reduction_backend: TorchReductionBackend | TritonReductionBackend,
+                     in_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Gradient wrt the (log_)softmax input from the output ``out``; no autograd."""
     in_dtype = in_dtype or out.dtype
     if out.dim() == 0:
@@ -259,24 +261,25 @@ def softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, log: bool,
         return torch.zeros(shape, dtype=in_dtype, device=out.device).movedim(-1, dim)
     g, y = gt.reshape(-1, R).to(adt), yt.reshape(-1, R).to(adt)
     if log:
-        dx = g - torch.exp(y) * reducer.row_dot(g)[:, None]
+        dx = g - torch.exp(y) * reduction_backend.row_dot(g)[:, None]
     else:
-        dx = y * (g - reducer.row_dot(g, y)[:, None])
+        dx = y * (g - reduction_backend.row_dot(g, y)[:, None])
     return dx.to(in_dtype).reshape(shape).movedim(-1, dim)
 
 
 class _SoftmaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, out_dtype, log, reducer):  # type: ignore[override]
-        out = softmax_forward(x, dim, out_dtype, log, reducer)
+    def forward(ctx, x, dim, out_dtype, log, reduction_backend):  # type: ignore[override]
+        out = softmax_forward(x, dim, out_dtype, log, reduction_backend)
         ctx.save_for_backward(out)
-        ctx.dim, ctx.log, ctx.reducer, ctx.in_dtype = dim, log, reducer, x.dtype
+        ctx.dim, ctx.log, ctx.reduction_backend, ctx.in_dtype = dim, log, reduction_backend, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (out,) = ctx.saved_tensors
-        return softmax_backward(grad, out, ctx.dim, ctx.log, ctx.reducer, ctx.in_dtype), None, None, None, None
+        grad_x = softmax_backward(grad, out, ctx.dim, ctx.log, ctx.reduction_backend, ctx.in_dtype)
+        return grad_x, None, None, None, None
 
 
 def _check_softmax(op: str, x: torch.Tensor, dtype: torch.dtype | None) -> None:
@@ -290,14 +293,14 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
             backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``torch.softmax(x, dim, dtype=dtype)`` (fp32 math, fp64 for fp64)."""
     _check_softmax("softmax", x, dtype)
-    return _SoftmaxFunction.apply(x, dim, dtype, False, reducer_for("softmax", x.device, backend))
+    return _SoftmaxFunction.apply(x, dim, dtype, False, reduction_backend_for("softmax", x.device, backend))
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
                 backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``torch.log_softmax(x, dim, dtype=dtype)`` (fp32 math, fp64 for fp64)."""
     _check_softmax("log_softmax", x, dtype)
-    return _SoftmaxFunction.apply(x, dim, dtype, True, reducer_for("log_softmax", x.device, backend))
+    return _SoftmaxFunction.apply(x, dim, dtype, True, reduction_backend_for("log_softmax", x.device, backend))
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -307,31 +310,31 @@ class _RMSNormFunction(torch.autograd.Function):
     """y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) -- the HF Llama/Qwen formula."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, reducer, keep_fp32):  # type: ignore[override]
+    def forward(ctx, x, weight, eps, reduction_backend, keep_fp32):  # type: ignore[override]
         N = x.shape[-1]
         x2 = x.reshape(-1, N)
-        ctx.fused = reducer.fuses_rms_norm(x, weight)
+        ctx.fused = reduction_backend.fuses_rms_norm(x, weight)
         if ctx.fused:
             x2 = x2.contiguous()
             y, rstd = rms_norm_forward_fused(x2, weight, eps, keep_fp32)
             ctx.save_for_backward(x2, weight, rstd)
-            ctx.reducer, ctx.keep_fp32, ctx.shape = reducer, keep_fp32, x.shape
+            ctx.reduction_backend, ctx.keep_fp32, ctx.shape = reduction_backend, keep_fp32, x.shape
             return y.reshape(*x.shape[:-1], N)
         adt = accumulator_dtype(x.dtype)
         xf = x2.to(adt)
-        mean_sq = reducer.row_dot(xf, xf) / N
+        mean_sq = reduction_backend.row_dot(xf, xf) / N
         rstd = torch.rsqrt(mean_sq + eps)
         xhat = xf * rstd[:, None]
         h = xhat if keep_fp32 else xhat.to(x.dtype)
         y = h if weight is None else (weight.to(adt) * h if keep_fp32 else weight * h)
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.reducer, ctx.keep_fp32, ctx.shape = reducer, keep_fp32, x.shape
+        ctx.reduction_backend, ctx.keep_fp32, ctx.shape = reduction_backend, keep_fp32, x.shape
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x2, weight, rstd = ctx.saved_tensors
-        reducer = ctx.reducer
+        reduction_backend = ctx.reduction_backend
         N = x2.shape[-1]
         if ctx.fused:
             grad_x, grad_w = rms_norm_backward_fused(
@@ -344,12 +347,12 @@ class _RMSNormFunction(torch.autograd.Function):
         gw = g * weight.to(adt) if weight is not None else g
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            dot = reducer.row_dot(gw, xhat) / N
+            dot = reduction_backend.row_dot(gw, xhat) / N
             grad_x = (rstd[:, None] * (gw - xhat * dot[:, None])).to(x2.dtype).reshape(ctx.shape)
         if weight is not None and ctx.needs_input_grad[1]:
             # The forward multiplies the weight by xhat rounded to x.dtype; that rounded value is its factor.
             h = xhat if ctx.keep_fp32 else xhat.to(x2.dtype).to(adt)
-            grad_w = reducer.col_sum(g * h).to(weight.dtype)
+            grad_w = reduction_backend.col_sum(g * h).to(weight.dtype)
         return grad_x, grad_w, None, None, None
 
 
@@ -362,15 +365,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     with torch's type promotion (an fp32 weight gives an fp32 output, as in HF).
     """
     _check_rms("rms_norm", x, weight)
-    reducer = reducer_for("rms_norm", x.device, backend)
+    reduction_backend = reduction_backend_for("rms_norm", x.device, backend)
     if not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))) \
-            and reducer.fuses_rms_norm(x, weight):
+            and reduction_backend.fuses_rms_norm(x, weight):
         # Inference (a decode step runs four norms per layer): the one fused launch, without
         # an autograd node -- the forward the Function would run, so the same bits.
         N = x.shape[-1]
         y, _ = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), False)
         return y.reshape(*x.shape[:-1], N)
-    return _RMSNormFunction.apply(x, weight, float(eps), reducer, False)
+    return _RMSNormFunction.apply(x, weight, float(eps), reduction_backend, False)
 
 
 def _check_rms(op: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:
@@ -389,15 +392,15 @@ def _check_rms(op: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:
 
 class _RMSNormBase(OpImpl):
     op_class = "rms_norm"
-    reducer: TorchReducer | TritonReducer
+    backend_impl: TorchReductionBackend | TritonReductionBackend
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
         _check_rms("rms_norm", x, weight)
-        return _RMSNormFunction.apply(x, weight, float(eps), self.reducer, False)
+        return _RMSNormFunction.apply(x, weight, float(eps), self.backend_impl, False)
 
     def forward_fp32(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
         _check_rms("rms_norm", x, weight)
-        return _RMSNormFunction.apply(x, weight, float(eps), self.reducer, True)
+        return _RMSNormFunction.apply(x, weight, float(eps), self.backend_impl, True)
 
     def invariance_case(self, device, dtype, generator):
         n = 96 if device.type == "cpu" else 2048
@@ -408,11 +411,11 @@ class _RMSNormBase(OpImpl):
 
 class _SoftmaxBase(OpImpl):
     log = False
-    reducer: TorchReducer | TritonReducer
+    backend_impl: TorchReductionBackend | TritonReductionBackend
 
     def forward(self, x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         _check_softmax(self.op_name, x, dtype)
-        return _SoftmaxFunction.apply(x, dim, dtype, self.log, self.reducer)
+        return _SoftmaxFunction.apply(x, dim, dtype, self.log, self.backend_impl)
 
     def forward_fp32(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return self.forward(x, dim, dtype=accumulator_dtype(x.dtype))
@@ -425,35 +428,35 @@ class _SoftmaxBase(OpImpl):
 
 @register("rms_norm", "triton")
 class RMSNormTriton(_RMSNormBase):
-    reducer = TritonReducer()
+    backend_impl = TritonReductionBackend()
 
 
 @register("rms_norm", "torch")
 class RMSNormTorch(_RMSNormBase):
-    reducer = TorchReducer()
+    backend_impl = TorchReductionBackend()
 
 
 @register("softmax", "triton")
 class SoftmaxTriton(_SoftmaxBase):
     op_class = "softmax"
-    reducer = TritonReducer()
+    backend_impl = TritonReductionBackend()
 
 
 @register("softmax", "torch")
 class SoftmaxTorch(_SoftmaxBase):
     op_class = "softmax"
-    reducer = TorchReducer()
+    backend_impl = TorchReductionBackend()
 
 
 @register("log_softmax", "triton")
 class LogSoftmaxTriton(_SoftmaxBase):
     op_class = "log_softmax"
     log = True
-    reducer = TritonReducer()
+    backend_impl = TritonReductionBackend()
 
 
 @register("log_softmax", "torch")
 class LogSoftmaxTorch(_SoftmaxBase):
     op_class = "log_softmax"
     log = True
-    reducer = TorchReducer()
+    backend_impl = TorchReductionBackend()

@@ -10,7 +10,7 @@ cut on boundaries that are a function of the problem shape alone, never of the T
 * Row-parallel linear, the **K-tree**: K is cut into ``segments`` equal segments of
   ``SEG = K / segments`` elements (``segments`` a power of two, default
   :data:`TREE_SEGMENTS`; K not divisible is refused). Each segment is one ascending
-  canonical chain (the library's GEMM engine on that K-slice, fp32 output kept
+  canonical chain (the library's GEMM backend on that K-slice, fp32 output kept
   unrounded); the segment partials are combined by a fixed binary tree (pairwise, left
   to right, fp32), then the bias is added in fp32 and the sum rounded once. At TP = t
   (a power of two dividing ``segments``) rank r holds segments ``r*segments/t ..``,
@@ -39,10 +39,10 @@ import torch.distributed as dist
 from ..gemm.chain import accumulator_dtype
 from ..ops import _validate as V
 from ..ops.linear_logprob import _INT_DTYPES, online_softmax_step, validate as validate_logprob
-from ..ops.matmul import engine_for, linear_backward
+from ..ops.matmul import gemm_backend_for, linear_backward
 
 # Default number of K-tree segments: SEG = K / 8, so TP = 1, 2, 4, 8 all split K on
-# segment boundaries (K = 4096: 512-element chains, multiples of every engine K step).
+# segment boundaries (K = 4096: 512-element chains, multiples of every GEMM backend's K step).
 TREE_SEGMENTS = 8
 # Default number of vocabulary shards of the vocab-parallel log-prob (TP up to 8).
 VOCAB_SHARDS = 8
@@ -97,7 +97,7 @@ def _combine_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
     return tree_combine(parts)
 
 
-def _local_tree(engine, x2: torch.Tensor, w_nk: torch.Tensor, seg: int, n_seg: int) -> torch.Tensor:
+def _local_tree(gemm_backend, x2: torch.Tensor, w_nk: torch.Tensor, seg: int, n_seg: int) -> torch.Tensor:
     """The subtree over this rank's ``n_seg`` segments: fp32 (fp64 for fp64) [M, N].
 
     A stack of (level, partial): two partials of one level merge as soon as both exist,
@@ -107,7 +107,7 @@ def _local_tree(engine, x2: torch.Tensor, w_nk: torch.Tensor, seg: int, n_seg: i
     stack: list[tuple[int, torch.Tensor]] = []
     for s in range(n_seg):
         k0, k1 = s * seg, (s + 1) * seg
-        part = engine.gemm(x2[:, k0:k1], w_nk[:, k0:k1].t(), out_dtype=adt)
+        part = gemm_backend.gemm(x2[:, k0:k1], w_nk[:, k0:k1].t(), out_dtype=adt)
         level = 0
         while stack and stack[-1][0] == level:
             part = stack.pop()[1] + part
@@ -137,10 +137,10 @@ class _TreeLinearFunction(torch.autograd.Function):
     """y = x @ W^T + b by the K-tree; x and W hold this rank's K columns."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, seg: int, n_seg: int, group, world: int, engine):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, seg: int, n_seg: int, group, world: int, gemm_backend):  # type: ignore[override]
         K = x.shape[-1]
         x2 = x.reshape(x.shape[:-1].numel(), K)
-        local = _local_tree(engine, x2, weight, seg, n_seg)
+        local = _local_tree(gemm_backend, x2, weight, seg, n_seg)
         if world > 1:
             gathered = [torch.empty_like(local) for _ in range(world)]
             dist.all_gather(gathered, local.contiguous(), group=group)
@@ -148,16 +148,16 @@ class _TreeLinearFunction(torch.autograd.Function):
         if bias is not None:
             local = local + bias.to(local.dtype)
         ctx.save_for_backward(x2, weight, bias)
-        ctx.engine, ctx.in_shape = engine, x.shape
+        ctx.gemm_backend, ctx.in_shape = gemm_backend, x.shape
         return local.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         # Everything is local: dY is replicated (the forward's output is), dX_rank = dY @ W_rank
         # is this rank's columns of dY @ W, dW_rank = dY^T @ X_rank its columns of dW; both
-        # are the engine's chains over N and over tokens, the same bits as the one-process layer.
+        # are the GEMM backend's chains over N and over tokens, the same bits as the one-process layer.
         x2, weight, bias = ctx.saved_tensors
-        grads = linear_backward(ctx.engine, grad_out, x2, weight, bias, ctx.in_shape, ctx.needs_input_grad[:3],
+        grads = linear_backward(ctx.gemm_backend, grad_out, x2, weight, bias, ctx.in_shape, ctx.needs_input_grad[:3],
                                 use_main_grad=False)
         return (*grads, None, None, None, None, None)
 
@@ -168,11 +168,11 @@ def _tree_linear(op: str, x, weight, bias, segments, group, distributed: bool, b
     _validate_linear(op, x, weight, bias)
     _, world = _world(op, group, distributed)
     seg = tree_segment(op, weight.shape[1] * world, segments, world)
-    engine = engine_for(x.device, backend)
-    V.refuse_interpreted_bf16(op, engine.name, x)
-    if x.dtype == torch.float64 and engine.name == "triton":
+    gemm_backend = gemm_backend_for(x.device, backend)
+    V.refuse_interpreted_bf16(op, gemm_backend.name, x)
+    if x.dtype == torch.float64 and gemm_backend.name == "triton":
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
-    return _TreeLinearFunction.apply(x, weight, bias, seg, segments // world, group, world, engine)
+    return _TreeLinearFunction.apply(x, weight, bias, seg, segments // world, group, world, gemm_backend)
 
 
 def tree_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -209,9 +209,9 @@ def plain_row_parallel_linear(x_shard: torch.Tensor, weight_shard: torch.Tensor,
     Not TP-invariant (the chain length and the collective's sum order follow t); forward only.
     """
     _validate_linear("plain_row_parallel_linear", x_shard, weight_shard, bias)
-    engine = engine_for(x_shard.device, backend)
+    gemm_backend = gemm_backend_for(x_shard.device, backend)
     x2 = x_shard.reshape(x_shard.shape[:-1].numel(), x_shard.shape[-1])
-    part = engine.gemm(x2, weight_shard.t(), out_dtype=accumulator_dtype(x2.dtype))
+    part = gemm_backend.gemm(x2, weight_shard.t(), out_dtype=accumulator_dtype(x2.dtype))
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(part, group=group)
     if bias is not None:
@@ -223,7 +223,7 @@ def plain_row_parallel_linear(x_shard: torch.Tensor, weight_shard: torch.Tensor,
 # Vocab-parallel log-prob and entropy.
 # ---------------------------------------------------------------------------------------
 
-def shard_stats(engine, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
+def shard_stats(gemm_backend, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                 v_lo: int, v_hi: int, vocab_offset: int, temperature: float, chunk: int) -> torch.Tensor:
     """Per-token statistics of one vocabulary shard: [4, N] (m, s, u, z_target), fp32 (fp64 for fp64).
 
@@ -244,7 +244,7 @@ def shard_stats(engine, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         zt = torch.zeros_like(s)
         for v0 in range(v_lo, v_hi, chunk):
             v1 = min(v_hi, v0 + chunk)
-            z = engine.gemm(h_rows, weight[v0:v1].t(), out_dtype=adt)
+            z = gemm_backend.gemm(h_rows, weight[v0:v1].t(), out_dtype=adt)
             if bias is not None:
                 z.add_(bias[v0:v1].to(adt))
             if temperature != 1.0:
@@ -312,14 +312,14 @@ def _refuse_grad(op: str, *tensors: torch.Tensor | None) -> None:
 
 
 def _prepare(op, hidden, target, ignore_index, backend):
-    engine = engine_for(hidden.device, backend)
-    V.refuse_interpreted_bf16(op, engine.name, hidden)
-    if hidden.dtype == torch.float64 and engine.name == "triton":
+    gemm_backend = gemm_backend_for(hidden.device, backend)
+    V.refuse_interpreted_bf16(op, gemm_backend.name, hidden)
+    if hidden.dtype == torch.float64 and gemm_backend.name == "triton":
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
     h2 = hidden.reshape(target.numel(), hidden.shape[-1])
     t1 = target.reshape(-1).to(torch.int64)
     tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
-    return engine, h2, tgt
+    return gemm_backend, h2, tgt
 
 
 def sharded_linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -340,9 +340,10 @@ def sharded_linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: t
     _refuse_grad(op, hidden, weight, bias)
     vocab = weight.shape[0]
     width = _check_vocab_layout(op, vocab, shards, 1, chunk)
-    engine, h2, tgt = _prepare(op, hidden, target, ignore_index, backend)
+    gemm_backend, h2, tgt = _prepare(op, hidden, target, ignore_index, backend)
     ranges = [(i * width, (i + 1) * width) for i in range(shards)]
-    stats = [shard_stats(engine, h2, weight, bias, tgt, lo, hi, 0, float(temperature), chunk) for lo, hi in ranges]
+    stats = [shard_stats(gemm_backend, h2, weight, bias, tgt, lo, hi, 0, float(temperature), chunk)
+             for lo, hi in ranges]
     logp, ent = _merge_shards(stats, tgt, ranges)
     logp, ent = logp.reshape(target.shape), ent.reshape(target.shape)
     return (logp, ent) if return_entropy else logp
@@ -409,11 +410,11 @@ def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tens
     vocab = _validate_vocab_inputs(op, hidden, weight_shard, target, bias_shard, world, temperature, ignore_index)
     _refuse_grad(op, hidden, weight_shard, bias_shard)
     width = _check_vocab_layout(op, vocab, shards, world, chunk)
-    engine, h2, tgt = _prepare(op, hidden, target, ignore_index, backend)
+    gemm_backend, h2, tgt = _prepare(op, hidden, target, ignore_index, backend)
     per_rank = shards // world
     offset = rank * per_rank * width
-    local = torch.stack([shard_stats(engine, h2, weight_shard, bias_shard, tgt, i * width, (i + 1) * width, offset,
-                                     float(temperature), chunk) for i in range(per_rank)])
+    local = torch.stack([shard_stats(gemm_backend, h2, weight_shard, bias_shard, tgt, i * width, (i + 1) * width,
+                                     offset, float(temperature), chunk) for i in range(per_rank)])
     if world > 1:
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local.contiguous(), group=group)

@@ -1,10 +1,12 @@
-"""GEMM engines: one primitive, :meth:`gemm`, per backend, used for every GEMM of every op.
+"""GEMM backends: one primitive, :meth:`gemm`, per registry backend, used for every GEMM of every op.
 
-* ``TritonEngine`` -- the Triton chain (``gemm.triton``) from the checked-in table, and
+* ``TritonGemmBackend`` -- the Triton chain (``gemm.triton``) from the checked-in table, and
   cuBLASLt without split-K for larger M where a probe proved the same bits.
-* ``TorchEngine`` -- the ascending elementwise chain (``gemm.chain``), any device.
+* ``TorchGemmBackend`` -- the ascending elementwise chain (``gemm.chain``), any device.
 
-Engines differ in how they produce the canonical bits, never in which bits a row gets.
+The backends differ in how they produce the canonical bits, never in which bits a row gets.
+``RLKERNELS_GEMM_BACKEND`` (:func:`gemm_backend_mode`) picks the route inside ``TritonGemmBackend``
+(auto, Triton only, cuBLASLt only); the registry's backend picks the object.
 The routing thresholds below are measured choices (docs/design/gemm_dispatch.md).
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ def cublaslt_min_m(n: int) -> int:
     return CUBLASLT_MIN_M if n >= WIDE_N else CUBLASLT_MIN_M_NARROW
 
 
-class TorchEngine:
+class TorchGemmBackend:
     name = "torch"
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
@@ -82,13 +84,13 @@ def aligned_16_bytes(k: int, n: int) -> bool:
     return k % 8 == 0 and n % 8 == 0
 
 
-# use_cublaslt's answers by everything it reads (see TritonEngine.cublaslt_route);
+# use_cublaslt's answers by everything it reads (see TritonGemmBackend.cublaslt_route);
 # bounded like the launch plans.
 _CUBLASLT_ROUTES: dict[tuple, bool] = {}
 MAX_CUBLASLT_ROUTES = 4096
 
 
-class TritonEngine:
+class TritonGemmBackend:
     name = "triton"
 
     def use_cublaslt(self, a: torch.Tensor, n: int, bias: torch.Tensor | None) -> bool:
