@@ -6,7 +6,7 @@ variable                       effect                                           
 ``RLKERNELS_BACKEND``          ``triton`` / ``torch`` / ``auto``: the op backend          every call
 ``RLKERNELS_GEMM_BACKEND``     ``auto`` / ``triton`` / ``cublaslt``: the GEMM producer    every call
 ``RLKERNELS_DISABLE_TINY_GEMM``  ``1``: bmm skips its one-launch tiny-matrix kernel      every call
-``RLKERNELS_FAST_LAUNCH``      ``0``: launch GEMMs through Triton's own launcher          at import
+``RLKERNELS_FAST_LAUNCH``      ``0``: launch kernels through Triton's own launcher        at import
 ``RLKERNELS_L2_STREAMING``     ``0``: no streaming L2 window over decode GEMM weights     at import
 ``RLKERNELS_ATTN_CHECK_INDICES``  ``0``: attention skips reading cu_seqlens back       every call
 ``TRITON_INTERPRET``           ``1``: Triton kernels run on the CPU (the interpreter)     every call
