@@ -73,6 +73,15 @@ if triton is not None:
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
+    def _rms_bwd_terms(g_row, x_row, w_ptr, idx, mask, rstd, HAS_W: tl.constexpr):
+        # (g * w, xhat) of one tile of a row, in fp32: both passes of the backward read them alike.
+        gw = tl.load(g_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            gw = gw * tl.load(w_ptr + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
+        xhat = tl.load(x_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32) * rstd
+        return gw, xhat
+
+    @triton.jit
     def rms_norm_bwd_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, N, stride_g, stride_x, stride_dx,
                             HAS_W: tl.constexpr, BLOCK: tl.constexpr):
         # grad_x of one row: gw = g * w, dot = sum(gw * xhat) / N (row_dot_kernel's order),
@@ -85,20 +94,13 @@ if triton is not None:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
             idx = start + offs
-            mask = idx < N
-            gw = tl.load(g_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                gw = gw * tl.load(w_ptr + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
-            xhat = tl.load(x_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32) * rstd
+            gw, xhat = _rms_bwd_terms(g_row, x_row, w_ptr, idx, idx < N, rstd, HAS_W)
             acc += gw * xhat
         dot = tl.math.div_rn(pairwise_sum_1024(acc), N * 1.0)
         for start in range(0, N, BLOCK):
             idx = start + offs
             mask = idx < N
-            gw = tl.load(g_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                gw = gw * tl.load(w_ptr + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
-            xhat = tl.load(x_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32) * rstd
+            gw, xhat = _rms_bwd_terms(g_row, x_row, w_ptr, idx, mask, rstd, HAS_W)
             dx = rstd * (gw - xhat * dot)
             tl.store(dx_ptr + row * stride_dx + idx.to(tl.int64), dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
