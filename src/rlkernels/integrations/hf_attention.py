@@ -179,13 +179,16 @@ class PaddingMask(NamedTuple):
 
 
 def _pass_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, q_offset: Any = None,
-                       **kwargs: Any) -> PaddingMask | torch.Tensor | None:
+                       cache_position: torch.Tensor | None = None, **kwargs: Any) -> PaddingMask | torch.Tensor | None:
     """transformers' mask-function hook: the 2-D padding mask as given (None: no padding),
     with the first query's key slot where transformers gives it.
 
     A ``StaticCache`` hands attention every slot, written or not, so the queries are not
-    the last keys; transformers passes their offset (a device counter for a static
-    cache: it is copied here, before the first layer's cache update advances it)."""
+    the last keys; transformers passes their offset: ``q_offset`` (5.x; a device counter
+    for a static cache, copied here, before the first layer's cache update advances it)
+    or, in 4.x, ``cache_position`` (the queries' slots; its first entry)."""
+    if q_offset is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():
+        q_offset = cache_position[:1]
     if q_offset is None:
         return attention_mask
     if isinstance(q_offset, torch.Tensor):

@@ -17,6 +17,7 @@ compiles every kernel and does every one-time host query before the capture.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -36,6 +37,10 @@ class _StepBuffers:
         self.ids = ids              # [B, 1] long: the token fed to this step
         self.mask = mask            # [B, L + T] long: 1 for every real key written so far
         self.positions = positions  # [B, 1] long: the position of the fed token
+
+
+def _takes_cache_position(decoder: nn.Module) -> bool:
+    return "cache_position" in inspect.signature(type(decoder).forward).parameters
 
 
 def _sample(logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: int | None,
@@ -88,9 +93,13 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
                            positions=torch.zeros(B, 1, dtype=torch.long, device=dev))
     buffers.mask[:, :L] = mask_long
 
+    # transformers 4.x writes a static cache at the slots ``cache_position`` names; 5.x
+    # counts the writes on the device itself and takes no such argument.
+    slots = {"cache_position": torch.arange(L, device=dev)} if _takes_cache_position(decoder) else {}
+
     def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                      **cache_kwargs(decoder, cache))
+                      **cache_kwargs(decoder, cache), **slots)
         hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
         return hidden, head(hidden)
 
@@ -127,6 +136,11 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
             buffers.ids.copy_(token[:, None])
             buffers.positions.copy_(next_position)
             buffers.mask[:, L + t] = 1
+            if slots:
+                if t == 0:  # from here on one fixed buffer, the slot the step writes
+                    slots["cache_position"] = torch.full((1,), L, dtype=torch.long, device=dev)
+                else:
+                    slots["cache_position"].fill_(L + t)
             next_position += 1
             if graph is not None:
                 graph.replay()
