@@ -204,3 +204,18 @@ def test_generate_logprobs_are_the_trainers_bit_for_bit_gpu(arch):
                      b_ids.shape[1])
         for i, r in enumerate(rows):
             assert torch.equal(r[len(prompts[i]) - 1:], lp[i])
+
+
+def test_mask_hook_hands_the_first_query_slot_through():
+    # transformers 5.x passes q_offset (an int, or a static cache's device counter, copied
+    # before the first layer's update advances it); 4.x passes cache_position instead.
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    assert hf_attention._pass_padding_mask(attention_mask=mask) is mask
+    assert hf_attention._pass_padding_mask(attention_mask=None, q_offset=0) is None
+    assert hf_attention._pass_padding_mask(attention_mask=mask, q_offset=4) == (mask, 4)
+    counter = torch.tensor([5])
+    got = hf_attention._pass_padding_mask(attention_mask=mask, q_offset=counter)
+    counter += 1
+    assert got.mask is mask and int(got.q_offset) == 5
+    got = hf_attention._pass_padding_mask(attention_mask=mask, cache_position=torch.arange(6, 9))
+    assert got.mask is mask and int(got.q_offset) == 6
