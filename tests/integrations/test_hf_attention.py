@@ -209,13 +209,29 @@ def test_generate_logprobs_are_the_trainers_bit_for_bit_gpu(arch):
 def test_mask_hook_hands_the_first_query_slot_through():
     # transformers 5.x passes q_offset (an int, or a static cache's device counter, copied
     # before the first layer's update advances it); 4.x passes cache_position instead.
-    mask = torch.ones(2, 9, dtype=torch.bool)
-    assert hf_attention._pass_padding_mask(attention_mask=mask) is mask
-    assert hf_attention._pass_padding_mask(attention_mask=None, q_offset=0) is None
-    assert hf_attention._pass_padding_mask(attention_mask=mask, q_offset=4) == (mask, 4)
+    # Where the queries are the last keys the mask goes through as it came.
+    hook = hf_attention._pass_padding_mask
+    mask = torch.ones(2, 9, dtype=torch.long)
+    assert hook(attention_mask=mask) is mask
+    assert hook(attention_mask=mask, q_offset=6, kv_length=9, q_length=3) is mask
+    assert hook(attention_mask=None, q_offset=0, kv_length=4, q_length=4) is None
     counter = torch.tensor([5])
-    got = hf_attention._pass_padding_mask(attention_mask=mask, q_offset=counter)
+    got = hook(attention_mask=mask, q_offset=counter, kv_length=9, q_length=1)
     counter += 1
-    assert got.mask is mask and int(got.q_offset) == 5
-    got = hf_attention._pass_padding_mask(attention_mask=mask, cache_position=torch.arange(6, 9))
-    assert got.mask is mask and int(got.q_offset) == 6
+    assert got.shape == (2, 1, 1, 9) and got.dtype == torch.bool and bool(got.all())
+    assert int(getattr(got, hf_attention.Q_OFFSET)) == 5
+    got = hook(attention_mask=mask, cache_position=torch.arange(6, 9))
+    assert int(getattr(got, hf_attention.Q_OFFSET)) == 6
+    got = hook(attention_mask=None, q_offset=torch.tensor(2), batch_size=2, kv_length=9, q_length=3)
+    assert got[:, 0, 0].tolist() == [[True] * 5 + [False] * 4] * 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_hugging_face_static_cache_generate_gives_the_dynamic_cache_bits(arch):
+    # generate(cache_implementation="static"): attention sees every slot of the cache; the
+    # queries' slot comes through the mask hook (it was taken as the last keys before).
+    model = _model(arch)
+    ids, mask = _pad(_prompts((5, 11, 3, 8)), left=True)
+    seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=6)
+    seq_s, lp_s = rlkernels.generate(model, ids, mask, max_new_tokens=6, cache_implementation="static")
+    assert torch.equal(seq, seq_s) and torch.equal(lp, lp_s)

@@ -18,7 +18,7 @@ sequences.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -158,9 +158,9 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
         q_len = k_len = cu[1:] - cu[:-1]
         valid_rows = None
     else:
-        offset: int | torch.Tensor = s - lq  # keys before the first query (a cache)
-        if isinstance(attention_mask, PaddingMask):
-            attention_mask, offset = attention_mask
+        # Keys before the first query (a cache): the last lq keys are the queries', unless
+        # the mask hook said where they start (a static cache's slots).
+        offset: int | torch.Tensor = getattr(attention_mask, Q_OFFSET, s - lq)
         q_start, q_len, k_start, k_len, valid_rows = _bounds_of(attention_mask, offset, b, lq, s, dev)
     out = attention_by_bounds("attention (Hugging Face)", q_rows, k_rows, v_rows, q_start, q_len, k_start, k_len, lq, s,
                               causal=True, scale=scale)
@@ -170,32 +170,39 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
     return out, None
 
 
-class PaddingMask(NamedTuple):
-    """What the mask hook hands each layer: the 2-D padding mask and the key slot of the
-    first query (an int, or a device tensor for caches that count on the device)."""
-
-    mask: torch.Tensor | None
-    q_offset: int | torch.Tensor
+# The attribute that carries the queries' first key slot on the mask the hook returns.
+Q_OFFSET = "rlkernels_q_offset"
 
 
 def _pass_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, q_offset: Any = None,
-                       cache_position: torch.Tensor | None = None, **kwargs: Any) -> PaddingMask | torch.Tensor | None:
-    """transformers' mask-function hook: the 2-D padding mask as given (None: no padding),
-    with the first query's key slot where transformers gives it.
+                       cache_position: torch.Tensor | None = None, batch_size: int | None = None,
+                       kv_length: int | None = None, q_length: int | None = None,
+                       **kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask-function hook: the padding mask as given (None: no padding),
+    and where the queries are not the last keys, their first key slot.
 
-    A ``StaticCache`` hands attention every slot, written or not, so the queries are not
-    the last keys; transformers passes their offset: ``q_offset`` (5.x; a device counter
-    for a static cache, copied here, before the first layer's cache update advances it)
-    or, in 4.x, ``cache_position`` (the queries' slots; its first entry)."""
+    A ``StaticCache`` hands attention every slot, written or not. transformers gives the
+    queries' offset as ``q_offset`` (5.x; a static cache's device write counter, copied
+    here before the first layer's cache update advances it) or ``cache_position`` (4.x).
+    It rides on the mask, viewed as [B, 1, 1, S] so that transformers hands it on
+    unchanged wherever it builds the mask again (an already 4-D mask is kept as is),
+    under the attribute :data:`Q_OFFSET`; the attention reads it there.
+    """
     if q_offset is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():
-        q_offset = cache_position[:1]
-    if q_offset is None:
-        return attention_mask
+        q_offset, q_length = cache_position[:1], cache_position.numel()
     if isinstance(q_offset, torch.Tensor):
-        q_offset = q_offset.reshape(()).to(torch.int32, copy=True)
-    elif attention_mask is None and q_offset == 0:
-        return None
-    return PaddingMask(attention_mask, q_offset)
+        q_offset = q_offset.reshape(-1)[:1].to(torch.int32, copy=True)
+    elif q_offset is None or q_offset == (kv_length or 0) - (q_length or 0):
+        return attention_mask  # the queries are the last keys, which the attention assumes
+    if attention_mask is None:
+        if None in (batch_size, kv_length, q_length):
+            raise ValueError("rlkernels attention: a cache whose queries are not its last keys needs an "
+                             "attention_mask")
+        device = q_offset.device if isinstance(q_offset, torch.Tensor) else kwargs.get("device")
+        attention_mask = (torch.arange(kv_length, device=device) < q_offset + q_length).expand(batch_size, -1)
+    carrier = attention_mask.bool()[:, None, None, :]
+    setattr(carrier, Q_OFFSET, q_offset)
+    return carrier
 
 
 def register() -> None:
