@@ -222,6 +222,33 @@ def test_accuracy_vs_float64(backend, dtype, causal, gen):
             print(f"[contract] attention {backend} {dtype} causal={causal} {lq}x{lk}: rel {err:.2e}")
 
 
+def _check_packed_backward(seqs, lens, dtype, backend):
+    """Output and dQ/dK/dV of packed sequences: run to run equal, each sequence's rows
+    equal to it alone, the middle sequence's grads within the contract of float64 autograd.
+    seqs: per sequence [q, k, v, dout] rows."""
+    device = seqs[0][0].device
+
+    def grads(q, k, v, do, cu, mx):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        o = A.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, backend=backend)
+        return (o,) + torch.autograd.grad(o, (q, k, v), do)
+
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cat = [torch.cat([s[i] for s in seqs]) for i in range(4)]
+    together = grads(*cat, cu, max(lens))
+    assert all(bits_equal(a, b) for a, b in zip(together, grads(*cat, cu, max(lens))))
+    for i, n in enumerate(lens):
+        a = int(cu[i])
+        alone = grads(*seqs[i], torch.tensor([0, n], dtype=torch.int32, device=device), n)
+        for name, t, u in zip(("out", "dq", "dk", "dv"), together, alone):
+            assert bits_equal(t[a:a + n], u), f"{name} of sequence {i}"
+    q, k, v, do = (t[None].double().requires_grad_() if j < 3 else t[None].double() for j, t in enumerate(seqs[1]))
+    ref = torch.autograd.grad(reference.attention_ref(q, k, v), (q, k, v), do)
+    a, n = int(cu[1]), lens[1]
+    for t, r in zip(together[1:], ref):
+        contract.check("attention_grad", dtype, t[a:a + n], r[0])
+
+
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
 def test_backward_accuracy_and_invariance(backend, dtype, gen, small_chain):
     """dQ/dK/dV vs float64 autograd; a sequence's grads alone == inside a packed batch;
@@ -229,28 +256,8 @@ def test_backward_accuracy_and_invariance(backend, dtype, gen, small_chain):
     hq, hkv, d = sizes(backend)
     lens = [1, 37, 29] if backend == "triton" else [1, 70, 41]
 
-    def grads(q, k, v, do, cu, mx):
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        o = A.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, backend=backend)
-        return (o,) + torch.autograd.grad(o, (q, k, v), do)
-
     seqs = [[randn(n, h, d, dtype=dtype, generator=gen) for h in (hq, hkv, hkv, hq)] for n in lens]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    cat = [torch.cat([s[i] for s in seqs]) for i in range(4)]
-    together = grads(*cat, cu, max(lens))
-    again = grads(*cat, cu, max(lens))
-    assert all(bits_equal(a, b) for a, b in zip(together, again))
-    for i, n in enumerate(lens):
-        a = int(cu[i])
-        alone = grads(*seqs[i], torch.tensor([0, n], dtype=torch.int32), n)
-        for name, t, u in zip(("out", "dq", "dk", "dv"), together, alone):
-            assert bits_equal(t[a:a + n], u), f"{name} of sequence {i}"
-    # accuracy of the middle sequence's grads
-    q, k, v, do = (t[None].double().requires_grad_() if j < 3 else t[None].double() for j, t in enumerate(seqs[1]))
-    ref = torch.autograd.grad(reference.attention_ref(q, k, v), (q, k, v), do)
-    a, n = int(cu[1]), lens[1]
-    for t, r in zip(together[1:], ref):
-        contract.check("attention_grad", dtype, t[a:a + n], r[0])
+    _check_packed_backward(seqs, lens, dtype, backend)
 
 
 def test_gradcheck_float64_torch_backend(gen, small_chain):
@@ -389,26 +396,7 @@ def test_gpu_backward_invariant_and_deterministic(dtype):
     lens = [1, 1031, 2048, 509]
     g = torch.Generator(device="cuda").manual_seed(3)
     seqs = [[torch.randn(n, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv, hq)] for n in lens]
-
-    def grads(q, k, v, do, cu, mx):
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        o = A.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx)
-        return (o,) + torch.autograd.grad(o, (q, k, v), do)
-
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    cat = [torch.cat([s[i] for s in seqs]) for i in range(4)]
-    together = grads(*cat, cu, max(lens))
-    assert all(bits_equal(a, b) for a, b in zip(together, grads(*cat, cu, max(lens))))
-    for i, n in enumerate(lens):
-        a = int(cu[i])
-        alone = grads(*seqs[i], torch.tensor([0, n], dtype=torch.int32, device="cuda"), n)
-        for name, t, u in zip(("out", "dq", "dk", "dv"), together, alone):
-            assert bits_equal(t[a:a + n], u), f"{name} of sequence {i}"
-    q, k, v, do = (t[None].double().requires_grad_() if j < 3 else t[None].double() for j, t in enumerate(seqs[1]))
-    ref = torch.autograd.grad(reference.attention_ref(q, k, v), (q, k, v), do)
-    a, n = int(cu[1]), lens[1]
-    for t, r in zip(together[1:], ref):
-        contract.check("attention_grad", dtype, t[a:a + n], r[0])
+    _check_packed_backward(seqs, lens, dtype, None)
 
 
 @pytest.mark.gpu
