@@ -281,6 +281,9 @@ def test_bad_inputs_are_refused():
         A.flash_attn_func(q, q.half(), q)
     with pytest.raises(ValueError, match="rlkernels.flash_attn_func: q must have 4 dims"):
         A.flash_attn_func(q[0], q, q)
+    for bad in (0.0, -0.5, float("nan")):
+        with pytest.raises(ValueError, match="rlkernels.flash_attn_func: softmax_scale must be positive and finite"):
+            A.flash_attn_func(q, q, q, softmax_scale=bad)
     t = torch.randn(10, 2, 16)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     with pytest.raises(ValueError, match="rlkernels.flash_attn_varlen_func: cu_seqlens_q must be int32, got torch.int64"):

@@ -65,6 +65,13 @@ def _flex():
     if "fn" not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
+        # Every (shape, head dim, decode) case is one more compiled graph of the same function:
+        # past dynamo's default recompile limit (8) Flex would silently run unfused.
+        import torch._dynamo
+
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     return _FLEX["fn"]
 

@@ -43,21 +43,22 @@ if triton is not None:
     def block_step(q, k, v, valid, m, l, acc, qk_scale, ONES, IEEE: tl.constexpr, MASK: tl.constexpr):
         """One key block of the online softmax: q [BM, BD], k/v [BN, BD], valid [BM, BN].
 
+        m is the running max of the scaled scores: rowmax(s) * qk_scale is rowmax(s *
+        qk_scale) exactly (rounding is monotone and qk_scale > 0), so the scale multiplies
+        one value per row and p = exp2(fma(s, qk_scale, -m)) costs one FMA per score.
         The row sum of p goes through the tensor cores (p @ ones, every column equal,
         taken by an exact max) so its order is the dot chain's, which does not depend
         on the tile shape, rather than a tree reduction whose order follows the layout.
         MASK=False is for blocks whose keys every row of the tile may see: the same
-        expressions without the select (``where(True, x, -inf)`` is x), so same bits.
+        expressions without the select (``where(True, s, -inf)`` is s), so same bits.
         """
         s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), dtype=tl.float32), IEEE)
         if MASK:
-            s = tl.where(valid, s * qk_scale, float("-inf"))
-        else:
-            s = s * qk_scale
-        m_new = tl.maximum(m, tl.max(s, 1))
+            s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None]).to(v.dtype)
+        p = tl.math.exp2(tl.fma(s, qk_scale, -m_safe[:, None])).to(v.dtype)
         rows = _dot(p, ONES, tl.zeros((q.shape[0], ONES.shape[1]), dtype=tl.float32), IEEE)
         l = tl.fma(l, alpha, tl.max(rows, 1))
         acc = _dot(p, v, acc * alpha[:, None], IEEE)
@@ -288,12 +289,19 @@ if triton is not None:
         ws_ptr, o_ptr, lse_ptr, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_ot, stride_oh, stride_lh,
         HKV, G, D, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, LK, K_ADD,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
-        KLEN_PTR: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr, EVEN_D: tl.constexpr,
+        DENSE: tl.constexpr, KLEN_PTR: tl.constexpr,
     ):
-        """Merges a tile's split states in ascending split order from the empty state."""
+        """Merges a tile's split states in ascending split order from the empty state.
+
+        Each program takes BLOCK_M rows and BLOCK_DC of the BLOCK_D columns (the merge
+        is elementwise per row and column, so the column chunking leaves the bits alone):
+        a decode step has few real rows, and spreading the columns over programs keeps the
+        serial walk over the splits short. The chunk-0 program writes the LSE.
+        """
         pid_m = tl.program_id(0)
         bk = tl.program_id(1)
+        pid_d = tl.program_id(2)
         b = bk // HKV
         kvh = bk % HKV
         q_start, q_len, k_start, k_len = seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, K_ADD,
@@ -303,16 +311,17 @@ if triton is not None:
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         i = r // G
         h = kvh * G + r % G
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_d = pid_d * BLOCK_DC + tl.arange(0, BLOCK_DC)
         row_ok = i < q_len
         m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_DC), dtype=tl.float32)
         for sp in range(0, N_SPLITS):
             base = (bk.to(tl.int64) * N_SPLITS + sp) * ROWS_PAD + r
-            m_s = tl.load(ws_ptr + base)
-            l_s = tl.load(ws_ptr + WS_ROWS + base)
-            acc_s = tl.load(ws_ptr + 2 * WS_ROWS + base[:, None] * BLOCK_D + offs_d[None, :])
+            m_s = tl.load(ws_ptr + base, mask=row_ok, other=float("-inf"))
+            l_s = tl.load(ws_ptr + WS_ROWS + base, mask=row_ok, other=0.0)
+            acc_s = tl.load(ws_ptr + 2 * WS_ROWS + base[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
+                            other=0.0)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
         out, lse = finish(m, l, acc)
         if EVEN_D:
@@ -321,13 +330,14 @@ if triton is not None:
             o_mask = row_ok[:, None] & (offs_d[None, :] < D)
         tl.store(o_ptr + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=o_mask)
-        tl.store(lse_ptr + h * stride_lh + q_start + i, lse, mask=row_ok)
+        if pid_d == 0:
+            tl.store(lse_ptr + h * stride_lh + q_start + i, lse, mask=row_ok)
 
     @triton.jit
     def attn_bwd_delta_kernel(
         o_ptr, do_ptr, delta_ptr, q_start_ptr, q_len_ptr,
         stride_ot, stride_oh, stride_dot, stride_doh, stride_dh,
-        H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+        H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     ):
         """delta = rowsum(dO * O) in fp32, tiles aligned to each sequence's first query."""
         pid_m = tl.program_id(0)
@@ -340,11 +350,11 @@ if triton is not None:
         q_start = tl.load(q_start_ptr + b).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        mask = (offs_m < q_len)[:, None] & (offs_d < D)[None, :]
-        rows = (q_start + offs_m)[:, None]
-        o = tl.load(o_ptr + rows * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        do = tl.load(do_ptr + rows * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(delta_ptr + h * stride_dh + q_start + offs_m, tl.sum(o * do, 1), mask=offs_m < q_len)
+        o = load_rows(o_ptr + q_start * stride_ot + h * stride_oh, offs_m, stride_ot, offs_d, q_len, D, EVEN_D, True)
+        do = load_rows(do_ptr + q_start * stride_dot + h * stride_doh, offs_m, stride_dot, offs_d, q_len, D, EVEN_D,
+                       True)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(delta_ptr + h * stride_dh + q_start + offs_m, delta, mask=offs_m < q_len)
 
     @triton.jit
     def attn_bwd_dkdv_kernel(

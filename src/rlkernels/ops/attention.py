@@ -109,14 +109,17 @@ class FwdLaunch:
 
 @dataclasses.dataclass(frozen=True)
 class BwdLaunch:
-    """Launch parameters of the backward kernels (dK/dV tile, dQ tile)."""
+    """Launch parameters of the backward kernels: the dK/dV kernel's tile, warps and
+    stages, then the dQ kernel's."""
 
     dkdv_block_m: int = 64
     dkdv_block_n: int = 64
+    dkdv_warps: int = 4
+    dkdv_stages: int = 2
     dq_block_m: int = 64
     dq_block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    dq_warps: int = 4
+    dq_stages: int = 2
 
 
 def default_fwd_launch(head_dim: int, max_q: int = 0) -> FwdLaunch:
@@ -135,10 +138,10 @@ def default_fwd_launch(head_dim: int, max_q: int = 0) -> FwdLaunch:
 
 def default_bwd_launch(head_dim: int) -> BwdLaunch:
     if triton_interpret():
-        return BwdLaunch(16, 16, 16, 16, 1, 1)
+        return BwdLaunch(16, 16, 1, 1, 16, 16, 1, 1)
     if head_dim <= 128:
-        return BwdLaunch(64, 64, 64, 64, 4, 2)
-    return BwdLaunch(32, 64, 64, 32, 4, 1)
+        return BwdLaunch(64, 64, 4, 2, 64, 64, 4, 2)
+    return BwdLaunch(32, 64, 4, 1, 64, 32, 4, 1)
 
 
 # Overrides for the tuning script (benchmarks/attention_gpu.py); None = the defaults.
@@ -214,8 +217,9 @@ def _scale(op: str, softmax_scale: float | None, d: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
     s = float(softmax_scale)
-    if not math.isfinite(s):
-        raise ValueError(f"rlkernels.{op}: softmax_scale must be finite, got {softmax_scale}")
+    # The chain takes the row max of the raw scores times the scale (exact for a positive scale only).
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"rlkernels.{op}: softmax_scale must be positive and finite, got {softmax_scale}")
     return s
 
 
@@ -349,6 +353,10 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
 # The forward kernels compile without mul+add contraction, so that the masked and unmasked
 # block steps round s * scale alike (the interpreter has no such option and ignores it).
 _FWD_OPTIONS = {} if triton_interpret() else {"enable_fp_fusion": False}
+# The split-KV combine: columns per program, warps, stages (launch detail, no effect on the bits).
+COMBINE_BLOCK_D = 32
+COMBINE_WARPS = 1
+COMBINE_STAGES = 4
 # Triton's num_warps where a launch names none: the delta kernel is a light row sum that needs no more.
 DELTA_WARPS = 4
 # Decode steps are host-bound: later launches skip Triton's binder (runtime.launcher).
@@ -416,13 +424,17 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
             (causal, bm, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, finish_here),
             num_warps=cfg.split_warps, num_stages=cfg.split_stages)
         if not finish_here:
+            # The combine's tile is launch detail (an elementwise merge per row and column):
+            # the real rows only (a decode step's G heads), BLOCK_DC columns per program.
+            cm = min(bm, _pow2(max_q * g, floor=2))
+            dc = min(bd, COMBINE_BLOCK_D)
             _launch_combine(
-                (rows_pad // bm, nb * hkv),
+                (cdiv(rows_pad, cm), nb * hkv, bd // dc),
                 (ws, out, lse, q_start, q_len, k_start, k_len,
                  out.stride(0), out.stride(1), lse.stride(0),
                  hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, lk_d, k_add),
-                (bm, bd, even_d, is_dense, klen_ptr),  # BLOCK_M, BLOCK_D, EVEN_D, DENSE, KLEN_PTR
-                num_warps=cfg.split_warps, num_stages=DEFAULT_NUM_STAGES)
+                (cm, bd, dc, even_d, is_dense, klen_ptr),  # BLOCK_M, BLOCK_D, BLOCK_DC, EVEN_D, DENSE, KLEN_PTR
+                num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
     _launch_fwd(
         (cdiv(max_q, cfg.block_m), nb * hq),
@@ -459,7 +471,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (cdiv(max_q, bm0), nb * hq),
         (out, do, delta, q_start, q_len, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
          hq, d),
-        (bm0, bd),  # BLOCK_M, BLOCK_D
+        (bm0, bd, d == bd),  # BLOCK_M, BLOCK_D, EVEN_D
         num_warps=DELTA_WARPS, num_stages=DEFAULT_NUM_STAGES)
     lse = lse.contiguous()
     _launch_bwd_dkdv(
@@ -470,7 +482,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
          hkv, g, d, qk_scale, scale),
         # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D
         (causal, cfg.dkdv_block_m, cfg.dkdv_block_n, bd, ieee, d == bd),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages)
     _launch_bwd_dq(
         (cdiv(max_q, cfg.dq_block_m), nb * hq),
         (q, k, v, do, lse, delta, dq, q_start, q_len, k_start, k_len,
@@ -479,7 +491,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
          hq, g, d, qk_scale, scale),
         # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D
         (causal, cfg.dq_block_m, cfg.dq_block_n, bd, ieee, d == bd),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     return dq, dk, dv
 
 
