@@ -226,14 +226,15 @@ def tune_backward(d: int, L: int, quick: bool) -> list[dict]:
     want = bwd()
     flops = 2.5 * 2.0 * b * HQ * L * L * d
     rows = []
-    cands = [(bm1, bn1, bm2, bn2, w, s) for (bm1, bn1) in ((32, 64), (64, 64), (32, 128), (64, 128))
+    # (dK/dV tile, warps, stages, dQ tile, warps, stages): BwdLaunch's field order.
+    cands = [(bm1, bn1, w, s, bm2, bn2, w, s) for (bm1, bn1) in ((32, 64), (64, 64), (32, 128), (64, 128))
              for (bm2, bn2) in ((64, 64), (128, 32), (128, 64)) for w in (4, 8) for s in (1, 2, 3)]
     if quick:
         cands = cands[:4]
     for c in cands:
         A.BWD_LAUNCH_OVERRIDE = A.BwdLaunch(*c)
-        row = {"kernel": "bwd", "D": d, "L": L, "dkdv": f"{c[0]}x{c[1]}", "dq": f"{c[2]}x{c[3]}", "warps": c[4],
-               "stages": c[5]}
+        row = {"kernel": "bwd", "D": d, "L": L, "dkdv": f"{c[0]}x{c[1]}", "dq": f"{c[4]}x{c[5]}", "warps": c[2],
+               "stages": c[3]}
         try:
             got = bwd()
             row["same_bits"] = all(bits_equal(a, b_) for a, b_ in zip(got, want))
