@@ -353,8 +353,9 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
 
 # ---------------------------------------------------------------- triton backend
 
-# The forward kernels compile without mul+add contraction, so that the masked and unmasked
-# block steps round s * scale alike (the interpreter has no such option and ignores it).
+# The forward kernels compile without mul+add contraction: the chain's FMAs are written out
+# (tl.fma) and nothing else is fused, so the masked and unmasked block steps round alike
+# (the interpreter has no such option and ignores it).
 _FWD_OPTIONS = {} if triton_interpret() else {"enable_fp_fusion": False}
 # The split-KV combine: columns per program, warps, stages (launch detail, no effect on the bits).
 COMBINE_BLOCK_D = 32
