@@ -31,8 +31,8 @@ CUBLASLT_MIN_M = 65
 # win (lm head 0.93-0.95x vs 1.00x); docs/design/gemm_dispatch.md.
 CUBLASLT_MIN_M_NARROW = 33
 # lm heads (N >= LM_HEAD_N) keep the Triton 128x128x128 tile up to M = 128, one row of
-# tiles that streams the weight once: at M = 128 it runs 0.97x stock (455-459 vs
-# 470-472 us) where cuBLASLt-no-split runs 1.00x. With two rows of tiles it is far
+# tiles that streams the weight once: at M = 128 it takes 0.97x stock's time (455-459 vs
+# 470-472 us) where cuBLASLt-no-split takes 1.00x. With two rows of tiles it is far
 # slower (M = 192 / 256: 1.38x / 1.33x vs 1.00x; docs/design/gemm_dispatch.md).
 CUBLASLT_MIN_M_LM_HEAD = 129
 
