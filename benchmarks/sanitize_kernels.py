@@ -120,7 +120,8 @@ def _attention(dtype):
     if not hasattr(rlkernels, "flash_attn_func"):
         print("  (no attention op)")
         return
-    for b, lq, hq, hk, d in [(1, 1, 2, 1, 64), (2, 131, 4, 2, 128), (3, 1031, 16, 8, 128), (1, 257, 8, 8, 64)]:
+    for b, lq, hq, hk, d in [(1, 1, 2, 1, 64), (2, 131, 4, 2, 128), (3, 1031, 16, 8, 128), (1, 257, 8, 8, 64),
+                             (2, 67, 4, 2, 80)]:
         q, k, v = (_r(b, lq, h, d, dtype=dtype, grad=True) for h in (hq, hk, hk))
         o = rlkernels.flash_attn_func(q, k, v, causal=True)
         o.float().sum().backward()
@@ -137,6 +138,30 @@ def _attention(dtype):
     _finite(rlkernels.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True))
     kn, vn = _r(b, 1, hk, d, dtype=dtype), _r(b, 1, hk, d, dtype=dtype)
     _finite(rlkernels.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, causal=True))
+    # Keys read in place from Hugging Face's [B, Hkv, S, D] layout, left-padded (NaN before
+    # each sequence), through the op's bounds entry: prefill with its backward, then a
+    # decode-like step (the split-KV kernels over several splits).
+    from rlkernels.ops.attention import attention_by_bounds
+    starts = torch.tensor([4098, 3069, 2], device="cuda", dtype=torch.int32)
+    kh = torch.full((b, hk, s_max, d), float("nan"), device="cuda", dtype=dtype)
+    vh = torch.full_like(kh, float("nan"))
+    for i, (s0, n) in enumerate(zip(starts.tolist(), lens.tolist())):
+        kh[i, :, s0:s0 + n] = _r(hk, n, d, dtype=dtype)
+        vh[i, :, s0:s0 + n] = _r(hk, n, d, dtype=dtype)
+    lq = 131
+    q_len = torch.clamp(lens, max=lq)
+    q_rows = _r(b * lq, hq, d, dtype=dtype, grad=True)
+    q_start = torch.arange(b, device="cuda", dtype=torch.int32) * lq
+    kg, vg = kh.transpose(1, 2).detach().requires_grad_(), vh.transpose(1, 2).detach().requires_grad_()
+    # Each sequence's last q_len keys are its queries' (bottom-right causal).
+    o = attention_by_bounds("sanitize", q_rows, kg, vg, q_start, q_len, starts, lens, lq, s_max)
+    rows = torch.cat([o[i * lq:i * lq + n] for i, n in enumerate(q_len.tolist())])
+    rows.float().sum().backward()
+    _finite(rows)
+    step = attention_by_bounds("sanitize", q[:, 0], kg.detach(), vg.detach(), torch.arange(b, device="cuda",
+                               dtype=torch.int32), torch.ones(b, device="cuda", dtype=torch.int32), starts, lens, 1,
+                               s_max)
+    _finite(step)
 
 
 def _big(dtype):

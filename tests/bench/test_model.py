@@ -20,10 +20,11 @@ def test_tiny_cpu_suite_writes_every_workload(tmp_path):
     assert doc["benchmark"] == "model" and doc["config"] == "tiny" and doc["bench_device"] == "cpu"
     rows = doc["rows"]
     lens = bench_model.TINY.long_lens
-    want = {"scoring", "training", "generate", "generate (graphed)", *(f"long {n}" for n in lens)}
+    want = {"scoring", "training", "generate", "generate (graphed)", "rollout", "rollout (graphed)",
+            *(f"long {n}" for n in lens)}
     for side in ("stock", "rlkernels"):
         assert {r["workload"] for r in rows if r["side"] == side} == want, side
-    graphed = [r for r in rows if r["workload"] == "generate (graphed)"]
+    graphed = [r for r in rows if r["workload"].endswith("(graphed)")]
     assert all("GPU" in r["note"] and r["time_ms"] is None for r in graphed)  # CUDA graphs need a GPU
     for r in rows:
         if r in graphed:

@@ -198,6 +198,81 @@ def test_nan_in_unused_cache_slots_does_not_leak(gen, small_chain):
     assert bits_equal(out[:, 0], A.flash_attn_func(q, k, v, backend="torch")[:, -1])
 
 
+def _hf_layout(rows: list[torch.Tensor], starts: list[int], slots: int) -> torch.Tensor:
+    """Sequences' key rows [n, Hkv, D] at slot starts[b] of a NaN-filled [B, Hkv, S, D]
+    buffer (Hugging Face's cache layout), returned as the [B, S, Hkv, D] view the op takes."""
+    hkv, d = rows[0].shape[1:]
+    buf = torch.full((len(rows), hkv, slots, d), float("nan"), dtype=rows[0].dtype)
+    for b, (r, s0) in enumerate(zip(rows, starts)):
+        buf[b, :, s0:s0 + r.shape[0]] = r.transpose(0, 1)
+    return buf.transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
+def test_keys_read_in_place_in_a_batched_layout(backend, dtype, gen, small_chain):
+    """Keys as batch rows of a [B, Hkv, S, D] buffer (transposed, NaN in the free slots, each
+    sequence starting anywhere): prefill, decode-like steps (the split-KV path) and the
+    gradients are the bits of each sequence alone; the grads' free slots are zeros."""
+    hq, hkv, d = sizes(backend)
+    lens, starts, slots = [23, 1, 40], [5, 0, 2], 48
+    seqs = [qkv(n, hq, hkv, d, dtype, gen) for n in lens]
+    alone = [A.flash_attn_func(q, k, v, backend=backend)[0] for q, k, v in seqs]
+    kb = _hf_layout([s[1][0] for s in seqs], starts, slots)
+    vb = _hf_layout([s[2][0] for s in seqs], starts, slots)
+    assert kb.stride(1) == d and kb.stride(2) == slots * d  # token-major per head, as Hugging Face keeps it
+    ks, kl = torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    # Prefill: queries packed as rows, keys in place.
+    q_rows = torch.cat([s[0][0] for s in seqs])
+    q_start = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()[:-1], dtype=torch.int32)
+    q_rows.requires_grad_()
+    kg, vg = kb.detach().clone().requires_grad_(), vb.detach().clone().requires_grad_()
+    out = A.attention_by_bounds("test", q_rows, kg, vg, q_start, kl, ks, kl, max(lens), slots, backend=backend)
+    for b, n in enumerate(lens):
+        assert bits_equal(out[int(q_start[b]):int(q_start[b]) + n], alone[b]), f"prefill of sequence {b}"
+    # Decode-like: each sequence's last query alone over its keys in place.
+    last = torch.cat([s[0][0, -1:] for s in seqs])
+    step = A.attention_by_bounds("test", last, kb, vb, torch.arange(3, dtype=torch.int32),
+                                 torch.ones(3, dtype=torch.int32), ks, kl, 1, slots, backend=backend)
+    for b in range(3):
+        assert bits_equal(step[b], alone[b][-1]), f"decode step of sequence {b}"
+    # Gradients: the same bits as each sequence's own backward, zeros in the free slots.
+    do = randn(*out.shape, dtype=dtype, generator=gen)
+    dq, dk, dv = torch.autograd.grad(out, (q_rows, kg, vg), do)
+    assert dk.shape == kb.shape and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    for b, ((q, k, v), n, s0) in enumerate(zip(seqs, lens, starts)):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        a = int(q_start[b])
+        ref = torch.autograd.grad(A.flash_attn_func(q, k, v, backend=backend), (q, k, v), do[a:a + n][None])
+        assert bits_equal(dq[a:a + n], ref[0][0]) and bits_equal(dk[b, s0:s0 + n], ref[1][0])
+        assert bits_equal(dv[b, s0:s0 + n], ref[2][0])
+        free = torch.ones(slots, dtype=torch.bool)
+        free[s0:s0 + n] = False
+        assert (dk[b, free] == 0).all() and (dv[b, free] == 0).all()
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_kvcache_in_hugging_face_layout(backend, dtype, gen, small_chain):
+    """flash_attn_with_kvcache over caches given as [B, Hkv, S, D].transpose(1, 2): the
+    append lands in the caller's buffer and the rows are the contiguous cache's bits."""
+    hq, hkv, d = sizes(backend)
+    lens, cap = [9, 33], 40
+    seqs = [qkv(n, hq, hkv, d, dtype, gen) for n in lens]
+    kc, vc = nan_cache(2, cap, hkv, d, dtype)
+    kt = torch.full((2, hkv, cap, d), float("nan"), dtype=dtype).transpose(1, 2)
+    vt = torch.full((2, hkv, cap, d), float("nan"), dtype=dtype).transpose(1, 2)
+    for b, (q, k, v) in enumerate(seqs):
+        for c, src in ((kc, k), (vc, v), (kt, k), (vt, v)):
+            c[b, :lens[b] - 1] = src[0, :-1]
+    seqlens = torch.tensor([n - 1 for n in lens], dtype=torch.int32)
+    args = [torch.cat([s[i][:, -1:] for s in seqs]) for i in range(3)]
+    want = A.flash_attn_with_kvcache(args[0], kc, vc, args[1], args[2], seqlens, backend=backend)
+    got = A.flash_attn_with_kvcache(args[0], kt, vt, args[1], args[2], seqlens, backend=backend)
+    assert bits_equal(got, want) and torch.equal(kt[:, :max(lens)].isnan(), kc[:, :max(lens)].isnan())
+    for b, n in enumerate(lens):
+        assert bits_equal(kt[b, n - 1], seqs[b][1][0, -1]) and bits_equal(got[b, 0], A.flash_attn_func(
+            *seqs[b], backend=backend)[0, -1])
+
+
 # ---------------------------------------------------------------- accuracy
 
 
@@ -330,7 +405,8 @@ def test_registry_and_custom_op(gen, small_chain):
     fn, x = A.FlashAttnTorch().invariance_case(torch.device("cpu"), torch.float32, gen)
     testing.assert_batch_invariant(fn, x)
     # The custom op (what torch.compile sees) gives the eager path's bits and gradients.
-    qs, ks, vs = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    qs = q.reshape(-1, *q.shape[2:])
+    ks, vs = (t.reshape(1, -1, *t.shape[2:]) for t in (k, v))  # keys [1, Tk, Hkv, D]: one packed run of rows
     ar = torch.arange(2, dtype=torch.int32)
     lens = torch.full((2,), 9, dtype=torch.int32)
     out, lse = torch.ops.rlkernels.flash_attn_fwd(qs, ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 0.35,
@@ -352,7 +428,7 @@ def _gpu_qkv(B, L, hq, hkv, d, dtype, seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("d", [128, 64, 80, 256])
 def test_gpu_prefill_decode_chunked_packed(dtype, d):
     hq, hkv, L = 16, 8, 4096
     q, k, v = _gpu_qkv(2, L, hq, hkv, d, dtype)
@@ -393,13 +469,48 @@ def test_gpu_prefill_decode_chunked_packed(dtype, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_backward_invariant_and_deterministic(dtype):
-    hq, hkv, d = 16, 8, 128
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64),
+                                     (torch.bfloat16, 80), (torch.bfloat16, 256)])
+def test_gpu_backward_invariant_and_deterministic(dtype, d):
+    hq, hkv = 16, 8
     lens = [1, 1031, 2048, 509]
     g = torch.Generator(device="cuda").manual_seed(3)
     seqs = [[torch.randn(n, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv, hq)] for n in lens]
     _check_packed_backward(seqs, lens, dtype, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 64])
+def test_gpu_keys_in_place_in_hugging_face_layout(d):
+    """Left-padded sequences whose keys sit in a [B, Hkv, S, D] buffer (NaN in the free
+    slots), read in place: prefill rows and decode steps (split-KV, several splits) are
+    each sequence's rows alone, bit for bit."""
+    hq, hkv, dtype = 16, 8, torch.bfloat16
+    lens, slots = [3001, 1, 1031], 3072
+    seqs = [_gpu_qkv(1, n, hq, hkv, d, dtype, seed=n) for n in lens]
+    alone = [A.flash_attn_func(*s)[0] for s in seqs]
+    starts = [slots - n for n in lens]  # left padding
+    bufs = []
+    for i in (1, 2):
+        buf = torch.full((3, hkv, slots, d), float("nan"), dtype=dtype, device="cuda")
+        for b, (s, s0) in enumerate(zip(seqs, starts)):
+            buf[b, :, s0:] = s[i][0].transpose(0, 1)
+        bufs.append(buf.transpose(1, 2))
+    dev = dict(dtype=torch.int32, device="cuda")
+    ks, kl = torch.tensor(starts, **dev), torch.tensor(lens, **dev)
+    q_rows = torch.cat([s[0][0] for s in seqs])
+    q_start = torch.tensor([0, lens[0], lens[0] + lens[1]], **dev)
+    out = A.attention_by_bounds("test", q_rows, *bufs, q_start, kl, ks, kl, max(lens), slots)
+    for b, n in enumerate(lens):
+        a = int(q_start[b])
+        assert bits_equal(out[a:a + n], alone[b]), f"prefill of sequence {b}"
+    for p in (0, 1023, 1024, 1030):  # decode steps: the sequence cut at p + 1 keys
+        n = [min(p + 1, x) for x in lens]
+        last = torch.cat([s[0][0, m - 1:m] for s, m in zip(seqs, n)])
+        step = A.attention_by_bounds("test", last, *bufs, torch.arange(3, **dev), torch.ones(3, **dev), ks,
+                                     torch.tensor(n, **dev), 1, slots)
+        for b in range(3):
+            assert bits_equal(step[b], alone[b][n[b] - 1]), f"decode step {p} of sequence {b}"
 
 
 @pytest.mark.gpu

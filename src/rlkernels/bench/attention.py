@@ -10,7 +10,8 @@ backends (q/k/v as [B, H, L, D], enable_gqa=True) and compiled FlexAttention wit
 causal block mask built outside the timed region. Each peer is guarded: a missing
 backend is reported in its column, not fatal. Decode (one query per sequence over a
 full KV cache) at (B, S) = (16, 4096), (64, 1024), (1, 32768): µs and TB/s of KV read
-against the device copy bandwidth, vs cuDNN SDPA and Flex. The ``bitwise`` columns
+against the device copy bandwidth, vs cuDNN SDPA and Flex; ``rlkernels_hf_layout`` reads
+the same cache in Hugging Face's [B, Hkv, S, D] layout in place. The ``bitwise`` columns
 check, in the same run, that prefill rows equal decode rows (split-KV kernel) and
 that a sequence's rows alone equal its rows inside the batch.
 
@@ -221,7 +222,11 @@ def _decode_rows(d: int, shapes: tuple[tuple[int, int], ...], copy_gbs: float) -
         qh, kh, vh = q.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
         kv_bytes = 2 * b * s * HKV * d * 2
         row: dict[str, Any] = {"D": d, "B": b, "S": s, "kv_MB": kv_bytes / 1e6}
-        fns: dict[str, Callable[[], Any]] = {"rlkernels": lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s)}
+        fns: dict[str, Callable[[], Any]] = {
+            "rlkernels": lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s),
+            # The cache in Hugging Face's [B, Hkv, S, D] layout (what the peers read), in place.
+            "rlkernels_hf_layout": lambda: flash_attn_with_kvcache(q, kh.transpose(1, 2), vh.transpose(1, 2),
+                                                                   cache_seqlens=s)}
         errors: dict[str, str] = {}
         for name in ("sdpa_cudnn", "flex"):
             try:
@@ -244,10 +249,13 @@ def _decode_rows(d: int, shapes: tuple[tuple[int, int], ...], copy_gbs: float) -
                     if err:
                         errors[f"{name}_graph"] = err
             # The decode rows (split-KV kernel) == the full kernel's rows for Lq = 1 over the cache.
-            row["bitwise_decode_eq_full"] = _bits_equal(fns["rlkernels"](), flash_attn_func(q, kc, vc))
+            row["bitwise_decode_eq_full"] = (_bits_equal(fns["rlkernels"](), flash_attn_func(q, kc, vc))
+                                             and _bits_equal(fns["rlkernels_hf_layout"](), fns["rlkernels"]()))
         for name in ("sdpa_cudnn", "flex"):
             ours, theirs = row.get("rlkernels_us"), row.get(f"{name}_us")
             row[f"time_vs_{name}"] = ours / theirs if ours and theirs else None
+        ours, theirs = row.get("rlkernels_hf_layout_us"), row.get("sdpa_cudnn_us")
+        row["hf_layout_vs_sdpa_cudnn"] = ours / theirs if ours and theirs else None
         ours, theirs = row.get("rlkernels_graph_us"), row.get("sdpa_cudnn_graph_us")
         row["graph_time_vs_sdpa_cudnn"] = ours / theirs if ours and theirs else None
         row["graph_TB/s"] = kv_bytes / (ours * 1e-6) / 1e12 if ours else None
@@ -282,7 +290,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if decode:
         print_table(f"attention decode, bf16, 16/8 heads (copy bandwidth {copy_gbs:.0f} GB/s)", decode,
                     ["D", "B", "S", "kv_MB", "rlkernels_us", "sdpa_cudnn_us", "flex_us", "time_vs_sdpa_cudnn",
-                     "time_vs_flex", "rlkernels_graph_us", "sdpa_cudnn_graph_us", "graph_time_vs_sdpa_cudnn",
+                     "time_vs_flex", "rlkernels_hf_layout_us", "hf_layout_vs_sdpa_cudnn", "rlkernels_graph_us",
+                     "sdpa_cudnn_graph_us", "graph_time_vs_sdpa_cudnn",
                      "rlkernels_TB/s", "graph_TB/s", "copy_%", "bitwise_decode_eq_full"])
     for r in prefill + decode:
         if r.get("errors"):

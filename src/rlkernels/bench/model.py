@@ -1,7 +1,7 @@
 """Benchmark: a whole Hugging Face model, stock vs rlkernels, on the jobs of an RL step.
 
     rlkernels bench model [--config qwen3-1.7b|qwen3-8b|tiny|PATH.json] [--layers N] [--device cuda|cpu]
-        [--only scoring,training,generate,long] [--reps R] [--graphed] [--json PATH] [--quick]
+        [--only scoring,training,generate,rollout,long] [--reps R] [--graphed] [--json PATH] [--quick]
 
 One random-weight model, built from transformers' own classes (no download) and run
 two ways in the same process:
@@ -15,8 +15,10 @@ two ways in the same process:
 Workloads: ``scoring`` (right-padded batch, no grad), ``training`` (forward + backward of
 a per-token policy-gradient loss), ``generate`` (left-padded prompts, greedy, a fixed
 number of new tokens; on a GPU also ``rlkernels.generate(..., cuda_graph=True)``;
-``--graphed`` adds transformers' compiled static-cache generate)
-and ``long`` (one long sequence per length). Per workload and side: median ms of the
+``--graphed`` adds transformers' compiled static-cache generate), ``rollout`` (the same
+with long prompts, where a decode step's time is the attention reading the KV cache: stock
+eager ``generate`` against ``rlkernels.generate``, graphed on a GPU) and ``long`` (one long
+sequence per length). Per workload and side: median ms of the
 timed calls (CUDA events on a GPU, wall clock on the CPU), tokens/s, peak allocated GiB
 (less the other side's weights, which share the device), the time ratio
 rlkernels / stock, and the bitwise fraction:
@@ -24,7 +26,7 @@ rlkernels / stock, and the bitwise fraction:
 - scoring: valid tokens whose log-prob in the batch equals (``==``, i.e. torch.equal per
   token) the log-prob of the same sequence scored alone (B=1, unpadded);
 - long: the first quarter's log-probs in the full-length pass vs that prefix scored alone;
-- generate: new tokens whose sampler log-prob (stock: ``log_softmax`` of generate's
+- generate, rollout: new tokens whose sampler log-prob (stock: ``log_softmax`` of generate's
   scores; rlkernels: what ``rlkernels.generate`` returns) equals the trainer's log-prob
   of the finished sequences (the side's own scoring formula; stock's, like TRL's, passes
   no position_ids, so transformers numbers a left-padded row's positions from the padding).
@@ -57,7 +59,7 @@ NEEDS_CUDA = False  # `--device cpu --config tiny` runs anywhere; the CUDA defau
 SEED = 0
 INIT_STD = 0.02
 PAD = 0
-WORKLOADS = ("scoring", "training", "generate", "long")
+WORKLOADS = ("scoring", "training", "generate", "rollout", "long")
 
 _QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960,
               rms_norm_eps=1e-6)
@@ -82,11 +84,15 @@ class Sizes:
     gen_prompt_min: int
     gen_prompt_width: int  # prompts left-padded to this width; lengths in [gen_prompt_min, width]
     gen_new: int
+    roll_prompts: int  # rollout: long left-padded prompts, lengths in [roll_prompt_min, width]
+    roll_prompt_min: int
+    roll_prompt_width: int
+    roll_new: int
     long_lens: tuple[int, ...]
 
 
-FULL = Sizes(8, 1024, 3, 4, 1024, 16, 64, 128, 64, (8192, 32768))
-TINY = Sizes(4, 32, 3, 2, 32, 4, 4, 8, 4, (64, 256))
+FULL = Sizes(8, 1024, 3, 4, 1024, 16, 64, 128, 64, 16, 2048, 4096, 64, (8192, 32768))
+TINY = Sizes(4, 32, 3, 2, 32, 4, 4, 8, 4, 2, 16, 24, 4, (64, 256))
 
 
 # ---------------------------------------------------------------- options
@@ -323,12 +329,22 @@ def training(b: Bench) -> list[dict[str, Any]]:
     return rows
 
 
-def _left_padded_prompts(b: Bench) -> tuple[torch.Tensor, torch.Tensor]:
-    s = b.sizes
-    lengths = b.lengths(s.gen_prompts, s.gen_prompt_min, s.gen_prompt_width, seed=4)
-    ids = b.tokens(s.gen_prompts, s.gen_prompt_width, seed=4)
-    pos = torch.arange(s.gen_prompt_width, device=b.device)[None]
-    mask = (pos >= s.gen_prompt_width - torch.tensor(lengths, device=b.device)[:, None]).long()
+@dataclass(frozen=True)
+class Prompts:
+    """A generate workload: ``count`` prompts left-padded to ``width``, lengths drawn from
+    [min_len, width], then ``new`` tokens each."""
+
+    count: int
+    min_len: int
+    width: int
+    new: int
+
+
+def _left_padded_prompts(b: Bench, p: Prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = b.lengths(p.count, p.min_len, p.width, seed=4)
+    ids = b.tokens(p.count, p.width, seed=4)
+    pos = torch.arange(p.width, device=b.device)[None]
+    mask = (pos >= p.width - torch.tensor(lengths, device=b.device)[:, None]).long()
     return ids.masked_fill(mask == 0, PAD), mask
 
 
@@ -343,16 +359,31 @@ def _stock_sampled(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
 
 def generate(b: Bench, graphed: bool) -> list[dict[str, Any]]:
     s = b.sizes
-    ids, mask = _left_padded_prompts(b)
-    kw = dict(max_new_tokens=s.gen_new, min_new_tokens=s.gen_new, do_sample=False, pad_token_id=PAD)
+    return _generate_rows(b, "generate", Prompts(s.gen_prompts, s.gen_prompt_min, s.gen_prompt_width, s.gen_new),
+                          graphed, eager_rlkernels=True)
+
+
+def rollout(b: Bench) -> list[dict[str, Any]]:
+    """Long prompts: stock eager generate against rlkernels' graphed one (its eager loop on the CPU)."""
+    s = b.sizes
+    return _generate_rows(b, "rollout", Prompts(s.roll_prompts, s.roll_prompt_min, s.roll_prompt_width, s.roll_new),
+                          graphed=False, eager_rlkernels=b.device.type != "cuda")
+
+
+def _generate_rows(b: Bench, name: str, prompts: Prompts, graphed: bool,
+                   eager_rlkernels: bool) -> list[dict[str, Any]]:
+    """Rows of workload ``name`` (stock and rlkernels eager) and ``name (graphed)``."""
+    ids, mask = _left_padded_prompts(b, prompts)
+    kw = dict(max_new_tokens=prompts.new, min_new_tokens=prompts.new, do_sample=False, pad_token_id=PAD)
     # (workload, side, timed call, sequences and sampler log-probs for the bitwise check) or a note
     cases: list[tuple[str, str, Any]] = [
-        ("generate", "stock", (lambda: b.stock.generate(ids, attention_mask=mask, **kw),
-                               lambda: _stock_sampled(b.stock, ids, mask, kw))),
-        ("generate", "rlkernels", (lambda: rlk_generate(b.patched, ids, mask, **kw),
-                                   lambda: rlk_generate(b.patched, ids, mask, **kw))),
+        (name, "stock", (lambda: b.stock.generate(ids, attention_mask=mask, **kw),
+                         lambda: _stock_sampled(b.stock, ids, mask, kw))),
     ]
-    wl = "generate (graphed)"
+    if eager_rlkernels:
+        cases.append((name, "rlkernels", (lambda: rlk_generate(b.patched, ids, mask, **kw),
+                                          lambda: rlk_generate(b.patched, ids, mask, **kw))))
+    wl = f"{name} (graphed)"
     if b.device.type != "cuda":
         cases += [(wl, side, "skipped: CUDA graphs need a GPU") for side in ("stock", "rlkernels")]
     else:
@@ -363,10 +394,10 @@ def generate(b: Bench, graphed: bool) -> list[dict[str, Any]]:
         gkw = dict(kw, cuda_graph=True)
         cases.append((wl, "rlkernels", (lambda: rlk_generate(b.patched, ids, mask, **gkw),
                                         lambda: rlk_generate(b.patched, ids, mask, **gkw))))
-    full_mask = torch.cat([mask, torch.ones(mask.shape[0], s.gen_new, dtype=mask.dtype, device=b.device)], dim=1)
+    full_mask = torch.cat([mask, torch.ones(mask.shape[0], prompts.new, dtype=mask.dtype, device=b.device)], dim=1)
     scorers = {side: (model, score) for side, model, score in b.sides()}
-    shape = f"{s.gen_prompts}x({s.gen_prompt_width}+{s.gen_new})"
-    tokens = s.gen_prompts * s.gen_new
+    shape = f"{prompts.count}x({prompts.width}+{prompts.new})"
+    tokens = prompts.count * prompts.new
     rows = []
     for workload, side, case in cases:
         if isinstance(case, str):
@@ -381,7 +412,7 @@ def generate(b: Bench, graphed: bool) -> list[dict[str, Any]]:
                 trainer = score(model, sequences, full_mask)[:, ids.shape[1] - 1:]
             rows.append(_row(workload, side, shape, tokens, ms, peak, _fraction(sampler, trainer)))
         except Exception as exc:  # the graphed variants lean on compile / capture paths that may not hold
-            if workload == "generate":
+            if workload == name:
                 raise
             rows.append(_row(workload, side, shape, tokens, None, None, note=f"{type(exc).__name__}: {exc}"[:200]))
         _free(b.device)
@@ -422,9 +453,9 @@ def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = stock.get(r["workload"])
         r["ratio"] = r["time_ms"] / base if r["side"] == "rlkernels" and r["time_ms"] and base else None
         # A rollout engine decodes graphed; what it replaces is stock's eager generate.
-        eager = stock.get("generate")
-        r["vs_stock_eager"] = (r["time_ms"] / eager if r["workload"].startswith("generate") and r["time_ms"]
-                               and eager else None)
+        family = r["workload"].split(" ")[0]
+        eager = stock.get(family) if family in ("generate", "rollout") else None
+        r["vs_stock_eager"] = r["time_ms"] / eager if r["time_ms"] and eager else None
     return rows
 
 

@@ -87,7 +87,8 @@ _LAST_BOUNDS: list = [None]
 
 def _bounds_of(attention_mask: torch.Tensor | None, offset: int | torch.Tensor, b: int, lq: int, s: int,
                device: torch.device):
-    """(q_start, q_len, k_start, k_len, valid_rows [B, Lq]) of each row's one interval of real tokens."""
+    """(q_start, q_len, k_start, k_len, valid_rows [B, Lq]) of each row's one interval of real tokens:
+    q_start counts rows of the [B * Lq] queries, k_start slots of row b's keys."""
     key = (attention_mask, offset, b, lq, s, device,
            None if attention_mask is None else attention_mask._version)
     cached = _LAST_BOUNDS[0]
@@ -103,12 +104,11 @@ def _bounds_of(attention_mask: torch.Tensor | None, offset: int | torch.Tensor, 
     first_q = (ks - offset).clamp(min=0, max=lq)
     end_q = (ke - offset).clamp(min=0, max=lq)
     base_q = torch.arange(b, dtype=torch.int32, device=device) * lq
-    base_k = torch.arange(b, dtype=torch.int32, device=device) * s
     k_len = (ke - ks).clamp(min=0)
     q_len = torch.minimum((end_q - first_q).clamp(min=0), k_len)
     pos = torch.arange(lq, device=device)
     valid_rows = (pos[None, :] >= first_q[:, None]) & (pos[None, :] < (first_q + q_len)[:, None])
-    result = (base_q + first_q, q_len, base_k + ks, k_len, valid_rows)
+    result = (base_q + first_q, q_len, ks, k_len, valid_rows)
     _LAST_BOUNDS[0] = (key, result)
     return result
 
@@ -148,8 +148,10 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
     s = key.shape[2]
     dev = query.device
     q_rows = query.transpose(1, 2).reshape(b * lq, hq, d)
-    k_rows = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
-    v_rows = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+    # Keys stay where the cache keeps them ([B, Hkv, S, D]): the kernels take batch and head
+    # strides, so a decode step reads the cache in place instead of copying it per layer.
+    k_rows = key.transpose(1, 2)
+    v_rows = value.transpose(1, 2)
     scale = scaling if scaling is not None else d ** -0.5
     cu = _packed_bounds(kwargs, s, dev) if b == 1 and lq == s else None
     if cu is not None:

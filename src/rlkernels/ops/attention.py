@@ -155,11 +155,15 @@ BWD_LAUNCH_OVERRIDE: BwdLaunch | None = None
 # ---------------------------------------------------------------- validation
 
 
-def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int,
+               k_ranks: tuple[int, int] | None = None) -> None:
+    """Tensors, float, one dtype and device, q of ``rank`` dims and k/v of ``rank`` (or
+    ``k_ranks``: an inclusive range) with one shape, a shared head_dim, Hq % Hkv == 0."""
+    lo, hi = k_ranks or (rank, rank)
+    for name, t, r0, r1 in (("q", q, rank, rank), ("k", k, lo, hi), ("v", v, lo, hi)):
         V.require_tensor(op, name, t)
         V.require_float(op, name, t)
-        V.require_ndim(op, name, t, rank, rank)
+        V.require_ndim(op, name, t, r0, r1)
     V.require_same_device(op, q=q, k=k, v=v)
     V.require_same_dtype(op, q=q, k=k, v=v)
     if k.shape != v.shape:
@@ -235,6 +239,30 @@ def _check_backend(op: str, backend: str, q: torch.Tensor) -> None:
                              "use float16/float32 or the torch backend on the CPU")
 
 
+# ---------------------------------------------------------------- key rows
+
+# The backends take keys and values as [NB, S, Hkv, D] with a unit last stride: NB = 1 is
+# one packed run of rows every sequence indexes into (varlen), NB = B gives sequence b
+# batch row b in any layout (a padded batch, a KV cache, Hugging Face's [B, Hkv, S, D]
+# transposed), read in place. k_start[b] counts rows from the sequence's batch row.
+
+
+def key_rows(t: torch.Tensor, b: int) -> torch.Tensor:
+    """Sequence b's key rows [S, Hkv, D] of keys [NB, S, Hkv, D]: NB = 1 holds every
+    sequence's keys in one packed run of rows, else sequence b owns batch row b."""
+    return t[b if t.shape[0] > 1 else 0]
+
+
+def batch_stride(t: torch.Tensor) -> int:
+    """The kernels' batch stride of keys [NB, S, Hkv, D] (0 where NB = 1: one shared row)."""
+    return t.stride(0) if t.shape[0] > 1 else 0
+
+
+def _key_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """(batch, token, head) strides of k then v, as the kernels take them."""
+    return batch_stride(k), k.stride(1), k.stride(2), batch_stride(v), v.stride(1), v.stride(2)
+
+
 # ---------------------------------------------------------------- torch backend
 
 
@@ -300,15 +328,17 @@ def _segments(q_start, q_len, k_start, k_len) -> list[tuple[int, int, int, int]]
 
 def torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal: bool, scale: float,
               chain: Chain) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed forward on the torch backend: q [Tq, Hq, D], k/v [Tk, Hkv, D]; sequence b's
-    queries are rows q_start[b] + [0, q_len[b]) and its keys rows k_start[b] + [0, k_len[b])."""
+    """Packed forward on the torch backend: q [Tq, Hq, D], k/v [NB, S, Hkv, D]; sequence b's
+    queries are rows q_start[b] + [0, q_len[b]) and its keys rows k_start[b] + [0, k_len[b])
+    of ``key_rows(k, b)``."""
     tq, hq, d = q.shape
     out = torch.zeros((tq, hq, d), dtype=q.dtype, device=q.device)
     lse = torch.full((hq, tq), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
-    for qs, ql, ks, kl in _segments(q_start, q_len, k_start, k_len):
+    for b, (qs, ql, ks, kl) in enumerate(_segments(q_start, q_len, k_start, k_len)):
         if ql == 0:
             continue
-        o, ls = _torch_seq_fwd(q[qs:qs + ql], k[ks:ks + kl], v[ks:ks + kl], causal, scale, chain)
+        kb, vb = key_rows(k, b), key_rows(v, b)
+        o, ls = _torch_seq_fwd(q[qs:qs + ql], kb[ks:ks + kl], vb[ks:ks + kl], causal, scale, chain)
         out[qs:qs + ql] = o.to(q.dtype)
         lse[:, qs:qs + ql] = ls
     return out, lse.float() if q.dtype != torch.float64 else lse
@@ -320,16 +350,17 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    hq, hkv = q.shape[1], k.shape[1]
+    hq, hkv = q.shape[1], k.shape[2]
     g = hq // hkv
-    for qs, ql, ks, kl in _segments(q_start, q_len, k_start, k_len):
+    for b, (qs, ql, ks, kl) in enumerate(_segments(q_start, q_len, k_start, k_len)):
         if ql == 0 or kl == 0:
             continue
+        kb, vb, dkb, dvb = key_rows(k, b), key_rows(v, b), key_rows(dk, b), key_rows(dv, b)
         qh = q[qs:qs + ql].permute(1, 0, 2)           # [Hq, Lq, D]
         doh = do[qs:qs + ql].permute(1, 0, 2)
         oh = out[qs:qs + ql].permute(1, 0, 2)
-        kh = k[ks:ks + kl].permute(1, 0, 2).repeat_interleave(g, 0)
-        vh = v[ks:ks + kl].permute(1, 0, 2).repeat_interleave(g, 0)
+        kh = kb[ks:ks + kl].permute(1, 0, 2).repeat_interleave(g, 0)
+        vh = vb[ks:ks + kl].permute(1, 0, 2).repeat_interleave(g, 0)
         ls = lse[:, qs:qs + ql].to(adt)
         ls = torch.where(ls == float("-inf"), torch.full_like(ls, float("inf")), ls)
         delta = chain_sum(doh.to(adt) * oh.to(adt), -1)
@@ -345,8 +376,10 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
         # dK/dV: one chain per key over (head of the group, query) in that order.
         pg = p.reshape(hkv, g * ql, kl)  # head h = kv_head * g + j: rows ordered (j, query)
         dsg = ds.reshape(hkv, g * ql, kl)
-        dv[ks:ks + kl] = chain_matmul(pg.transpose(1, 2), doh.reshape(hkv, g * ql, -1)).to(v.dtype).permute(1, 0, 2)
-        dk[ks:ks + kl] = (chain_matmul(dsg.transpose(1, 2), qh.reshape(hkv, g * ql, -1)) * scale).to(k.dtype).permute(1, 0, 2)
+        dv_h = chain_matmul(pg.transpose(1, 2), doh.reshape(hkv, g * ql, -1))
+        dk_h = chain_matmul(dsg.transpose(1, 2), qh.reshape(hkv, g * ql, -1)) * scale
+        dvb[ks:ks + kl] = dv_h.to(v.dtype).permute(1, 0, 2)
+        dkb[ks:ks + kl] = dk_h.to(k.dtype).permute(1, 0, 2)
         dq[qs:qs + ql] = (chain_matmul(ds, kh) * scale).to(q.dtype).permute(1, 0, 2)
     return dq, dk, dv
 
@@ -378,18 +411,19 @@ def _pow2(x: int, floor: int = 16) -> int:
 
 
 def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool, scale: float,
-               chain: Chain, split_kv: bool, dense: tuple[int, int, int] | None = None
+               chain: Chain, split_kv: bool, dense: tuple[int, int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernels (full kernel, or split-KV + combine); no host sync.
 
-    ``dense = (Lq, S, k_add)``: a padded batch (sequence b's queries at rows b * Lq, its
-    keys at rows b * S, k_len[b] = k_len[b] + k_add, or k_add where k_len is None), the
-    index tensors q_start/q_len/k_start are then unused and may be None: a decode step
-    builds no index tensors on the host. Same bits either way.
+    q [Tq, Hq, D]; k, v [NB, S, Hkv, D] (``key_rows``). ``dense = (Lq, k_add)``: a padded
+    batch (sequence b's queries at rows b * Lq, its keys from row 0 of batch row b,
+    k_len[b] = k_len[b] + k_add, or k_add where k_len is None), the index tensors
+    q_start/q_len/k_start are then unused and may be None: a decode step builds no index
+    tensors on the host. Same bits either way.
     """
 
     tq, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv = k.shape[2]
     g = hq // hkv
     nb = tq // dense[0] if dense is not None else q_start.shape[0]
     out = torch.empty_like(q)
@@ -397,14 +431,15 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     if tq == 0 or nb == 0 or max_q == 0:
         return out, lse
     if dense is not None:
-        lq_d, lk_d, k_add = dense
+        lq_d, k_add = dense
         klen_ptr = k_len is not None
         idx = k_len if klen_ptr else lse  # unread pointers (DENSE) just need a tensor
         q_start = q_len = k_start = idx
         k_len = idx
     else:
-        lq_d = lk_d = k_add = 0
+        lq_d = k_add = 0
         klen_ptr = True
+    k_strides = _key_strides(k, v)
     cfg = FWD_LAUNCH_OVERRIDE or default_fwd_launch(d, max_q)
     bd = _pow2(d)
     ieee = q.dtype == torch.float32
@@ -421,9 +456,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         _launch_split(
             (rows_pad // bm, nb * hkv, n_splits),
             (q, k, v, ws, out, lse, q_start, q_len, k_start, k_len,
-             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-             out.stride(0), out.stride(1), lse.stride(0),
-             hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, lk_d, k_add),
+             q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
+             hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add),
             # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, FINISH
             (causal, bm, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, finish_here),
             num_warps=cfg.split_warps, num_stages=cfg.split_stages)
@@ -436,16 +470,15 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
                 (cdiv(rows_pad, cm), nb * hkv, bd // dc),
                 (ws, out, lse, q_start, q_len, k_start, k_len,
                  out.stride(0), out.stride(1), lse.stride(0),
-                 hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, lk_d, k_add),
+                 hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, k_add),
                 (cm, bd, dc, even_d, is_dense, klen_ptr),  # BLOCK_M, BLOCK_D, BLOCK_DC, EVEN_D, DENSE, KLEN_PTR
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
     _launch_fwd(
         (cdiv(max_q, cfg.block_m), nb * hq),
         (q, k, v, out, lse, q_start, q_len, k_start, k_len,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-         out.stride(0), out.stride(1), lse.stride(0),
-         hq, g, d, qk_scale, lq_d, lk_d, k_add),
+         q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
+         hq, g, d, qk_scale, lq_d, k_add),
         # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, REVERSE_M
         (causal, cfg.block_m, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, causal),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -456,7 +489,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
                scale: float):
 
     tq, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv = k.shape[2]
     g = hq // hkv
     nb = q_start.shape[0]
     dq = torch.zeros_like(q)
@@ -478,11 +511,12 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (bm0, bd, d == bd),  # BLOCK_M, BLOCK_D, EVEN_D
         num_warps=DELTA_WARPS, num_stages=DEFAULT_NUM_STAGES)
     lse = lse.contiguous()
+    k_strides = _key_strides(k, v)
     _launch_bwd_dkdv(
         (cdiv(max_k, cfg.dkdv_block_n), nb * hkv),
         (q, k, v, do, lse, delta, dk, dv, q_start, q_len, k_start, k_len,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-         do.stride(0), do.stride(1), lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+         q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0),
+         batch_stride(dk), dk.stride(1), dk.stride(2), batch_stride(dv), dv.stride(1), dv.stride(2),
          hkv, g, d, qk_scale, scale),
         # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D
         (causal, cfg.dkdv_block_m, cfg.dkdv_block_n, bd, ieee, d == bd),
@@ -490,8 +524,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
     _launch_bwd_dq(
         (cdiv(max_q, cfg.dq_block_m), nb * hq),
         (q, k, v, do, lse, delta, dq, q_start, q_len, k_start, k_len,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-         do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
+         q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
          hq, g, d, qk_scale, scale),
         # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, REVERSE_M
         (causal, cfg.dq_block_m, cfg.dq_block_n, bd, ieee, d == bd, causal),
@@ -615,6 +648,12 @@ def _run(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, b
     return _AttnFunction.apply(*args)
 
 
+def _takes_split_kv(backend: str, max_q: int, group: int) -> bool:
+    """Decode-like calls (few query rows per KV head) take the split-KV kernels, which
+    fill the GPU over long caches; the full kernel computes the same bits."""
+    return backend == "triton" and max_q * group <= SPLIT_KV_MAX_ROWS
+
+
 def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -647,11 +686,11 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = _scale(op, softmax_scale, d)
     dev = q.device
     ar = torch.arange(b, dtype=torch.int32, device=dev)
-    q_start, k_start = ar * lq, ar * lk
+    q_start, k_start = ar * lq, torch.zeros_like(ar)  # sequence b's keys: batch row b of k
     q_len = torch.full((b,), lq, dtype=torch.int32, device=dev)
     k_len = torch.full((b,), lk, dtype=torch.int32, device=dev)
-    out, _ = _run(_packed(q), _packed(k), _packed(v), q_start, q_len, k_start, k_len, lq, lk, causal, scale,
-                  name, False)
+    out, _ = _run(_packed(q), _last_dim_unit(k), _last_dim_unit(v), q_start, q_len, k_start, k_len, lq, lk, causal,
+                  scale, name, False)
     return out.view(b, lq, hq, d)
 
 
@@ -682,8 +721,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     q_start, k_start = cu_seqlens_q[:-1], cu_seqlens_k[:-1]
     q_len = cu_seqlens_q[1:] - q_start
     k_len = cu_seqlens_k[1:] - k_start
-    out, _ = _run(_last_dim_unit(q), _last_dim_unit(k), _last_dim_unit(v), q_start, q_len, k_start, k_len,
-                  max_q, max_k, causal, scale, name, False)
+    out, _ = _run(_last_dim_unit(q), _last_dim_unit(k)[None], _last_dim_unit(v)[None], q_start, q_len, k_start,
+                  k_len, max_q, max_k, causal, scale, name, False)
     return out
 
 
@@ -693,21 +732,32 @@ def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                         backend: str | None = None) -> torch.Tensor:
     """The op over sequences given by their bounds, for integrations that hold padded rows.
 
-    q: [Tq, Hq, D], k, v: [Tk, Hkv, D]; sequence b owns query rows ``q_start[b] ..
-    q_start[b] + q_len[b] - 1`` and key rows ``k_start[b] .. k_start[b] + k_len[b] - 1``
-    (int32 device tensors, read by the kernels: no host sync), causal bottom-right
-    aligned, its keys counted from ``k_start[b]`` -- the same chain as every public entry
-    point. max_q / max_k: ints >= every q_len / k_len. Rows outside every sequence are
-    not written. Differentiable wrt q, k, v. ``op`` names the caller in errors.
+    q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] (one packed run of key rows) or [B, S, Hkv, D] (any
+    strides with a unit last one: sequence b's keys in batch row b, so a cache in Hugging
+    Face's [B, Hkv, S, D] layout, transposed, is read in place). Sequence b owns query rows
+    ``q_start[b] .. q_start[b] + q_len[b] - 1`` and key rows ``k_start[b] .. k_start[b] +
+    k_len[b] - 1`` (int32 device tensors, read by the kernels: no host sync), causal
+    bottom-right aligned, its keys counted from ``k_start[b]`` -- the same chain as every
+    public entry point. max_q / max_k: ints >= every q_len / k_len. Rows outside every
+    sequence are not written. Decode-like calls take the split-KV kernels (same bits).
+    Differentiable wrt q, k, v. ``op`` names the caller in errors.
     """
-    _check_qkv(op, q, k, v, 3)
+    _check_qkv(op, q, k, v, 3, k_ranks=(3, 4))
+    nb = q_start.shape[0]
     for name, t in (("q_start", q_start), ("q_len", q_len), ("k_start", k_start), ("k_len", k_len)):
-        _check_index(op, name, t, q_start.shape[0], q.device)
+        _check_index(op, name, t, nb, q.device)
+    if k.dim() == 4 and k.shape[0] not in (1, nb):
+        raise ValueError(f"rlkernels.{op}: batched keys [B, S, Hkv, D] need B = 1 or one row per sequence "
+                         f"({nb}), got {tuple(k.shape)}")
     name, _ = select_backend(OP, q.device, backend)
     _check_backend(op, name, q)
     scale = _scale(op, scale, q.shape[-1])
-    out, _ = _run(_last_dim_unit(q), _last_dim_unit(k), _last_dim_unit(v), q_start, q_len, k_start, k_len,
-                  max_q, max_k, causal, scale, name, False)
+    rows = (_last_dim_unit(k), _last_dim_unit(v))
+    if k.dim() == 3:
+        rows = (rows[0][None], rows[1][None])
+    split_kv = _takes_split_kv(name, int(max_q), q.shape[1] // k.shape[-2])
+    out, _ = _run(_last_dim_unit(q), *rows, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, name,
+                  split_kv)
     return out
 
 
@@ -717,8 +767,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             softmax_scale: float | None = None, *, backend: str | None = None) -> torch.Tensor:
     """Decode / chunked prefill over a KV cache (FlashAttention's ``flash_attn_with_kvcache``).
 
-    q: [B, Lq, Hq, D]; k_cache, v_cache: [B, S, Hkv, D] (unit last stride, batch stride
-    S times the token stride); k, v: optional [B, Lnew, Hkv, D], written in place into
+    q: [B, Lq, Hq, D]; k_cache, v_cache: [B, S, Hkv, D] with a unit last stride (any batch,
+    token and head strides: ``cache.transpose(1, 2)`` of a [B, Hkv, S, D] cache is read and
+    written in place); k, v: optional [B, Lnew, Hkv, D], written in place into
     the caches at positions cache_seqlens[b] + [0, Lnew); cache_seqlens: int32 [B], an
     int, or None (the whole cache). Query i of a sequence attends as key position
     cache_seqlens[b] + Lnew - Lq + i (causal, bottom-right). Slots past
@@ -732,9 +783,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if nb != b:
         raise ValueError(f"rlkernels.{op}: q and k_cache must share the batch size, got {b} and {nb}")
     for name_, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.stride(-1) != 1 or (s_cap > 1 and c.stride(0) != s_cap * c.stride(1)):
-            raise ValueError(f"rlkernels.{op}: {name_} must have a unit last stride and batch stride "
-                             f"S * token stride, got strides {tuple(c.stride())}")
+        if c.stride(-1) != 1 and d > 1:  # the kernels read head_dim contiguously; a copy would lose the append
+            raise ValueError(f"rlkernels.{op}: {name_} must have a unit last stride, got strides {tuple(c.stride())}")
     if (k is None) != (v is None):
         raise ValueError(f"rlkernels.{op}: pass both k and v to append, or neither")
     lnew = 0
@@ -769,8 +819,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     name, _ = select_backend(OP, dev, backend)
     _check_backend(op, name, q)
     scale = _scale(op, softmax_scale, d)
-    g = hq // k_cache.shape[2]
-    split_kv = name == "triton" and lq * g <= SPLIT_KV_MAX_ROWS
+    split_kv = _takes_split_kv(name, lq, hq // k_cache.shape[2])
     if name == "triton" and not torch.compiler.is_compiling() and s_cap and b:
         # Eager fast path (decode steps are launch-bound): no index tensors, no autograd
         # node; the kernels read sequence b's bounds from (Lq, S, cache_seqlens + Lnew).
@@ -782,23 +831,20 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 _append(k_cache, v_cache, k, v, cache_seqlens)
         klen = None if seqlen_int is not None else cache_seqlens
         k_add = seqlen_int + lnew if seqlen_int is not None else lnew
-        kf = k_cache.view(b * s_cap, k_cache.shape[2], d)
-        vf = v_cache.view(b * s_cap, v_cache.shape[2], d)
-        out, _ = triton_fwd(_packed(q), kf, vf, None, None, None, klen, lq, s_cap, causal, scale, _chain, split_kv,
-                            dense=(lq, s_cap, k_add))
+        out, _ = triton_fwd(_packed(q), k_cache, v_cache, None, None, None, klen, lq, s_cap, causal, scale, _chain,
+                            split_kv, dense=(lq, k_add))
         return out.view(b, lq, hq, d)
     if seqlen_int is not None:
         cache_seqlens = torch.full((b,), seqlen_int, dtype=torch.int32, device=dev)
     if lnew:
         kvcache_append_op(k_cache, v_cache, k, v, cache_seqlens)
     ar = torch.arange(b, dtype=torch.int32, device=dev)
-    q_start, k_start = ar * lq, ar * s_cap
+    q_start, k_start = ar * lq, torch.zeros_like(ar)  # sequence b's keys: batch row b of the cache
     q_len = torch.full((b,), lq, dtype=torch.int32, device=dev)
     k_len = cache_seqlens + lnew
-    kf = k_cache.view(b * s_cap, k_cache.shape[2], d) if s_cap else k_cache.reshape(0, k_cache.shape[2], d)
-    vf = v_cache.view(b * s_cap, v_cache.shape[2], d) if s_cap else v_cache.reshape(0, v_cache.shape[2], d)
     with torch.no_grad():
-        out, _ = _run(_packed(q), kf, vf, q_start, q_len, k_start, k_len, lq, s_cap, causal, scale, name, split_kv)
+        out, _ = _run(_packed(q), k_cache, v_cache, q_start, q_len, k_start, k_len, lq, s_cap, causal, scale, name,
+                      split_kv)
     return out.view(b, lq, hq, d)
 
 
