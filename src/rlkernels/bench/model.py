@@ -58,6 +58,8 @@ NEEDS_CUDA = False  # `--device cpu --config tiny` runs anywhere; the CUDA defau
 
 SEED = 0
 INIT_STD = 0.02
+# Bytes of fp32 logits one scoring call of the bitwise checks may hold (micro-batches beyond).
+LOGITS_BUDGET = 8 << 30
 PAD = 0
 WORKLOADS = ("scoring", "training", "generate", "rollout", "long")
 
@@ -374,6 +376,7 @@ def _generate_rows(b: Bench, name: str, prompts: Prompts, graphed: bool,
                    eager_rlkernels: bool) -> list[dict[str, Any]]:
     """Rows of workload ``name`` (stock and rlkernels eager) and ``name (graphed)``."""
     ids, mask = _left_padded_prompts(b, prompts)
+    rows_per_score = max(1, LOGITS_BUDGET // ((prompts.width + prompts.new) * b.vocab * 4))
     kw = dict(max_new_tokens=prompts.new, min_new_tokens=prompts.new, do_sample=False, pad_token_id=PAD)
     # (workload, side, timed call, sequences and sampler log-probs for the bitwise check) or a note
     cases: list[tuple[str, str, Any]] = [
@@ -409,7 +412,9 @@ def _generate_rows(b: Bench, name: str, prompts: Prompts, graphed: bool,
                 ms, peak = b.time(side, timed, heavy=True)
                 sequences, sampler = sampled()
                 model, score = scorers[side]
-                trainer = score(model, sequences, full_mask)[:, ids.shape[1] - 1:]
+                # The trainer scores in micro-batches: stock's fp32 logits of a long batch would not fit.
+                trainer = torch.cat([score(model, sequences[i:i + rows_per_score], full_mask[i:i + rows_per_score])
+                                     for i in range(0, len(sequences), rows_per_score)])[:, ids.shape[1] - 1:]
             rows.append(_row(workload, side, shape, tokens, ms, peak, _fraction(sampler, trainer)))
         except Exception as exc:  # the graphed variants lean on compile / capture paths that may not hold
             if workload == name:
