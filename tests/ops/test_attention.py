@@ -251,6 +251,32 @@ def test_keys_read_in_place_in_a_batched_layout(backend, dtype, gen, small_chain
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_keys_whose_batch_rows_are_not_whole_token_strides_apart(backend, dtype, gen, small_chain):
+    """Keys whose batch stride is no whole number of token strides, and k and v in
+    different layouts: read from copies, the same bits and gradients as contiguous keys."""
+    hq, hkv, d = sizes(backend)
+    b, n = 2, 37
+    q, k, v = qkv(n, hq, hkv, d, dtype, gen, batch=b)
+    flat = torch.full((b * (n * hkv * d + 1),), float("nan"), dtype=dtype)
+    odd = flat.as_strided((b, n, hkv, d), (n * hkv * d + 1, hkv * d, d, 1))  # batch stride: one element more
+    odd.copy_(k)
+    v_hf = v.transpose(1, 2).contiguous().transpose(1, 2)  # v in [B, Hkv, S, D] memory, k not
+    rows = torch.arange(b * n, dtype=torch.int32)
+    starts, lens = torch.zeros(b, dtype=torch.int32), torch.full((b,), n, dtype=torch.int32)
+
+    def run(kk, vv):
+        qq = q.reshape(b * n, hq, d).clone().requires_grad_()
+        kk, vv = kk.detach().requires_grad_(), vv.detach().requires_grad_()
+        out = A.attention_by_bounds("test", qq, kk, vv, rows[::n].contiguous(), lens, starts, lens, n, n,
+                                    backend=backend)
+        do = torch.ones_like(out)
+        return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
+    want = run(k, v)
+    for got_t, want_t, name in zip(run(odd, v_hf), want, ("out", "dq", "dk", "dv")):
+        assert bits_equal(got_t.contiguous(), want_t.contiguous()), name
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
 def test_kvcache_in_hugging_face_layout(backend, dtype, gen, small_chain):
     """flash_attn_with_kvcache over caches given as [B, Hkv, S, D].transpose(1, 2): the
     append lands in the caller's buffer and the rows are the contiguous cache's bits."""

@@ -65,16 +65,17 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD,
+    def seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD, KV_ROWS,
                    DENSE: tl.constexpr, KLEN_PTR: tl.constexpr):
         """(q_start, q_len, k_start, k_len) of sequence b. DENSE: a padded batch of LQ
-        queries per sequence whose keys start at its key row 0, k_len = k_len_ptr[b] + K_ADD
-        (or K_ADD), so a decode step needs no index tensors built on the host; else read the
-        tensors. k_start counts token rows from sequence b's key base (``key_base``)."""
+        queries per sequence whose keys start at its batch row's first key, k_len =
+        k_len_ptr[b] + K_ADD (or K_ADD), so a decode step needs no index tensors built on
+        the host; else read the tensors. k_start counts key rows (token strides) from the
+        tensor's start: sequence b's batch row begins at row b * KV_ROWS (``key_rows``)."""
         if DENSE:
             q_start = b.to(tl.int64) * LQ
             q_len = b * 0 + LQ
-            k_start = b.to(tl.int64) * 0
+            k_start = key_rows(b, 0, KV_ROWS)
             if KLEN_PTR:
                 k_len = tl.load(k_len_ptr + b) + K_ADD
             else:
@@ -82,17 +83,25 @@ if triton is not None:
         else:
             q_start = tl.load(q_start_ptr + b).to(tl.int64)
             q_len = tl.load(q_len_ptr + b)
-            k_start = tl.load(k_start_ptr + b).to(tl.int64)
+            k_start = key_rows(b, tl.load(k_start_ptr + b), KV_ROWS)
             k_len = tl.load(k_len_ptr + b)
         return q_start, q_len, k_start, k_len
 
     @triton.jit
-    def key_base(ptr, b, k_start, kvh, stride_b, stride_t, stride_h):
-        """Address of key row k_start of sequence b, KV head kvh. Keys are [NB, S, Hkv, D]
-        rows: NB = 1 (stride_b = 0) holds every sequence's keys in one packed run of rows,
-        NB = B gives sequence b batch row b (any batch and head strides, so a cache in
-        Hugging Face's [B, Hkv, S, D] layout is read in place)."""
-        return ptr + b.to(tl.int64) * stride_b + k_start * stride_t + kvh.to(tl.int64) * stride_h
+    def key_rows(b, k_start, KV_ROWS):
+        """Row index (in token strides, int64) of sequence b's key k_start. Keys are [NB, S,
+        Hkv, D]: NB = 1 (KV_ROWS = 0) holds every sequence's keys in one packed run of rows;
+        NB = B gives sequence b batch row b, whose batch stride is KV_ROWS token strides (a
+        contiguous cache: S; Hugging Face's [B, Hkv, S, D] read in place: Hkv * S). The
+        batch offset joins the row index early, so the key loop's addresses are row *
+        stride + head offset as for packed rows (a separate batch term in the address cost
+        the decode kernel 31 registers and half its occupancy at D = 128)."""
+        return b.to(tl.int64) * KV_ROWS + k_start
+
+    @triton.jit
+    def key_base(ptr, k_start, kvh, stride_t, stride_h):
+        """Address of key row k_start (``key_rows``) of KV head kvh."""
+        return ptr + k_start * stride_t + kvh.to(tl.int64) * stride_h
 
     @triton.jit
     def load_rows(base, offs_n, stride, offs_d, n_lim, D, EVEN_D: tl.constexpr, MASK_N: tl.constexpr):
@@ -163,9 +172,9 @@ if triton is not None:
     def attn_fwd_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
-        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
-        H, G, D, qk_scale, LQ, K_ADD,
+        H, G, D, qk_scale, LQ, K_ADD, KV_ROWS,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
         KLEN_PTR: tl.constexpr, REVERSE_M: tl.constexpr,
@@ -185,7 +194,7 @@ if triton is not None:
         b = bh // H
         h = bh % H
         q_start, q_len, k_start, k_len = seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD,
-                                                    DENSE, KLEN_PTR)
+                                                    KV_ROWS, DENSE, KLEN_PTR)
         if pid_m * BLOCK_M >= q_len:
             return
         kvh = h // G
@@ -206,8 +215,8 @@ if triton is not None:
         m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        k_base = key_base(k_ptr, b, k_start, kvh, stride_kb, stride_kt, stride_kh)
-        v_base = key_base(v_ptr, b, k_start, kvh, stride_vb, stride_vt, stride_vh)
+        k_base = key_base(k_ptr, k_start, kvh, stride_kt, stride_kh)
+        v_base = key_base(v_ptr, k_start, kvh, stride_vt, stride_vh)
         for s0 in range(0, n_end, S_SPLIT):
             m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, s0, n_end,
                                          n_full, k_len, D, qk_scale, ONES, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
@@ -222,9 +231,9 @@ if triton is not None:
     def attn_split_kernel(
         q_ptr, k_ptr, v_ptr, ws_ptr, o_ptr, lse_ptr,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
-        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
-        HKV, G, D, qk_scale, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD,
+        HKV, G, D, qk_scale, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, KV_ROWS,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
         KLEN_PTR: tl.constexpr, FINISH: tl.constexpr,
@@ -244,7 +253,7 @@ if triton is not None:
         b = bk // HKV
         kvh = bk % HKV
         q_start, q_len, k_start, k_len = seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD,
-                                                    DENSE, KLEN_PTR)
+                                                    KV_ROWS, DENSE, KLEN_PTR)
         if pid_m * BLOCK_M >= q_len * G:
             return
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -269,8 +278,8 @@ if triton is not None:
             n_full = k_len
         n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
         ONES = tl.full((BLOCK_N, 16), 1.0, dtype=q_ptr.dtype.element_ty)
-        k_base = key_base(k_ptr, b, k_start, kvh, stride_kb, stride_kt, stride_kh)
-        v_base = key_base(v_ptr, b, k_start, kvh, stride_vb, stride_vt, stride_vh)
+        k_base = key_base(k_ptr, k_start, kvh, stride_kt, stride_kh)
+        v_base = key_base(v_ptr, k_start, kvh, stride_vt, stride_vh)
         m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, sp * S_SPLIT, n_end,
                                      n_full, k_len, D, qk_scale, ONES, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT,
                                      IEEE, EVEN_D)
@@ -314,7 +323,7 @@ if triton is not None:
         b = bk // HKV
         kvh = bk % HKV
         q_start, q_len, k_start, k_len = seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD,
-                                                    DENSE, KLEN_PTR)
+                                                    0, DENSE, KLEN_PTR)
         if pid_m * BLOCK_M >= q_len * G:
             return
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -399,9 +408,9 @@ if triton is not None:
     def attn_bwd_dkdv_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
-        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_dot, stride_doh, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-        HKV, G, D, qk_scale, sm_scale,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_dot, stride_doh, stride_lh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+        HKV, G, D, qk_scale, sm_scale, KV_ROWS,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         IEEE: tl.constexpr, EVEN_D: tl.constexpr,
     ):
@@ -416,13 +425,13 @@ if triton is not None:
             return
         q_len = tl.load(q_len_ptr + b)
         q_start = tl.load(q_start_ptr + b).to(tl.int64)
-        k_start = tl.load(k_start_ptr + b).to(tl.int64)
+        k_start = key_rows(b, tl.load(k_start_ptr + b), KV_ROWS)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        k = load_rows(key_base(k_ptr, b, k_start, kvh, stride_kb, stride_kt, stride_kh), offs_n, stride_kt, offs_d,
-                      k_len, D, EVEN_D, True)
-        v = load_rows(key_base(v_ptr, b, k_start, kvh, stride_vb, stride_vt, stride_vh), offs_n, stride_vt, offs_d,
-                      k_len, D, EVEN_D, True)
+        k = load_rows(key_base(k_ptr, k_start, kvh, stride_kt, stride_kh), offs_n, stride_kt, offs_d, k_len, D, EVEN_D,
+                      True)
+        v = load_rows(key_base(v_ptr, k_start, kvh, stride_vt, stride_vh), offs_n, stride_vt, offs_d, k_len, D, EVEN_D,
+                      True)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         shift = k_len - q_len
@@ -450,20 +459,18 @@ if triton is not None:
                 dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d, q_len,
                                    k_len, shift, D, k, v, dk, dv, qk_scale, CAUSAL, BLOCK_M, IEEE, EVEN_D, False)
         dk = dk * sm_scale
-        store_rows(key_base(dk_ptr, b, k_start, kvh, stride_dkb, stride_dkt, stride_dkh), offs_n, stride_dkt, offs_d,
-                   k_len, D,
+        store_rows(key_base(dk_ptr, k_start, kvh, stride_dkt, stride_dkh), offs_n, stride_dkt, offs_d, k_len, D,
                    dk.to(dk_ptr.dtype.element_ty), EVEN_D)
-        store_rows(key_base(dv_ptr, b, k_start, kvh, stride_dvb, stride_dvt, stride_dvh), offs_n, stride_dvt, offs_d,
-                   k_len, D,
+        store_rows(key_base(dv_ptr, k_start, kvh, stride_dvt, stride_dvh), offs_n, stride_dvt, offs_d, k_len, D,
                    dv.to(dv_ptr.dtype.element_ty), EVEN_D)
 
     @triton.jit
     def attn_bwd_dq_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
-        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_dot, stride_doh, stride_lh, stride_dqt, stride_dqh,
-        H, G, D, qk_scale, sm_scale,
+        H, G, D, qk_scale, sm_scale, KV_ROWS,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         IEEE: tl.constexpr, EVEN_D: tl.constexpr, REVERSE_M: tl.constexpr,
     ):
@@ -480,7 +487,7 @@ if triton is not None:
         if pid_m * BLOCK_M >= q_len:
             return
         q_start = tl.load(q_start_ptr + b).to(tl.int64)
-        k_start = tl.load(k_start_ptr + b).to(tl.int64)
+        k_start = key_rows(b, tl.load(k_start_ptr + b), KV_ROWS)
         k_len = tl.load(k_len_ptr + b)
         kvh = h // G
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -500,8 +507,8 @@ if triton is not None:
             n_end = k_len
             n_full = k_len
         n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
-        k_base = key_base(k_ptr, b, k_start, kvh, stride_kb, stride_kt, stride_kh)
-        v_base = key_base(v_ptr, b, k_start, kvh, stride_vb, stride_vt, stride_vh)
+        k_base = key_base(k_ptr, k_start, kvh, stride_kt, stride_kh)
+        v_base = key_base(v_ptr, k_start, kvh, stride_vt, stride_vh)
         dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         for n0 in range(0, n_full, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)

@@ -244,7 +244,8 @@ def _check_backend(op: str, backend: str, q: torch.Tensor) -> None:
 # The backends take keys and values as [NB, S, Hkv, D] with a unit last stride: NB = 1 is
 # one packed run of rows every sequence indexes into (varlen), NB = B gives sequence b
 # batch row b in any layout (a padded batch, a KV cache, Hugging Face's [B, Hkv, S, D]
-# transposed), read in place. k_start[b] counts rows from the sequence's batch row.
+# transposed), read in place. k_start[b] counts rows from the sequence's batch row. The
+# Triton kernels take a batch row's offset as a number of token strides (``kv_rows``).
 
 
 def key_rows(t: torch.Tensor, b: int) -> torch.Tensor:
@@ -253,14 +254,29 @@ def key_rows(t: torch.Tensor, b: int) -> torch.Tensor:
     return t[b if t.shape[0] > 1 else 0]
 
 
-def batch_stride(t: torch.Tensor) -> int:
-    """The kernels' batch stride of keys [NB, S, Hkv, D] (0 where NB = 1: one shared row)."""
-    return t.stride(0) if t.shape[0] > 1 else 0
+def _rows_per_batch(t: torch.Tensor) -> int | None:
+    """t's batch stride in token strides (0 where NB = 1), or None where it is not a whole number."""
+    if t.shape[0] <= 1:
+        return 0
+    if t.stride(1) > 0 and t.stride(0) % t.stride(1) == 0:
+        return t.stride(0) // t.stride(1)
+    return None
 
 
-def _key_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
-    """(batch, token, head) strides of k then v, as the kernels take them."""
-    return batch_stride(k), k.stride(1), k.stride(2), batch_stride(v), v.stride(1), v.stride(2)
+def kv_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(k, v, rows): keys [NB, S, Hkv, D] and values whose batch rows start ``rows`` token
+    strides apart in both (the kernels' ``KV_ROWS``). Every layout that stacks whole batch
+    rows qualifies; any other is read from contiguous copies (the same bits)."""
+    rk, rv = _rows_per_batch(k), _rows_per_batch(v)
+    if rk is None or rk != rv:
+        k, v = k.contiguous(), v.contiguous()
+        rk = _rows_per_batch(k)
+    return k, v, rk
+
+
+def _key_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    """(token, head) strides of k then v, as the kernels take them."""
+    return k.stride(1), k.stride(2), v.stride(1), v.stride(2)
 
 
 # ---------------------------------------------------------------- torch backend
@@ -439,6 +455,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     else:
         lq_d = k_add = 0
         klen_ptr = True
+    k, v, rows = kv_rows(k, v)
     k_strides = _key_strides(k, v)
     cfg = FWD_LAUNCH_OVERRIDE or default_fwd_launch(d, max_q)
     bd = _pow2(d)
@@ -457,7 +474,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
             (rows_pad // bm, nb * hkv, n_splits),
             (q, k, v, ws, out, lse, q_start, q_len, k_start, k_len,
              q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
-             hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add),
+             hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add, rows),
             # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, FINISH
             (causal, bm, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, finish_here),
             num_warps=cfg.split_warps, num_stages=cfg.split_stages)
@@ -478,7 +495,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         (cdiv(max_q, cfg.block_m), nb * hq),
         (q, k, v, out, lse, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
-         hq, g, d, qk_scale, lq_d, k_add),
+         hq, g, d, qk_scale, lq_d, k_add, rows),
         # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, REVERSE_M
         (causal, cfg.block_m, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, causal),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -492,9 +509,14 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
     hkv = k.shape[2]
     g = hq // hkv
     nb = q_start.shape[0]
+    k, v, rows = kv_rows(k, v)
     dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    # dK, dV in k's and v's layouts (zeros_like keeps a dense layout), so their batch rows
+    # are as many token strides apart; a layout it does not keep is copied first.
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    if _rows_per_batch(dk) != rows or _rows_per_batch(dv) != rows:
+        k, v = k.contiguous(), v.contiguous()
+        dk, dv, rows = torch.zeros_like(k), torch.zeros_like(v), _rows_per_batch(k)
     if tq == 0 or nb == 0 or max_q == 0 or max_k == 0:
         return dq, dk, dv
     cfg = BWD_LAUNCH_OVERRIDE or default_bwd_launch(d)
@@ -516,8 +538,8 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (cdiv(max_k, cfg.dkdv_block_n), nb * hkv),
         (q, k, v, do, lse, delta, dk, dv, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0),
-         batch_stride(dk), dk.stride(1), dk.stride(2), batch_stride(dv), dv.stride(1), dv.stride(2),
-         hkv, g, d, qk_scale, scale),
+         dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
+         hkv, g, d, qk_scale, scale, rows),
         # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D
         (causal, cfg.dkdv_block_m, cfg.dkdv_block_n, bd, ieee, d == bd),
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages)
@@ -525,7 +547,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (cdiv(max_q, cfg.dq_block_m), nb * hq),
         (q, k, v, do, lse, delta, dq, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
-         hq, g, d, qk_scale, scale),
+         hq, g, d, qk_scale, scale, rows),
         # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, REVERSE_M
         (causal, cfg.dq_block_m, cfg.dq_block_n, bd, ieee, d == bd, causal),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
