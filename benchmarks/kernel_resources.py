@@ -1,0 +1,114 @@
+"""Registers, spills and shared memory of the attention kernels, compiled for sm_90 without a GPU.
+
+    python benchmarks/kernel_resources.py [--head-dims 128,64]
+    PYTHONPATH=/path/to/triton-3.6 python benchmarks/kernel_resources.py   # the device's Triton
+
+Each kernel is compiled the way its default launch specializes it (``ops.attention``'s
+launch settings; pointers and 16-divisible integers marked divisible by 16) for an
+H100 (sm_90), with the Triton that is importable, and ``cuobjdump -res-usage`` reads
+the cubin. No GPU is needed, so a change that moves a kernel's register count (and with
+it how many CTAs fit on an SM) shows before a device run: a batch stride written as a
+separate address term took the decode split kernel from 128 to 159 registers at
+D = 128, one CTA per SM instead of two, and 3 % slower steps. Register counts depend on
+the Triton version (compile with the device's: 3.6 on the H100 machines).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.backends.nvidia as nvidia_backend
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from rlkernels.kernels import attention as K
+from rlkernels.ops import attention as A
+
+TARGET = GPUTarget("cuda", 90, 32)
+# A representative problem: 16 query / 8 KV heads, B = 16 caches of 4096 keys (decode) or
+# packed rows (prefill); only which integers are divisible by 16 reaches the compiler.
+HQ, HKV, S = 16, 8, 4096
+FLOAT_ARGS = ("qk_scale", "sm_scale")
+
+
+def _signature(fn, dtype: str, ints: dict[str, int], constexprs: dict[str, object]):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            is_index = name in ("q_start_ptr", "q_len_ptr", "k_start_ptr", "k_len_ptr")
+            sig[name] = "*i32" if is_index else ("*fp32" if name in ("ws_ptr", "lse_ptr", "delta_ptr") else dtype)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOAT_ARGS:
+            sig[name] = "fp32"
+        else:
+            value = ints.get(name, 7)
+            sig[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def resources(fn, ints: dict[str, int], constexprs: dict[str, object], num_warps: int, num_stages: int,
+              options: dict | None = None) -> str:
+    sig, attrs = _signature(fn, "*bf16", ints, constexprs)
+    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
+                              options={"num_warps": num_warps, "num_stages": num_stages, **(options or {})})
+    tool = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
+    return f"{found.group(1):>4} regs  {found.group(2):>4} B stack  {found.group(3):>6} B static smem" if found else out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--head-dims", default="128,64")
+    args = p.parse_args()
+    fwd_opts = {"enable_fp_fusion": False}
+    print(f"Triton {triton.__version__}, sm_90")
+    for d in (int(x) for x in args.head_dims.split(",")):
+        bd = A._pow2(d)
+        chain = A.DEFAULT_CHAIN
+        fl, bl = A.default_fwd_launch(d, S), A.default_bwd_launch(d)
+        ints = dict(stride_qt=HQ * d, stride_qh=d, stride_kt=HKV * d, stride_kh=d, stride_vt=HKV * d, stride_vh=d,
+                    stride_ot=HQ * d, stride_oh=d, stride_lh=16 * S, stride_dot=HQ * d, stride_doh=d,
+                    stride_dkt=HKV * d, stride_dkh=d, stride_dvt=HKV * d, stride_dvh=d, stride_dqt=HQ * d,
+                    stride_dqh=d, H=HQ, HKV=HKV, G=HQ // HKV, D=d, N_SPLITS=4, ROWS_PAD=16, WS_ROWS=16 * HKV * 64,
+                    LQ=1, K_ADD=S, KV_ROWS=S)
+        common = dict(CAUSAL=True, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=False,
+                      EVEN_D=d == bd)
+        rows = [
+            ("forward (prefill)", K.attn_fwd_kernel,
+             dict(common, BLOCK_M=fl.block_m, DENSE=False, KLEN_PTR=True, REVERSE_M=True), fl.num_warps,
+             fl.num_stages, fwd_opts),
+            ("split-KV (several splits)", K.attn_split_kernel,
+             dict(common, BLOCK_M=fl.split_block_m, DENSE=True, KLEN_PTR=False, FINISH=False), fl.split_warps,
+             fl.split_stages, fwd_opts),
+            ("split-KV (one split)", K.attn_split_kernel,
+             dict(common, BLOCK_M=fl.split_block_m, DENSE=True, KLEN_PTR=False, FINISH=True), fl.split_warps,
+             fl.split_stages, fwd_opts),
+            ("combine", K.attn_combine_kernel,
+             dict(BLOCK_M=2, BLOCK_D=bd, BLOCK_DC=min(bd, A.COMBINE_BLOCK_D), EVEN_D=d == bd, DENSE=True,
+                  KLEN_PTR=False), A.COMBINE_WARPS, A.COMBINE_STAGES, fwd_opts),
+            ("backward dK/dV", K.attn_bwd_dkdv_kernel,
+             dict(CAUSAL=True, BLOCK_M=bl.dkdv_block_m, BLOCK_N=bl.dkdv_block_n, BLOCK_D=bd, IEEE=False,
+                  EVEN_D=d == bd), bl.dkdv_warps, bl.dkdv_stages, None),
+            ("backward dQ", K.attn_bwd_dq_kernel,
+             dict(CAUSAL=True, BLOCK_M=bl.dq_block_m, BLOCK_N=bl.dq_block_n, BLOCK_D=bd, IEEE=False,
+                  EVEN_D=d == bd, REVERSE_M=True), bl.dq_warps, bl.dq_stages, None),
+        ]
+        for name, fn, constexprs, warps, stages, opts in rows:
+            print(f"D = {d:<4} {name:<27} {warps} warps: {resources(fn, ints, constexprs, warps, stages, opts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
