@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 import rlkernels
+from rlkernels.ops.attention import attention_by_bounds
 
 CASES: dict[str, Callable[[torch.dtype], None]] = {}
 
@@ -141,7 +142,6 @@ def _attention(dtype):
     # Keys read in place from Hugging Face's [B, Hkv, S, D] layout, left-padded (NaN before
     # each sequence), through the op's bounds entry: prefill with its backward, then a
     # decode-like step (the split-KV kernels over several splits).
-    from rlkernels.ops.attention import attention_by_bounds
     starts = torch.tensor([4098, 3069, 2], device="cuda", dtype=torch.int32)
     kh = torch.full((b, hk, s_max, d), float("nan"), device="cuda", dtype=dtype)
     vh = torch.full_like(kh, float("nan"))
