@@ -6,17 +6,46 @@ ops (and planted wrong combines), and saves what it got to ``<dir>/rank<r>.pt``.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from rlkernels._env import triton_interpret
-from rlkernels.parallel import tensor_parallel as tp
+from rlkernels.parallel import row_parallel as rp
+from rlkernels.parallel import tree
+from rlkernels.parallel import vocab_parallel as vp
 
 SEGMENTS = 8
-SHARDS = 8
-CHUNK = 20  # a 48-wide shard: pieces of 20, 20, 8
+SHARDS = 8  # V = 384: shards of 48 rows
 TEMPERATURE = 0.7
+
+
+SIZES = (1, 2, 4, 8)
+
+
+def run_world(world: int, fn, start_method: str | None = None) -> list[dict]:
+    """Start ``world`` processes running ``fn(rank, world, folder)``; their saved dicts by rank.
+
+    The CPU tests fork (no re-import of torch per rank: seconds on a small machine)
+    where no GPU is visible; on a GPU machine a forked child cannot initialize CUDA once
+    the parent (Triton's driver probe at import, say) has, and FSDP2 touches it even on a
+    CPU mesh, so processes are spawned there, as CUDA workers always are."""
+    if start_method is None:
+        start_method = "spawn" if torch.cuda.is_available() else "fork"
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(fn, args=(world, folder), nprocs=world, join=True, start_method=start_method)
+        return [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
+
+
+def names(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "") + "/"
+
+
+def cols(k: int, world: int, rank: int) -> slice:
+    """Rank ``rank``'s contiguous share of ``k`` columns (or rows) at TP = ``world``."""
+    return slice(rank * k // world, (rank + 1) * k // world)
 
 
 def dtypes() -> tuple[torch.dtype, ...]:
@@ -51,22 +80,34 @@ def _row_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: str
     xs = x[:, cols].clone().requires_grad_(True)
     ws = w[:, cols].clone().requires_grad_(True)
     bs = b.clone().requires_grad_(True)
-    y = tp.row_parallel_tree_linear(xs, ws, bs, segments=SEGMENTS)
+    y = rp.row_parallel_tree_linear(xs, ws, bs, segments=SEGMENTS)
     y.backward(dy)
     out[f"{tag}y"] = y.detach()
     out[f"{tag}dx"], out[f"{tag}dw"], out[f"{tag}db"] = xs.grad, ws.grad, bs.grad
     with torch.no_grad():
-        out[f"{tag}plain"] = tp.plain_row_parallel_linear(x[:, cols], w[:, cols], b)
+        out[f"{tag}plain"] = rp.plain_row_parallel_linear(x[:, cols], w[:, cols], b)
+
+
+def logprob_grads(n: int, dtype: torch.dtype = torch.float32):
+    """Upstream gradients of (logp, entropy): fixed random fp32 [n] each."""
+    g = torch.Generator().manual_seed(99)
+    return torch.randn(n, generator=g), torch.randn(n, generator=g)
 
 
 def _vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: str) -> None:
     h, w, b, t = logprob_inputs(dtype)
     vr = w.shape[0] // world
     rows = slice(rank * vr, (rank + 1) * vr)
-    with torch.no_grad():
-        lp, ent = tp.vocab_parallel_linear_logprob(h, w[rows], t, b[rows], shards=SHARDS, chunk=CHUNK,
-                                                   temperature=TEMPERATURE, return_entropy=True)
-    out[f"{tag}logp"], out[f"{tag}ent"] = lp, ent
+    hs = h.clone().requires_grad_(True)
+    ws = w[rows].clone().requires_grad_(True)
+    bs = b[rows].clone().requires_grad_(True)
+    lp, ent = vp.vocab_parallel_linear_logprob(hs, ws, t, bs, shards=SHARDS, temperature=TEMPERATURE,
+                                               return_entropy=True)
+    g_lp, g_ent = logprob_grads(t.numel())
+    torch.autograd.backward((lp, ent), (g_lp, g_ent))
+    for name, value in (("logp", lp.detach()), ("ent", ent.detach()), ("dh", hs.grad), ("dw", ws.grad),
+                        ("db", bs.grad)):
+        out[f"{tag}vocab_{name}"] = value
 
 
 def _all_reduce_combine(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -86,7 +127,7 @@ def _sequential_combine(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _reversed_combine(parts: list[torch.Tensor]) -> torch.Tensor:
     """Planted: the tree's top levels over the ranks in reverse order (its mirror image)."""
-    return tp.tree_combine(parts[::-1])
+    return tree.tree_combine(parts[::-1])
 
 
 def _reversed_shard_order(gathered: list[torch.Tensor], per_rank: int) -> list[torch.Tensor]:
@@ -95,33 +136,34 @@ def _reversed_shard_order(gathered: list[torch.Tensor], per_rank: int) -> list[t
 
 
 def _stock_vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: str) -> None:
-    """Planted: the stock vocab-parallel combine -- the same shard statistics, merged locally,
-    then ``all_reduce`` MAX of the max and SUM of the rescaled sums (the collective's order)."""
+    """Planted: the stock vocab-parallel combine -- the same shard statistics, merged on the
+    rank, then ``all_reduce`` MAX of the lse and SUM of the rescaled sums (the collective's order)."""
     h, w, b, t = logprob_inputs(dtype)
     vr = w.shape[0] // world
-    rows = slice(rank * vr, (rank + 1) * vr)
-    gemm_backend = tp.gemm_backend_for(h.device)
-    width, per_rank = w.shape[0] // SHARDS, SHARDS // world
+    layout = vp.vocab_layout("plant", w.shape[0], SHARDS, rank, world)
+    logprob_backend, _ = vp.backends_for("plant", h)
+    wr, br = w[rank * vr:(rank + 1) * vr], b[rank * vr:(rank + 1) * vr]
+    width = layout.width
     with torch.no_grad():
-        stats = [tp.shard_stats(gemm_backend, h, w[rows], b[rows], t, i * width, (i + 1) * width, rank * vr,
-                                TEMPERATURE, CHUNK) for i in range(per_rank)]
-        acc = stats[0]
-        for st in stats[1:]:
-            acc = tp.merge_stats(acc, st)
-        m_loc = acc[0].clone()
-        m = acc[0].clone()
-        dist.all_reduce(m, op=dist.ReduceOp.MAX)
-        e = torch.exp(m_loc - m)
-        s = e * acc[1]
-        u = e * (acc[2] + (m_loc - m) * acc[1])
-        inside = (t >= rank * vr) & (t < (rank + 1) * vr)
-        zt = torch.where(inside, sum(st[3] for st in stats), torch.zeros_like(m))
-        for v in (s, u, zt):
-            dist.all_reduce(v)
-        log_s = torch.log(s)
+        stats = [vp.shard_stats(logprob_backend, h, wr[i * width:(i + 1) * width], br[i * width:(i + 1) * width],
+                                vp.local_targets(t, layout.first_id(i), width), TEMPERATURE)
+                 for i in range(layout.per_rank)]
+        lse_loc = torch.logsumexp(torch.stack([st[0] for st in stats]), 0)
+        big = lse_loc.clone()
+        dist.all_reduce(big, op=dist.ReduceOp.MAX)
+        total = torch.exp(lse_loc - big)
+        dist.all_reduce(total)
+        lse = big + torch.log(total)
+        ent = sum(torch.exp(st[0] - lse) * (st[1] + (lse - st[0])) for st in stats)
+        dist.all_reduce(ent)
+        logp = torch.zeros_like(lse)
+        for i, st in enumerate(stats):
+            lo = layout.first_id(i)
+            logp = torch.where((t >= lo) & (t < lo + width), st[2] + (st[0] - lse), logp)
+        dist.all_reduce(logp)
         valid = t >= 0
-        out[f"{tag}logp"] = torch.where(valid, (zt - m) - log_s, torch.zeros_like(m))
-        out[f"{tag}ent"] = torch.where(valid, log_s - u / s, torch.zeros_like(m))
+        out[f"{tag}vocab_logp"] = torch.where(valid, logp, torch.zeros_like(lse))
+        out[f"{tag}vocab_ent"] = torch.where(valid, ent, torch.zeros_like(lse))
 
 
 def worker(rank: int, world: int, folder: str) -> None:
@@ -135,15 +177,16 @@ def worker(rank: int, world: int, folder: str) -> None:
             _row_parallel(rank, world, dtype, out, f"{name}/")
             _vocab_parallel(rank, world, dtype, out, f"{name}/")
         dtype = torch.float32
-        combine, order = tp._combine_ranks, tp._shard_order
+        combine, order = tree._combine_ranks, vp._shard_order
         for plant, fn in (("all_reduce", _all_reduce_combine), ("sequential", _sequential_combine),
                           ("reversed", _reversed_combine)):
-            tp._combine_ranks = fn
+            tree._combine_ranks = fn
             _row_parallel(rank, world, dtype, out, f"plant_{plant}/")
-        tp._combine_ranks = combine
-        tp._shard_order = _reversed_shard_order
+            _vocab_parallel(rank, world, dtype, out, f"plant_{plant}/")
+        tree._combine_ranks = combine
+        vp._shard_order = _reversed_shard_order
         _vocab_parallel(rank, world, dtype, out, "plant_reversed_ranks/")
-        tp._shard_order = order
+        vp._shard_order = order
         _stock_vocab_parallel(rank, world, dtype, out, "plant_all_reduce_stats/")
         torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
     finally:

@@ -13,7 +13,7 @@ import os
 import textwrap
 from types import ModuleType
 
-SUITES = ("gemm", "training", "logprob", "bmm", "cpu", "attention", "model")
+SUITES = ("gemm", "training", "logprob", "bmm", "cpu", "attention", "model", "tp")
 # ``all``: the GPU suites (what the README's GPU benchmark command runs); ``cpu`` runs only by name.
 ALL = ("gemm", "training", "logprob", "bmm")
 SUITE_HELP = {
@@ -32,6 +32,9 @@ SUITE_HELP = {
              "policy-gradient training step, generate and long-sequence scoring; ms, tok/s, peak GiB, ratio, "
              "and the share of log-probs that are bitwise equal batched vs alone (sampler vs trainer for "
              "generate); --device cpu --config tiny runs without a GPU",
+    "tp": "the TP-invariant row-parallel linear and vocab-parallel log-prob vs the stock TP layers (all_reduce), "
+          "one process per GPU (NCCL) at TP 1, 2, 4, ..; ms, ratio, bitwise equal to TP = 1; --device cpu runs "
+          "gloo processes",
 }
 
 DESCRIPTION = """\

@@ -13,6 +13,7 @@ import itertools
 import json
 import platform
 import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -55,6 +56,26 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 200) -> 
         fn()
     torch.cuda.synchronize()
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def fixed_call_times_ms(fn: Callable[[], Any], reps: int, cuda: bool) -> list[float]:
+    """``reps`` timed calls of ``fn`` in ms, each alone: CUDA events around it on a GPU, the
+    wall clock on the CPU. A fixed count, unlike do_bench's: every process of a
+    distributed benchmark then makes the same collectives."""
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def interleaved_median_ms(fns: dict[str, Callable[[], Any]], rounds: int = 5, warmup_ms: int = 10,

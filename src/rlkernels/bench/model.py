@@ -44,7 +44,6 @@ import json
 import math
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -52,7 +51,7 @@ import torch
 from torch import nn
 
 from ..integrations.hf import generate as rlk_generate, patch_model, token_logprobs
-from .common import print_table, write_json
+from .common import fixed_call_times_ms, print_table, write_json
 
 NEEDS_CUDA = False  # `--device cpu --config tiny` runs anywhere; the CUDA default is checked at parse time
 
@@ -239,19 +238,7 @@ class Bench:
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        times = []
-        for _ in range(reps):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+        times = fixed_call_times_ms(fn, reps, cuda)
         if not cuda:
             return statistics.median(times), None
         other = self.patched if side == "stock" else self.stock

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hf_attention, hf_decode
+from . import fsdp, hf_attention, hf_decode
 from .batch_invariant import set_batch_invariant_mode
 from ..nn import Linear
 from ..nn import RMSNorm
@@ -243,6 +243,13 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     if batch_invariant is not False and impl not in (None, "eager", hf_attention.NAME):
         warnings.warn(f"rlkernels.token_logprobs: attention implementation {impl!r} is not batch-invariant; "
                       "call rlkernels.patch_model(model) first", stacklevel=2)
+    # An FSDP2 root gathers its own parameters (embedding, final norm, head) around this call.
+    return fsdp.run_as_forward(model, _score, model, input_ids, attention_mask, temperature, return_entropy,
+                               batch_invariant)
+
+
+def _score(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float,
+           return_entropy: bool, batch_invariant: bool | None):
     with mode_for(model, batch_invariant):
         hidden = hidden_states(model, input_ids, attention_mask)
         target = next_token_targets(input_ids, attention_mask)

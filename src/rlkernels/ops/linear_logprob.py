@@ -666,6 +666,16 @@ class LinearLogprobTorch(_LinearLogprobBase):
     backend_impl = TorchLinearLogprobBackend()
 
 
+def backends_for(op: str, hidden: torch.Tensor, backend: str | None = None):
+    """(log-prob backend, GEMM backend) of the registry's ``linear_logprob`` backend for
+    ``hidden``'s device (or ``backend``); refuses what that backend cannot run."""
+    name, _ = select_backend(OP, hidden.device, backend)
+    V_.refuse_interpreted_bf16(op, name, hidden)
+    if name == "triton" and hidden.dtype == torch.float64:
+        raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
+    return implementation(OP, name).backend_impl, gemm_backend_for(hidden.device, name)
+
+
 def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend):
     V_.require_tensor(OP, "hidden", hidden)
     V_.require_tensor(OP, "weight", weight)
@@ -673,18 +683,13 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
             and weight.is_floating_point():
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
     validate(hidden, weight, target, bias, temperature, ignore_index)
-    name, _ = select_backend(OP, hidden.device, backend)
-    V_.refuse_interpreted_bf16(OP, name, hidden)
-    if name == "triton" and hidden.dtype == torch.float64:
-        raise ValueError(f"rlkernels.{OP}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
-    impl = implementation(OP, name)
+    logprob_backend, gemm_backend = backends_for(OP, hidden, backend)
     lead = target.shape
     h2 = hidden.reshape(target.numel(), hidden.shape[-1])  # explicit N: -1 is ambiguous when D = 0
     t1 = target.reshape(-1).to(torch.int64)
     # Kernels see -1 for ignored rows (ignore_index may itself be a valid id in [0, V)).
     tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
-    logp, ent = LinearLogprobFunction.apply(h2, weight, bias, tgt, float(temperature), impl.backend_impl,
-                                            gemm_backend_for(hidden.device, name))
+    logp, ent = LinearLogprobFunction.apply(h2, weight, bias, tgt, float(temperature), logprob_backend, gemm_backend)
     logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp
 

@@ -1,7 +1,6 @@
 """Tensor parallelism with the same bits at every TP size (opt-in contracts, torch.distributed)."""
-from .tensor_parallel import (TREE_SEGMENTS, VOCAB_CHUNK, VOCAB_SHARDS, plain_row_parallel_linear,
-                              row_parallel_tree_linear, sharded_linear_logprob, tree_linear,
-                              vocab_parallel_linear_logprob)
+from .row_parallel import TREE_SEGMENTS, plain_row_parallel_linear, row_parallel_tree_linear, tree_linear
+from .vocab_parallel import VOCAB_SHARDS, sharded_linear_logprob, vocab_parallel_linear_logprob
 
-__all__ = ["TREE_SEGMENTS", "VOCAB_CHUNK", "VOCAB_SHARDS", "plain_row_parallel_linear", "row_parallel_tree_linear",
+__all__ = ["TREE_SEGMENTS", "VOCAB_SHARDS", "plain_row_parallel_linear", "row_parallel_tree_linear",
            "sharded_linear_logprob", "tree_linear", "vocab_parallel_linear_logprob"]

@@ -1,0 +1,69 @@
+"""The fixed reduction shape every cross-rank combine of ``rlkernels.parallel`` uses.
+
+A pairwise binary tree over a power-of-two number of partials, left to right:
+``((p0 + p1) + (p2 + p3)) + ...``. A rank that holds a contiguous, power-of-two run of
+the leaves builds that subtree locally (:func:`stack_tree`); the ranks' subtrees are
+then gathered (``all_gather``: an exact copy, never a collective sum) and every rank
+runs the top levels in rank order (:func:`gather_combine`). Same leaves, same tree: the
+same bits at every TP size that divides the leaf count.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+def is_pow2(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def process_group_world(op: str, group: dist.ProcessGroup | None, distributed: bool) -> tuple[int, int]:
+    """(rank, world size) of ``group``; (0, 1) for the one-process ops."""
+    if not distributed:
+        return 0, 1
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"rlkernels.{op}: torch.distributed is not initialized (call "
+                           "torch.distributed.init_process_group first, or use the one-process op)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def tree_combine(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Pairwise tree sum, left to right; ``len(parts)`` a power of two. Adds into ``parts``' tensors."""
+    while len(parts) > 1:
+        parts = [parts[i].add_(parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def stack_tree(parts: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The pairwise tree over a power-of-two stream of partials, each consumed as it comes.
+
+    A stack of (level, partial): two partials of one level merge as soon as both exist,
+    so at most log2(count) + 1 partials are alive, and the additions are exactly
+    :func:`tree_combine`'s."""
+    stack: list[tuple[int, torch.Tensor]] = []
+    for part in parts:
+        level = 0
+        while stack and stack[-1][0] == level:
+            part = stack.pop()[1].add_(part)
+            level += 1
+        stack.append((level, part))
+    if len(stack) != 1:
+        raise ValueError(f"stack_tree: the number of partials must be a power of two (levels left: "
+                         f"{[lvl for lvl, _ in stack]})")
+    return stack[0][1]
+
+
+def _combine_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The top levels of the tree over the gathered rank partials (rank order)."""
+    return tree_combine(parts)
+
+
+def gather_combine(local: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> torch.Tensor:
+    """Every rank's ``local`` subtree, gathered and combined by the tree's top levels in rank order."""
+    if world == 1:
+        return local
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local.contiguous(), group=group)
+    return _combine_ranks(gathered)

@@ -1,0 +1,298 @@
+"""Vocab-parallel ``linear_logprob`` whose bits do not depend on the TP size (opt-in contract).
+
+A stock vocab-parallel lm head merges per-rank softmax statistics with ``all_reduce``
+(MAX of the row max, SUM of the rescaled sums), and sums the ranks' dhidden partials the
+same way: the association follows the TP size and the collective's algorithm. Here the
+vocabulary is cut into ``shards`` equal shards (a power of two, default
+:data:`VOCAB_SHARDS`; V not divisible is refused), and a shard is the unit of work at
+every TP size:
+
+* **Forward.** Each shard runs the library's fused log-prob backend on its own rows of
+  the head, giving per token its log-sum-exp ``lse_i``, entropy ``H_i`` and the
+  target's log-prob within the shard (a function of the shard's rows alone). Rank r of
+  TP = t holds ``shards / t`` whole shards; the [shards/t, 3, N] statistics are
+  all-gathered and every rank merges all shards in shard order (:func:`merge_shards`):
+  ``L = max_i lse_i``, ``S = Σ_i e^(lse_i - L)``, ``lse = L + log S``,
+  ``H = Σ_i e^(lse_i - lse) (H_i + lse - lse_i)``, ``logp = logp_k + lse_k - lse`` for
+  the shard k holding the target; sums run left to right over the shards.
+* **Backward.** Each shard's gradient of the logits comes from the merged ``lse`` and
+  ``H`` (the fused backend's own formula); its dW and dbias rows are one chain over the
+  tokens, like the one-GPU op's; its dhidden partial is one fp32 chain over the shard's
+  columns. The shard partials are combined by the pairwise tree of :mod:`.tree`: a
+  rank's shards locally, then the top levels over the gathered rank partials.
+
+:func:`sharded_linear_logprob` is the one-process op with the same shards and the same
+combines, so TP = 1, 2, 4, 8 give the same bits (forward and backward). Its bits differ
+from :func:`rlkernels.linear_logprob`'s (that op cuts V differently): an opt-in mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from ..ops import _validate as V
+from ..ops.linear_logprob import _INT_DTYPES, backends_for, backward_chunk, validate as validate_logprob
+from .tree import gather_combine, is_pow2, process_group_world, stack_tree
+
+# Default number of vocabulary shards (TP up to 8; V = 151936 gives shards of 18992 rows).
+VOCAB_SHARDS = 8
+
+SHARDED_OP = "sharded_linear_logprob"
+VOCAB_OP = "vocab_parallel_linear_logprob"
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabLayout:
+    """Which shards a rank holds: shards ``rank * per_rank ..`` of ``width`` rows each."""
+
+    shards: int
+    width: int
+    rank: int
+    world: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.shards // self.world
+
+    def first_id(self, local_shard: int) -> int:
+        """Global vocabulary id of the first row of this rank's ``local_shard``."""
+        return (self.rank * self.per_rank + local_shard) * self.width
+
+
+def vocab_layout(op: str, vocab: int, shards: int, rank: int, world: int) -> VocabLayout:
+    """The layout of V over ``shards`` equal shards; refuses what the contract cannot cut."""
+    if not is_pow2(shards):
+        raise ValueError(f"rlkernels.{op}: shards must be a power of two (the dhidden partials of the shards "
+                         f"are combined by a binary tree), got {shards!r}")
+    if shards % world:
+        raise ValueError(f"rlkernels.{op}: a TP size of {world} does not divide shards={shards}: each rank "
+                         f"must hold whole vocabulary shards")
+    if vocab % shards:
+        raise ValueError(f"rlkernels.{op}: V={vocab} is not divisible by shards={shards}; the vocabulary is "
+                         f"cut into equal shards (pad V, or pick a power-of-two shards dividing it)")
+    return VocabLayout(shards, vocab // shards, rank, world)
+
+
+def local_targets(tgt: torch.Tensor, first_id: int, width: int) -> torch.Tensor:
+    """Targets as rows of one shard: ``tgt - first_id`` inside it, ``width`` (no row) elsewhere.
+
+    Never negative: the fused backends read a negative id as an ignored row, whose
+    entropy they zero; every row needs the shard's statistics."""
+    inside = (tgt >= first_id) & (tgt < first_id + width)
+    return torch.where(inside, tgt - first_id, torch.full_like(tgt, width))
+
+
+def shard_stats(logprob_backend, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                tgt_local: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[3, N] fp32 (fp64 for fp64): the shard's (lse, entropy, logp of the target within it)."""
+    logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt_local, temperature)
+    return torch.stack([lse, ent, logp])
+
+
+def merge_shards(stats: list[torch.Tensor], tgt: torch.Tensor,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, lse) [N] from the shards' [3, N] statistics, in shard order."""
+    big = stats[0][0]
+    for st in stats[1:]:
+        big = torch.maximum(big, st[0])  # exact: any order gives the same max
+    total = torch.zeros_like(big)
+    for st in stats:
+        total = total + torch.exp(st[0] - big)
+    lse = big + torch.log(total)
+    ent = torch.zeros_like(big)
+    logp = torch.zeros_like(big)
+    for i, st in enumerate(stats):
+        ent = ent + torch.exp(st[0] - lse) * (st[1] + (lse - st[0]))
+        inside = (tgt >= i * width) & (tgt < (i + 1) * width)
+        logp = torch.where(inside, st[2] + (st[0] - lse), logp)
+    valid = tgt >= 0
+    zero = torch.zeros_like(big)
+    return torch.where(valid, logp, zero), torch.where(valid, ent, zero), lse
+
+
+def _shard_order(gathered: list[torch.Tensor], per_rank: int) -> list[torch.Tensor]:
+    """The gathered [per_rank, 3, N] blocks as one list of shard stats, rank 0's shards first."""
+    return [block[i] for block in gathered for i in range(per_rank)]
+
+
+class _VocabParallelFunction(torch.autograd.Function):
+    """(logp, entropy) [N] of rows h2 [N, D] against this rank's head rows [V/t, D]."""
+
+    @staticmethod
+    def forward(ctx, h2, weight, bias, tgt, layout: VocabLayout, temperature: float, group,  # type: ignore[override]
+                logprob_backend, gemm_backend):
+        w = layout.width
+        local = [shard_stats(logprob_backend, h2, weight[i * w:(i + 1) * w],
+                             bias[i * w:(i + 1) * w] if bias is not None else None,
+                             local_targets(tgt, layout.first_id(i), w), temperature)
+                 for i in range(layout.per_rank)]
+        if layout.world > 1:
+            mine = torch.stack(local)
+            gathered = [torch.empty_like(mine) for _ in range(layout.world)]
+            dist.all_gather(gathered, mine, group=group)
+            local = _shard_order(gathered, layout.per_rank)
+        logp, ent, lse = merge_shards(local, tgt, w)
+        ctx.save_for_backward(h2, weight, bias, tgt, lse, ent)
+        ctx.layout, ctx.temperature, ctx.group = layout, temperature, group
+        ctx.logprob_backend, ctx.gemm_backend = logprob_backend, gemm_backend
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_ent):  # type: ignore[override]
+        h2, weight, bias, tgt, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        nothing = (None,) * 9
+        if grad_logp is None and grad_ent is None or not (need_h or need_w or need_b):
+            return nothing
+        layout, T = ctx.layout, ctx.temperature
+        logprob_backend, gemm_backend = ctx.logprob_backend, ctx.gemm_backend
+        N, D = h2.shape
+        dev, acc_dt = h2.device, lse.dtype
+        valid = tgt >= 0
+        zero = torch.zeros(N, dtype=acc_dt, device=dev)
+        # Ignored rows get exactly zero upstream gradient (so their logit gradients are 0).
+        g_logp = torch.where(valid, grad_logp.to(acc_dt), zero) if grad_logp is not None else zero
+        g_ent = torch.where(valid, grad_ent.to(acc_dt), zero) if grad_ent is not None else None
+        w = layout.width
+        dw = torch.empty_like(weight) if need_w else None
+        db = torch.zeros(weight.shape[0], dtype=acc_dt, device=dev) if need_b else None
+        cv = min(w, backward_chunk(N, w, h2.element_size()))
+        g_buf = torch.empty(N, cv, dtype=h2.dtype, device=dev)
+
+        def shard_dhidden(i: int) -> torch.Tensor:
+            """Shard i's dW/dbias rows (written), and its fp32 dhidden partial (returned)."""
+            rows = slice(i * w, (i + 1) * w)
+            w_i, b_i = weight[rows], bias[rows] if bias is not None else None
+            t_i = local_targets(tgt, layout.first_id(i), w)
+            dh = torch.zeros(N, D, dtype=acc_dt, device=dev) if need_h else None
+            for v0 in range(0, w, cv):
+                v1 = min(w, v0 + cv)
+                g = g_buf[:, :v1 - v0]
+                logprob_backend.grad_logits(h2, w_i, b_i, t_i, lse, ent, g_logp, g_ent, T, v0, v1, g)
+                if need_h and D > 0:
+                    # One fp32 chain over the shard's columns, split at multiples of 256 (same bits).
+                    gemm_backend.gemm(g, w_i[v0:v1], out=dh, accumulate=True)
+                rowsum = db[i * w + v0:i * w + v1] if need_b else None
+                if need_w and D > 0:
+                    # dW rows: one chain over all tokens, ascending, rounded once (the one-GPU op's).
+                    gemm_backend.gemm(g.t(), h2, out=dw[i * w + v0:i * w + v1], rowsum=rowsum)
+                elif need_b:
+                    gemm_backend.gemm(g.t(), h2[:, :1] if D > 0 else g.new_zeros(N, 1), out_dtype=acc_dt,
+                                      rowsum=rowsum)
+            return dh
+
+        grad_h = None
+        if need_h:
+            local = stack_tree(shard_dhidden(i) for i in range(layout.per_rank))
+            grad_h = gather_combine(local, ctx.group, layout.world).to(h2.dtype)
+        else:
+            for i in range(layout.per_rank):
+                shard_dhidden(i)
+        if need_w and D == 0:
+            dw.zero_()
+        grad_b = db.to(bias.dtype) if need_b else None
+        return grad_h, dw, grad_b, None, None, None, None, None, None
+
+
+def _validate_sharded_inputs(op: str, hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
+                             bias_shard: torch.Tensor | None, world: int, temperature: float,
+                             ignore_index: int) -> int:
+    """linear_logprob's checks with the head sharded: ids are checked against the whole V. Returns V."""
+    V.require_float(op, "hidden", hidden)
+    V.require_float(op, "weight_shard", weight_shard)
+    if bias_shard is not None:
+        V.require_tensor(op, "bias_shard", bias_shard)
+        V.require_float(op, "bias_shard", bias_shard)
+        V.require_ndim(op, "bias_shard", bias_shard, 1, 1)
+    if target.dtype not in _INT_DTYPES:
+        raise ValueError(f"rlkernels.{op}: target must be an integer tensor of token ids, got {target.dtype}")
+    V.require_ndim(op, "hidden", hidden, 1)
+    V.require_ndim(op, "weight_shard", weight_shard, 2, 2)
+    V.require_same_device(op, hidden=hidden, weight_shard=weight_shard, target=target, bias_shard=bias_shard)
+    V.require_same_dtype(op, hidden=hidden, weight_shard=weight_shard, bias_shard=bias_shard)
+    local_v, dim = weight_shard.shape
+    vocab = local_v * world
+    if hidden.shape[-1] != dim:
+        raise ValueError(f"rlkernels.{op}: hidden {tuple(hidden.shape)} has D={hidden.shape[-1]} but weight_shard "
+                         f"{tuple(weight_shard.shape)} ([V/TP, D]) has D={dim}")
+    if local_v == 0:
+        raise ValueError(f"rlkernels.{op}: weight_shard has no vocabulary rows")
+    if bias_shard is not None and tuple(bias_shard.shape) != (local_v,):
+        raise ValueError(f"rlkernels.{op}: bias_shard must have shape ({local_v},), got {tuple(bias_shard.shape)}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"rlkernels.{op}: target shape {tuple(target.shape)} must equal hidden's leading "
+                         f"shape {tuple(hidden.shape[:-1])}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"rlkernels.{op}: temperature must be a finite number > 0, got {temperature!r}")
+    t = target.reshape(-1)
+    bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
+    if t.numel() and bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        raise ValueError(f"rlkernels.{op}: target id {int(t[pos])} at flat position {pos} is outside "
+                         f"[0, {vocab}) (V = {local_v} x TP {world}) and is not ignore_index={ignore_index}")
+    return vocab
+
+
+def _run(op: str, hidden, weight, target, bias, layout: VocabLayout, temperature, ignore_index, return_entropy,
+         group, backend):
+    logprob_backend, gemm_backend = backends_for(op, hidden, backend)
+    h2 = hidden.reshape(target.numel(), hidden.shape[-1])
+    t1 = target.reshape(-1).to(torch.int64)
+    tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
+    logp, ent = _VocabParallelFunction.apply(h2, weight, bias, tgt, layout, float(temperature), group,
+                                             logprob_backend, gemm_backend)
+    logp, ent = logp.reshape(target.shape), ent.reshape(target.shape)
+    return (logp, ent) if return_entropy else logp
+
+
+def sharded_linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                           bias: torch.Tensor | None = None, *, shards: int = VOCAB_SHARDS,
+                           temperature: float = 1.0, ignore_index: int = -100, return_entropy: bool = False,
+                           backend: str | None = None):
+    """One-process :func:`vocab_parallel_linear_logprob`: the same shards, the same combines, the same bits.
+
+    Arguments as :func:`rlkernels.linear_logprob` (hidden [..., D], weight [V, D], target
+    [...], bias [V] or None) plus ``shards`` (a power of two dividing V). Returns logp
+    [...] (and entropy) in fp32 (fp64 for fp64), differentiable w.r.t. hidden, weight and
+    bias (first order). Its bits may differ from ``linear_logprob``'s (another vocab
+    cut): an opt-in mode.
+    """
+    op = SHARDED_OP
+    V.require_tensor(op, "hidden", hidden)
+    V.require_tensor(op, "weight", weight)
+    validate_logprob(hidden, weight, target, bias, temperature, ignore_index)
+    layout = vocab_layout(op, weight.shape[0], shards, 0, 1)
+    return _run(op, hidden, weight, target, bias, layout, temperature, ignore_index, return_entropy, None, backend)
+
+
+def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
+                                  bias_shard: torch.Tensor | None = None, *, shards: int = VOCAB_SHARDS,
+                                  temperature: float = 1.0, ignore_index: int = -100, return_entropy: bool = False,
+                                  group: dist.ProcessGroup | None = None, backend: str | None = None):
+    """``linear_logprob`` with the lm head sharded on the vocabulary over ``group`` (TP = t ranks).
+
+    hidden [..., D] and target [...] (global ids) are replicated; rank r holds rows
+    ``r*V/t .. (r+1)*V/t`` of the lm head, weight_shard [V/t, D] (bias_shard [V/t] or
+    None), with t dividing ``shards`` (a power of two dividing V). Returns logp (and
+    entropy) [...] fp32 on every rank, bitwise equal to :func:`sharded_linear_logprob`
+    with the same ``shards``; differentiable: dhidden (replicated, the full gradient on
+    every rank), dW and dbias of this rank's rows, each bitwise the TP = 1 values.
+    The only collective is ``all_gather`` (statistics [shards/t, 3, N] forward, one fp32
+    [N, D] dhidden partial backward).
+    """
+    op = VOCAB_OP
+    V.require_tensor(op, "hidden", hidden)
+    V.require_tensor(op, "weight_shard", weight_shard)
+    V.require_tensor(op, "target", target)
+    rank, world = process_group_world(op, group, True)
+    vocab = _validate_sharded_inputs(op, hidden, weight_shard, target, bias_shard, world, temperature, ignore_index)
+    layout = vocab_layout(op, vocab, shards, rank, world)
+    return _run(op, hidden, weight_shard, target, bias_shard, layout, temperature, ignore_index, return_entropy,
+                group, backend)

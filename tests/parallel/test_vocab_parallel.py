@@ -1,0 +1,122 @@
+"""TP-invariant vocab-parallel log-prob and entropy: the same bits at TP = 1, 2, 4, 8, forward and backward.
+
+Each TP size runs as that many gloo processes on the CPU (``_workers.worker``); the
+parent compares what the ranks saved against :func:`sharded_linear_logprob` in one process.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkernels import contract
+from rlkernels._env import triton_interpret
+from rlkernels.parallel import sharded_linear_logprob, vocab_parallel_linear_logprob
+
+from . import _workers as W
+
+
+def _one_process(dtype: torch.dtype, backend: str | None = None):
+    """logp, entropy and the grads (dh, dW, db) of the one-process op on the workers' inputs."""
+    h, w, b, t = W.logprob_inputs(dtype)
+    h, w, b = (x.clone().requires_grad_(True) for x in (h, w, b))
+    lp, ent = sharded_linear_logprob(h, w, t, b, shards=W.SHARDS, temperature=W.TEMPERATURE, return_entropy=True,
+                                     backend=backend)
+    torch.autograd.backward((lp, ent), W.logprob_grads(t.numel()))
+    return {"logp": lp.detach(), "ent": ent.detach(), "dh": h.grad, "dw": w.grad, "db": b.grad}
+
+
+@pytest.mark.parametrize("dtype", W.dtypes(), ids=lambda d: str(d)[6:])
+def test_vocab_parallel_bitwise_across_tp(results, dtype):
+    one = _one_process(dtype)
+    vocab = one["dw"].shape[0]
+    for world in W.SIZES:
+        for rank, out in enumerate(results[world]):
+            rows = W.cols(vocab, world, rank)
+            for name in ("logp", "ent", "dh", "db", "dw"):
+                want = one[name][rows] if name in ("dw", "db") else one[name]
+                assert torch.equal(out[W.names(dtype) + "vocab_" + name], want), (world, rank, name)
+
+
+def test_planted_vocab_combines(results):
+    """A wrong combine is caught: the shards' statistics in another order or by all_reduce
+    (forward), the shards' dhidden partials folded or all-reduced (backward)."""
+    ref = results[1][0]
+    for world in (2, 4, 8):
+        out = results[world][0]
+        for plant in ("plant_reversed_ranks/", "plant_all_reduce_stats/"):
+            assert not (torch.equal(out[plant + "vocab_logp"], ref["float32/vocab_logp"])
+                        and torch.equal(out[plant + "vocab_ent"], ref["float32/vocab_ent"])), (world, plant)
+    for plant in ("all_reduce", "sequential"):
+        for world in (4, 8):
+            out = results[world][0]
+            assert not torch.equal(out[f"plant_{plant}/vocab_dh"], ref["float32/vocab_dh"]), (plant, world)
+            # the forward does not use the rank combine: its bits stay
+            assert torch.equal(out[f"plant_{plant}/vocab_logp"], ref["float32/vocab_logp"]), (plant, world)
+
+
+def _logprob_f64(h, w, b, t, temperature):
+    z = (h.double() @ w.double().t() + b.double()) / temperature
+    ls = z.log_softmax(-1)
+    valid = t >= 0
+    lp = torch.where(valid, ls.gather(1, t.clamp(0)[:, None])[:, 0], torch.zeros(()).double())
+    ent = torch.where(valid, -(ls.exp() * ls).sum(-1), torch.zeros(()).double())
+    return lp, ent
+
+
+def test_sharded_logprob_accuracy_vs_float64():
+    for dtype in W.dtypes():
+        h, w, b, t = W.logprob_inputs(dtype)
+        got = _one_process(dtype)
+        hd, wd, bd = (x.detach().double().requires_grad_(True) for x in (h, w, b))
+        ref_lp, ref_ent = _logprob_f64(hd, wd, bd, t, W.TEMPERATURE)
+        contract.check("linear_logprob", dtype, got["logp"], ref_lp.detach())
+        contract.check("linear_logprob", dtype, got["ent"], ref_ent.detach())
+        g_lp, g_ent = W.logprob_grads(t.numel())
+        torch.autograd.backward((ref_lp, ref_ent), (g_lp.double(), g_ent.double()))
+        for name, want in (("dh", hd.grad), ("dw", wd.grad), ("db", bd.grad)):
+            contract.check("linear_logprob_grad", dtype, got[name], want)
+
+
+def test_sharded_logprob_batch_invariance():
+    h, w, b, t = W.logprob_inputs(torch.float32)
+    full = sharded_linear_logprob(h, w, t, b, shards=4)
+    for rows in (slice(0, 1), slice(3, 7), slice(0, 0)):
+        assert torch.equal(sharded_linear_logprob(h[rows], w, t[rows], b, shards=4), full[rows])
+    # the grad of a row's hidden is its own business too
+    hs = h.clone().requires_grad_(True)
+    sharded_linear_logprob(hs, w, t, b).sum().backward()
+    one = h[5:6].clone().requires_grad_(True)
+    sharded_linear_logprob(one, w, t[5:6], b).sum().backward()
+    assert torch.equal(hs.grad[5:6], one.grad)
+
+
+def test_ignored_rows_get_zero_gradient():
+    h, w, b, t = W.logprob_inputs(torch.float32)
+    hs = h.clone().requires_grad_(True)
+    lp, ent = sharded_linear_logprob(hs, w, t, b, return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert lp[3] == 0 and ent[3] == 0 and torch.equal(hs.grad[3], torch.zeros_like(hs.grad[3]))
+
+
+def test_sharded_logprob_refusals():
+    h, w, b, t = W.logprob_inputs(torch.float32)
+    with pytest.raises(ValueError, match=r"rlkernels.sharded_linear_logprob: V=384 is not divisible by shards=256"):
+        sharded_linear_logprob(h, w, t, b, shards=256)
+    with pytest.raises(ValueError, match=r"rlkernels.sharded_linear_logprob: shards must be a power of two.*3"):
+        sharded_linear_logprob(h, w, t, b, shards=3)
+    with pytest.raises(ValueError, match=r"rlkernels.linear_logprob: target id 384"):
+        sharded_linear_logprob(h, w, torch.full_like(t, 384), b)
+    with pytest.raises(RuntimeError, match=r"rlkernels.vocab_parallel_linear_logprob: torch.distributed"):
+        vocab_parallel_linear_logprob(h, w, t, b)
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+def test_triton_backend_equals_across_tp_in_one_process():
+    """The fused Triton backend per shard (interpreter, fp32): the one-process op is accurate
+    and its shards run on head slices give the bits of separate shard tensors."""
+    got = _one_process(torch.float32, backend="triton")
+    h, w, b, t = W.logprob_inputs(torch.float32)
+    hd, wd, bd = (x.double() for x in (h, w, b))
+    ref_lp, ref_ent = _logprob_f64(hd, wd, bd, t, W.TEMPERATURE)
+    contract.check("linear_logprob", torch.float32, got["logp"], ref_lp)
+    contract.check("linear_logprob", torch.float32, got["ent"], ref_ent)
