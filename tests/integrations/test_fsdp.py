@@ -39,6 +39,15 @@ def _batch(device: torch.device, vocab: int):
     return ids.to(device), mask.to(device), adv.to(device)
 
 
+NEW_TOKENS = 4
+
+
+def _prompts(vocab: int) -> list[torch.Tensor]:
+    """Each rank's two unpadded prompts of 7 tokens."""
+    g = torch.Generator().manual_seed(13)
+    return [torch.randint(3, vocab, (2, 7), generator=g) for _ in range(WORLD)]
+
+
 def _model(device: torch.device):
     if device.type == "cuda":
         model = build_model(device, torch.bfloat16, config_overrides=GPU_WIDTH)
@@ -98,8 +107,20 @@ def _fsdp_worker(rank: int, world: int, folder: str, cuda: bool) -> None:
         fully_shard(model, mesh=mesh)
         ids, mask, adv = _batch(device, model.config.vocab_size)
         rows = slice(rank * SEQS_PER_RANK, (rank + 1) * SEQS_PER_RANK)
+        # The sampler's side first: greedy generate from the rank's prompts (eager decode).
+        prompts = _prompts(model.config.vocab_size)[rank]
+        with torch.no_grad():
+            sequences, sampled = rlkernels.generate(model, prompts.to(device), max_new_tokens=NEW_TOKENS)
+        if rank == 0:
+            try:
+                rlkernels.generate(model, prompts.to(device), max_new_tokens=1, cuda_graph=True)
+            except ValueError as exc:
+                refusal = str(exc)
+            else:
+                refusal = None
         saved = _steps(model, ids[rows], mask[rows], adv[rows])
-        saved["adv"] = adv[rows].cpu()
+        saved.update(adv=adv[rows].cpu(), sequences=sequences.cpu(), sampled=sampled.cpu(),
+                     refusal=refusal if rank == 0 else None)
         torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -128,6 +149,14 @@ def _check(runs: list[list[dict]], device: torch.device) -> None:
         # the same reduction on the same device: the loss is the one-process loss of those sequences
         want = -(one[rows].to(device) * first[rank]["adv"].to(device)).sum()
         assert torch.equal(got["loss"][0], want.cpu()), rank
+    # Generate on the sharded model: the one-process model's tokens and sampler log-probs.
+    model = _model(device)
+    for rank, prompts in enumerate(_prompts(model.config.vocab_size)):
+        with torch.no_grad():
+            sequences, sampled = rlkernels.generate(model, prompts.to(device), max_new_tokens=NEW_TOKENS)
+        assert torch.equal(first[rank]["sequences"], sequences.cpu()), rank
+        assert torch.equal(first[rank]["sampled"], sampled.cpu()), rank
+    assert "cuda_graph=True is not supported on an FSDP2" in first[0]["refusal"]
     # The ranks share parameters: after the same reduce-scattered steps they agree.
     assert first[0]["params"] == first[1]["params"]
 

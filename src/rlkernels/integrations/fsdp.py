@@ -31,10 +31,15 @@ def _call(self: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     return tree_map_only(torch.Tensor, lambda t: t.clone() if t._is_view() else t, fn(*args, **kwargs))
 
 
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` is managed by FSDP2 (``fully_shard``)."""
+    return isinstance(model, FSDPModule)
+
+
 def run_as_forward(model: nn.Module, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
     """``fn(*args, **kwargs)`` inside ``model``'s FSDP2 pre- and post-forward (a plain call
     when ``model`` is not an FSDP2 module)."""
-    if not isinstance(model, FSDPModule):
+    if not is_fsdp(model):
         return fn(*args, **kwargs)
     if METHOD not in model.__dict__:
         setattr(model, METHOD, types.MethodType(_call, model))

@@ -365,6 +365,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                              "token is taken from the forward that produced it)")
     if generate_kwargs.get("return_dict_in_generate"):
         raise ValueError("rlkernels.generate: return_dict_in_generate is not supported; it returns the sequences")
+    if cuda_graph and fsdp.is_fsdp(model):
+        raise ValueError("rlkernels.generate: cuda_graph=True is not supported on an FSDP2 (fully_shard) model: "
+                         "its layers gather their parameters in every step's forward; decode eagerly, or from an "
+                         "unsharded copy")
     _check_ids(model, input_ids)
     eos_ids = _eos_ids(model, generate_kwargs)
     with mode_for(model, batch_invariant):
