@@ -53,7 +53,7 @@ def dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.float16) if triton_interpret() else (torch.float32, torch.bfloat16)
 
 
-def linear_inputs(dtype: torch.dtype, m: int = 6, k: int = 128, n: int = 40):
+def linear_inputs(dtype: torch.dtype, m: int = 6, k: int = 128, n: int = 37):
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
@@ -62,7 +62,7 @@ def linear_inputs(dtype: torch.dtype, m: int = 6, k: int = 128, n: int = 40):
     return x, w, b, dy
 
 
-def logprob_inputs(dtype: torch.dtype, n: int = 10, d: int = 48, v: int = 384):
+def logprob_inputs(dtype: torch.dtype, n: int = 10, d: int = 45, v: int = 384):
     g = torch.Generator().manual_seed(4321)
     h = torch.randn(n, d, generator=g).to(dtype)
     w = (torch.randn(v, d, generator=g) * 2 / d ** 0.5).to(dtype)
@@ -110,11 +110,9 @@ def _vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: s
         out[f"{tag}vocab_{name}"] = value
 
 
-def _all_reduce_combine(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Planted: the collective's own sum of the rank partials (what a stock layer does)."""
-    mine = parts[dist.get_rank()].clone()
-    dist.all_reduce(mine)
-    return mine
+def _aten_sum_combine(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Planted: ATen's own sum over the rank partials (its order, not the tree's)."""
+    return torch.stack(parts).sum(0)
 
 
 def _sequential_combine(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -178,7 +176,7 @@ def worker(rank: int, world: int, folder: str) -> None:
             _vocab_parallel(rank, world, dtype, out, f"{name}/")
         dtype = torch.float32
         combine, order = tree._combine_ranks, vp._shard_order
-        for plant, fn in (("all_reduce", _all_reduce_combine), ("sequential", _sequential_combine),
+        for plant, fn in (("aten_sum", _aten_sum_combine), ("sequential", _sequential_combine),
                           ("reversed", _reversed_combine)):
             tree._combine_ranks = fn
             _row_parallel(rank, world, dtype, out, f"plant_{plant}/")

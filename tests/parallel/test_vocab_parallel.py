@@ -46,7 +46,7 @@ def test_planted_vocab_combines(results):
         for plant in ("plant_reversed_ranks/", "plant_all_reduce_stats/"):
             assert not (torch.equal(out[plant + "vocab_logp"], ref["float32/vocab_logp"])
                         and torch.equal(out[plant + "vocab_ent"], ref["float32/vocab_ent"])), (world, plant)
-    for plant in ("all_reduce", "sequential"):
+    for plant in ("aten_sum", "sequential"):
         for world in (4, 8):
             out = results[world][0]
             assert not torch.equal(out[f"plant_{plant}/vocab_dh"], ref["float32/vocab_dh"]), (plant, world)

@@ -10,8 +10,9 @@ unrounded); the segment partials are combined by the pairwise tree of :mod:`.tre
 then the bias is added in fp32 and the sum rounded once. At TP = t (a power of two
 dividing ``segments``) rank r holds segments ``r*segments/t ..``, builds the lower
 ``log2(segments/t)`` levels of the same tree locally, and the top ``log2(t)`` levels run
-over the gathered rank partials, in rank order. Same tree, same leaves, so the same bits
-at every TP size.
+over the ranks' partials, in rank order, split by output columns
+(:func:`.tree.combine_across_ranks`). Same tree, same leaves, so the same bits at every
+TP size.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ..gemm.chain import accumulator_dtype
 from ..gemm.ktree import ktree_fusable, ktree_gemm
 from ..ops import _validate as V
 from ..ops.matmul import gemm_backend_for, linear_backward
-from .tree import gather_combine, is_pow2, process_group_world, stack_tree
+from .tree import combine_across_ranks, is_pow2, process_group_world, stack_tree
 
 # Default number of K-tree segments: SEG = K / 8, so TP = 1, 2, 4, 8 all split K on
 # segment boundaries (K = 4096: 512-element chains, multiples of every GEMM backend's K step).
@@ -88,16 +89,21 @@ class _TreeLinearFunction(torch.autograd.Function):
     """y = x @ W^T + b by the K-tree; x and W hold this rank's K columns."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, seg: int, n_seg: int, group, world: int, gemm_backend):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, seg: int, n_seg: int, group, rank: int, world: int,  # type: ignore[override]
+                gemm_backend):
         K = x.shape[-1]
         x2 = x.reshape(x.shape[:-1].numel(), K)
         if world == 1:
             y = local_tree(gemm_backend, x2, weight, seg, n_seg, bias, x.dtype)
         else:
-            y = gather_combine(local_tree(gemm_backend, x2, weight, seg, n_seg), group, world)
-            if bias is not None:
-                y = y.add_(bias.to(y.dtype))
-            y = y.to(x.dtype)
+            def finish(root: torch.Tensor, c0: int) -> torch.Tensor:
+                # The bias in fp32, then the one rounding: the one-process layer's last steps.
+                if bias is not None:
+                    b = bias[c0:c0 + root.shape[1]].to(root.dtype)
+                    root = root.add_(torch.nn.functional.pad(b, (0, root.shape[1] - b.shape[0])))
+                return root.to(x.dtype)
+
+            y = combine_across_ranks(local_tree(gemm_backend, x2, weight, seg, n_seg), group, rank, world, finish)
         ctx.save_for_backward(x2, weight, bias)
         ctx.gemm_backend, ctx.in_shape = gemm_backend, x.shape
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -110,18 +116,18 @@ class _TreeLinearFunction(torch.autograd.Function):
         x2, weight, bias = ctx.saved_tensors
         grads = linear_backward(ctx.gemm_backend, grad_out, x2, weight, bias, ctx.in_shape, ctx.needs_input_grad[:3],
                                 use_main_grad=False)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def _tree_linear(op: str, x, weight, bias, segments, group, distributed: bool, backend: str | None):
     _validate_linear(op, x, weight, bias)
-    _, world = process_group_world(op, group, distributed)
+    rank, world = process_group_world(op, group, distributed)
     seg = tree_segment(op, weight.shape[1] * world, segments, world)
     gemm_backend = gemm_backend_for(x.device, backend)
     V.refuse_interpreted_bf16(op, gemm_backend.name, x)
     if x.dtype == torch.float64 and gemm_backend.name == "triton":
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
-    return _TreeLinearFunction.apply(x, weight, bias, seg, segments // world, group, world, gemm_backend)
+    return _TreeLinearFunction.apply(x, weight, bias, seg, segments // world, group, rank, world, gemm_backend)
 
 
 def tree_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -145,8 +151,9 @@ def row_parallel_tree_linear(x_shard: torch.Tensor, weight_shard: torch.Tensor, 
     x_shard [..., K/t] and weight_shard [N, K/t], columns ``r*K/t .. (r+1)*K/t`` of x and
     W; bias [N] (replicated) or None. Returns the full y [..., N] on every rank, bitwise
     equal to :func:`tree_linear` on the whole x, W at the same ``segments``. The cross-rank
-    step is an ``all_gather`` of fp32 [M, N] partials combined in rank order, never a
-    collective sum. Backward is local (dX_rank, dW_rank; dbias replicated).
+    step moves fp32 partials by ``all_to_all`` (rank r gets column chunk r of each) and
+    combines them in rank order, then gathers the finished chunks: never a collective sum.
+    Backward is local (dX_rank, dW_rank; dbias replicated).
     """
     return _tree_linear(ROW_OP, x_shard, weight_shard, bias, segments, group, True, backend)
 

@@ -4,12 +4,13 @@ A pairwise binary tree over a power-of-two number of partials, left to right:
 ``((p0 + p1) + (p2 + p3)) + ...``. A rank that holds a contiguous, power-of-two run of
 the leaves builds that subtree locally (:func:`stack_tree`); the ranks' subtrees are
 then gathered (``all_gather``: an exact copy, never a collective sum) and every rank
-runs the top levels in rank order (:func:`gather_combine`). Same leaves, same tree: the
+runs the top levels in rank order (:func:`combine_across_ranks`, which splits that
+work by columns). Same leaves, same tree: the
 same bits at every TP size that divides the leaf count.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -60,10 +61,25 @@ def _combine_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
     return tree_combine(parts)
 
 
-def gather_combine(local: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> torch.Tensor:
-    """Every rank's ``local`` subtree, gathered and combined by the tree's top levels in rank order."""
+def combine_across_ranks(local: torch.Tensor, group: dist.ProcessGroup | None, rank: int, world: int,
+                         finish: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """The tree's top levels over every rank's ``local`` [M, N] fp32 subtree, finished, on every rank.
+
+    ``finish(root_columns, c0)`` turns the root's columns ``c0 .. c0 + width`` (fp32) into
+    the result's (adding a bias, rounding once); it is elementwise, so finishing column
+    chunks gives the bits of finishing the whole. Rank r combines column chunk r of every
+    rank's subtree, in rank order (one ``all_to_all``, an exact copy), finishes it, and the
+    finished chunks are gathered (``all_gather``). Each rank receives (t - 1)/t of one fp32
+    partial and of one finished result, not t - 1 whole fp32 partials."""
     if world == 1:
-        return local
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local.contiguous(), group=group)
-    return _combine_ranks(gathered)
+        return finish(local, 0)
+    M, N = local.shape
+    width = -(-N // world)  # equal chunks (gloo's all_to_all wants them); the last may be padded
+    padded = local if width * world == N else torch.nn.functional.pad(local, (0, width * world - N))
+    send = [padded[:, i * width:(i + 1) * width].contiguous() for i in range(world)]
+    recv = [torch.empty_like(send[0]) for _ in range(world)]
+    dist.all_to_all(recv, send, group=group)
+    mine = finish(_combine_ranks(recv), rank * width).contiguous()
+    chunks = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(chunks, mine, group=group)
+    return torch.cat(chunks, dim=1)[:, :N]

@@ -19,7 +19,7 @@ every TP size:
   ``H`` (the fused backend's own formula); its dW and dbias rows are one chain over the
   tokens, like the one-GPU op's; its dhidden partial is one fp32 chain over the shard's
   columns. The shard partials are combined by the pairwise tree of :mod:`.tree`: a
-  rank's shards locally, then the top levels over the gathered rank partials.
+  rank's shards locally, then the top levels over the ranks' partials, split by columns.
 
 :func:`sharded_linear_logprob` is the one-process op with the same shards and the same
 combines, so TP = 1, 2, 4, 8 give the same bits (forward and backward). Its bits differ
@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ops import _validate as V
 from ..ops.linear_logprob import _INT_DTYPES, backends_for, backward_chunk, validate as validate_logprob
-from .tree import gather_combine, is_pow2, process_group_world, stack_tree
+from .tree import combine_across_ranks, is_pow2, process_group_world, stack_tree
 
 # Default number of vocabulary shards (TP up to 8; V = 151936 gives shards of 18992 rows).
 VOCAB_SHARDS = 8
@@ -191,7 +191,8 @@ class _VocabParallelFunction(torch.autograd.Function):
         grad_h = None
         if need_h:
             local = stack_tree(shard_dhidden(i) for i in range(layout.per_rank))
-            grad_h = gather_combine(local, ctx.group, layout.world).to(h2.dtype)
+            grad_h = combine_across_ranks(local, ctx.group, layout.rank, layout.world,
+                                          lambda root, c0: root.to(h2.dtype))
         else:
             for i in range(layout.per_rank):
                 shard_dhidden(i)
@@ -284,8 +285,9 @@ def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tens
     entropy) [...] fp32 on every rank, bitwise equal to :func:`sharded_linear_logprob`
     with the same ``shards``; differentiable: dhidden (replicated, the full gradient on
     every rank), dW and dbias of this rank's rows, each bitwise the TP = 1 values.
-    The only collective is ``all_gather`` (statistics [shards/t, 3, N] forward, one fp32
-    [N, D] dhidden partial backward).
+    The collectives are ``all_gather`` (statistics [shards/t, 3, N] forward) and, backward,
+    ``all_to_all`` of the fp32 [N, D] dhidden partials by column chunks and ``all_gather``
+    of the finished chunks: exact copies, never a sum.
     """
     op = VOCAB_OP
     V.require_tensor(op, "hidden", hidden)
