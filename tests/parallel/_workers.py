@@ -110,6 +110,22 @@ def _vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: s
         out[f"{tag}vocab_{name}"] = value
 
 
+def _empty_batches(rank: int, world: int, out: dict) -> None:
+    """No tokens: both layers return empty results and zero weight gradients at every TP size."""
+    x = torch.zeros(0, 128, requires_grad=True)
+    w = torch.randn(37, 128 // world, requires_grad=True)
+    xs = x[:, cols(128, world, rank)]
+    y = rp.row_parallel_tree_linear(xs, w, torch.zeros(37), segments=SEGMENTS)
+    y.sum().backward()
+    out["empty/y"], out["empty/dx"], out["empty/dw"] = y.detach(), x.grad, w.grad
+    h = torch.zeros(0, 45, requires_grad=True)
+    wv = torch.randn(384 // world, 45, requires_grad=True)
+    lp, ent = vp.vocab_parallel_linear_logprob(h, wv, torch.zeros(0, dtype=torch.long), shards=SHARDS,
+                                               return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    out["empty/logp"], out["empty/dh"], out["empty/vocab_dw"] = lp.detach(), h.grad, wv.grad
+
+
 def _aten_sum_combine(parts: list[torch.Tensor]) -> torch.Tensor:
     """Planted: ATen's own sum over the rank partials (its order, not the tree's)."""
     return torch.stack(parts).sum(0)
@@ -174,6 +190,7 @@ def worker(rank: int, world: int, folder: str) -> None:
             name = str(dtype).replace("torch.", "")
             _row_parallel(rank, world, dtype, out, f"{name}/")
             _vocab_parallel(rank, world, dtype, out, f"{name}/")
+        _empty_batches(rank, world, out)
         dtype = torch.float32
         combine, order = tree._combine_ranks, vp._shard_order
         for plant, fn in (("aten_sum", _aten_sum_combine), ("sequential", _sequential_combine),

@@ -40,6 +40,13 @@ def test_row_parallel_backward_is_the_tp1_slices(results, dtype):
             assert torch.equal(out[W.names(dtype) + "db"], b.grad), (world, rank)
 
 
+def test_empty_batch_at_every_tp(results):
+    for world in W.SIZES:
+        for out in results[world]:
+            assert out["empty/y"].shape == (0, 37) and out["empty/dx"].shape == (0, 128)
+            assert torch.equal(out["empty/dw"], torch.zeros(37, 128 // world))
+
+
 def test_plain_row_parallel_layer_drifts_across_tp(results):
     """The stock layer (one chain over K/TP, then all_reduce) is what the K-tree fixes."""
     name = W.names(W.dtypes()[0])

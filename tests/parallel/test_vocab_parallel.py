@@ -37,6 +37,13 @@ def test_vocab_parallel_bitwise_across_tp(results, dtype):
                 assert torch.equal(out[W.names(dtype) + "vocab_" + name], want), (world, rank, name)
 
 
+def test_empty_batch_at_every_tp(results):
+    for world in W.SIZES:
+        for out in results[world]:
+            assert out["empty/logp"].shape == (0,) and out["empty/dh"].shape == (0, 45)
+            assert torch.equal(out["empty/vocab_dw"], torch.zeros(384 // world, 45))
+
+
 def test_planted_vocab_combines(results):
     """A wrong combine is caught: the shards' statistics in another order or by all_reduce
     (forward), the shards' dhidden partials folded or all-reduced (backward)."""
