@@ -23,7 +23,7 @@ from ..gemm.chain import accumulator_dtype
 from ..gemm.ktree import ktree_fusable, ktree_gemm
 from ..ops import _validate as V
 from ..ops.matmul import gemm_backend_for, linear_backward
-from .tree import combine_across_ranks, is_pow2, process_group_world, stack_tree
+from .tree import combine_across_ranks, leaf_width, process_group_world, stack_tree
 
 # Default number of K-tree segments: SEG = K / 8, so TP = 1, 2, 4, 8 all split K on
 # segment boundaries (K = 4096: 512-element chains, multiples of every GEMM backend's K step).
@@ -36,16 +36,7 @@ PLAIN_OP = "plain_row_parallel_linear"
 
 def tree_segment(op: str, k_total: int, segments: int, world: int = 1) -> int:
     """SEG, the K-tree's segment length: ``k_total / segments``; refuses what the tree cannot cut."""
-    if not is_pow2(segments):
-        raise ValueError(f"rlkernels.{op}: segments must be a power of two (the K-tree is a full binary "
-                         f"tree), got {segments!r}")
-    if segments % world:
-        raise ValueError(f"rlkernels.{op}: a TP size of {world} does not divide segments={segments}: each "
-                         f"rank must hold whole segments (TP must be a power of two <= {segments})")
-    if k_total % segments:
-        raise ValueError(f"rlkernels.{op}: K={k_total} is not divisible by segments={segments}; the K-tree "
-                         f"cuts K into equal segments (pad K, or pick a power-of-two segments dividing it)")
-    return k_total // segments
+    return leaf_width(op, "K", k_total, "segments", segments, world, "the K-tree is a full binary tree")
 
 
 def local_tree(gemm_backend, x2: torch.Tensor, w_nk: torch.Tensor, seg: int, n_seg: int,

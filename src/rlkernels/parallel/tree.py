@@ -20,6 +20,22 @@ def is_pow2(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
 
 
+def leaf_width(op: str, dim: str, total: int, name: str, leaves: object, world: int, why: str) -> int:
+    """``total / leaves``: the width of each of the tree's equal leaves along ``dim`` (K, V);
+    refuses a leaf count that is not a power of two (``why``: what the tree combines), that a
+    TP size of ``world`` does not divide (each rank holds whole leaves), or that does not
+    divide ``total``."""
+    if not is_pow2(leaves):
+        raise ValueError(f"rlkernels.{op}: {name} must be a power of two ({why}), got {leaves!r}")
+    if leaves % world:
+        raise ValueError(f"rlkernels.{op}: a TP size of {world} does not divide {name}={leaves}: each rank "
+                         f"must hold whole {name} (TP must be a power of two <= {leaves})")
+    if total % leaves:
+        raise ValueError(f"rlkernels.{op}: {dim}={total} is not divisible by {name}={leaves}; {dim} is cut "
+                         f"into equal {name} (pad {dim}, or pick a power-of-two {name} dividing it)")
+    return total // leaves
+
+
 def process_group_world(op: str, group: dist.ProcessGroup | None, distributed: bool) -> tuple[int, int]:
     """(rank, world size) of ``group``; (0, 1) for the one-process ops."""
     if not distributed:

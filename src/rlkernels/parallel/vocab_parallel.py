@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ops import _validate as V
 from ..ops.linear_logprob import _INT_DTYPES, backends_for, backward_chunk, validate as validate_logprob
-from .tree import combine_across_ranks, is_pow2, process_group_world, stack_tree
+from .tree import combine_across_ranks, leaf_width, process_group_world, stack_tree
 
 # Default number of vocabulary shards (TP up to 8; V = 151936 gives shards of 18992 rows).
 VOCAB_SHARDS = 8
@@ -65,16 +65,9 @@ class VocabLayout:
 
 def vocab_layout(op: str, vocab: int, shards: int, rank: int, world: int) -> VocabLayout:
     """The layout of V over ``shards`` equal shards; refuses what the contract cannot cut."""
-    if not is_pow2(shards):
-        raise ValueError(f"rlkernels.{op}: shards must be a power of two (the dhidden partials of the shards "
-                         f"are combined by a binary tree), got {shards!r}")
-    if shards % world:
-        raise ValueError(f"rlkernels.{op}: a TP size of {world} does not divide shards={shards}: each rank "
-                         f"must hold whole vocabulary shards")
-    if vocab % shards:
-        raise ValueError(f"rlkernels.{op}: V={vocab} is not divisible by shards={shards}; the vocabulary is "
-                         f"cut into equal shards (pad V, or pick a power-of-two shards dividing it)")
-    return VocabLayout(shards, vocab // shards, rank, world)
+    width = leaf_width(op, "V", vocab, "shards", shards, world,
+                       "the dhidden partials of the shards are combined by a binary tree")
+    return VocabLayout(shards, width, rank, world)
 
 
 def local_targets(tgt: torch.Tensor, first_id: int, width: int) -> torch.Tensor:
