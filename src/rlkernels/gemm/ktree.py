@@ -73,8 +73,11 @@ def ktree_gemm(x2: torch.Tensor, w_nk: torch.Tensor, seg: int, n_seg: int, bias:
     pairs = (KTREE_PAIRS if pairs is None else pairs) and n_seg >= 2
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     levels = max(1, n_seg.bit_length() - 1)
-    # Each program's pending tree nodes: levels x [BLOCK_M, BLOCK_N] fp32 (L2-resident while used).
-    scratch = torch.empty(tiles * levels * cfg.block_m * cfg.block_n, dtype=torch.float32, device=x2.device)
+    # Each program's pending tree nodes, one slot per level that waits in memory (level 0 stays
+    # in registers with pairs): [BLOCK_M, BLOCK_N] fp32 each, L2-resident while used.
+    slots = levels - int(pairs)
+    scratch = torch.empty(max(1, tiles * slots * cfg.block_m * cfg.block_n), dtype=torch.float32,
+                          device=x2.device)
     a_desc = TensorDescriptor(x2, [M, x2.shape[1]], [x2.stride(0), 1], [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor(w_nk, [N, w_nk.shape[1]], [w_nk.stride(0), 1], [cfg.block_n, cfg.block_k])
     _launch_ktree(

@@ -24,15 +24,16 @@ if triton is not None:
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """After leaf s: merge with the pending node of each level j >= FIRST the leaf completes
         ((s + 1) divisible by 2^(j+1), consecutive j), the left operand first; then, unless this
-        is the root, wait at level ctz(s + 1). Levels below FIRST were merged by the caller."""
+        is the root, wait at level ctz(s + 1). Levels below FIRST were merged by the caller
+        and have no slot: level j waits in slot j - FIRST."""
         for j in tl.static_range(FIRST, LEVELS):
             if (s + 1) % (2 << j) == 0:
-                acc = tl.load(_slot(slots, j, BLOCK_M, BLOCK_N)) + acc
+                acc = tl.load(_slot(slots, j - FIRST, BLOCK_M, BLOCK_N)) + acc
         tl.debug_barrier()  # every thread has read the slots before any is rewritten
         if s + 1 < N_SEG:
             for j in tl.static_range(FIRST, LEVELS):
                 if (s + 1) % (1 << j) == 0 and (s + 1) % (2 << j) != 0:
-                    tl.store(_slot(slots, j, BLOCK_M, BLOCK_N), acc)
+                    tl.store(_slot(slots, j - FIRST, BLOCK_M, BLOCK_N), acc)
             tl.debug_barrier()  # the slot is written before any thread reads it
         return acc
 
@@ -67,7 +68,7 @@ if triton is not None:
         pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        slots = scratch_ptr + pid.to(tl.int64) * (LEVELS * BLOCK_M * BLOCK_N)
+        slots = scratch_ptr + pid.to(tl.int64) * ((LEVELS - PAIRS) * BLOCK_M * BLOCK_N)
         steps = SEG // BLOCK_K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if PAIRS:
