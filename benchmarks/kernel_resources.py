@@ -40,6 +40,10 @@ def _signature(fn, dtype: str, ints: dict[str, int], constexprs: dict[str, objec
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name.endswith("_desc"):
+            # K/V descriptors are read in key blocks, q/dO descriptors (dK/dV kernel) in query blocks.
+            rows = constexprs["BLOCK_M" if name in ("q_desc", "do_desc") else "BLOCK_N"]
+            sig[name] = f"tensordesc<{dtype[1:]}[{rows}, {constexprs['BLOCK_D']}]>"
         elif name.endswith("_ptr"):
             is_index = name in ("q_start_ptr", "q_len_ptr", "k_start_ptr", "k_len_ptr")
             sig[name] = "*i32" if is_index else ("*fp32" if name in ("ws_ptr", "lse_ptr", "delta_ptr") else dtype)
@@ -82,12 +86,13 @@ def main() -> int:
                     stride_ot=HQ * d, stride_oh=d, stride_lh=16 * S, stride_dot=HQ * d, stride_doh=d,
                     stride_dkt=HKV * d, stride_dkh=d, stride_dvt=HKV * d, stride_dvh=d, stride_dqt=HQ * d,
                     stride_dqh=d, H=HQ, HKV=HKV, G=HQ // HKV, D=d, N_SPLITS=4, ROWS_PAD=16, WS_ROWS=16 * HKV * 64,
-                    LQ=1, K_ADD=S, KV_ROWS=S)
+                    LQ=1, K_ADD=S, KV_ROWS=S, K_HEAD_ROWS=0, K_HEAD_COLS=d, V_HEAD_ROWS=0, V_HEAD_COLS=d,
+                    Q_HEAD_ROWS=0, Q_HEAD_COLS=d, DO_HEAD_ROWS=0, DO_HEAD_COLS=d)
         common = dict(CAUSAL=True, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=False,
                       EVEN_D=d == bd)
         rows = [
             ("forward (prefill)", K.attn_fwd_kernel,
-             dict(common, BLOCK_M=fl.block_m, DENSE=False, KLEN_PTR=True, REVERSE_M=True), fl.num_warps,
+             dict(common, BLOCK_M=fl.block_m, DENSE=False, KLEN_PTR=True, REVERSE_M=True, TMA=fl.tma), fl.num_warps,
              fl.num_stages, fwd_opts),
             ("split-KV (several splits)", K.attn_split_kernel,
              dict(common, BLOCK_M=fl.split_block_m, DENSE=True, KLEN_PTR=False, FINISH=False), fl.split_warps,
@@ -100,10 +105,10 @@ def main() -> int:
                   KLEN_PTR=False), A.COMBINE_WARPS, A.COMBINE_STAGES, fwd_opts),
             ("backward dK/dV", K.attn_bwd_dkdv_kernel,
              dict(CAUSAL=True, BLOCK_M=bl.dkdv_block_m, BLOCK_N=bl.dkdv_block_n, BLOCK_D=bd, IEEE=False,
-                  EVEN_D=d == bd), bl.dkdv_warps, bl.dkdv_stages, None),
+                  EVEN_D=d == bd, TMA=bl.tma), bl.dkdv_warps, bl.dkdv_stages, None),
             ("backward dQ", K.attn_bwd_dq_kernel,
              dict(CAUSAL=True, BLOCK_M=bl.dq_block_m, BLOCK_N=bl.dq_block_n, BLOCK_D=bd, IEEE=False,
-                  EVEN_D=d == bd, REVERSE_M=True), bl.dq_warps, bl.dq_stages, None),
+                  EVEN_D=d == bd, REVERSE_M=True, TMA=bl.tma), bl.dq_warps, bl.dq_stages, None),
         ]
         for name, fn, constexprs, warps, stages, opts in rows:
             print(f"D = {d:<4} {name:<27} {warps} warps: {resources(fn, ints, constexprs, warps, stages, opts)}")

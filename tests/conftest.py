@@ -15,6 +15,40 @@ from rlkernels._env import triton_interpret
 HAS_CUDA = torch.cuda.is_available()
 
 
+def _fixed_order_interpreter_dot() -> None:
+    """Make the interpreter's tl.dot sum each output element in one fixed order.
+
+    The interpreter computes tl.dot with one np.matmul of the whole tile, and the BLAS
+    numpy ships (OpenBLAS, DYNAMIC_ARCH) rounds an element differently depending on where
+    it sits in the tile and on the tile's shape on some CPUs (AMD EPYC: 6 of 16 rows of a
+    16 x 16 fp32 product). A GPU's MMA gives an element the same bits in any tile position,
+    which is what the kernels' invariance rests on. Summing the products over k in
+    ascending order (in the accumulator's dtype) gives the interpreter that property, so the
+    interpreted tests check the kernels' indexing, masking and chains, not the CPU's BLAS.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    blas_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc_dtype = d.data.dtype
+        x, y = a.data.astype(acc_dtype), b.data.astype(acc_dtype)
+        total = np.zeros(np.broadcast_shapes(x.shape[:-1] + (1,), y.shape[:-2] + (1, y.shape[-1])), dtype=acc_dtype)
+        for k in range(x.shape[-1]):
+            total += x[..., k:k + 1] * y[..., k:k + 1, :]
+        return interpreter.TensorHandle(total + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if triton_interpret():
+    _fixed_order_interpreter_dot()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -9,6 +9,8 @@ entry point under one setting.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from rlkernels import contract, reference, testing
 from rlkernels.ops import attention as A
 from rlkernels.registry import get_op, registered_ops
 
-from ..conftest import cpu_backend_cases, randn
+from ..conftest import cpu_backend_cases, interpreter_only, randn
 
 SMALL_CHAIN = (16, 32)
 
@@ -368,6 +370,72 @@ def test_gradcheck_float64_torch_backend(gen, small_chain):
     assert torch.autograd.gradcheck(lambda a, b, c: A.flash_attn_func(a, b, c, backend="torch"), (q, k, v))
 
 
+# ---------------------------------------------------------------- TMA and pointer loads
+
+
+def _outputs_and_grads(lens, starts, slots, seqs, device, backend):
+    """Packed queries over keys in a NaN-padded [B, Hkv, S, D] buffer read in place (the
+    left-padded Hugging Face layout), and over contiguous packed keys: outputs and grads."""
+    dt = seqs[0][0].dtype
+    hkv, d = seqs[0][1].shape[1:]
+    dev = dict(dtype=torch.int32, device=device)
+    bufs = []
+    for i in (1, 2):
+        buf = torch.full((len(lens), hkv, slots, d), float("nan"), dtype=dt, device=device)
+        for b, (sq, s0) in enumerate(zip(seqs, starts)):
+            buf[b, :, s0:s0 + lens[b]] = sq[i].transpose(0, 1)
+        bufs.append(buf.transpose(1, 2).requires_grad_())
+    q = torch.cat([sq[0] for sq in seqs]).requires_grad_()
+    do = torch.cat([sq[3] for sq in seqs])
+    q_start = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()[:-1], **dev)
+    kl = torch.tensor(lens, **dev)
+    out = A.attention_by_bounds("test", q, *bufs, q_start, kl, torch.tensor(starts, **dev), kl, max(lens), slots,
+                                backend=backend)
+    results = [out, *torch.autograd.grad(out, (q, *bufs), do)]
+    k, v = (torch.cat([sq[i] for sq in seqs]).requires_grad_() for i in (1, 2))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), **dev)
+    packed_out = A.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), backend=backend)
+    return results + [packed_out, *torch.autograd.grad(packed_out, (q, k, v), do)]
+
+
+def _check_tma_equals_pointers(lens, starts, slots, seqs, device, backend, monkeypatch):
+    k_rows = seqs[0][1]
+    d = k_rows.shape[-1]
+    assert A._tma_descs(True, k_rows[None], k_rows[None], 16, d)[-1], "the TMA path must be taken"
+    with_tma = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
+    monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), tma=False))
+    monkeypatch.setattr(A, "BWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_bwd_launch(d), tma=False))
+    with_pointers = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
+    names = ["out", "dq", "dk", "dv", "packed out", "packed dq", "packed dk", "packed dv"]
+    for name, a, b in zip(names, with_tma, with_pointers):
+        assert bits_equal(a, b), name
+
+
+def test_head_rows_desc_layouts():
+    """Heads side by side are column blocks, token-major head planes are row blocks; what
+    TMA can't describe (D != block, misaligned base) gets None, fp32 gets pointer loads."""
+    t = torch.zeros(2, 40, 3, 16, dtype=torch.float16)
+    desc, head_rows, head_cols = A.head_rows_desc(t, 16, 16)
+    assert (head_rows, head_cols) == (0, 16) and desc.shape == [80, 48] and desc.strides == [48, 1]
+    hf = torch.zeros(2, 3, 40, 16, dtype=torch.float16).transpose(1, 2)
+    desc, head_rows, head_cols = A.head_rows_desc(hf, 16, 16)
+    assert (head_rows, head_cols) == (40, 0) and desc.shape == [240, 16] and desc.strides == [16, 1]
+    assert A.head_rows_desc(t, 16, 32) is None
+    assert A.head_rows_desc(torch.zeros(2 * 40 * 3 * 16 + 1, dtype=torch.float16)[1:].view(2, 40, 3, 16), 16, 16) is None
+    assert A._tma_descs(True, t.float(), t.float(), 16, 16) == A._NO_DESCS
+
+
+@interpreter_only
+def test_tma_reads_give_the_pointer_loads_bits(gen, small_chain, monkeypatch):
+    """Outputs and dQ/dK/dV with K/V (forward, dQ) and q/dO (dK/dV) blocks read through TMA
+    descriptors == with pointer loads, bit for bit: keys in place in a NaN-padded
+    [B, Hkv, S, D] buffer and packed; lengths 1, a prime, several splits."""
+    hq, hkv, d = sizes("triton")
+    lens, starts, slots = [37, 1, 70], [5, 0, 2], 80
+    seqs = [[randn(n, h, d, dtype=torch.float16, generator=gen) for h in (hq, hkv, hkv, hq)] for n in lens]
+    _check_tma_equals_pointers(lens, starts, slots, seqs, "cpu", "triton", monkeypatch)
+
+
 # ---------------------------------------------------------------- errors, registry, custom op
 
 
@@ -537,6 +605,19 @@ def test_gpu_keys_in_place_in_hugging_face_layout(d):
                                      torch.tensor(n, **dev), 1, slots)
         for b in range(3):
             assert bits_equal(step[b], alone[b][n[b] - 1]), f"decode step {p} of sequence {b}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 64])
+def test_gpu_tma_reads_give_the_pointer_loads_bits(d, monkeypatch):
+    """On the GPU: TMA-read K/V, q and dO blocks give the pointer loads' bits (outputs and
+    grads; keys in a left-padded NaN-filled buffer read in place, and packed)."""
+    hq, hkv = 16, 8
+    lens, slots = [1031, 1, 2048, 509], 2100
+    g = torch.Generator(device="cuda").manual_seed(7)
+    seqs = [[torch.randn(n, h, d, device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv, hq)]
+            for n in lens]
+    _check_tma_equals_pointers(lens, [slots - n for n in lens], slots, seqs, "cuda", None, monkeypatch)
 
 
 @pytest.mark.gpu

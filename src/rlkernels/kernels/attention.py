@@ -14,6 +14,10 @@ whose keys are all masked for a row leaves (m, l, acc) unchanged exactly (alpha 
 exp2(0) = 1, p = exp2(-inf) = 0, fma(l, 1, 0) = l, acc + 0 = acc), and merging the
 empty state (-inf, 0, 0) is exact too. Scores are in log2 units (qk_scale includes
 log2(e)); the saved LSE is m + log2(l) in the same units.
+
+Loads: blocks whose rows all lie inside the sequence may come through TMA descriptors
+(``TMA``; ``tma_row`` says where a head's rows are) and the rest through masked pointer
+loads; a block's values, and so every dot, are the same either way.
 """
 from __future__ import annotations
 
@@ -104,6 +108,13 @@ if triton is not None:
         return ptr + k_start * stride_t + kvh.to(tl.int64) * stride_h
 
     @triton.jit
+    def tma_row(k_start, kvh, HEAD_ROWS):
+        """The descriptor row (int32) of key row k_start (``key_rows``) of KV head kvh: a
+        head's rows start HEAD_ROWS rows further down where heads are row blocks of the
+        2D view (Hugging Face's [B, Hkv, S, D]); 0 where they are column blocks."""
+        return (k_start + kvh.to(tl.int64) * HEAD_ROWS).to(tl.int32)
+
+    @triton.jit
     def load_rows(base, offs_n, stride, offs_d, n_lim, D, EVEN_D: tl.constexpr, MASK_N: tl.constexpr):
         """Rows offs_n (< n_lim where MASK_N) of a [*, D] matrix, zeros elsewhere. With
         EVEN_D (D == BLOCK_D) the mask is constant along d, so loads stay 16 bytes wide."""
@@ -136,13 +147,15 @@ if triton is not None:
         return out, lse
 
     @triton.jit
-    def split_walk(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, s0, n_end, n_full, k_len, D,
-                   qk_scale, ONES, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr):
+    def split_walk(q, k_base, v_base, stride_kt, stride_vt, k_desc, v_desc, k_row, k_col, v_row, v_col, offs_d,
+                   row_ok, pos, s0, n_end, n_full, k_len, D, qk_scale, ONES, CAUSAL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr,
+                   IEEE: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
         """One split's online-softmax state (m, l, acc), from the empty state, over its key
         blocks ascending: keys [s0, min(s0 + S_SPLIT, n_end)) of a tile whose rows have
         query positions ``pos`` (row_ok: the row exists). Blocks below n_full (a multiple of
-        BLOCK_N) are seen in full by every row and run without the mask; the rest with it.
+        BLOCK_N) are seen in full by every row and run without the mask (through the K/V
+        descriptors where TMA: (k_row + n, k_col) is key n); the rest with it.
 
         The full kernel (each split in turn) and the split kernel (one split per program)
         both walk a split here, so the two compute one chain.
@@ -153,9 +166,13 @@ if triton is not None:
         s_end = tl.minimum(s0 + S_SPLIT, n_end)
         s_mid = tl.minimum(tl.maximum(n_full, s0), s_end)
         for n0 in range(s0, s_mid, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
-            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
+            if TMA:
+                k = k_desc.load([k_row + n0, k_col])
+                v = v_desc.load([v_row + n0, v_col])
+            else:
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
+                v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
             m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, ONES, IEEE, False)
         for n0 in range(s_mid, s_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -170,14 +187,14 @@ if triton is not None:
 
     @triton.jit
     def attn_fwd_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc, v_desc, K_HEAD_ROWS, K_HEAD_COLS, V_HEAD_ROWS, V_HEAD_COLS,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         H, G, D, qk_scale, LQ, K_ADD, KV_ROWS,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
-        KLEN_PTR: tl.constexpr, REVERSE_M: tl.constexpr,
+        KLEN_PTR: tl.constexpr, REVERSE_M: tl.constexpr, TMA: tl.constexpr,
     ):
         """Full forward: one program per (query tile of BLOCK_M rows, sequence, query head).
 
@@ -185,7 +202,8 @@ if triton is not None:
         at each split boundary, which is the split kernel + combine's chain exactly.
         Inside a split, the blocks every row of the tile sees in full run without the
         mask (same bits), the rest (causal diagonal, sequence end) with it. REVERSE_M
-        starts the longest causal tiles first (launch order only).
+        starts the longest causal tiles first (launch order only). TMA: the unmasked
+        blocks come through k_desc/v_desc (2D views; ``tma_row``, column kvh * *_HEAD_COLS).
         """
         pid_m = tl.program_id(0)
         if REVERSE_M:
@@ -217,10 +235,13 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         k_base = key_base(k_ptr, k_start, kvh, stride_kt, stride_kh)
         v_base = key_base(v_ptr, k_start, kvh, stride_vt, stride_vh)
+        k_row = tma_row(k_start, kvh, K_HEAD_ROWS)
+        v_row = tma_row(k_start, kvh, V_HEAD_ROWS)
         for s0 in range(0, n_end, S_SPLIT):
-            m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, s0, n_end,
+            m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, k_desc, v_desc, k_row,
+                                         kvh * K_HEAD_COLS, v_row, kvh * V_HEAD_COLS, offs_d, row_ok, pos, s0, n_end,
                                          n_full, k_len, D, qk_scale, ONES, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
-                                         S_SPLIT, IEEE, EVEN_D)
+                                         S_SPLIT, IEEE, EVEN_D, TMA)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
         out, lse = finish(m, l, acc)
         store_rows(o_ptr + q_start * stride_ot + h * stride_oh, offs_m, stride_ot, offs_d, q_len, D,
@@ -280,9 +301,11 @@ if triton is not None:
         ONES = tl.full((BLOCK_N, 16), 1.0, dtype=q_ptr.dtype.element_ty)
         k_base = key_base(k_ptr, k_start, kvh, stride_kt, stride_kh)
         v_base = key_base(v_ptr, k_start, kvh, stride_vt, stride_vh)
-        m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, sp * S_SPLIT, n_end,
-                                     n_full, k_len, D, qk_scale, ONES, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT,
-                                     IEEE, EVEN_D)
+        # Pointer loads only: decode steps are host-bound, and building descriptors per step
+        # cost more host time than TMA saved on the GPU.
+        m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, None, None, 0, 0, 0, 0, offs_d, row_ok,
+                                     pos, sp * S_SPLIT, n_end, n_full, k_len, D, qk_scale, ONES, CAUSAL, BLOCK_M,
+                                     BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, False)
         if FINISH:
             m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
             l = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -377,8 +400,10 @@ if triton is not None:
     @triton.jit
     def dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d, q_len, k_len, shift, D,
                   k, v, dk, dv, qk_scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
-                  EVEN_D: tl.constexpr, MASK: tl.constexpr):
-        """One query block's share of a key block's dK, dV (fp32 accumulators).
+                  EVEN_D: tl.constexpr, MASK: tl.constexpr, q_desc, do_desc, q_row, q_col, do_row, do_col,
+                  TMA: tl.constexpr):
+        """One query block's share of a key block's dK, dV (fp32 accumulators). TMA: q and
+        dO come through their descriptors (a whole block inside the sequence).
 
         Scores are taken query-major (q @ k^T, k and v as the dots' shared-memory B
         operands) and p, ds are transposed for the dV, dK dots: holding k and v as
@@ -386,8 +411,12 @@ if triton is not None:
         """
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
-        q = load_rows(q_base, offs_m, stride_qt, offs_d, q_len, D, EVEN_D, True)
-        do = load_rows(do_base, offs_m, stride_dot, offs_d, q_len, D, EVEN_D, True)
+        if TMA:
+            q = q_desc.load([q_row + m0, q_col])
+            do = do_desc.load([do_row + m0, do_col])
+        else:
+            q = load_rows(q_base, offs_m, stride_qt, offs_d, q_len, D, EVEN_D, True)
+            do = load_rows(do_base, offs_m, stride_dot, offs_d, q_len, D, EVEN_D, True)
         lse = tl.load(l_base + offs_m, mask=m_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         delta = tl.load(d_base + offs_m, mask=m_ok, other=0.0)
@@ -407,15 +436,18 @@ if triton is not None:
     @triton.jit
     def attn_bwd_dkdv_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        q_desc, do_desc, Q_HEAD_ROWS, Q_HEAD_COLS, DO_HEAD_ROWS, DO_HEAD_COLS,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_dot, stride_doh, stride_lh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
         HKV, G, D, qk_scale, sm_scale, KV_ROWS,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
     ):
         """dK, dV of one key block: query heads of the GQA group in order, query blocks
-        (aligned to the sequence's first query) ascending, fp32 accumulators, no atomics."""
+        (aligned to the sequence's first query) ascending, fp32 accumulators, no atomics.
+        TMA: the unmasked query blocks that lie wholly inside the sequence read q and dO
+        through q_desc/do_desc (``tma_row`` with the query heads' offsets)."""
         pid_n = tl.program_id(0)
         bk = tl.program_id(1)
         b = bk // HKV
@@ -444,6 +476,10 @@ if triton is not None:
         else:
             m_lo = 0
             m_full = 0
+        # Unmasked blocks below m_tma lie wholly inside the sequence (descriptor loads where TMA).
+        m_tma = m_full
+        if TMA:
+            m_tma = tl.maximum(q_len // BLOCK_M * BLOCK_M, m_full)
         for g in range(0, G):
             h = kvh * G + g
             q_base = q_ptr + q_start * stride_qt + h * stride_qh
@@ -454,10 +490,19 @@ if triton is not None:
             # select (where(True, x, 0) is x; rows past q_len load q = do = 0, lse = +inf: p = 0).
             for m0 in range(m_lo, m_full, BLOCK_M):
                 dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d, q_len,
-                                   k_len, shift, D, k, v, dk, dv, qk_scale, CAUSAL, BLOCK_M, IEEE, EVEN_D, True)
-            for m0 in range(m_full, q_len, BLOCK_M):
+                                   k_len, shift, D, k, v, dk, dv, qk_scale, CAUSAL, BLOCK_M, IEEE, EVEN_D, True, None,
+                                   None, 0, 0, 0, 0, False)
+            if TMA:
+                q_row = tma_row(q_start, h, Q_HEAD_ROWS)
+                do_row = tma_row(q_start, h, DO_HEAD_ROWS)
+                for m0 in range(m_full, m_tma, BLOCK_M):
+                    dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d,
+                                       q_len, k_len, shift, D, k, v, dk, dv, qk_scale, CAUSAL, BLOCK_M, IEEE, EVEN_D,
+                                       False, q_desc, do_desc, q_row, h * Q_HEAD_COLS, do_row, h * DO_HEAD_COLS, True)
+            for m0 in range(m_tma, q_len, BLOCK_M):
                 dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d, q_len,
-                                   k_len, shift, D, k, v, dk, dv, qk_scale, CAUSAL, BLOCK_M, IEEE, EVEN_D, False)
+                                   k_len, shift, D, k, v, dk, dv, qk_scale, CAUSAL, BLOCK_M, IEEE, EVEN_D, False, None,
+                                   None, 0, 0, 0, 0, False)
         dk = dk * sm_scale
         store_rows(key_base(dk_ptr, k_start, kvh, stride_dkt, stride_dkh), offs_n, stride_dkt, offs_d, k_len, D,
                    dk.to(dk_ptr.dtype.element_ty), EVEN_D)
@@ -467,16 +512,18 @@ if triton is not None:
     @triton.jit
     def attn_bwd_dq_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+        k_desc, v_desc, K_HEAD_ROWS, K_HEAD_COLS, V_HEAD_ROWS, V_HEAD_COLS,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_dot, stride_doh, stride_lh, stride_dqt, stride_dqh,
         H, G, D, qk_scale, sm_scale, KV_ROWS,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        IEEE: tl.constexpr, EVEN_D: tl.constexpr, REVERSE_M: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_D: tl.constexpr, REVERSE_M: tl.constexpr, TMA: tl.constexpr,
     ):
         """dQ of one query block: key blocks ascending from key 0, recomputing P; no atomics.
-        Key blocks every row of the tile sees in full skip the select (same bits).
-        REVERSE_M starts the longest causal query blocks first (launch order only)."""
+        Key blocks every row of the tile sees in full skip the select (same bits) and, where
+        TMA, come through k_desc/v_desc. REVERSE_M starts the longest causal query blocks
+        first (launch order only)."""
         pid_m = tl.program_id(0)
         if REVERSE_M:
             pid_m = tl.num_programs(0) - 1 - pid_m
@@ -509,11 +556,17 @@ if triton is not None:
         n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
         k_base = key_base(k_ptr, k_start, kvh, stride_kt, stride_kh)
         v_base = key_base(v_ptr, k_start, kvh, stride_vt, stride_vh)
+        k_row = tma_row(k_start, kvh, K_HEAD_ROWS)
+        v_row = tma_row(k_start, kvh, V_HEAD_ROWS)
         dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         for n0 in range(0, n_full, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
-            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
+            if TMA:
+                k = k_desc.load([k_row + n0, kvh * K_HEAD_COLS])
+                v = v_desc.load([v_row + n0, kvh * V_HEAD_COLS])
+            else:
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
+                v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
             s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
             p = tl.math.exp2(s * qk_scale - lse[:, None])
             dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)

@@ -46,6 +46,8 @@ from ..kernels._triton import cdiv
 from ..kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_combine_kernel,
                                  attn_fwd_kernel, attn_split_kernel)
 from ..gemm.chain import accumulator_dtype, chain_matmul, chain_sum
+from ..gemm.tma import TensorDescriptor
+from ..runtime.device import capability
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 
 OP = "flash_attn"
@@ -97,7 +99,9 @@ def chain_settings(block_n: int, split: int) -> Iterator[Chain]:
 
 @dataclasses.dataclass(frozen=True)
 class FwdLaunch:
-    """Launch parameters of the forward kernels (no effect on the bits)."""
+    """Launch parameters of the forward kernels (no effect on the bits). ``tma``: the
+    full kernel reads whole in-range K/V blocks through TMA descriptors where it can
+    (:func:`head_rows_desc`)."""
 
     block_m: int = 128
     num_warps: int = 8
@@ -105,12 +109,14 @@ class FwdLaunch:
     split_block_m: int = 16
     split_warps: int = 4
     split_stages: int = 3
+    tma: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class BwdLaunch:
     """Launch parameters of the backward kernels: the dK/dV kernel's tile, warps and
-    stages, then the dQ kernel's."""
+    stages, then the dQ kernel's; ``tma`` as in :class:`FwdLaunch` (dQ: K/V blocks,
+    dK/dV: q and dO blocks)."""
 
     dkdv_block_m: int = 64
     dkdv_block_n: int = 64
@@ -120,6 +126,7 @@ class BwdLaunch:
     dq_block_n: int = 64
     dq_warps: int = 4
     dq_stages: int = 2
+    tma: bool = True
 
 
 def default_fwd_launch(head_dim: int, max_q: int = 0) -> FwdLaunch:
@@ -272,6 +279,50 @@ def kv_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         k, v = k.contiguous(), v.contiguous()
         rk = _rows_per_batch(k)
     return k, v, rk
+
+
+# TMA reads 2-byte tiles here: fp32 stays on pointer loads (its pipelined tiles would not fit shared memory).
+TMA_DTYPES = (torch.float16, torch.bfloat16)
+_NO_DESCS = (None, None, 0, 0, 0, 0, False)
+
+
+def head_rows_desc(t: torch.Tensor, rows: int, block_d: int) -> tuple[object, int, int] | None:
+    """A TMA descriptor over t [..., S, H, D] (unit last stride) read in blocks of ``rows``
+    rows and ``block_d`` = D columns, as (desc, head_rows, head_cols): row r of head h is
+    descriptor row r + h * head_rows at column h * head_cols. Heads side by side in a row
+    (t [T, H, D], [B, S, H, D]) are column blocks; heads of token-major planes (Hugging
+    Face's [B, H, S, D] seen as [B, S, H, D]) are row blocks. None where TMA can't
+    describe t: other layouts, misaligned, D != block_d (a wider block would read the
+    next head's columns), or more than 2**31 rows (int32 coordinates)."""
+    st, sh, h, d = t.stride(-3), t.stride(-2), t.shape[-2], t.shape[-1]
+    if (d != block_d or t.stride(-1) != 1 or t.numel() == 0 or t.data_ptr() % 16 or st < d
+            or (st * t.element_size()) % 16):
+        return None
+    if sh >= st and sh % st == 0:
+        head_rows, head_cols, width = sh // st, 0, d
+    elif h == 1 or (sh >= d and (h - 1) * sh + d <= st):
+        head_rows, head_cols, width = 0, sh, (h - 1) * sh + d
+    else:
+        return None
+    extent = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
+    n_rows = (extent - width) // st + 1
+    if n_rows >= 1 << 31:
+        return None
+    return TensorDescriptor(t, [n_rows, width], [st, 1], [rows, block_d]), head_rows, head_cols
+
+
+def _tma_descs(use: bool, a: torch.Tensor, b: torch.Tensor, rows: int, block_d: int) -> tuple:
+    """(a_desc, b_desc, a_head_rows, a_head_cols, b_head_rows, b_head_cols, TMA) for a
+    kernel's two TMA-read operands, or pointer loads for both (``_NO_DESCS``) where either
+    can't be described, the dtype is not 2-byte or the device has no TMA (before Hopper)."""
+    if not use or TensorDescriptor is None or a.dtype not in TMA_DTYPES:
+        return _NO_DESCS
+    if not triton_interpret() and (not a.is_cuda or capability(a.device)[0] < 9):
+        return _NO_DESCS
+    da, db = head_rows_desc(a, rows, block_d), head_rows_desc(b, rows, block_d)
+    if da is None or db is None:
+        return _NO_DESCS
+    return da[0], db[0], da[1], da[2], db[1], db[2], True
 
 
 def _key_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
@@ -491,13 +542,14 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
                 (cm, bd, dc, even_d, is_dense, klen_ptr),  # BLOCK_M, BLOCK_D, BLOCK_DC, EVEN_D, DENSE, KLEN_PTR
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
+    *descs, tma = _tma_descs(cfg.tma, k, v, chain.block_n, bd)
     _launch_fwd(
         (cdiv(max_q, cfg.block_m), nb * hq),
-        (q, k, v, out, lse, q_start, q_len, k_start, k_len,
+        (q, k, v, out, lse, *descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
          hq, g, d, qk_scale, lq_d, k_add, rows),
-        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, REVERSE_M
-        (causal, cfg.block_m, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, causal),
+        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, REVERSE_M, TMA
+        (causal, cfg.block_m, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, causal, tma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
@@ -534,22 +586,24 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         num_warps=DELTA_WARPS, num_stages=DEFAULT_NUM_STAGES)
     lse = lse.contiguous()
     k_strides = _key_strides(k, v)
+    *q_descs, q_tma = _tma_descs(cfg.tma, q, do, cfg.dkdv_block_m, bd)
     _launch_bwd_dkdv(
         (cdiv(max_k, cfg.dkdv_block_n), nb * hkv),
-        (q, k, v, do, lse, delta, dk, dv, q_start, q_len, k_start, k_len,
+        (q, k, v, do, lse, delta, dk, dv, *q_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0),
          dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
          hkv, g, d, qk_scale, scale, rows),
-        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D
-        (causal, cfg.dkdv_block_m, cfg.dkdv_block_n, bd, ieee, d == bd),
+        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, TMA
+        (causal, cfg.dkdv_block_m, cfg.dkdv_block_n, bd, ieee, d == bd, q_tma),
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages)
+    *k_descs, k_tma = _tma_descs(cfg.tma, k, v, cfg.dq_block_n, bd)
     _launch_bwd_dq(
         (cdiv(max_q, cfg.dq_block_m), nb * hq),
-        (q, k, v, do, lse, delta, dq, q_start, q_len, k_start, k_len,
+        (q, k, v, do, lse, delta, dq, *k_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
          hq, g, d, qk_scale, scale, rows),
-        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, REVERSE_M
-        (causal, cfg.dq_block_m, cfg.dq_block_n, bd, ieee, d == bd, causal),
+        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, REVERSE_M, TMA
+        (causal, cfg.dq_block_m, cfg.dq_block_n, bd, ieee, d == bd, causal, k_tma),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     return dq, dk, dv
 
