@@ -92,7 +92,12 @@ def main() -> int:
                       EVEN_D=d == bd)
         rows = [
             ("forward (prefill)", K.attn_fwd_kernel,
-             dict(common, BLOCK_M=fl.block_m, DENSE=False, KLEN_PTR=True, REVERSE_M=True, TMA=fl.tma), fl.num_warps,
+             dict(common, BLOCK_M=fl.block_m, DENSE=False, KLEN_PTR=True, REVERSE_M=True, TMA=fl.tma,
+                  ONE_SPLIT=False), fl.num_warps,
+             fl.num_stages, fwd_opts),
+            ("forward (keys in one split)", K.attn_fwd_kernel,
+             dict(common, BLOCK_M=A.default_fwd_launch(d, chain.split).block_m, DENSE=False, KLEN_PTR=True,
+                  REVERSE_M=True, TMA=fl.tma, ONE_SPLIT=True), A.default_fwd_launch(d, chain.split).num_warps,
              fl.num_stages, fwd_opts),
             ("split-KV (several splits)", K.attn_split_kernel,
              dict(common, BLOCK_M=fl.split_block_m, DENSE=True, KLEN_PTR=False, FINISH=False), fl.split_warps,

@@ -531,6 +531,9 @@ def test_gpu_prefill_decode_chunked_packed(dtype, d):
     print(f"[contract gpu] attention {dtype} d={d}: rel {err:.2e}")
     # alone, padded batch at position 1, packed with other lengths (primes, 1)
     assert bits_equal(A.flash_attn_func(q[1:], k[1:], v[1:])[0], full[1])
+    # a prefix whose keys fit one split (the kernel's one-split form) == the long rows
+    for n in (1, 1000, 1024):
+        assert bits_equal(A.flash_attn_func(q[:1, :n], k[:1, :n], v[:1, :n])[0], full[0, :n]), f"prefix {n}"
     lens = [1, 1031, L, 2053]
     seqs = [tuple(t[0, :n] for t in _gpu_qkv(1, n, hq, hkv, d, dtype, seed=n)) for n in lens]
     seqs[2] = (q[0], k[0], v[0])

@@ -548,8 +548,10 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         (q, k, v, out, lse, *descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
          hq, g, d, qk_scale, lq_d, k_add, rows),
-        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, REVERSE_M, TMA
-        (causal, cfg.block_m, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, causal, tma),
+        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, REVERSE_M, TMA, ONE_SPLIT
+        # (max_k bounds every k_len, as the grid's max_q bounds every q_len)
+        (causal, cfg.block_m, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, causal, tma,
+         max_k <= chain.split),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
