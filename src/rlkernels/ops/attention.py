@@ -714,13 +714,17 @@ def _(k_cache, v_cache, k, v, cache_seqlens):
     return None
 
 
+def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _run(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend, split_kv):
     chain = _chain
     args = (q, k, v, q_start, q_len, k_start, k_len, int(max_q), int(max_k), bool(causal), float(scale),
             chain.block_n, chain.split, backend, bool(split_kv))
     if torch.compiler.is_compiling():
         return flash_attn_fwd_op(*args)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if not _needs_grad(q, k, v):
         # Inference (decode): the same forward without an autograd node's host time.
         return _fwd_impl(*args)
     return _AttnFunction.apply(*args)
@@ -762,6 +766,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     name, _ = select_backend(OP, q.device, backend)
     _check_backend(op, name, q)
     scale = _scale(op, softmax_scale, d)
+    if name == "triton" and not torch.compiler.is_compiling() and b and lq and not _needs_grad(q, k, v):
+        # Inference: no index tensors (five small device ops of host time), no autograd node;
+        # the kernels take sequence b's bounds from (Lq, Lk), the decode path's dense form.
+        out, _ = triton_fwd(_packed(q), _last_dim_unit(k), _last_dim_unit(v), None, None, None, None, lq, lk, causal,
+                            scale, _chain, False, dense=(lq, lk))
+        return out.view(b, lq, hq, d)
     dev = q.device
     ar = torch.arange(b, dtype=torch.int32, device=dev)
     q_start, k_start = ar * lq, torch.zeros_like(ar)  # sequence b's keys: batch row b of k
