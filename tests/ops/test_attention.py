@@ -204,7 +204,7 @@ def _hf_layout(rows: list[torch.Tensor], starts: list[int], slots: int) -> torch
     """Sequences' key rows [n, Hkv, D] at slot starts[b] of a NaN-filled [B, Hkv, S, D]
     buffer (Hugging Face's cache layout), returned as the [B, S, Hkv, D] view the op takes."""
     hkv, d = rows[0].shape[1:]
-    buf = torch.full((len(rows), hkv, slots, d), float("nan"), dtype=rows[0].dtype)
+    buf = torch.full((len(rows), hkv, slots, d), float("nan"), dtype=rows[0].dtype, device=rows[0].device)
     for b, (r, s0) in enumerate(zip(rows, starts)):
         buf[b, :, s0:s0 + r.shape[0]] = r.transpose(0, 1)
     return buf.transpose(1, 2)
@@ -376,15 +376,8 @@ def test_gradcheck_float64_torch_backend(gen, small_chain):
 def _outputs_and_grads(lens, starts, slots, seqs, device, backend):
     """Packed queries over keys in a NaN-padded [B, Hkv, S, D] buffer read in place (the
     left-padded Hugging Face layout), and over contiguous packed keys: outputs and grads."""
-    dt = seqs[0][0].dtype
-    hkv, d = seqs[0][1].shape[1:]
     dev = dict(dtype=torch.int32, device=device)
-    bufs = []
-    for i in (1, 2):
-        buf = torch.full((len(lens), hkv, slots, d), float("nan"), dtype=dt, device=device)
-        for b, (sq, s0) in enumerate(zip(seqs, starts)):
-            buf[b, :, s0:s0 + lens[b]] = sq[i].transpose(0, 1)
-        bufs.append(buf.transpose(1, 2).requires_grad_())
+    bufs = [_hf_layout([sq[i] for sq in seqs], starts, slots).requires_grad_() for i in (1, 2)]
     q = torch.cat([sq[0] for sq in seqs]).requires_grad_()
     do = torch.cat([sq[3] for sq in seqs])
     q_start = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()[:-1], **dev)
