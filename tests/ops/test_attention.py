@@ -363,6 +363,36 @@ def test_backward_accuracy_and_invariance(backend, dtype, gen, small_chain):
     _check_packed_backward(seqs, lens, dtype, backend)
 
 
+def _check_padded_batch_grads_equal_bounds(q, k, v, do, backend):
+    """flash_attn_func on a padded batch (the kernels' dense form: no index tensors) ==
+    the same sequences through index tensors (attention_by_bounds), out and dQ/dK/dV bit
+    for bit; Lq <= Lk is bottom-right causal, keys of sequence b in batch row b."""
+    b, lq, hq, d = q.shape
+    lk = k.shape[1]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = A.flash_attn_func(*leaves, backend=backend)
+    dense = [out, *torch.autograd.grad(out, leaves, do)]
+    dev = dict(dtype=torch.int32, device=q.device)
+    leaves = [q.reshape(b * lq, hq, d).clone().requires_grad_(), k.clone().requires_grad_(),
+              v.clone().requires_grad_()]
+    out = A.attention_by_bounds("test", *leaves, torch.arange(b, **dev) * lq, torch.full((b,), lq, **dev),
+                                torch.zeros(b, **dev), torch.full((b,), lk, **dev), lq, lk, backend=backend)
+    grads = torch.autograd.grad(out, leaves, do.reshape(b * lq, hq, d))
+    bounds = [out.view(b, lq, hq, d), grads[0].view(b, lq, hq, d), grads[1], grads[2]]
+    for name, x, y in zip(("out", "dq", "dk", "dv"), dense, bounds):
+        assert bits_equal(x, y), name
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_padded_batch_grads_equal_index_tensors(dtype, gen, small_chain):
+    hq, hkv, d = sizes("triton")
+    for b, lq, lk in ((3, 37, 37), (2, 5, 40), (1, 1, 1)):
+        q = randn(b, lq, hq, d, dtype=dtype, generator=gen)
+        k, v = (randn(b, lk, hkv, d, dtype=dtype, generator=gen) for _ in range(2))
+        _check_padded_batch_grads_equal_bounds(q, k, v, randn(b, lq, hq, d, dtype=dtype, generator=gen), "triton")
+
+
 def test_gradcheck_float64_torch_backend(gen, small_chain):
     q = randn(1, 20, 2, 8, dtype=torch.float64, generator=gen).requires_grad_()
     k = randn(1, 20, 1, 8, dtype=torch.float64, generator=gen).requires_grad_()
@@ -392,10 +422,13 @@ def _outputs_and_grads(lens, starts, slots, seqs, device, backend):
 
 
 def _check_tma_equals_pointers(lens, starts, slots, seqs, device, backend, monkeypatch):
-    k_rows = seqs[0][1]
-    d = k_rows.shape[-1]
-    assert A._tma_descs(True, k_rows[None], k_rows[None], 16, d)[-1], "the TMA path must be taken"
+    d = seqs[0][1].shape[-1]
+    monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call reads through TMA, however small
+    taken = []
+    descs = A._tma_descs
+    monkeypatch.setattr(A, "_tma_descs", lambda *a: taken.append(descs(*a)[-1]) or descs(*a))
     with_tma = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
+    assert len(taken) == 6 and all(taken), "the TMA path must be taken (forward, dK/dV and dQ, twice)"
     monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), tma=False))
     monkeypatch.setattr(A, "BWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_bwd_launch(d), tma=False))
     with_pointers = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
@@ -416,6 +449,15 @@ def test_head_rows_desc_layouts():
     assert A.head_rows_desc(t, 16, 32) is None
     assert A.head_rows_desc(torch.zeros(2 * 40 * 3 * 16 + 1, dtype=torch.float16)[1:].view(2, 40, 3, 16), 16, 16) is None
     assert A._tma_descs(True, t.float(), t.float(), 16, 16) == A._NO_DESCS
+
+
+def test_tma_only_where_the_call_is_large():
+    """Small calls (host-bound) keep pointer loads; large ones read through TMA."""
+    assert not A.tma_pays(4, 16, 1024, 1024, 128, True)           # forward: 17 GFLOP
+    assert not A.tma_pays(4, 16, 1024, 1024, 128, True, 2.5)      # its backward: 43 GFLOP
+    assert A.tma_pays(16, 16, 1024, 1024, 128, True)              # 69 GFLOP
+    assert A.tma_pays(1, 16, 16384, 16384, 128, True)
+    assert not A.tma_pays(64, 16, 1, 1024, 128, True)             # a decode step
 
 
 @interpreter_only
@@ -567,6 +609,16 @@ def test_gpu_backward_invariant_and_deterministic(dtype, d):
     g = torch.Generator(device="cuda").manual_seed(3)
     seqs = [[torch.randn(n, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv, hq)] for n in lens]
     _check_packed_backward(seqs, lens, dtype, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.bfloat16, 64), (torch.float16, 80)])
+def test_gpu_padded_batch_grads_equal_index_tensors(dtype, d):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for b, lq, lk in ((3, 1031, 1031), (2, 67, 2053)):
+        q, do = (torch.randn(b, lq, 16, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+        k, v = (torch.randn(b, lk, 8, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+        _check_padded_batch_grads_equal_bounds(q, k, v, do, None)
 
 
 @pytest.mark.gpu

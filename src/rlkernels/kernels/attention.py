@@ -76,20 +76,25 @@ if triton is not None:
         k_len_ptr[b] + K_ADD (or K_ADD), so a decode step needs no index tensors built on
         the host; else read the tensors. k_start counts key rows (token strides) from the
         tensor's start: sequence b's batch row begins at row b * KV_ROWS (``key_rows``)."""
+        q_start, q_len = query_bounds(b, q_start_ptr, q_len_ptr, LQ, DENSE)
         if DENSE:
-            q_start = b.to(tl.int64) * LQ
-            q_len = b * 0 + LQ
             k_start = key_rows(b, 0, KV_ROWS)
             if KLEN_PTR:
                 k_len = tl.load(k_len_ptr + b) + K_ADD
             else:
                 k_len = b * 0 + K_ADD
         else:
-            q_start = tl.load(q_start_ptr + b).to(tl.int64)
-            q_len = tl.load(q_len_ptr + b)
             k_start = key_rows(b, tl.load(k_start_ptr + b), KV_ROWS)
             k_len = tl.load(k_len_ptr + b)
         return q_start, q_len, k_start, k_len
+
+    @triton.jit
+    def query_bounds(b, q_start_ptr, q_len_ptr, LQ, DENSE: tl.constexpr):
+        """(q_start int64, q_len) of sequence b: ``seq_bounds``'s query half."""
+        if DENSE:
+            return b.to(tl.int64) * LQ, b * 0 + LQ
+        else:
+            return tl.load(q_start_ptr + b).to(tl.int64), tl.load(q_len_ptr + b)
 
     @triton.jit
     def key_rows(b, k_start, KV_ROWS):
@@ -388,17 +393,17 @@ if triton is not None:
     def attn_bwd_delta_kernel(
         o_ptr, do_ptr, delta_ptr, q_start_ptr, q_len_ptr,
         stride_ot, stride_oh, stride_dot, stride_doh, stride_dh,
-        H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        H, D, LQ, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
     ):
-        """delta = rowsum(dO * O) in fp32, tiles aligned to each sequence's first query."""
+        """delta = rowsum(dO * O) in fp32, tiles aligned to each sequence's first query
+        (DENSE: ``seq_bounds``' padded batch of LQ queries per sequence)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
-        q_len = tl.load(q_len_ptr + b)
+        q_start, q_len = query_bounds(b, q_start_ptr, q_len_ptr, LQ, DENSE)
         if pid_m * BLOCK_M >= q_len:
             return
-        q_start = tl.load(q_start_ptr + b).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         o = load_rows(o_ptr + q_start * stride_ot + h * stride_oh, offs_m, stride_ot, offs_d, q_len, D, EVEN_D, True)
@@ -450,24 +455,23 @@ if triton is not None:
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_dot, stride_doh, stride_lh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-        HKV, G, D, qk_scale, sm_scale, KV_ROWS,
+        HKV, G, D, qk_scale, sm_scale, LQ, K_ADD, KV_ROWS,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        IEEE: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, DENSE: tl.constexpr,
     ):
         """dK, dV of one key block: query heads of the GQA group in order, query blocks
         (aligned to the sequence's first query) ascending, fp32 accumulators, no atomics.
         TMA: the unmasked query blocks that lie wholly inside the sequence read q and dO
-        through q_desc/do_desc (``tma_row`` with the query heads' offsets)."""
+        through q_desc/do_desc (``tma_row`` with the query heads' offsets). DENSE: the
+        sequence bounds of a padded batch (``seq_bounds``, k_len = K_ADD)."""
         pid_n = tl.program_id(0)
         bk = tl.program_id(1)
         b = bk // HKV
         kvh = bk % HKV
-        k_len = tl.load(k_len_ptr + b)
+        q_start, q_len, k_start, k_len = seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD,
+                                                    KV_ROWS, DENSE, False)
         if pid_n * BLOCK_N >= k_len:
             return
-        q_len = tl.load(q_len_ptr + b)
-        q_start = tl.load(q_start_ptr + b).to(tl.int64)
-        k_start = key_rows(b, tl.load(k_start_ptr + b), KV_ROWS)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         k = load_rows(key_base(k_ptr, k_start, kvh, stride_kt, stride_kh), offs_n, stride_kt, offs_d, k_len, D, EVEN_D,
@@ -526,26 +530,25 @@ if triton is not None:
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_dot, stride_doh, stride_lh, stride_dqt, stride_dqh,
-        H, G, D, qk_scale, sm_scale, KV_ROWS,
+        H, G, D, qk_scale, sm_scale, LQ, K_ADD, KV_ROWS,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         IEEE: tl.constexpr, EVEN_D: tl.constexpr, REVERSE_M: tl.constexpr, TMA: tl.constexpr,
+        DENSE: tl.constexpr,
     ):
         """dQ of one query block: key blocks ascending from key 0, recomputing P; no atomics.
         Key blocks every row of the tile sees in full skip the select (same bits) and, where
         TMA, come through k_desc/v_desc. REVERSE_M starts the longest causal query blocks
-        first (launch order only)."""
+        first (launch order only). DENSE as in the dK/dV kernel."""
         pid_m = tl.program_id(0)
         if REVERSE_M:
             pid_m = tl.num_programs(0) - 1 - pid_m
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
-        q_len = tl.load(q_len_ptr + b)
+        q_start, q_len, k_start, k_len = seq_bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD,
+                                                    KV_ROWS, DENSE, False)
         if pid_m * BLOCK_M >= q_len:
             return
-        q_start = tl.load(q_start_ptr + b).to(tl.int64)
-        k_start = key_rows(b, tl.load(k_start_ptr + b), KV_ROWS)
-        k_len = tl.load(k_len_ptr + b)
         kvh = h // G
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)

@@ -311,6 +311,20 @@ def head_rows_desc(t: torch.Tensor, rows: int, block_d: int) -> tuple[object, in
     return TensorDescriptor(t, [n_rows, width], [st, 1], [rows, block_d]), head_rows, head_cols
 
 
+# TMA saves 4-10% of a forward's GPU time (H100, D = 128, L >= 1024) and costs 40-80 us of
+# host time per launch (descriptor objects and Triton's argument wrapper): below about 200
+# us of GPU work the call is host-bound on the hosts measured, and pointer loads (the same
+# bits) finish sooner. The estimate is the call's forward FLOPs (x 2.5 for the backward).
+TMA_MIN_FLOPS = 50e9
+
+
+def tma_pays(nb: int, heads: int, max_q: int, max_k: int, d: int, causal: bool, factor: float = 1.0) -> bool:
+    """Whether a call of nb sequences x heads query heads (up to max_q x max_k scores each,
+    head_dim d) is large enough for TMA reads (``TMA_MIN_FLOPS``); launch detail only."""
+    flops = 4.0 * nb * heads * max_q * max_k * d * (0.5 if causal else 1.0) * factor
+    return flops >= TMA_MIN_FLOPS
+
+
 def _tma_descs(use: bool, a: torch.Tensor, b: torch.Tensor, rows: int, block_d: int) -> tuple:
     """(a_desc, b_desc, a_head_rows, a_head_cols, b_head_rows, b_head_cols, TMA) for a
     kernel's two TMA-read operands, or pointer loads for both (``_NO_DESCS``) where either
@@ -542,7 +556,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
                 (cm, bd, dc, even_d, is_dense, klen_ptr),  # BLOCK_M, BLOCK_D, BLOCK_DC, EVEN_D, DENSE, KLEN_PTR
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
-    *descs, tma = _tma_descs(cfg.tma, k, v, chain.block_n, bd)
+    *descs, tma = _tma_descs(cfg.tma and tma_pays(nb, hq, max_q, max_k, d, causal), k, v, chain.block_n, bd)
     _launch_fwd(
         (cdiv(max_q, cfg.block_m), nb * hq),
         (q, k, v, out, lse, *descs, q_start, q_len, k_start, k_len,
@@ -557,22 +571,33 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
 
 
 def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool,
-               scale: float):
-
+               scale: float, dense: tuple[int, int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels (delta, dK/dV, dQ); no host sync. Shapes and bounds as
+    :func:`triton_fwd` (``dense`` with k_len None: every key of a batch row)."""
     tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    nb = q_start.shape[0]
+    nb = tq // dense[0] if dense is not None else q_start.shape[0]
     k, v, rows = kv_rows(k, v)
-    dq = torch.zeros_like(q)
-    # dK, dV in k's and v's layouts (zeros_like keeps a dense layout), so their batch rows
-    # are as many token strides apart; a layout it does not keep is copied first.
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    launch = not (tq == 0 or nb == 0 or max_q == 0 or max_k == 0)
+    # Rows outside every sequence get no write and must read zero; a dense batch whose
+    # sequences hold every key of their batch row leaves none (one memset less per grad).
+    alloc = torch.empty_like if launch and dense is not None and dense[1] == k.shape[1] else torch.zeros_like
+    dq = alloc(q)
+    # dK, dV in k's and v's layouts (zeros_like/empty_like keep a dense layout), so their
+    # batch rows are as many token strides apart; a layout they do not keep is copied first.
+    dk, dv = alloc(k), alloc(v)
     if _rows_per_batch(dk) != rows or _rows_per_batch(dv) != rows:
         k, v = k.contiguous(), v.contiguous()
-        dk, dv, rows = torch.zeros_like(k), torch.zeros_like(v), _rows_per_batch(k)
-    if tq == 0 or nb == 0 or max_q == 0 or max_k == 0:
+        dk, dv, rows = alloc(k), alloc(v), _rows_per_batch(k)
+    if not launch:
         return dq, dk, dv
+    if dense is not None:
+        lq_d, k_add = dense
+        q_start = q_len = k_start = k_len = lse  # unread pointers (DENSE) just need a tensor
+    else:
+        lq_d = k_add = 0
     cfg = BWD_LAUNCH_OVERRIDE or default_bwd_launch(d)
     bd = _pow2(d)
     ieee = q.dtype == torch.float32
@@ -583,29 +608,30 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
     _launch_bwd_delta(
         (cdiv(max_q, bm0), nb * hq),
         (out, do, delta, q_start, q_len, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
-         hq, d),
-        (bm0, bd, d == bd),  # BLOCK_M, BLOCK_D, EVEN_D
+         hq, d, lq_d),
+        (bm0, bd, d == bd, dense is not None),  # BLOCK_M, BLOCK_D, EVEN_D, DENSE
         num_warps=DELTA_WARPS, num_stages=DEFAULT_NUM_STAGES)
     lse = lse.contiguous()
     k_strides = _key_strides(k, v)
-    *q_descs, q_tma = _tma_descs(cfg.tma, q, do, cfg.dkdv_block_m, bd)
+    use_tma = cfg.tma and tma_pays(nb, hq, max_q, max_k, d, causal, 2.5)
+    *q_descs, q_tma = _tma_descs(use_tma, q, do, cfg.dkdv_block_m, bd)
     _launch_bwd_dkdv(
         (cdiv(max_k, cfg.dkdv_block_n), nb * hkv),
         (q, k, v, do, lse, delta, dk, dv, *q_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0),
          dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-         hkv, g, d, qk_scale, scale, rows),
-        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, TMA
-        (causal, cfg.dkdv_block_m, cfg.dkdv_block_n, bd, ieee, d == bd, q_tma),
+         hkv, g, d, qk_scale, scale, lq_d, k_add, rows),
+        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, TMA, DENSE
+        (causal, cfg.dkdv_block_m, cfg.dkdv_block_n, bd, ieee, d == bd, q_tma, dense is not None),
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages)
-    *k_descs, k_tma = _tma_descs(cfg.tma, k, v, cfg.dq_block_n, bd)
+    *k_descs, k_tma = _tma_descs(use_tma, k, v, cfg.dq_block_n, bd)
     _launch_bwd_dq(
         (cdiv(max_q, cfg.dq_block_m), nb * hq),
         (q, k, v, do, lse, delta, dq, *k_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
-         hq, g, d, qk_scale, scale, rows),
-        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, REVERSE_M, TMA
-        (causal, cfg.dq_block_m, cfg.dq_block_n, bd, ieee, d == bd, causal, k_tma),
+         hq, g, d, qk_scale, scale, lq_d, k_add, rows),
+        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, REVERSE_M, TMA, DENSE
+        (causal, cfg.dq_block_m, cfg.dq_block_n, bd, ieee, d == bd, causal, k_tma, dense is not None),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     return dq, dk, dv
 
@@ -614,37 +640,45 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
 
 
 def _fwd_impl(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split, backend,
-              split_kv):
+              split_kv, dense=None):
+    """``dense`` (Triton only; the index tensors are then None): :func:`triton_fwd`'s padded-batch form."""
     chain = Chain(block_n, split)
     if backend == "triton":
-        return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, chain, split_kv)
+        return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, chain, split_kv,
+                          dense)
     return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, chain)
 
 
-def _bwd_impl(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend):
+def _bwd_impl(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend,
+              dense=None):
     if backend == "triton":
-        return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale)
+        return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale,
+                          dense)
     return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale)
 
 
 class _AttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split,  # type: ignore[override]
-                backend, split_kv):
+                backend, split_kv, dense=None):
         out, lse = _fwd_impl(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n,
-                             split, backend, split_kv)
+                             split, backend, split_kv, dense)
         ctx.save_for_backward(q, k, v, out, lse, q_start, q_len, k_start, k_len)
-        ctx.args = (max_q, max_k, causal, scale, backend)
+        ctx.args = (max_q, max_k, causal, scale, backend, dense)
         ctx.mark_non_differentiable(lse)
+        # lse takes no gradient: no zeros tensor for it per backward (a fill launch of host time).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):  # type: ignore[override]
+        if dout is None:
+            return (None,) * 16
         q, k, v, out, lse, q_start, q_len, k_start, k_len = ctx.saved_tensors
-        max_q, max_k, causal, scale, backend = ctx.args
+        max_q, max_k, causal, scale, backend, dense = ctx.args
         dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal,
-                               scale, backend)
-        return (dq, dk, dv) + (None,) * 12
+                               scale, backend, dense)
+        return (dq, dk, dv) + (None,) * 13
 
 
 @torch.library.custom_op("rlkernels::flash_attn_fwd", mutates_args=())
@@ -766,11 +800,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     name, _ = select_backend(OP, q.device, backend)
     _check_backend(op, name, q)
     scale = _scale(op, softmax_scale, d)
-    if name == "triton" and not torch.compiler.is_compiling() and b and lq and not _needs_grad(q, k, v):
-        # Inference: no index tensors (five small device ops of host time), no autograd node;
-        # the kernels take sequence b's bounds from (Lq, Lk), the decode path's dense form.
-        out, _ = triton_fwd(_packed(q), _last_dim_unit(k), _last_dim_unit(v), None, None, None, None, lq, lk, causal,
-                            scale, _chain, False, dense=(lq, lk))
+    if name == "triton" and not torch.compiler.is_compiling() and b and lq:
+        # No index tensors (five small device ops of host time): the kernels take sequence
+        # b's bounds from (Lq, Lk), the decode path's dense form; inference builds no
+        # autograd node either.
+        args = (_packed(q), _last_dim_unit(k), _last_dim_unit(v), None, None, None, None, lq, lk, causal, scale)
+        if _needs_grad(q, k, v):
+            out, _ = _AttnFunction.apply(*args, _chain.block_n, _chain.split, name, False, (lq, lk))
+        else:
+            out, _ = triton_fwd(*args, _chain, False, dense=(lq, lk))
         return out.view(b, lq, hq, d)
     dev = q.device
     ar = torch.arange(b, dtype=torch.int32, device=dev)
