@@ -21,9 +21,14 @@ loads; a block's values, and so every dot, are the same either way.
 """
 from __future__ import annotations
 
-from ._triton import tl, triton
+from ._triton import DOT_ANY_M, tl, triton
 
 if triton is not None:
+    # Columns of the ones matrix the row sums of p go through (``block_step``): the
+    # narrowest tensor-core MMA (n8; Triton < 3.5 takes no dot narrower than 16). Every
+    # column holds the same sum, so the width changes no bits; 16 columns cost D = 64
+    # forwards 7-8 % (H200, bf16, L >= 4096).
+    ROWSUM_COLS = tl.constexpr(8 if DOT_ANY_M else 16)
 
     @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr):
@@ -237,7 +242,7 @@ if triton is not None:
             n_full = k_len
         # Keys below n_full are visible to every row of the tile (rows past q_len load q = 0 and are not stored).
         n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
-        ONES = tl.full((BLOCK_N, 16), 1.0, dtype=q_ptr.dtype.element_ty)
+        ONES = tl.full((BLOCK_N, ROWSUM_COLS), 1.0, dtype=q_ptr.dtype.element_ty)
         m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -313,7 +318,7 @@ if triton is not None:
             n_end = k_len
             n_full = k_len
         n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
-        ONES = tl.full((BLOCK_N, 16), 1.0, dtype=q_ptr.dtype.element_ty)
+        ONES = tl.full((BLOCK_N, ROWSUM_COLS), 1.0, dtype=q_ptr.dtype.element_ty)
         k_base = key_base(k_ptr, k_start, kvh, stride_kt, stride_kh)
         v_base = key_base(v_ptr, k_start, kvh, stride_vt, stride_vh)
         # Pointer loads only: decode steps are host-bound, and building descriptors per step
