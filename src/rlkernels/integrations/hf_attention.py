@@ -87,8 +87,9 @@ _LAST_BOUNDS: list = [None]
 
 def _bounds_of(attention_mask: torch.Tensor | None, offset: int | torch.Tensor, b: int, lq: int, s: int,
                device: torch.device):
-    """(q_start, q_len, k_start, k_len, valid_rows [B, Lq]) of each row's one interval of real tokens:
-    q_start counts rows of the [B * Lq] queries, k_start slots of row b's keys."""
+    """(q_start, q_len, k_start, k_len, valid_rows [B, Lq] or None where every row is valid) of
+    each row's one interval of real tokens: q_start counts rows of the [B * Lq] queries,
+    k_start slots of row b's keys."""
     key = (attention_mask, offset, b, lq, s, device,
            None if attention_mask is None else attention_mask._version)
     cached = _LAST_BOUNDS[0]
@@ -106,8 +107,11 @@ def _bounds_of(attention_mask: torch.Tensor | None, offset: int | torch.Tensor, 
     base_q = torch.arange(b, dtype=torch.int32, device=device) * lq
     k_len = (ke - ks).clamp(min=0)
     q_len = torch.minimum((end_q - first_q).clamp(min=0), k_len)
-    pos = torch.arange(lq, device=device)
-    valid_rows = (pos[None, :] >= first_q[:, None]) & (pos[None, :] < (first_q + q_len)[:, None])
+    if valid is None and type(offset) is int and 0 <= offset <= s - lq:
+        valid_rows = None  # every query row is a real token: nothing to zero
+    else:
+        pos = torch.arange(lq, device=device)
+        valid_rows = (pos[None, :] >= first_q[:, None]) & (pos[None, :] < (first_q + q_len)[:, None])
     result = (base_q + first_q, q_len, ks, k_len, valid_rows)
     _LAST_BOUNDS[0] = (key, result)
     return result
