@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 import rlkernels
+from rlkernels.ops import attention as A
 from rlkernels.ops.attention import attention_by_bounds
 
 CASES: dict[str, Callable[[torch.dtype], None]] = {}
@@ -121,10 +122,32 @@ def _attention(dtype):
     if not hasattr(rlkernels, "flash_attn_func"):
         print("  (no attention op)")
         return
+    # Small calls keep pointer loads (A.tma_pays): once as the library runs them, once with
+    # every unmasked block read through TMA.
+    saved = A.TMA_MIN_FLOPS
+    for tma_min in (saved, 0):
+        A.TMA_MIN_FLOPS = tma_min
+        try:
+            _attention_cases(dtype)
+        finally:
+            A.TMA_MIN_FLOPS = saved
+
+
+def _attention_cases(dtype):
     for b, lq, hq, hk, d in [(1, 1, 2, 1, 64), (2, 131, 4, 2, 128), (3, 1031, 16, 8, 128), (1, 257, 8, 8, 64),
                              (2, 67, 4, 2, 80)]:
         q, k, v = (_r(b, lq, h, d, dtype=dtype, grad=True) for h in (hq, hk, hk))
         o = rlkernels.flash_attn_func(q, k, v, causal=True)
+        o.float().sum().backward()
+        _finite(o, q.grad, k.grad, v.grad)
+        with torch.no_grad():  # inference: the dense form (no index tensors)
+            _finite(rlkernels.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True))
+    # Packed sequences of odd lengths (one-split and several-split rows, TMA and masked blocks).
+    lens_p = [1, 131, 1031, 2053]
+    cu = torch.tensor([0] + [sum(lens_p[:i + 1]) for i in range(len(lens_p))], device="cuda", dtype=torch.int32)
+    for d in (64, 128):
+        q, k, v = (_r(cu[-1].item(), h, d, dtype=dtype, grad=True) for h in (16, 8, 8))
+        o = rlkernels.flash_attn_varlen_func(q, k, v, cu, cu, max(lens_p), max(lens_p), causal=True)
         o.float().sum().backward()
         _finite(o, q.grad, k.grad, v.grad)
     # Decode over a cache whose unused slots hold NaN.
