@@ -1,7 +1,7 @@
 """Several GPUs, NCCL: the TP-invariant layers at real shapes equal one GPU bit for bit.
 
-Marked ``gpu``; skipped unless two CUDA devices are present. TP = 2 (and every power of
-two up to the device count) on an 8B model's ``o_proj`` / ``down_proj`` and a
+Marked ``gpu``; skipped unless two CUDA devices are present. TP = 2, 4 and 8, each where
+that many devices are visible, on an 8B model's ``o_proj`` / ``down_proj`` and a
 151936-row vocabulary head, forward and backward, against the one-process ops on one GPU.
 """
 from __future__ import annotations
@@ -77,8 +77,11 @@ def _nccl_worker(rank: int, world: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-def test_nccl_tp_equals_one_gpu():
-    ranks = W.run_world(2, _nccl_worker, start_method="spawn")
+@pytest.mark.parametrize("world", [t for t in W.SIZES if t > 1])
+def test_nccl_tp_equals_one_gpu(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"TP = {world} needs {world} CUDA devices, {torch.cuda.device_count()} visible")
+    ranks = W.run_world(world, _nccl_worker, start_method="spawn")
     plain_differs = []
     for name, m, k, n in LINEARS:
         x, w, dy = (a.cuda() for a in _linear_inputs(m, k, n))
@@ -86,7 +89,7 @@ def test_nccl_tp_equals_one_gpu():
         with torch.no_grad():
             plain_one = plain_row_parallel_linear(x, w).cpu()  # TP = 1: one chain over K
         for rank, out in enumerate(ranks):
-            cols = W.cols(k, 2, rank)
+            cols = W.cols(k, world, rank)
             assert torch.equal(out[name]["y"], one["y"]), (name, rank)
             assert torch.equal(out[name]["dx"], one["dx"][:, cols]), (name, rank)
             assert torch.equal(out[name]["dw"], one["dw"][:, cols]), (name, rank)
@@ -98,4 +101,4 @@ def test_nccl_tp_equals_one_gpu():
     for rank, out in enumerate(ranks):
         for key in ("logp", "ent", "dh"):
             assert torch.equal(out["head"][key], one[key]), (key, rank)
-        assert torch.equal(out["head"]["dw"], one["dw"][W.cols(VOCAB, 2, rank)]), rank
+        assert torch.equal(out["head"]["dw"], one["dw"][W.cols(VOCAB, world, rank)]), rank
