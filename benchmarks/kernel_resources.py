@@ -110,10 +110,10 @@ def main() -> int:
                   KLEN_PTR=False), A.COMBINE_WARPS, A.COMBINE_STAGES, fwd_opts),
             ("backward dK/dV", K.attn_bwd_dkdv_kernel,
              dict(CAUSAL=True, BLOCK_M=bl.dkdv_block_m, BLOCK_N=bl.dkdv_block_n, BLOCK_D=bd, IEEE=False,
-                  EVEN_D=d == bd, TMA=bl.tma), bl.dkdv_warps, bl.dkdv_stages, None),
+                  EVEN_D=d == bd, TMA=bl.tma, DENSE=False), bl.dkdv_warps, bl.dkdv_stages, None),
             ("backward dQ", K.attn_bwd_dq_kernel,
              dict(CAUSAL=True, BLOCK_M=bl.dq_block_m, BLOCK_N=bl.dq_block_n, BLOCK_D=bd, IEEE=False,
-                  EVEN_D=d == bd, REVERSE_M=True, TMA=bl.tma), bl.dq_warps, bl.dq_stages, None),
+                  EVEN_D=d == bd, REVERSE_M=True, TMA=bl.tma, DENSE=False), bl.dq_warps, bl.dq_stages, None),
         ]
         for name, fn, constexprs, warps, stages, opts in rows:
             print(f"D = {d:<4} {name:<27} {warps} warps: {resources(fn, ints, constexprs, warps, stages, opts)}")
