@@ -101,7 +101,7 @@ def chain_settings(block_n: int, split: int) -> Iterator[Chain]:
 class FwdLaunch:
     """Launch parameters of the forward kernels (no effect on the bits). ``tma``: the
     full kernel reads whole in-range K/V blocks through TMA descriptors where it can
-    (:func:`head_rows_desc`)."""
+    (:func:`head_rows_desc`) and the call is large enough to pay for them (:func:`tma_pays`)."""
 
     block_m: int = 128
     num_warps: int = 8
