@@ -652,31 +652,27 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
 
 
 def _fwd_impl(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split, backend,
-              split_kv, dense=None):
-    """``dense`` (Triton only; the index tensors are then None): :func:`triton_fwd`'s padded-batch form."""
+              split_kv):
     chain = Chain(block_n, split)
     if backend == "triton":
-        return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, chain, split_kv,
-                          dense)
+        return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, chain, split_kv)
     return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, chain)
 
 
-def _bwd_impl(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend,
-              dense=None):
+def _bwd_impl(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend):
     if backend == "triton":
-        return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale,
-                          dense)
+        return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale)
     return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale)
 
 
 class _AttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split,  # type: ignore[override]
-                backend, split_kv, dense=None):
+                backend, split_kv):
         out, lse = _fwd_impl(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n,
-                             split, backend, split_kv, dense)
+                             split, backend, split_kv)
         ctx.save_for_backward(q, k, v, out, lse, q_start, q_len, k_start, k_len)
-        ctx.args = (max_q, max_k, causal, scale, backend, dense)
+        ctx.args = (max_q, max_k, causal, scale, backend)
         ctx.mark_non_differentiable(lse)
         # lse takes no gradient: no zeros tensor for it per backward (a fill launch of host time).
         ctx.set_materialize_grads(False)
@@ -685,12 +681,40 @@ class _AttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):  # type: ignore[override]
         if dout is None:
-            return (None,) * 16
+            return (None,) * 15
         q, k, v, out, lse, q_start, q_len, k_start, k_len = ctx.saved_tensors
-        max_q, max_k, causal, scale, backend, dense = ctx.args
+        max_q, max_k, causal, scale, backend = ctx.args
         dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal,
-                               scale, backend, dense)
-        return (dq, dk, dv) + (None,) * 13
+                               scale, backend)
+        return (dq, dk, dv) + (None,) * 12
+
+
+class _PaddedBatchAttnFunction(torch.autograd.Function):
+    """flash_attn_func on the Triton backend: q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] in,
+    [B, Lq, Hq, D] out, through the kernels' dense form (sequence b's bounds from (Lq, Lk):
+    no index tensors). The row views are taken inside, so the call adds one autograd node
+    and no view nodes (each costs the host time of a small op, forward and backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):  # type: ignore[override]
+        b, lq, hq, d = q.shape
+        lk = k.shape[1]
+        k, v = _last_dim_unit(k), _last_dim_unit(v)
+        out, lse = triton_fwd(_packed(q), k, v, None, None, None, None, lq, lk, causal, scale, _chain, False,
+                              dense=(lq, lk))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (causal, scale)
+        return out.view(b, lq, hq, d)
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale = ctx.args
+        b, lq, hq, d = q.shape
+        lk = k.shape[1]
+        dq, dk, dv = triton_bwd(_packed(dout), _packed(q), k, v, out, lse, None, None, None, None, lq, lk, causal,
+                                scale, (lq, lk))
+        return dq.view(b, lq, hq, d), dk, dv, None, None
 
 
 @torch.library.custom_op("rlkernels::flash_attn_fwd", mutates_args=())
@@ -816,11 +840,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         # No index tensors (five small device ops of host time): the kernels take sequence
         # b's bounds from (Lq, Lk), the decode path's dense form; inference builds no
         # autograd node either.
-        args = (_packed(q), _last_dim_unit(k), _last_dim_unit(v), None, None, None, None, lq, lk, causal, scale)
         if _needs_grad(q, k, v):
-            out, _ = _AttnFunction.apply(*args, _chain.block_n, _chain.split, name, False, (lq, lk))
-        else:
-            out, _ = triton_fwd(*args, _chain, False, dense=(lq, lk))
+            return _PaddedBatchAttnFunction.apply(q, k, v, causal, scale)
+        out, _ = triton_fwd(_packed(q), _last_dim_unit(k), _last_dim_unit(v), None, None, None, None, lq, lk, causal,
+                            scale, _chain, False, dense=(lq, lk))
         return out.view(b, lq, hq, d)
     dev = q.device
     ar = torch.arange(b, dtype=torch.int32, device=dev)
