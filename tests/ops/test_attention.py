@@ -426,7 +426,13 @@ def _check_tma_equals_pointers(lens, starts, slots, seqs, device, backend, monke
     monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call reads through TMA, however small
     taken = []
     descs = A._tma_descs
-    monkeypatch.setattr(A, "_tma_descs", lambda *a: taken.append(descs(*a)[-1]) or descs(*a))
+
+    def recording_descs(*args):
+        found = descs(*args)
+        taken.append(found[-1])
+        return found
+
+    monkeypatch.setattr(A, "_tma_descs", recording_descs)
     with_tma = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
     assert len(taken) == 6 and all(taken), "the TMA path must be taken (forward, dK/dV and dQ, twice)"
     monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), tma=False))
