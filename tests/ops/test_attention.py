@@ -457,6 +457,29 @@ def test_head_rows_desc_layouts():
     assert A._tma_descs(True, t.float(), t.float(), 16, 16) == A._NO_DESCS
 
 
+def test_ws_view_layouts():
+    """The warp-specialized kernel's 3-D TMA views: heads side by side (1, 0, D), head
+    planes read in place (H, 1, 0), one sequence's rows per plane; None where TMA can't."""
+    if A.GluonTensorDescriptor is None:
+        pytest.skip("Triton without Gluon")
+    t = torch.zeros(2, 40, 3, 16, dtype=torch.float16)
+    desc, xb, xh, xc = A.ws_view(t, 2, 40, t.stride(0), t.stride(1), t.stride(2), 3, 16)
+    assert (xb, xh, xc) == (1, 0, 16) and desc.shape == [2, 40, 48] and desc.strides == [1920, 48, 1]
+    hf = torch.zeros(2, 3, 40, 16, dtype=torch.bfloat16).transpose(1, 2)
+    desc, xb, xh, xc = A.ws_view(hf, 2, 40, hf.stride(0), hf.stride(1), hf.stride(2), 3, 16)
+    assert (xb, xh, xc) == (3, 1, 0) and desc.shape == [6, 40, 16] and desc.strides == [640, 16, 1]
+    rows = torch.zeros(80, 3, 16, dtype=torch.float16)  # packed rows of 2 sequences of 40
+    desc, *_ = A.ws_view(rows, 2, 40, 40 * 48, 48, 16, 3, 16)
+    assert desc.shape == [2, 40, 48] and desc.base.data_ptr() == rows.data_ptr()
+    misaligned = torch.zeros(2 * 40 * 3 * 16 + 1, dtype=torch.float16)[1:].view(2, 40, 3, 16)
+    assert A.ws_view(misaligned, 2, 40, 1920, 48, 16, 3, 16) is None
+    odd_rows = torch.zeros(2, 40, 3, 20, dtype=torch.float16)[..., :16]  # token stride 60: not 16-byte aligned
+    assert A.ws_view(odd_rows, 2, 40, odd_rows.stride(0), odd_rows.stride(1), odd_rows.stride(2), 3, 16) is None
+    expanded = torch.zeros(1, 40, 3, 16, dtype=torch.float16).expand(2, 40, 3, 16)  # batch stride 0
+    assert A.ws_view(expanded, 2, 40, 0, 48, 16, 3, 16) is None
+    assert not A.ws_fwd(t, t, t, t, torch.zeros(3, 80), 2, 40, True, 1.0, A.DEFAULT_CHAIN)  # CPU: not launched
+
+
 def test_tma_only_where_the_call_is_large():
     """Small calls (host-bound) keep pointer loads; large ones read through TMA."""
     assert not A.tma_pays(4, 16, 1024, 1024, 128, True)           # forward: 17 GFLOP
@@ -672,6 +695,58 @@ def test_gpu_tma_reads_give_the_pointer_loads_bits(d, monkeypatch):
     seqs = [[torch.randn(n, h, d, device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv, hq)]
             for n in lens]
     _check_tma_equals_pointers(lens, [slots - n for n in lens], slots, seqs, "cuda", None, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch):
+    """The warp-specialized Hopper forward == the Triton full kernel, output and LSE bit for
+    bit: odd lengths (1, primes, past a split), Lq < Lk and Lq > Lk, causal and not, fp16,
+    keys in Hugging Face's head planes and queries strided inside a fused QKV tensor."""
+    if A.capability(torch.device("cuda")) != (9, 0) or A.attn_fwd_ws_kernel is None:
+        pytest.skip("the warp-specialized forward is for sm_90 with Gluon")
+    monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call takes it, however small
+    launched = []
+    launch = A._launch_fwd_ws
+
+    def recording(*args, **kwargs):
+        launched.append(args[0])
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(A, "_launch_fwd_ws", recording)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    hq, hkv, d = 16, 8, 128
+    cases = [(2, 1031, 1031, True, torch.bfloat16, "plain"), (3, 1, 1, True, torch.bfloat16, "plain"),
+             (1, 4099, 4099, True, torch.bfloat16, "plain"), (2, 131, 2053, True, torch.float16, "plain"),
+             (1, 2053, 131, False, torch.bfloat16, "plain"), (2, 509, 509, False, torch.float16, "plain"),
+             (2, 1031, 1031, True, torch.bfloat16, "hf"), (2, 1031, 1031, True, torch.bfloat16, "fused")]
+    for b, lq, lk, causal, dtype, layout in cases:
+        if layout == "fused":  # q, k, v columns of one [B, L, (Hq + 2 Hkv) * D] projection
+            qkv_t = torch.randn(b, lq, (hq + 2 * hkv) * d, device="cuda", generator=g).to(dtype)
+            q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv_t.split([hq * d, hkv * d, hkv * d], -1))
+        else:
+            q = torch.randn(b, lq, hq, d, device="cuda", generator=g).to(dtype)
+            k, v = (torch.randn(b, lk, hkv, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+            if layout == "hf":  # [B, Hkv, S, D] read in place
+                k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+        n = len(launched)
+        ws = A.flash_attn_func(q, k, v, causal=causal)
+        assert len(launched) == n + 1, f"the warp-specialized kernel must run: {(b, lq, lk, layout)}"
+        with monkeypatch.context() as m:
+            m.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
+            ref = A.flash_attn_func(q, k, v, causal=causal)
+        assert len(launched) == n + 1
+        assert bits_equal(ws, ref), (b, lq, lk, causal, dtype, layout)
+        lse_ws = A.triton_fwd(A._packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
+                              A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
+        with monkeypatch.context() as m:
+            m.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
+            lse_ref = A.triton_fwd(A._packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
+                                   A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
+        assert bits_equal(lse_ws, lse_ref), ("lse", b, lq, lk, causal, dtype, layout)
+    n = len(launched)
+    q, k, v = _gpu_qkv(2, 1031, hq, hkv, 64, torch.bfloat16)
+    A.flash_attn_func(q, k, v)
+    assert len(launched) == n, "head_dim 64 stays on the Triton kernel"
 
 
 @pytest.mark.gpu

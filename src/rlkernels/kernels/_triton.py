@@ -1,7 +1,8 @@
 """Triton, or None where it isn't installed (it is a hard dependency on Linux only).
 
 Kernel modules define their ``@triton.jit`` functions under ``if triton is not None``
-so that the torch backend still imports on other platforms.
+(``@gluon.jit`` ones under ``if gluon is not None``) so that the torch backend still
+imports on other platforms.
 """
 try:
     import triton
@@ -9,6 +10,15 @@ try:
 except Exception:  # pragma: no cover
     triton = None
     tl = None
+
+try:  # Gluon (Triton >= 3.5): kernels that place warps, layouts and barriers themselves
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except Exception:  # pragma: no cover - older or absent Triton
+    gluon = None
+    gl = None
+    GluonTensorDescriptor = None
 
 
 def _dot_any_m() -> bool:
@@ -31,4 +41,4 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["DOT_ANY_M", "cdiv", "triton", "tl"]
+__all__ = ["DOT_ANY_M", "GluonTensorDescriptor", "cdiv", "gl", "gluon", "triton", "tl"]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .._env import switch_on, triton_interpret
-from ..kernels._triton import triton
+from ..kernels._triton import GluonTensorDescriptor, triton
 
 FAST_LAUNCH_ENV = "RLKERNELS_FAST_LAUNCH"
 
@@ -41,6 +41,8 @@ try:  # host-built TMA descriptors (gemm.tma)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 except Exception:  # pragma: no cover - older or absent Triton
     _TensorDescriptor = ()
+# Gluon kernels take Gluon's descriptors (a shared-memory layout on top): keyed alike.
+_DESCRIPTOR_TYPES = tuple(t for t in (_TensorDescriptor, GluonTensorDescriptor) if isinstance(t, type))
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
@@ -62,8 +64,8 @@ def _desc_key(d: Any) -> tuple:
     # Triton specializes a host TMA descriptor on its element type and block shape
     # (the tile layout is derived from them); its shape and strides are passed as
     # plain integers. Their divisibility and the padding mode are keyed too, which
-    # can only make the key finer than Triton's.
-    return (d.base.dtype, tuple(d.block_shape), getattr(d, "padding", None),
+    # can only make the key finer than Triton's; a Gluon descriptor's layout as well.
+    return (d.base.dtype, tuple(d.block_shape), getattr(d, "padding", None), getattr(d, "layout", None),
             tuple(s & 15 == 0 for s in d.shape), tuple(s & 15 == 0 for s in d.strides))
 
 
@@ -75,7 +77,7 @@ def _args_key(args: tuple) -> tuple:
     return tuple([
         (2 if a == 1 else (a & 15 == 0) | (4 if a < _I32_MIN or a > _I32_MAX else 0)) if type(a) is int
         else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
-        else _desc_key(a) if isinstance(a, _TensorDescriptor)
+        else _desc_key(a) if isinstance(a, _DESCRIPTOR_TYPES)
         else type(a)
         for a in args])
 

@@ -1,0 +1,275 @@
+"""Warp-specialized Hopper forward of the batch-invariant attention (Gluon; host code:
+``rlkernels.ops.attention``).
+
+It computes ``kernels.attention``'s chain for every row -- key blocks of BLOCK_N from key
+0 ascending, splits of S_SPLIT keys each from the empty state, merged in ascending order
+-- with the same expressions and the same instructions: QK^T and P@V as wgmma chains
+with fp32 accumulators (k ascending), the row sums of p through ``mma.sync m16n8k16``
+against a ones matrix (what Triton lowers ``tl.dot(p, ones[BLOCK_N, 8])`` to), exp2 as
+``ex2.approx.ftz``, no FMA contraction. So its outputs and LSE equal ``attn_fwd_kernel``'s
+bit for bit, and with them the decode (split-KV) path's; GPU tests compare every bit.
+
+What changes is who does what. One CTA takes 128 query rows of one (sequence, query
+head): two consumer warpgroups of 64 rows each (the default partition and a worker)
+and a one-warp producer that streams K/V blocks through STAGES shared-memory stages by
+TMA. Each consumer waits on mbarriers alone, so the two drift apart and one's softmax
+runs while the other's MMAs hold the tensor cores (a monolithic kernel's warps meet at
+a CTA barrier every block); within a consumer, block i's QK^T is in flight with block
+i-1's P@V. Query tiles of 64 rows per consumer are launch detail: a row's bits depend
+on its keys' blocks, not on its tile (see ``kernels.attention``).
+
+Operands are 3-D TMA views [planes, rows, cols]: row r of sequence b, head h sits at
+(b * XB + h * XH, r, h * XC), so heads side by side in a token (XB, XH, XC) = (1, 0, D)
+and Hugging Face's head planes (H, 1, 0) are both read in place. The row extent of a
+view is one sequence's length, so TMA zero-fills the rows of a block past the end:
+the last block's keys past the sequence contribute exact zeros (masked scores, zero
+values -- never the next sequence's values, nor NaN from unused cache rows).
+"""
+from __future__ import annotations
+
+from ._triton import gl, gluon
+
+try:
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+except Exception:  # pragma: no cover - a Gluon without the Hopper ops
+    gluon = None
+
+# Rows per consumer warpgroup (one wgmma M), consumers per CTA, and the columns of the
+# ones matrix the row sums go through (kernels.attention.ROWSUM_COLS with Triton >= 3.5).
+WG_ROWS = 64
+CONSUMERS = 2
+ROWSUM_COLS = 8
+
+if gluon is not None:
+    _WG_ROWS = gl.constexpr(WG_ROWS)
+    _CONSUMERS = gl.constexpr(CONSUMERS)
+    _ROWSUM_COLS = gl.constexpr(ROWSUM_COLS)
+
+    @gluon.jit
+    def _merge(m1, l1, acc1, m2, l2, acc2, ROW_O: gl.constexpr):
+        """kernels.attention.merge_states."""
+        m = gl.maximum(m1, m2)
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        a1 = gl.exp2(m1 - m_safe)
+        a2 = gl.exp2(m2 - m_safe)
+        l = gl.fma(l1, a1, l2 * a2)
+        acc = gl.fma(acc1, gl.convert_layout(a1, ROW_O)[:, None], acc2 * gl.convert_layout(a2, ROW_O)[:, None])
+        return m, l, acc
+
+    @gluon.jit
+    def _softmax(s, m_s, l_s, qk_scale, ones, R_LAYOUT: gl.constexpr, PR_LAYOUT: gl.constexpr,
+                 ROW_S: gl.constexpr):
+        """kernels.attention.block_step's softmax half: (p, alpha, m, l) of one block."""
+        m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_s - m_safe)
+        p = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None])).to(ones.dtype)
+        rows = mma_v2(gl.convert_layout(p, PR_LAYOUT), ones,
+                      gl.zeros([p.shape[0], ones.shape[1]], gl.float32, R_LAYOUT))
+        l_new = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rows, 1), ROW_S))
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _mask(s, n0, q0, LQ, LK, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, ROW_S: gl.constexpr,
+              COL_S: gl.constexpr):
+        """-inf where key n0 + j is past the sequence, row q0 + i is, or (causal) the key
+        lies after the row's position LK - LQ + q0 + i: split_walk's valid mask."""
+        rows = q0 + gl.arange(0, s.shape[0], layout=ROW_S)
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=COL_S)
+        valid = (offs_n < LK)[None, :] & (rows < LQ)[:, None]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= (LK - LQ + rows)[:, None])
+        return gl.where(valid, s, float("-inf"))
+
+    @gluon.jit
+    def _block(i, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha, s_zero,
+               ones, qk_scale, q0, LQ, LK, MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, O_LAYOUT: gl.constexpr,
+               R_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, PR_LAYOUT: gl.constexpr, ROW_S: gl.constexpr,
+               COL_S: gl.constexpr, ROW_O: gl.constexpr):
+        """Block i >= 1: its QK^T goes out with block i-1's P@V, its softmax runs while the
+        P@V does; the P@V is retired (and its stage released) before returning. A block
+        that starts a split first hands the finished split to the merge (after its P@V)."""
+        st = i % STAGES
+        pst = (i - 1) % STAGES
+        boundary = i % SPLIT_BLOCKS == 0
+        m_old = m_s
+        l_old = l_s
+        if boundary:
+            m_s = gl.full([_WG_ROWS], float("-inf"), gl.float32, ROW_S)
+            l_s = gl.zeros([_WG_ROWS], gl.float32, ROW_S)
+        mbarrier.wait(k_ready.index(st), (i // STAGES) & 1)
+        s = warpgroup_mma(qs, k_smem.index(st).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
+        acc_s = acc_s * gl.convert_layout(alpha, ROW_O)[:, None]
+        p_op = gl.convert_layout(p, P_LAYOUT)
+        acc_s = warpgroup_mma(p_op, v_smem.index(pst).reshape([BLOCK_N, BLOCK_D]), acc_s, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        if MASK:
+            s = _mask(s, i * BLOCK_N, q0, LQ, LK, CAUSAL, BLOCK_N, ROW_S, COL_S)
+        p, alpha, m_s, l_s = _softmax(s, m_s, l_s, qk_scale, ones, R_LAYOUT, PR_LAYOUT, ROW_S)
+        acc_s, p_op = warpgroup_mma_wait(0, deps=(acc_s, p_op))
+        mbarrier.arrive(kv_empty.index(pst), count=1)
+        if boundary:
+            m, l, acc = _merge(m, l, acc, m_old, l_old, acc_s, ROW_O)
+            acc_s = gl.zeros([_WG_ROWS, BLOCK_D], gl.float32, O_LAYOUT)
+        return m, l, acc, m_s, l_s, acc_s, p, alpha
+
+    @gluon.jit
+    def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr):
+        """Rows m0 + WG * 64 .. + 63: their blocks, the merge, the output and LSE stores."""
+        (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lh, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+         kv_empty, b, h, kvh, m0, LQ, LK, qk_scale, n_blocks, QB, QH, QC, KB, KH, KC, VB, VH, VC, OB, OH, OC) = args
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_D, 16])
+        R_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        PR_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=R_LAYOUT, k_width=2)
+        ONES_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=R_LAYOUT, k_width=2)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        SPLIT_BLOCKS: gl.constexpr = S_SPLIT // BLOCK_N
+
+        q0 = m0 + WG * _WG_ROWS
+        has_rows = q0 < LQ
+        if CAUSAL:
+            my_end = gl.minimum(LK, LK - LQ + gl.minimum(q0 + _WG_ROWS, LQ))
+            my_full = gl.minimum(LK, LK - LQ + q0 + 1)
+        else:
+            my_end = LK
+            my_full = LK
+        # Blocks below my_full are seen in full by every row of this consumer (no mask).
+        my_full = gl.maximum(my_full, 0) // BLOCK_N
+        my_blocks = gl.where(has_rows, gl.cdiv(gl.maximum(my_end, 0), BLOCK_N), 0)
+
+        m = gl.full([_WG_ROWS], float("-inf"), gl.float32, ROW_S)
+        l = gl.zeros([_WG_ROWS], gl.float32, ROW_S)
+        acc = gl.zeros([_WG_ROWS, BLOCK_D], gl.float32, O_LAYOUT)
+        q_tile = q_smem.index(WG)
+        qs = q_tile.reshape([_WG_ROWS, BLOCK_D])
+        if my_blocks > 0:
+            mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b * QB + h * QH, q0, h * QC], q_bar.index(WG), q_tile)
+            mbarrier.wait(q_bar.index(WG), 0)
+            ones = gl.full([BLOCK_N, _ROWSUM_COLS], 1.0, k_desc.dtype, ONES_LAYOUT)
+            s_zero = gl.zeros([_WG_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
+            m_s = gl.full([_WG_ROWS], float("-inf"), gl.float32, ROW_S)
+            l_s = gl.zeros([_WG_ROWS], gl.float32, ROW_S)
+            acc_s = gl.zeros([_WG_ROWS, BLOCK_D], gl.float32, O_LAYOUT)
+            # Block 0 (a split's first): its softmax; its P@V goes out with block 1's QK^T.
+            mbarrier.wait(k_ready.index(0), 0)
+            s = warpgroup_mma(qs, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            if my_full == 0:
+                s = _mask(s, 0, q0, LQ, LK, CAUSAL, BLOCK_N, ROW_S, COL_S)
+            p, alpha, m_s, l_s = _softmax(s, m_s, l_s, qk_scale, ones, R_LAYOUT, PR_LAYOUT, ROW_S)
+            # Two loops, not a branch per block: a branch while a wgmma is in flight makes
+            # ptxas wait for it there.
+            n_unmasked = gl.minimum(gl.maximum(my_full, 1), my_blocks)
+            for i in range(1, n_unmasked):
+                m, l, acc, m_s, l_s, acc_s, p, alpha = _block(
+                    i, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha, s_zero,
+                    ones, qk_scale, q0, LQ, LK, False, CAUSAL, BLOCK_N, BLOCK_D, STAGES, SPLIT_BLOCKS, O_LAYOUT,
+                    R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
+            for i in range(n_unmasked, my_blocks):
+                m, l, acc, m_s, l_s, acc_s, p, alpha = _block(
+                    i, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha, s_zero,
+                    ones, qk_scale, q0, LQ, LK, True, CAUSAL, BLOCK_N, BLOCK_D, STAGES, SPLIT_BLOCKS, O_LAYOUT,
+                    R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
+            last = my_blocks - 1
+            lst = last % STAGES
+            mbarrier.wait(v_ready.index(lst), (last // STAGES) & 1)
+            acc_s = acc_s * gl.convert_layout(alpha, ROW_O)[:, None]
+            p_op = gl.convert_layout(p, P_LAYOUT)
+            acc_s = warpgroup_mma(p_op, v_smem.index(lst).reshape([BLOCK_N, BLOCK_D]), acc_s, is_async=True)
+            acc_s, p_op = warpgroup_mma_wait(0, deps=(acc_s, p_op))
+            mbarrier.arrive(kv_empty.index(lst), count=1)
+            m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s, ROW_O)
+        # The CTA's blocks past this consumer's rows (the causal diagonal of the other one):
+        # released once filled, so the producer's stage count stays in step.
+        for i in range(my_blocks, n_blocks):
+            mbarrier.wait(k_ready.index(i % STAGES), (i // STAGES) & 1)
+            mbarrier.arrive(kv_empty.index(i % STAGES), count=1)
+        if has_rows:
+            # kernels.attention.finish; a row that saw no key gives 0 and -inf.
+            seen = l > 0
+            out = acc / gl.convert_layout(gl.where(seen, l, 1.0), ROW_O)[:, None]
+            lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
+            # The Q tile is free (every QK^T has retired): it stages the output for the
+            # TMA store, which drops rows past the sequence.
+            qs.store(out.to(o_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [b * OB + h * OH, q0, h * OC], q_tile)
+            rows = q0 + gl.arange(0, _WG_ROWS, layout=ROW_S)
+            gl.store(lse_ptr + h.to(gl.int64) * stride_lh + b.to(gl.int64) * LQ + rows, lse, mask=rows < LQ)
+            tma.store_wait(0)
+
+    @gluon.jit
+    def _producer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr):
+        """K and V blocks 0 .. n_blocks - 1 into the stages, each once both consumers freed it."""
+        (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lh, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+         kv_empty, b, h, kvh, m0, LQ, LK, qk_scale, n_blocks, QB, QH, QC, KB, KH, KC, VB, VH, VC, OB, OH, OC) = args
+        for i in range(n_blocks):
+            st = i % STAGES
+            mbarrier.wait(kv_empty.index(st), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b * KB + kvh * KH, i * BLOCK_N, kvh * KC], k_ready.index(st),
+                                            k_smem.index(st))
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b * VB + kvh * VH, i * BLOCK_N, kvh * VC], v_ready.index(st),
+                                            v_smem.index(st))
+
+    @gluon.jit
+    def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lh, H, G, LQ, LK, qk_scale,
+                           QB, QH, QC, KB, KH, KC, VB, VH, VC, OB, OH, OC,
+                           CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                           S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr):
+        """Full forward of a padded batch (every sequence LQ queries over LK keys): one
+        program per (128 query rows, sequence, query head); REVERSE_M starts the longest
+        causal tiles first (launch order only). Launch with num_warps=4 (one consumer) and
+        maxnreg=168: 3 warpgroups x 128 threads x 168 registers fill the register file,
+        the producer hands its share to the consumers (24 / 240 / 240)."""
+        pid_m = gl.program_id(0)
+        if REVERSE_M:
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        kvh = h // G
+        m0 = pid_m * (_CONSUMERS * _WG_ROWS)
+        if CAUSAL:
+            n_end = gl.minimum(LK, LK - LQ + gl.minimum(m0 + _CONSUMERS * _WG_ROWS, LQ))
+        else:
+            n_end = LK
+        n_blocks = gl.cdiv(gl.maximum(n_end, 0), BLOCK_N)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(_CONSUMERS):
+            mbarrier.init(q_bar.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=_CONSUMERS)
+        args = (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lh, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                kv_empty, b, h, kvh, m0, LQ, LK, qk_scale, n_blocks, QB, QH, QC, KB, KH, KC, VB, VH, VC, OB, OH, OC)
+        gl.warp_specialize([
+            (_consumer, (args, 0, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES)),
+            (_consumer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES)),
+            (_producer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES)),
+        ], [4, 1], [240, 24])
+else:  # pragma: no cover
+    attn_fwd_ws_kernel = None
