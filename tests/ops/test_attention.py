@@ -424,6 +424,9 @@ def _outputs_and_grads(lens, starts, slots, seqs, device, backend):
 def _check_tma_equals_pointers(lens, starts, slots, seqs, device, backend, monkeypatch):
     d = seqs[0][1].shape[-1]
     monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call reads through TMA, however small
+    # the Triton kernels' TMA and pointer loads (the warp-specialized forward has its own test)
+    fwd = dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False)
+    monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", fwd)
     taken = []
     descs = A._tma_descs
 
@@ -435,7 +438,7 @@ def _check_tma_equals_pointers(lens, starts, slots, seqs, device, backend, monke
     monkeypatch.setattr(A, "_tma_descs", recording_descs)
     with_tma = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
     assert len(taken) == 6 and all(taken), "the TMA path must be taken (forward, dK/dV and dQ, twice)"
-    monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), tma=False))
+    monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(fwd, tma=False))
     monkeypatch.setattr(A, "BWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_bwd_launch(d), tma=False))
     with_pointers = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
     names = ["out", "dq", "dk", "dv", "packed out", "packed dq", "packed dk", "packed dv"]
@@ -457,27 +460,35 @@ def test_head_rows_desc_layouts():
     assert A._tma_descs(True, t.float(), t.float(), 16, 16) == A._NO_DESCS
 
 
-def test_ws_view_layouts():
-    """The warp-specialized kernel's 3-D TMA views: heads side by side (1, 0, D), head
-    planes read in place (H, 1, 0), one sequence's rows per plane; None where TMA can't."""
+def test_ws_descriptor_layouts():
+    """The warp-specialized kernel's TMA views: q/out rows [T, H * D]; keys with heads side
+    by side (1, 0, D) or in Hugging Face's head planes read in place (H, 1, 0), a batch
+    row's slots per plane, one packed run of rows (XB = 0); None where TMA can't."""
     if A.GluonTensorDescriptor is None:
         pytest.skip("Triton without Gluon")
+    rows = torch.zeros(80, 3, 16, dtype=torch.float16)
+    desc = A.ws_rows_desc(rows)
+    assert desc.shape == [80, 48] and desc.strides == [48, 1] and desc.block_shape == [64, 16]
+    fused = torch.zeros(80, 5, 16, dtype=torch.bfloat16)[:, 1:4]  # a slice of a fused projection
+    desc = A.ws_rows_desc(fused)
+    assert desc.shape == [80, 48] and desc.strides == [80, 1] and desc.base.data_ptr() == fused.data_ptr()
+    assert A.ws_rows_desc(torch.zeros(3, 80, 16, dtype=torch.float16).transpose(0, 1)) is None  # head planes
     t = torch.zeros(2, 40, 3, 16, dtype=torch.float16)
-    desc, xb, xh, xc = A.ws_view(t, 2, 40, t.stride(0), t.stride(1), t.stride(2), 3, 16)
+    desc, xb, xh, xc = A.ws_keys_desc(t)
     assert (xb, xh, xc) == (1, 0, 16) and desc.shape == [2, 40, 48] and desc.strides == [1920, 48, 1]
     hf = torch.zeros(2, 3, 40, 16, dtype=torch.bfloat16).transpose(1, 2)
-    desc, xb, xh, xc = A.ws_view(hf, 2, 40, hf.stride(0), hf.stride(1), hf.stride(2), 3, 16)
+    desc, xb, xh, xc = A.ws_keys_desc(hf)
     assert (xb, xh, xc) == (3, 1, 0) and desc.shape == [6, 40, 16] and desc.strides == [640, 16, 1]
-    rows = torch.zeros(80, 3, 16, dtype=torch.float16)  # packed rows of 2 sequences of 40
-    desc, *_ = A.ws_view(rows, 2, 40, 40 * 48, 48, 16, 3, 16)
-    assert desc.shape == [2, 40, 48] and desc.base.data_ptr() == rows.data_ptr()
+    desc, xb, xh, xc = A.ws_keys_desc(t[:1])  # packed sequences in one batch row
+    assert (xb, xh, xc) == (0, 0, 16) and desc.shape == [1, 40, 48]
     misaligned = torch.zeros(2 * 40 * 3 * 16 + 1, dtype=torch.float16)[1:].view(2, 40, 3, 16)
-    assert A.ws_view(misaligned, 2, 40, 1920, 48, 16, 3, 16) is None
+    assert A.ws_keys_desc(misaligned) is None and A.ws_rows_desc(misaligned[0]) is None
     odd_rows = torch.zeros(2, 40, 3, 20, dtype=torch.float16)[..., :16]  # token stride 60: not 16-byte aligned
-    assert A.ws_view(odd_rows, 2, 40, odd_rows.stride(0), odd_rows.stride(1), odd_rows.stride(2), 3, 16) is None
-    expanded = torch.zeros(1, 40, 3, 16, dtype=torch.float16).expand(2, 40, 3, 16)  # batch stride 0
-    assert A.ws_view(expanded, 2, 40, 0, 48, 16, 3, 16) is None
-    assert not A.ws_fwd(t, t, t, t, torch.zeros(3, 80), 2, 40, True, 1.0, A.DEFAULT_CHAIN)  # CPU: not launched
+    assert A.ws_keys_desc(odd_rows) is None
+    assert A.ws_keys_desc(torch.zeros(1, 40, 3, 16, dtype=torch.float16).expand(2, 40, 3, 16)) is None  # stride 0
+    out = torch.zeros(80, 3, 16, dtype=torch.float16)
+    assert not A.ws_fwd(rows, t, t, out, torch.zeros(3, 80), (None,) * 4, 2, 40, 40, (40, 40), True, 1.0,
+                        A.DEFAULT_CHAIN)  # CPU: not launched
 
 
 def test_tma_only_where_the_call_is_large():
@@ -701,7 +712,8 @@ def test_gpu_tma_reads_give_the_pointer_loads_bits(d, monkeypatch):
 def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch):
     """The warp-specialized Hopper forward == the Triton full kernel, output and LSE bit for
     bit: odd lengths (1, primes, past a split), Lq < Lk and Lq > Lk, causal and not, fp16,
-    keys in Hugging Face's head planes and queries strided inside a fused QKV tensor."""
+    keys in Hugging Face's head planes and queries strided inside a fused QKV tensor;
+    sequences by their bounds, packed and in a NaN-filled cache (left and right padding)."""
     if A.capability(torch.device("cuda")) != (9, 0) or A.attn_fwd_ws_kernel is None:
         pytest.skip("the warp-specialized forward is for sm_90 with Gluon")
     monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call takes it, however small
@@ -743,6 +755,34 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch)
             lse_ref = A.triton_fwd(A._packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
                                    A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
         assert bits_equal(lse_ws, lse_ref), ("lse", b, lq, lk, causal, dtype, layout)
+    # sequences by their bounds: packed (the next sequence's keys follow), and in a NaN-filled
+    # [B, Hkv, S, D] cache read in place, left- and right-padded (the last value block of a
+    # right-padded sequence runs into free slots: it must read zeros, not NaN)
+    lens, slots = [1, 1031, 4099, 509, 2053], 4200
+    seqs = [[torch.randn(n, h, d, device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv)]
+            for n in lens]
+    dev = dict(dtype=torch.int32, device="cuda")
+    q_rows = torch.cat([sq[0] for sq in seqs])
+    q_start = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()[:-1], **dev)
+    kl = torch.tensor(lens, **dev)
+    packed_kv = [torch.cat([sq[i] for sq in seqs]) for i in (1, 2)]
+    starts = [(slots - n) if b % 2 == 0 else 0 for b, n in enumerate(lens)]
+    bufs = []
+    for i in (1, 2):
+        buf = torch.full((len(lens), hkv, slots, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+        for b, (sq, s0) in enumerate(zip(seqs, starts)):
+            buf[b, :, s0:s0 + lens[b]] = sq[i].transpose(0, 1)
+        bufs.append(buf.transpose(1, 2))
+    for keys, k_start in ((packed_kv, q_start), (bufs, torch.tensor(starts, **dev))):
+        n = len(launched)
+        ws = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens), keys[0].shape[-3])
+        assert len(launched) == n + 1, "the warp-specialized kernel must run"
+        with monkeypatch.context() as m:
+            m.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False))
+            ref = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens),
+                                        keys[0].shape[-3])
+        assert len(launched) == n + 1
+        assert not ws.isnan().any() and bits_equal(ws, ref)
     n = len(launched)
     q, k, v = _gpu_qkv(2, 1031, hq, hkv, 64, torch.bfloat16)
     A.flash_attn_func(q, k, v)

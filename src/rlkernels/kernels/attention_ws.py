@@ -12,18 +12,20 @@ bit for bit, and with them the decode (split-KV) path's; GPU tests compare every
 What changes is who does what. One CTA takes 128 query rows of one (sequence, query
 head): two consumer warpgroups of 64 rows each (the default partition and a worker)
 and a one-warp producer that streams K/V blocks through STAGES shared-memory stages by
-TMA. Each consumer waits on mbarriers alone, so the two drift apart and one's softmax
-runs while the other's MMAs hold the tensor cores (a monolithic kernel's warps meet at
-a CTA barrier every block); within a consumer, block i's QK^T is in flight with block
-i-1's P@V. Query tiles of 64 rows per consumer are launch detail: a row's bits depend
+TMA. Each consumer waits on mbarriers alone, so one's softmax can run while the
+other's MMAs hold the tensor cores; within a consumer, block i's QK^T is in flight with
+block i-1's P@V. Query tiles of 64 rows per consumer are launch detail: a row's bits depend
 on its keys' blocks, not on its tile (see ``kernels.attention``).
 
-Operands are 3-D TMA views [planes, rows, cols]: row r of sequence b, head h sits at
-(b * XB + h * XH, r, h * XC), so heads side by side in a token (XB, XH, XC) = (1, 0, D)
-and Hugging Face's head planes (H, 1, 0) are both read in place. The row extent of a
-view is one sequence's length, so TMA zero-fills the rows of a block past the end:
-the last block's keys past the sequence contribute exact zeros (masked scores, zero
-values -- never the next sequence's values, nor NaN from unused cache rows).
+Operands come through TMA: q and out as row views [tokens, Hq * D] (64-row tiles),
+k and v as 3-D views [planes, slots, cols] -- key j of sequence b, head h at row
+k_start + j of plane b * XB + h * XH, column h * XC -- so heads side by side in a token
+(XB, XH, XC) = (1, 0, D), Hugging Face's head planes (H, 1, 0) and one packed run of
+rows (XB = 0) are all read in place. A block's keys past the sequence are masked out of
+the scores; their values must be exact zeros too (a free cache slot may hold NaN): TMA
+zero-fills rows past a plane's slots, and a last block that runs into other rows of the
+tensor is read again through masked pointer loads. Tiles of rows past a sequence's end
+are stored through masked pointers, whole tiles by TMA.
 """
 from __future__ import annotations
 
@@ -119,11 +121,45 @@ if gluon is not None:
         return m, l, acc, m_s, l_s, acc_s, p, alpha
 
     @gluon.jit
+    def _bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, DENSE: gl.constexpr):
+        """kernels.attention.seq_bounds: (q_start, q_len, k_start, k_len) of sequence b; DENSE:
+        a padded batch (sequence b's LQ queries from row b * LQ over its LK keys)."""
+        if DENSE:
+            return b.to(gl.int64) * LQ, LQ, b * 0, LK
+        else:
+            return (gl.load(q_start_ptr + b).to(gl.int64), gl.load(q_len_ptr + b), gl.load(k_start_ptr + b),
+                    gl.load(k_len_ptr + b))
+
+    @gluon.jit
+    def _store_rows(o_ptr, out, row0, rows_left, stride_ot, col0, O_LAYOUT: gl.constexpr):
+        """Rows 0 .. rows_left - 1 of the tile to o_ptr rows row0 + i, columns col0 + j."""
+        rows = gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, O_LAYOUT))
+        cols = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, O_LAYOUT))
+        ptrs = o_ptr + (row0 + rows.to(gl.int64))[:, None] * stride_ot + (col0 + cols)[None, :]
+        gl.store(ptrs, out, mask=(rows < rows_left)[:, None])
+
+    @gluon.jit
+    def _zeroed_value_block(v_ptr, v_fix, row0, n_valid, stride_vt, col0, BLOCK_N: gl.constexpr,
+                            BLOCK_D: gl.constexpr):
+        """The value block whose keys run past the sequence, its rows n_valid.. zero (the
+        rows TMA would read belong to another sequence or a free cache slot: NaN must not
+        leak), staged in v_fix for the P@V."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, layout))
+        ptrs = v_ptr + (row0 + rows.to(gl.int64))[:, None] * stride_vt + (col0 + cols)[None, :]
+        v_fix.store(gl.load(ptrs, mask=(rows < n_valid)[:, None], other=0.0))
+        fence_async_shared()
+        return v_fix
+
+    @gluon.jit
     def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                   S_SPLIT: gl.constexpr, STAGES: gl.constexpr):
-        """Rows m0 + WG * 64 .. + 63: their blocks, the merge, the output and LSE stores."""
-        (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lh, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-         kv_empty, b, h, kvh, m0, LQ, LK, qk_scale, n_blocks, QB, QH, QC, KB, KH, KC, VB, VH, VC, OB, OH, OC) = args
+        """Rows q0 = m0 + WG * 64 .. + 63 of the sequence: their blocks, the merge, the
+        output and LSE stores."""
+        (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, q_bar, k_ready,
+         v_ready, kv_empty, h, kvh, m0, q_start, q_len, kv_row0, k_len, KV_S, qk_scale, n_blocks, stride_ot,
+         stride_vp, stride_vt, stride_lh, KP, KC, VP, VC) = args
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -138,13 +174,13 @@ if gluon is not None:
         SPLIT_BLOCKS: gl.constexpr = S_SPLIT // BLOCK_N
 
         q0 = m0 + WG * _WG_ROWS
-        has_rows = q0 < LQ
+        has_rows = q0 < q_len
         if CAUSAL:
-            my_end = gl.minimum(LK, LK - LQ + gl.minimum(q0 + _WG_ROWS, LQ))
-            my_full = gl.minimum(LK, LK - LQ + q0 + 1)
+            my_end = gl.minimum(k_len, k_len - q_len + gl.minimum(q0 + _WG_ROWS, q_len))
+            my_full = gl.minimum(k_len, k_len - q_len + q0 + 1)
         else:
-            my_end = LK
-            my_full = LK
+            my_end = k_len
+            my_full = k_len
         # Blocks below my_full are seen in full by every row of this consumer (no mask).
         my_full = gl.maximum(my_full, 0) // BLOCK_N
         my_blocks = gl.where(has_rows, gl.cdiv(gl.maximum(my_end, 0), BLOCK_N), 0)
@@ -152,11 +188,10 @@ if gluon is not None:
         m = gl.full([_WG_ROWS], float("-inf"), gl.float32, ROW_S)
         l = gl.zeros([_WG_ROWS], gl.float32, ROW_S)
         acc = gl.zeros([_WG_ROWS, BLOCK_D], gl.float32, O_LAYOUT)
-        q_tile = q_smem.index(WG)
-        qs = q_tile.reshape([_WG_ROWS, BLOCK_D])
+        qs = q_smem.index(WG)
         if my_blocks > 0:
             mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b * QB + h * QH, q0, h * QC], q_bar.index(WG), q_tile)
+            tma.async_copy_global_to_shared(q_desc, [(q_start + q0).to(gl.int32), h * BLOCK_D], q_bar.index(WG), qs)
             mbarrier.wait(q_bar.index(WG), 0)
             ones = gl.full([BLOCK_N, _ROWSUM_COLS], 1.0, k_desc.dtype, ONES_LAYOUT)
             s_zero = gl.zeros([_WG_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
@@ -169,7 +204,7 @@ if gluon is not None:
                               use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s, ))
             if my_full == 0:
-                s = _mask(s, 0, q0, LQ, LK, CAUSAL, BLOCK_N, ROW_S, COL_S)
+                s = _mask(s, 0, q0, q_len, k_len, CAUSAL, BLOCK_N, ROW_S, COL_S)
             p, alpha, m_s, l_s = _softmax(s, m_s, l_s, qk_scale, ones, R_LAYOUT, PR_LAYOUT, ROW_S)
             # Two loops, not a branch per block: a branch while a wgmma is in flight makes
             # ptxas wait for it there.
@@ -177,19 +212,26 @@ if gluon is not None:
             for i in range(1, n_unmasked):
                 m, l, acc, m_s, l_s, acc_s, p, alpha = _block(
                     i, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha, s_zero,
-                    ones, qk_scale, q0, LQ, LK, False, CAUSAL, BLOCK_N, BLOCK_D, STAGES, SPLIT_BLOCKS, O_LAYOUT,
-                    R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
+                    ones, qk_scale, q0, q_len, k_len, False, CAUSAL, BLOCK_N, BLOCK_D, STAGES, SPLIT_BLOCKS,
+                    O_LAYOUT, R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
             for i in range(n_unmasked, my_blocks):
                 m, l, acc, m_s, l_s, acc_s, p, alpha = _block(
                     i, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha, s_zero,
-                    ones, qk_scale, q0, LQ, LK, True, CAUSAL, BLOCK_N, BLOCK_D, STAGES, SPLIT_BLOCKS, O_LAYOUT,
-                    R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
+                    ones, qk_scale, q0, q_len, k_len, True, CAUSAL, BLOCK_N, BLOCK_D, STAGES, SPLIT_BLOCKS,
+                    O_LAYOUT, R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
+            # The last block's P@V. Its values come from the stage unless its keys run past
+            # the sequence inside the tensor (TMA zero-fills only past the tensor's rows).
             last = my_blocks - 1
             lst = last % STAGES
             mbarrier.wait(v_ready.index(lst), (last // STAGES) & 1)
             acc_s = acc_s * gl.convert_layout(alpha, ROW_O)[:, None]
             p_op = gl.convert_layout(p, P_LAYOUT)
-            acc_s = warpgroup_mma(p_op, v_smem.index(lst).reshape([BLOCK_N, BLOCK_D]), acc_s, is_async=True)
+            v_last = v_smem.index(lst).reshape([BLOCK_N, BLOCK_D])
+            if (last + 1) * BLOCK_N > k_len and kv_row0 + k_len < KV_S:
+                v_last = _zeroed_value_block(v_ptr + VP.to(gl.int64) * stride_vp, v_fix_smem.index(WG),
+                                             kv_row0 + last * BLOCK_N,
+                                             k_len - last * BLOCK_N, stride_vt, kvh * VC, BLOCK_N, BLOCK_D)
+            acc_s = warpgroup_mma(p_op, v_last, acc_s, is_async=True)
             acc_s, p_op = warpgroup_mma_wait(0, deps=(acc_s, p_op))
             mbarrier.arrive(kv_empty.index(lst), count=1)
             m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s, ROW_O)
@@ -201,43 +243,53 @@ if gluon is not None:
         if has_rows:
             # kernels.attention.finish; a row that saw no key gives 0 and -inf.
             seen = l > 0
-            out = acc / gl.convert_layout(gl.where(seen, l, 1.0), ROW_O)[:, None]
+            out = (acc / gl.convert_layout(gl.where(seen, l, 1.0), ROW_O)[:, None]).to(o_desc.dtype)
             lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
-            # The Q tile is free (every QK^T has retired): it stages the output for the
-            # TMA store, which drops rows past the sequence.
-            qs.store(out.to(o_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [b * OB + h * OH, q0, h * OC], q_tile)
             rows = q0 + gl.arange(0, _WG_ROWS, layout=ROW_S)
-            gl.store(lse_ptr + h.to(gl.int64) * stride_lh + b.to(gl.int64) * LQ + rows, lse, mask=rows < LQ)
-            tma.store_wait(0)
+            gl.store(lse_ptr + h.to(gl.int64) * stride_lh + q_start + rows, lse, mask=rows < q_len)
+            if q0 + _WG_ROWS <= q_len:
+                # A whole tile: staged in the (free) Q tile and stored by TMA.
+                qs.store(out)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [(q_start + q0).to(gl.int32), h * BLOCK_D], qs)
+                tma.store_wait(0)
+            else:
+                # The sequence's last rows: the rows past them belong to another sequence.
+                _store_rows(o_ptr, out, q_start + q0, q_len - q0, stride_ot, h * BLOCK_D, O_LAYOUT)
 
     @gluon.jit
     def _producer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                   S_SPLIT: gl.constexpr, STAGES: gl.constexpr):
         """K and V blocks 0 .. n_blocks - 1 into the stages, each once both consumers freed it."""
-        (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lh, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-         kv_empty, b, h, kvh, m0, LQ, LK, qk_scale, n_blocks, QB, QH, QC, KB, KH, KC, VB, VH, VC, OB, OH, OC) = args
+        (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, q_bar, k_ready,
+         v_ready, kv_empty, h, kvh, m0, q_start, q_len, kv_row0, k_len, KV_S, qk_scale, n_blocks, stride_ot,
+         stride_vp, stride_vt, stride_lh, KP, KC, VP, VC) = args
         for i in range(n_blocks):
             st = i % STAGES
+            row = kv_row0 + i * BLOCK_N
             mbarrier.wait(kv_empty.index(st), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b * KB + kvh * KH, i * BLOCK_N, kvh * KC], k_ready.index(st),
-                                            k_smem.index(st))
+            tma.async_copy_global_to_shared(k_desc, [KP, row, kvh * KC], k_ready.index(st), k_smem.index(st))
             mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b * VB + kvh * VH, i * BLOCK_N, kvh * VC], v_ready.index(st),
-                                            v_smem.index(st))
+            tma.async_copy_global_to_shared(v_desc, [VP, row, kvh * VC], v_ready.index(st), v_smem.index(st))
 
-    @gluon.jit
-    def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lh, H, G, LQ, LK, qk_scale,
-                           QB, QH, QC, KB, KH, KC, VB, VH, VC, OB, OH, OC,
+    # Lengths are not specialized on: they vary per call, and Triton 3.6 fails to lower the
+    # kernel with a one-key sequence's lengths folded in as constants.
+    @gluon.jit(do_not_specialize=["LQ", "LK", "KV_S"])
+    def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr,
+                           q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
+                           stride_ot, stride_vp, stride_vt, stride_lh, H, G, LQ, LK, KV_S, qk_scale,
+                           KB, KH, KC, VB, VH, VC,
                            CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                           S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr):
-        """Full forward of a padded batch (every sequence LQ queries over LK keys): one
-        program per (128 query rows, sequence, query head); REVERSE_M starts the longest
-        causal tiles first (launch order only). Launch with num_warps=4 (one consumer) and
-        maxnreg=168: 3 warpgroups x 128 threads x 168 registers fill the register file,
-        the producer hands its share to the consumers (24 / 240 / 240)."""
+                           S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr,
+                           DENSE: gl.constexpr):
+        """Full forward: one program per (128 query rows, sequence, query head); REVERSE_M
+        starts the longest causal tiles first (launch order only). q/o: 2-D row views
+        [tokens, Hq * D]; k/v: 3-D views [planes, KV_S, cols], sequence b's key j of head
+        kvh at plane b * KB + kvh * KH, row k_start + j, column kvh * KC (``_bounds``);
+        v_ptr, stride_vp, stride_vt: v's view as a pointer (plane and row strides).
+        Launch with num_warps=4 (one consumer) and maxnreg=168: 3 warpgroups x 128 threads
+        x 168 registers fill the register file; the producer keeps 24, the consumers 240."""
         pid_m = gl.program_id(0)
         if REVERSE_M:
             pid_m = gl.num_programs(0) - 1 - pid_m
@@ -245,15 +297,17 @@ if gluon is not None:
         b = bh // H
         h = bh % H
         kvh = h // G
+        q_start, q_len, k_start, k_len = _bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, DENSE)
         m0 = pid_m * (_CONSUMERS * _WG_ROWS)
         if CAUSAL:
-            n_end = gl.minimum(LK, LK - LQ + gl.minimum(m0 + _CONSUMERS * _WG_ROWS, LQ))
+            n_end = gl.minimum(k_len, k_len - q_len + gl.minimum(m0 + _CONSUMERS * _WG_ROWS, q_len))
         else:
-            n_end = LK
-        n_blocks = gl.cdiv(gl.maximum(n_end, 0), BLOCK_N)
+            n_end = k_len
+        n_blocks = gl.where(m0 < q_len, gl.cdiv(gl.maximum(n_end, 0), BLOCK_N), 0)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        v_fix_smem = gl.allocate_shared_memory(v_desc.dtype, [_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -264,8 +318,10 @@ if gluon is not None:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=_CONSUMERS)
-        args = (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lh, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                kv_empty, b, h, kvh, m0, LQ, LK, qk_scale, n_blocks, QB, QH, QC, KB, KH, KC, VB, VH, VC, OB, OH, OC)
+        args = (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr,
+                q_smem, k_smem, v_smem, v_fix_smem, q_bar, k_ready, v_ready, kv_empty, h, kvh, m0, q_start, q_len,
+                k_start, k_len, KV_S, qk_scale, n_blocks, stride_ot, stride_vp, stride_vt, stride_lh,
+                b * KB + kvh * KH, KC, b * VB + kvh * VH, VC)
         gl.warp_specialize([
             (_consumer, (args, 0, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES)),
             (_consumer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES)),

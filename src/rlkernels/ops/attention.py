@@ -103,7 +103,7 @@ class FwdLaunch:
     """Launch parameters of the forward kernels (no effect on the bits). ``tma``: the
     full kernel reads whole in-range K/V blocks through TMA descriptors where it can
     (:func:`head_rows_desc`) and the call is large enough to pay for them (:func:`tma_pays`).
-    ``ws``: padded batches take the warp-specialized Hopper kernel where it applies
+    ``ws``: the full forward takes the warp-specialized Hopper kernel where it applies
     (:func:`ws_fwd`)."""
 
     block_m: int = 128
@@ -372,62 +372,88 @@ WS_STAGES = 3
 WS_MAXNREG = 168
 # CUDA's limit on the grid's second dimension (sequences x query heads).
 GRID_Y_MAX = 65535
-_WS_LAYOUTS: dict[tuple[torch.dtype, int], object] = {}
+_WS_LAYOUTS: dict[tuple[torch.dtype, tuple[int, ...]], object] = {}
 
 
-def ws_view(t: torch.Tensor, nb: int, rows: int, batch_stride: int, row_stride: int, head_stride: int,
-            heads: int, d: int) -> tuple[object, int, int, int] | None:
-    """A TMA descriptor over rows of t for kernels.attention_ws, as (desc, XB, XH, XC):
-    row r of sequence b, head h is row r of plane b * XB + h * XH at column h * XC of a
-    [planes, rows, cols] view whose row extent is one sequence (TMA zero-fills past it).
-    t holds nb sequences of ``rows`` rows x heads x d (strides in elements, unit last).
-    Heads side by side in a row give (1, 0, d); head planes (Hugging Face's [B, H, S, D])
-    give (heads, 1, 0). None where TMA can't describe t (other layouts, misaligned)."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16 or rows < 1 or nb < 1:
+def ws_layout(dtype: torch.dtype, block: tuple[int, ...]) -> object:
+    """The shared-memory layout of kernels.attention_ws's tiles of shape ``block``."""
+    layout = _WS_LAYOUTS.get((dtype, block))
+    if layout is None:
+        layout = _WS_LAYOUTS.setdefault((dtype, block), gl.NVMMASharedLayout.get_default_for(
+            list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16))
+    return layout
+
+
+def _tma_strides_ok(t: torch.Tensor, strides: list[int]) -> bool:
+    unit = 16 // t.element_size()  # TMA: 16-byte aligned base and strides
+    return t.data_ptr() % 16 == 0 and all(s > 0 and s % unit == 0 for s in strides[:-1])
+
+
+def ws_rows_desc(t: torch.Tensor) -> object | None:
+    """q or out [T, H, D] (heads side by side in a row) as the 2-D TMA view [T, H * D]
+    kernels.attention_ws reads (and writes) 64-row tiles of; None where TMA can't."""
+    (n, h, d), (st, sh, sd) = t.shape, t.stride()
+    strides = [st, 1]
+    if sd != 1 or (sh != d and h > 1) or n < 1 or not _tma_strides_ok(t, strides) or n >= 1 << 31:
         return None
-    unit = 16 // t.element_size()  # TMA: 16-byte aligned strides
-    if head_stride == d or heads == 1:
-        shape, strides, xb, xh, xc = [nb, rows, heads * d], [batch_stride, row_stride, 1], 1, 0, d
-    elif row_stride == d and (nb == 1 or batch_stride == heads * head_stride):
-        shape, strides, xb, xh, xc = [nb * heads, rows, d], [head_stride, d, 1], heads, 1, 0
+    shape = [n, h * d]
+    return GluonTensorDescriptor(t.as_strided(shape, strides), shape, strides, [WG_ROWS, d],
+                                 ws_layout(t.dtype, (WG_ROWS, d)))
+
+
+def ws_keys_desc(t: torch.Tensor) -> tuple[object, int, int, int] | None:
+    """Keys or values [NB, S, H, D] (unit last stride) as a 3-D TMA view [planes, S, cols]
+    for kernels.attention_ws, as (desc, XB, XH, XC): key j of sequence b, head h is row
+    k_start + j of plane b * XB + h * XH at column h * XC, so the row extent is a batch
+    row's S slots (TMA zero-fills past them). Heads side by side in a token give (1, 0,
+    D), head planes (Hugging Face's [B, H, S, D]) (H, 1, 0); one batch row of packed
+    sequences (NB = 1) XB = 0. None where TMA can't describe t."""
+    (nb, rows, h, d), (sb, sr, sh, sd) = t.shape, t.stride()
+    if sd != 1 or rows < 1 or nb < 1:
+        return None
+    if sh == d or h == 1:
+        shape, strides, xh, xc = [nb, rows, h * d], [sb, sr, 1], 0, d
+        xb = 1
+    elif sr == d and (nb == 1 or sb == h * sh):
+        shape, strides, xh, xc = [nb * h, rows, d], [sh, d, 1], 1, 0
+        xb = h
     else:
         return None
     if shape[0] == 1:  # a stride TMA accepts where there is one plane (size-1 dims may carry any)
-        strides[0] = shape[1] * strides[1]
-    if any(s <= 0 or s % unit for s in strides[:2]) or shape[0] >= 1 << 31:
+        strides[0] = rows * strides[1]
+    if not _tma_strides_ok(t, strides) or shape[0] >= 1 << 31:
         return None
-    layout = _WS_LAYOUTS.get((t.dtype, d))
-    if layout is None:
-        layout = _WS_LAYOUTS.setdefault((t.dtype, d), gl.NVMMASharedLayout.get_default_for(
-            [1, WG_ROWS, d], gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16))
-    view = t.as_strided(shape, strides)
-    return GluonTensorDescriptor(view, shape, strides, [1, WG_ROWS, d], layout), xb, xh, xc
+    desc = GluonTensorDescriptor(t.as_strided(shape, strides), shape, strides, [1, WG_ROWS, d],
+                                 ws_layout(t.dtype, (1, WG_ROWS, d)))
+    return desc, xb if nb > 1 else 0, xh, xc
 
 
-def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, nb: int,
-           lq: int, causal: bool, qk_scale: float, chain: Chain) -> bool:
-    """The forward of a padded batch through the warp-specialized kernel, where it applies:
-    q/out [nb * lq, Hq, D] rows, k/v [nb, Lk, Hkv, D] with every key of a batch row in its
-    sequence. Returns False (nothing launched) where it does not; the Triton kernel then
+def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+           bounds: tuple, nb: int, max_q: int, max_k: int, dense: tuple[int, int] | None, causal: bool,
+           qk_scale: float, chain: Chain) -> bool:
+    """The forward through the warp-specialized kernel, where it applies: q/out [Tq, Hq, D]
+    rows, k/v [NB, S, Hkv, D]; ``bounds`` (q_start, q_len, k_start, k_len) or ``dense``
+    (Lq, Lk: every sequence's Lk keys from slot 0 of its batch row) as :func:`triton_fwd`.
+    Returns False (nothing launched) where it does not apply; the Triton kernel then
     computes the same bits."""
-    d, hq, lk = q.shape[2], q.shape[1], k.shape[1]
+    d, hq = q.shape[2], q.shape[1]
     if (_launch_fwd_ws is None or d not in WS_HEAD_DIMS or chain.block_n != WS_BLOCK_N
             or q.dtype not in TMA_DTYPES or not q.is_cuda or capability(q.device) != (9, 0)
-            or nb * hq > GRID_Y_MAX or not tma_pays(nb, hq, lq, lk, d, causal)):
+            or nb * hq > GRID_Y_MAX or not tma_pays(nb, hq, max_q, max_k, d, causal)):
         return False
     hkv = k.shape[2]
-    views = (ws_view(q, nb, lq, lq * q.stride(0), q.stride(0), q.stride(1), hq, d),
-             ws_view(k, nb, lk, k.stride(0), k.stride(1), k.stride(2), hkv, d),
-             ws_view(v, nb, lk, v.stride(0), v.stride(1), v.stride(2), hkv, d),
-             ws_view(out, nb, lq, lq * out.stride(0), out.stride(0), out.stride(1), hq, d))
-    if any(x is None for x in views):
+    qd, od = ws_rows_desc(q), ws_rows_desc(out)
+    kx, vx = ws_keys_desc(k), ws_keys_desc(v)
+    if qd is None or od is None or kx is None or vx is None:
         return False
-    (qd, *qx), (kd, *kx), (vd, *vx), (od, *ox) = views
+    (kd, *kxs), (vd, *vxs) = kx, vx
+    lq, lk = dense if dense is not None else (0, 0)
     _launch_fwd_ws(
-        (cdiv(lq, CONSUMERS * WG_ROWS), nb * hq),
-        (qd, kd, vd, od, lse, lse.stride(0), hq, hq // hkv, lq, lk, qk_scale, *qx, *kx, *vx, *ox),
-        # CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M
-        (causal, chain.block_n, d, chain.split, WS_STAGES, causal),
+        (cdiv(max_q, CONSUMERS * WG_ROWS), nb * hq),
+        (qd, kd, vd, od, out, vd.base, lse, *bounds, out.stride(0), vd.strides[0], vd.strides[1], lse.stride(0), hq,
+         hq // hkv, lq, lk, k.shape[1], qk_scale, *kxs, *vxs),
+        # CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE
+        (causal, chain.block_n, d, chain.split, WS_STAGES, causal, dense is not None),
         num_warps=4, num_stages=DEFAULT_NUM_STAGES)
     return True
 
@@ -646,8 +672,10 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
                 (cm, bd, dc, even_d, is_dense, klen_ptr),  # BLOCK_M, BLOCK_D, BLOCK_DC, EVEN_D, DENSE, KLEN_PTR
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
-    if (cfg.ws and is_dense and not klen_ptr and k_add == k.shape[1]
-            and ws_fwd(q, k, v, out, lse, nb, lq_d, causal, qk_scale, chain)):
+    # (a padded batch whose key counts come per sequence from k_len is the decode path's form)
+    if (cfg.ws and not (is_dense and klen_ptr)
+            and ws_fwd(q, k, v, out, lse, (q_start, q_len, k_start, k_len), nb, max_q, max_k,
+                       (lq_d, k_add) if is_dense else None, causal, qk_scale, chain)):
         return out, lse
     *descs, tma = _tma_descs(cfg.tma and tma_pays(nb, hq, max_q, max_k, d, causal), k, v, chain.block_n, bd)
     _launch_fwd(
