@@ -124,13 +124,24 @@ def _attention(dtype):
         return
     # Small calls keep pointer loads (A.tma_pays): once as the library runs them, once with
     # every unmasked block read through TMA.
-    saved = A.TMA_MIN_FLOPS
+    # The second pass also sends every head_dim-128 forward through the warp-specialized
+    # kernel (counted below, so the run shows it was exercised).
+    saved, launch = A.TMA_MIN_FLOPS, A._launch_fwd_ws
+    launched = []
+
+    def counting(*args, **kwargs):
+        launched.append(1)
+        return launch(*args, **kwargs)
+
     for tma_min in (saved, 0):
         A.TMA_MIN_FLOPS = tma_min
+        A._launch_fwd_ws = counting if launch is not None else None
         try:
             _attention_cases(dtype)
         finally:
-            A.TMA_MIN_FLOPS = saved
+            A.TMA_MIN_FLOPS, A._launch_fwd_ws = saved, launch
+        print(f"  TMA_MIN_FLOPS={tma_min:g}: {len(launched)} warp-specialized forward launches")
+        launched.clear()
 
 
 def _attention_cases(dtype):
@@ -163,9 +174,15 @@ def _attention_cases(dtype):
     kn, vn = _r(b, 1, hk, d, dtype=dtype), _r(b, 1, hk, d, dtype=dtype)
     _finite(rlkernels.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, causal=True))
     # Keys read in place from Hugging Face's [B, Hkv, S, D] layout, left-padded (NaN before
-    # each sequence), through the op's bounds entry: prefill with its backward, then a
-    # decode-like step (the split-KV kernels over several splits).
-    starts = torch.tensor([4098, 3069, 2], device="cuda", dtype=torch.int32)
+    # each sequence) and right-padded (NaN after it: the last value block runs into free
+    # slots), through the op's bounds entry: prefill with its backward, then a decode-like
+    # step (the split-KV kernels over several splits).
+    for starts in ([4098, 3069, 2], [0, 0, 0]):
+        _hf_layout_case(torch.tensor(starts, device="cuda", dtype=torch.int32), lens, q, s_max, dtype)
+
+
+def _hf_layout_case(starts, lens, q, s_max, dtype):
+    b, hq, hk, d = q.shape[0], q.shape[2], 8, q.shape[3]
     kh = torch.full((b, hk, s_max, d), float("nan"), device="cuda", dtype=dtype)
     vh = torch.full_like(kh, float("nan"))
     for i, (s0, n) in enumerate(zip(starts.tolist(), lens.tolist())):

@@ -9,6 +9,7 @@ variable                       effect                                           
 ``RLKERNELS_FAST_LAUNCH``      ``0``: launch kernels through Triton's own launcher        at import
 ``RLKERNELS_L2_STREAMING``     ``0``: no streaming L2 window over decode GEMM weights     at import
 ``RLKERNELS_ATTN_CHECK_INDICES``  ``0``: attention skips reading cu_seqlens back       every call
+``RLKERNELS_ATTN_WS``          ``0``: the attention forward stays on the Triton kernel    every call
 ``TRITON_INTERPRET``           ``1``: Triton kernels run on the CPU (the interpreter)     every call
 =============================  ========================================================  =============
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import os
 
 SWITCHES = ("RLKERNELS_BACKEND", "RLKERNELS_GEMM_BACKEND", "RLKERNELS_DISABLE_TINY_GEMM", "RLKERNELS_FAST_LAUNCH",
-            "RLKERNELS_L2_STREAMING", "RLKERNELS_ATTN_CHECK_INDICES", "TRITON_INTERPRET")
+            "RLKERNELS_L2_STREAMING", "RLKERNELS_ATTN_CHECK_INDICES", "RLKERNELS_ATTN_WS", "TRITON_INTERPRET")
 
 # os.environ.get re-encodes the name and wraps the lookup in three Python calls; the
 # per-call switches are read on every op call, which for decode-size GEMMs is host-bound.

@@ -787,6 +787,10 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch)
     q, k, v = _gpu_qkv(2, 1031, hq, hkv, 64, torch.bfloat16)
     A.flash_attn_func(q, k, v)
     assert len(launched) == n, "head_dim 64 stays on the Triton kernel"
+    monkeypatch.setenv("RLKERNELS_ATTN_WS", "0")
+    q, k, v = _gpu_qkv(2, 1031, hq, hkv, d, torch.bfloat16)
+    A.flash_attn_func(q, k, v)
+    assert len(launched) == n, "RLKERNELS_ATTN_WS=0 keeps the Triton kernel"
 
 
 @pytest.mark.gpu

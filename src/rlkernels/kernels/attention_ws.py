@@ -206,8 +206,8 @@ if gluon is not None:
             if my_full == 0:
                 s = _mask(s, 0, q0, q_len, k_len, CAUSAL, BLOCK_N, ROW_S, COL_S)
             p, alpha, m_s, l_s = _softmax(s, m_s, l_s, qk_scale, ones, R_LAYOUT, PR_LAYOUT, ROW_S)
-            # Two loops, not a branch per block: a branch while a wgmma is in flight makes
-            # ptxas wait for it there.
+            # The blocks every row sees in full, then the masked ones (the Triton kernel's
+            # two loops): the unmasked blocks skip the select, which changes no bits.
             n_unmasked = gl.minimum(gl.maximum(my_full, 1), my_blocks)
             for i in range(1, n_unmasked):
                 m, l, acc, m_s, l_s, acc_s, p, alpha = _block(

@@ -370,6 +370,8 @@ WS_STAGES = 3
 # Three warpgroups (two consumers and the producer's) x 128 threads x 168 registers fill
 # the 64K register file; the producer keeps 24 and the consumers take 240 each.
 WS_MAXNREG = 168
+# ``RLKERNELS_ATTN_WS=0``: every forward stays on the Triton kernel (the same bits).
+WS_ENV = "RLKERNELS_ATTN_WS"
 # CUDA's limit on the grid's second dimension (sequences x query heads).
 GRID_Y_MAX = 65535
 _WS_LAYOUTS: dict[tuple[torch.dtype, tuple[int, ...]], object] = {}
@@ -437,7 +439,7 @@ def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     Returns False (nothing launched) where it does not apply; the Triton kernel then
     computes the same bits."""
     d, hq = q.shape[2], q.shape[1]
-    if (_launch_fwd_ws is None or d not in WS_HEAD_DIMS or chain.block_n != WS_BLOCK_N
+    if (_launch_fwd_ws is None or d not in WS_HEAD_DIMS or chain.block_n != WS_BLOCK_N or not switch_on(WS_ENV)
             or q.dtype not in TMA_DTYPES or not q.is_cuda or capability(q.device) != (9, 0)
             or nb * hq > GRID_Y_MAX or not tma_pays(nb, hq, max_q, max_k, d, causal)):
         return False
