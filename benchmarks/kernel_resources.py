@@ -20,13 +20,20 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 import triton.backends.nvidia as nvidia_backend
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from rlkernels.kernels import attention as K
+from rlkernels.kernels import attention_ws as W
 from rlkernels.ops import attention as A
+
+try:
+    from triton.experimental.gluon._runtime import GluonASTSource
+except Exception:  # Triton without Gluon
+    GluonASTSource = None
 
 TARGET = GPUTarget("cuda", 90, 32)
 # A representative problem: 16 query / 8 KV heads, B = 16 caches of 4096 keys (decode) or
@@ -63,6 +70,37 @@ def resources(fn, ints: dict[str, int], constexprs: dict[str, object], num_warps
     sig, attrs = _signature(fn, "*bf16", ints, constexprs)
     compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
                               options={"num_warps": num_warps, "num_stages": num_stages, **(options or {})})
+    return _usage(compiled)
+
+
+def ws_resources(d: int, dense: bool) -> str:
+    """The warp-specialized forward (kernels.attention_ws) as ops.attention launches it. The
+    registers shown are the launch's (ops.attention.WS_MAXNREG); the partitions then hold
+    24 / 240 / 240 through setmaxnreg. Stack bytes are spills."""
+    rows, box = A.ws_layout(torch.bfloat16, (W.WG_ROWS, d)), A.ws_layout(torch.bfloat16, (1, W.WG_ROWS, d))
+    descs = {"q_desc": f"tensordesc<bf16[{W.WG_ROWS}, {d}],{rows!r}>", "o_desc": f"tensordesc<bf16[{W.WG_ROWS}, {d}],{rows!r}>",
+             "k_desc": f"tensordesc<bf16[1, {W.WG_ROWS}, {d}],{box!r}>",
+             "v_desc": f"tensordesc<bf16[1, {W.WG_ROWS}, {d}],{box!r}>"}
+    constexprs = dict(CAUSAL=True, BLOCK_N=A.WS_BLOCK_N, BLOCK_D=d, S_SPLIT=A.DEFAULT_CHAIN.split, STAGES=A.WS_STAGES,
+                      REVERSE_M=True, DENSE=dense)
+    sig = {}
+    for name in W.attn_fwd_ws_kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in descs:
+            sig[name] = descs[name]
+        elif name in ("o_ptr", "v_ptr"):
+            sig[name] = "*bf16"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32" if dense or name == "lse_ptr" else "*i32"
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+    compiled = triton.compile(GluonASTSource(W.attn_fwd_ws_kernel, sig, constexprs, {}), target=TARGET,
+                              options={"num_warps": 4, "maxnreg": A.WS_MAXNREG, "enable_fp_fusion": False})
+    return _usage(compiled)
+
+
+def _usage(compiled) -> str:
     tool = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -117,6 +155,9 @@ def main() -> int:
         ]
         for name, fn, constexprs, warps, stages, opts in rows:
             print(f"D = {d:<4} {name:<27} {warps} warps: {resources(fn, ints, constexprs, warps, stages, opts)}")
+        if d in A.WS_HEAD_DIMS and GluonASTSource is not None and W.attn_fwd_ws_kernel is not None:
+            for name, dense in (("warp-specialized (dense)", True), ("warp-specialized (bounds)", False)):
+                print(f"D = {d:<4} {name:<27} 9 warps: {ws_resources(d, dense)}")
     return 0
 
 
