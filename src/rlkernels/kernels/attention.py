@@ -7,7 +7,8 @@ from scratch and the splits' states are merged in ascending order by :func:`merg
 starting from the empty state. ``block_step`` and ``merge_states`` are the only places
 where the state is updated; both the full (prefill) kernel and the split (decode)
 kernel walk a split with :func:`split_walk` and merge with :func:`merge_states`, so their
-rows agree bit for bit.
+rows agree bit for bit. ``kernels.attention_ws`` computes the same chain with the same
+instructions in a warp-specialized Hopper kernel (Gluon).
 
 Exactness of the no-op steps (why a tile's extra rows/blocks cost no bits): a block
 whose keys are all masked for a row leaves (m, l, acc) unchanged exactly (alpha =
