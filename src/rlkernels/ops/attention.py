@@ -674,7 +674,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
                 (cm, bd, dc, even_d, is_dense, klen_ptr),  # BLOCK_M, BLOCK_D, BLOCK_DC, EVEN_D, DENSE, KLEN_PTR
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
-    # (a padded batch whose key counts come per sequence from k_len is the decode path's form)
+    # Not the dense form with per-sequence key counts (k_len + K_ADD, the KV-cache path's):
+    # the warp-specialized kernel reads a padded batch's key count from Lk alone.
     if (cfg.ws and not (is_dense and klen_ptr)
             and ws_fwd(q, k, v, out, lse, (q_start, q_len, k_start, k_len), nb, max_q, max_k,
                        (lq_d, k_add) if is_dense else None, causal, qk_scale, chain)):
