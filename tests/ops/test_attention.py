@@ -713,7 +713,8 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch)
     """The warp-specialized Hopper forward == the Triton full kernel, output and LSE bit for
     bit: odd lengths (1, primes, past a split), Lq < Lk and Lq > Lk, causal and not, fp16,
     keys in Hugging Face's head planes and queries strided inside a fused QKV tensor;
-    sequences by their bounds, packed and in a NaN-filled cache (left and right padding)."""
+    sequences by their bounds, packed and in a NaN-filled cache (left and right padding),
+    also with the persistent kernel on 5 programs."""
     if A.capability(torch.device("cuda")) != (9, 0) or A.attn_fwd_ws_kernel is None:
         pytest.skip("the warp-specialized forward is for sm_90 with Gluon")
     monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call takes it, however small
@@ -773,7 +774,15 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch)
         for b, (sq, s0) in enumerate(zip(seqs, starts)):
             buf[b, :, s0:s0 + lens[b]] = sq[i].transpose(0, 1)
         bufs.append(buf.transpose(1, 2))
-    for keys, k_start in ((packed_kv, q_start), (bufs, torch.tensor(starts, **dev))):
+    ws_programs = A.ws_programs
+    cases = [(keys, k_start, programs) for keys, k_start in ((packed_kv, q_start), (bufs, torch.tensor(starts, **dev)))
+             for programs in (None, 5)]
+    for keys, k_start, programs in cases:
+        # programs=5: each program takes many tiles of unequal lengths (the empty tiles of the
+        # short sequences among them) in snake rounds, the last round short; stage and
+        # barrier phases run on from tile to tile.
+        monkeypatch.setattr(A, "ws_programs", ws_programs if programs is None else
+                            (lambda tiles, device, p=programs: min(tiles, p)))
         n = len(launched)
         ws = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens), keys[0].shape[-3])
         assert len(launched) == n + 1, "the warp-specialized kernel must run"
@@ -782,7 +791,8 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch)
             ref = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens),
                                         keys[0].shape[-3])
         assert len(launched) == n + 1
-        assert not ws.isnan().any() and bits_equal(ws, ref)
+        assert not ws.isnan().any() and bits_equal(ws, ref), programs
+    monkeypatch.setattr(A, "ws_programs", ws_programs)
     n = len(launched)
     q, k, v = _gpu_qkv(2, 1031, hq, hkv, 64, torch.bfloat16)
     A.flash_attn_func(q, k, v)

@@ -9,13 +9,17 @@ against a ones matrix (what Triton lowers ``tl.dot(p, ones[BLOCK_N, 8])`` to), e
 ``ex2.approx.ftz``, no FMA contraction. So its outputs and LSE equal ``attn_fwd_kernel``'s
 bit for bit, and with them the decode (split-KV) path's; GPU tests compare every bit.
 
-What changes is who does what. One CTA takes 128 query rows of one (sequence, query
-head): two consumer warpgroups of 64 rows each (the default partition and a worker)
-and a one-warp producer that streams K/V blocks through STAGES shared-memory stages by
-TMA. Each consumer waits on mbarriers alone, so one's softmax can run while the
-other's MMAs hold the tensor cores; within a consumer, block i's QK^T is in flight with
-block i-1's P@V. Query tiles of 64 rows per consumer are launch detail: a row's bits depend
-on its keys' blocks, not on its tile (see ``kernels.attention``).
+What changes is who does what. A tile is 128 query rows of one (sequence, query head);
+the kernel is persistent: one CTA per SM takes tile after tile. Two consumer warpgroups
+of 64 rows each (the default partition and a worker) compute a tile, and a one-warp
+producer streams its K/V blocks through STAGES shared-memory stages by TMA, running on
+into the next tile's blocks while the consumers finish a tile's output. Each consumer
+waits on mbarriers alone, so one's softmax can run while the other's MMAs hold the
+tensor cores; within a consumer, block i's QK^T is in flight with block i-1's P@V.
+Tiles go to CTAs in rounds, longest causal tiles first, in a snake (``_tile_of_round``),
+which balances the CTAs' work. Which CTA takes a tile and its 64-row split between the
+consumers are launch detail: a row's bits depend on its keys' blocks, not on its tile
+(see ``kernels.attention``).
 
 Operands come through TMA: q and out as row views [tokens, Hq * D] (64-row tiles),
 k and v as 3-D views [planes, slots, cols] -- key j of sequence b, head h at row
@@ -25,7 +29,8 @@ rows (XB = 0) are all read in place. A block's keys past the sequence are masked
 the scores; their values must be exact zeros too (a free cache slot may hold NaN): TMA
 zero-fills rows past a plane's slots, and a last block that runs into other rows of the
 tensor is read again through masked pointer loads. Tiles of rows past a sequence's end
-are stored through masked pointers, whole tiles by TMA.
+are stored through masked pointers, whole tiles by TMA from a staging tile of their own,
+so a tile's store need not finish before the next tile's work starts.
 """
 from __future__ import annotations
 
@@ -86,26 +91,28 @@ if gluon is not None:
         return gl.where(valid, s, float("-inf"))
 
     @gluon.jit
-    def _block(i, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha, s_zero,
+    def _block(i, c0, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha, s_zero,
                ones, qk_scale, q0, LQ, LK, MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, O_LAYOUT: gl.constexpr,
                R_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, PR_LAYOUT: gl.constexpr, ROW_S: gl.constexpr,
                COL_S: gl.constexpr, ROW_O: gl.constexpr):
-        """Block i >= 1: its QK^T goes out with block i-1's P@V, its softmax runs while the
-        P@V does; the P@V is retired (and its stage released) before returning. A block
-        that starts a split first hands the finished split to the merge (after its P@V)."""
-        st = i % STAGES
-        pst = (i - 1) % STAGES
+        """Block i >= 1 of a tile whose block 0 is the program's block c0 (stage and phase
+        count on across tiles): its QK^T goes out with block i-1's P@V, its softmax runs
+        while the P@V does; the P@V is retired (and its stage released) before returning. A
+        block that starts a split first hands the finished split to the merge (after its P@V)."""
+        c = c0 + i
+        st = c % STAGES
+        pst = (c - 1) % STAGES
         boundary = i % SPLIT_BLOCKS == 0
         m_old = m_s
         l_old = l_s
         if boundary:
             m_s = gl.full([_WG_ROWS], float("-inf"), gl.float32, ROW_S)
             l_s = gl.zeros([_WG_ROWS], gl.float32, ROW_S)
-        mbarrier.wait(k_ready.index(st), (i // STAGES) & 1)
+        mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
         s = warpgroup_mma(qs, k_smem.index(st).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(pst), ((c - 1) // STAGES) & 1)
         acc_s = acc_s * gl.convert_layout(alpha, ROW_O)[:, None]
         p_op = gl.convert_layout(p, P_LAYOUT)
         acc_s = warpgroup_mma(p_op, v_smem.index(pst).reshape([BLOCK_N, BLOCK_D]), acc_s, is_async=True)
@@ -153,13 +160,53 @@ if gluon is not None:
         return v_fix
 
     @gluon.jit
+    def _tile_of_round(j):
+        """The program's tile in round j: programs take rounds of consecutive tiles, in
+        program order in even rounds and in reverse in odd ones (a snake), so the program
+        that took the longest tile of a round takes the shortest of the next."""
+        programs = gl.num_programs(0)
+        pid = gl.program_id(0)
+        if j % 2 == 1:
+            pid = programs - 1 - pid
+        return j * programs + pid
+
+    @gluon.jit
+    def _tile(t, NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, REVERSE_M: gl.constexpr, DENSE: gl.constexpr):
+        """Tile t of NUM_TILES = NUM_M query tiles x (sequences x heads), query-tile-major:
+        tile t is query tile t // (sequences x heads) of (sequence, head) t % (sequences x
+        heads), the longest causal tiles first (REVERSE_M). A t past the last tile (a short
+        last round) has no rows and no blocks. Returns the tile's head, key head, first row,
+        bounds, key block count and its k/v planes."""
+        valid = t < NUM_TILES
+        t = gl.minimum(t, NUM_TILES - 1)
+        bh_count = NUM_TILES // NUM_M
+        pid_m = t // bh_count
+        bh = t % bh_count
+        if REVERSE_M:
+            pid_m = NUM_M - 1 - pid_m
+        b = bh // H
+        h = bh % H
+        kvh = h // G
+        q_start, q_len, k_start, k_len = _bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, DENSE)
+        m0 = pid_m * (_CONSUMERS * _WG_ROWS)
+        if CAUSAL:
+            n_end = gl.minimum(k_len, k_len - q_len + gl.minimum(m0 + _CONSUMERS * _WG_ROWS, q_len))
+        else:
+            n_end = k_len
+        n_blocks = gl.where(m0 < q_len, gl.cdiv(gl.maximum(n_end, 0), BLOCK_N), 0)
+        n_blocks = gl.where(valid, n_blocks, 0)
+        q_len = gl.where(valid, q_len, 0)
+        return h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, b * KB + kvh * KH, b * VB + kvh * VH
+
+    @gluon.jit
     def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr):
-        """Rows q0 = m0 + WG * 64 .. + 63 of the sequence: their blocks, the merge, the
-        output and LSE stores."""
-        (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, q_bar, k_ready,
-         v_ready, kv_empty, h, kvh, m0, q_start, q_len, kv_row0, k_len, KV_S, qk_scale, n_blocks, stride_ot,
-         stride_vp, stride_vt, stride_lh, KP, KC, VP, VC) = args
+                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr, DENSE: gl.constexpr):
+        """Rows m0 + WG * 64 .. + 63 of each of the program's tiles: their blocks, the merge,
+        the output and LSE stores."""
+        (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, o_smem, q_bar,
+         k_ready, v_ready, kv_empty, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, H, G, LQ, LK, KV_S, qk_scale,
+         stride_ot, stride_vp, stride_vt, stride_lh, KB, KH, KC, VB, VH, VC, NUM_M, NUM_TILES) = args
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -173,138 +220,150 @@ if gluon is not None:
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         SPLIT_BLOCKS: gl.constexpr = S_SPLIT // BLOCK_N
 
-        q0 = m0 + WG * _WG_ROWS
-        has_rows = q0 < q_len
-        if CAUSAL:
-            my_end = gl.minimum(k_len, k_len - q_len + gl.minimum(q0 + _WG_ROWS, q_len))
-            my_full = gl.minimum(k_len, k_len - q_len + q0 + 1)
-        else:
-            my_end = k_len
-            my_full = k_len
-        # Blocks below my_full are seen in full by every row of this consumer (no mask).
-        my_full = gl.maximum(my_full, 0) // BLOCK_N
-        my_blocks = gl.where(has_rows, gl.cdiv(gl.maximum(my_end, 0), BLOCK_N), 0)
-
-        m = gl.full([_WG_ROWS], float("-inf"), gl.float32, ROW_S)
-        l = gl.zeros([_WG_ROWS], gl.float32, ROW_S)
-        acc = gl.zeros([_WG_ROWS, BLOCK_D], gl.float32, O_LAYOUT)
         qs = q_smem.index(WG)
-        if my_blocks > 0:
-            mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [(q_start + q0).to(gl.int32), h * BLOCK_D], q_bar.index(WG), qs)
-            mbarrier.wait(q_bar.index(WG), 0)
-            ones = gl.full([BLOCK_N, _ROWSUM_COLS], 1.0, k_desc.dtype, ONES_LAYOUT)
-            s_zero = gl.zeros([_WG_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
-            m_s = gl.full([_WG_ROWS], float("-inf"), gl.float32, ROW_S)
-            l_s = gl.zeros([_WG_ROWS], gl.float32, ROW_S)
-            acc_s = gl.zeros([_WG_ROWS, BLOCK_D], gl.float32, O_LAYOUT)
-            # Block 0 (a split's first): its softmax; its P@V goes out with block 1's QK^T.
-            mbarrier.wait(k_ready.index(0), 0)
-            s = warpgroup_mma(qs, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            if my_full == 0:
-                s = _mask(s, 0, q0, q_len, k_len, CAUSAL, BLOCK_N, ROW_S, COL_S)
-            p, alpha, m_s, l_s = _softmax(s, m_s, l_s, qk_scale, ones, R_LAYOUT, PR_LAYOUT, ROW_S)
-            # The blocks every row sees in full, then the masked ones (the Triton kernel's
-            # two loops): the unmasked blocks skip the select, which changes no bits.
-            n_unmasked = gl.minimum(gl.maximum(my_full, 1), my_blocks)
-            for i in range(1, n_unmasked):
-                m, l, acc, m_s, l_s, acc_s, p, alpha = _block(
-                    i, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha, s_zero,
-                    ones, qk_scale, q0, q_len, k_len, False, CAUSAL, BLOCK_N, BLOCK_D, STAGES, SPLIT_BLOCKS,
-                    O_LAYOUT, R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
-            for i in range(n_unmasked, my_blocks):
-                m, l, acc, m_s, l_s, acc_s, p, alpha = _block(
-                    i, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha, s_zero,
-                    ones, qk_scale, q0, q_len, k_len, True, CAUSAL, BLOCK_N, BLOCK_D, STAGES, SPLIT_BLOCKS,
-                    O_LAYOUT, R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
-            # The last block's P@V. Its values come from the stage unless its keys run past
-            # the sequence inside the tensor (TMA zero-fills only past the tensor's rows).
-            last = my_blocks - 1
-            lst = last % STAGES
-            mbarrier.wait(v_ready.index(lst), (last // STAGES) & 1)
-            acc_s = acc_s * gl.convert_layout(alpha, ROW_O)[:, None]
-            p_op = gl.convert_layout(p, P_LAYOUT)
-            v_last = v_smem.index(lst).reshape([BLOCK_N, BLOCK_D])
-            if (last + 1) * BLOCK_N > k_len and kv_row0 + k_len < KV_S:
-                v_last = _zeroed_value_block(v_ptr + VP.to(gl.int64) * stride_vp, v_fix_smem.index(WG),
-                                             kv_row0 + last * BLOCK_N,
-                                             k_len - last * BLOCK_N, stride_vt, kvh * VC, BLOCK_N, BLOCK_D)
-            acc_s = warpgroup_mma(p_op, v_last, acc_s, is_async=True)
-            acc_s, p_op = warpgroup_mma_wait(0, deps=(acc_s, p_op))
-            mbarrier.arrive(kv_empty.index(lst), count=1)
-            m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s, ROW_O)
-        # The CTA's blocks past this consumer's rows (the causal diagonal of the other one):
-        # released once filled, so the producer's stage count stays in step.
-        for i in range(my_blocks, n_blocks):
-            mbarrier.wait(k_ready.index(i % STAGES), (i // STAGES) & 1)
-            mbarrier.arrive(kv_empty.index(i % STAGES), count=1)
-        if has_rows:
-            # kernels.attention.finish; a row that saw no key gives 0 and -inf.
-            seen = l > 0
-            out = (acc / gl.convert_layout(gl.where(seen, l, 1.0), ROW_O)[:, None]).to(o_desc.dtype)
-            lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
-            rows = q0 + gl.arange(0, _WG_ROWS, layout=ROW_S)
-            gl.store(lse_ptr + h.to(gl.int64) * stride_lh + q_start + rows, lse, mask=rows < q_len)
-            if q0 + _WG_ROWS <= q_len:
-                # A whole tile: staged in the (free) Q tile and stored by TMA.
-                qs.store(out)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [(q_start + q0).to(gl.int32), h * BLOCK_D], qs)
-                tma.store_wait(0)
+        os_ = o_smem.index(WG)
+        c0 = 0  # the program's key blocks so far: block c sits in stage c % STAGES
+        q_loads = 0
+        for j in range(0, gl.cdiv(NUM_TILES, gl.num_programs(0))):
+            t = _tile_of_round(j)
+            h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, KP, VP = _tile(
+                t, NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH,
+                CAUSAL, BLOCK_N, REVERSE_M, DENSE)
+            kv_row0 = k_start
+            q0 = m0 + WG * _WG_ROWS
+            has_rows = q0 < q_len
+            if CAUSAL:
+                my_end = gl.minimum(k_len, k_len - q_len + gl.minimum(q0 + _WG_ROWS, q_len))
+                my_full = gl.minimum(k_len, k_len - q_len + q0 + 1)
             else:
-                # The sequence's last rows: the rows past them belong to another sequence.
-                _store_rows(o_ptr, out, q_start + q0, q_len - q0, stride_ot, h * BLOCK_D, O_LAYOUT)
+                my_end = k_len
+                my_full = k_len
+            my_full = gl.maximum(my_full, 0) // BLOCK_N
+            my_blocks = gl.where(has_rows, gl.cdiv(gl.maximum(my_end, 0), BLOCK_N), 0)
+
+            m = gl.full([_WG_ROWS], float("-inf"), gl.float32, ROW_S)
+            l = gl.zeros([_WG_ROWS], gl.float32, ROW_S)
+            acc = gl.zeros([_WG_ROWS, BLOCK_D], gl.float32, O_LAYOUT)
+            if my_blocks > 0:
+                mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [(q_start + q0).to(gl.int32), h * BLOCK_D], q_bar.index(WG),
+                                                qs)
+                mbarrier.wait(q_bar.index(WG), q_loads & 1)
+                q_loads += 1
+                ones = gl.full([BLOCK_N, _ROWSUM_COLS], 1.0, k_desc.dtype, ONES_LAYOUT)
+                s_zero = gl.zeros([_WG_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
+                m_s = gl.full([_WG_ROWS], float("-inf"), gl.float32, ROW_S)
+                l_s = gl.zeros([_WG_ROWS], gl.float32, ROW_S)
+                acc_s = gl.zeros([_WG_ROWS, BLOCK_D], gl.float32, O_LAYOUT)
+                # Block 0 (a split's first): its softmax; its P@V goes out with block 1's QK^T.
+                st0 = c0 % STAGES
+                mbarrier.wait(k_ready.index(st0), (c0 // STAGES) & 1)
+                s = warpgroup_mma(qs, k_smem.index(st0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                if my_full == 0:
+                    s = _mask(s, 0, q0, q_len, k_len, CAUSAL, BLOCK_N, ROW_S, COL_S)
+                p, alpha, m_s, l_s = _softmax(s, m_s, l_s, qk_scale, ones, R_LAYOUT, PR_LAYOUT, ROW_S)
+                # The blocks every row sees in full, then the masked ones (the Triton kernel's
+                # two loops): the unmasked blocks skip the select, which changes no bits.
+                n_unmasked = gl.minimum(gl.maximum(my_full, 1), my_blocks)
+                for i in range(1, n_unmasked):
+                    m, l, acc, m_s, l_s, acc_s, p, alpha = _block(
+                        i, c0, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha,
+                        s_zero, ones, qk_scale, q0, q_len, k_len, False, CAUSAL, BLOCK_N, BLOCK_D, STAGES,
+                        SPLIT_BLOCKS, O_LAYOUT, R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
+                for i in range(n_unmasked, my_blocks):
+                    m, l, acc, m_s, l_s, acc_s, p, alpha = _block(
+                        i, c0, qs, k_smem, v_smem, k_ready, v_ready, kv_empty, m, l, acc, m_s, l_s, acc_s, p, alpha,
+                        s_zero, ones, qk_scale, q0, q_len, k_len, True, CAUSAL, BLOCK_N, BLOCK_D, STAGES,
+                        SPLIT_BLOCKS, O_LAYOUT, R_LAYOUT, P_LAYOUT, PR_LAYOUT, ROW_S, COL_S, ROW_O)
+                # The last block's P@V. Its values come from the stage unless its keys run past
+                # the sequence inside the tensor (TMA zero-fills only past the tensor's rows).
+                last = my_blocks - 1
+                lc = c0 + last
+                lst = lc % STAGES
+                mbarrier.wait(v_ready.index(lst), (lc // STAGES) & 1)
+                acc_s = acc_s * gl.convert_layout(alpha, ROW_O)[:, None]
+                p_op = gl.convert_layout(p, P_LAYOUT)
+                v_last = v_smem.index(lst).reshape([BLOCK_N, BLOCK_D])
+                if (last + 1) * BLOCK_N > k_len and kv_row0 + k_len < KV_S:
+                    v_last = _zeroed_value_block(v_ptr + VP.to(gl.int64) * stride_vp, v_fix_smem.index(WG),
+                                                 kv_row0 + last * BLOCK_N,
+                                                 k_len - last * BLOCK_N, stride_vt, kvh * VC, BLOCK_N, BLOCK_D)
+                acc_s = warpgroup_mma(p_op, v_last, acc_s, is_async=True)
+                acc_s, p_op = warpgroup_mma_wait(0, deps=(acc_s, p_op))
+                mbarrier.arrive(kv_empty.index(lst), count=1)
+                m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s, ROW_O)
+            # The tile's blocks past this consumer's rows (the causal diagonal of the other
+            # one): released once filled, so the stage count stays in step with the producer's.
+            for i in range(my_blocks, n_blocks):
+                c = c0 + i
+                mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+                mbarrier.arrive(kv_empty.index(c % STAGES), count=1)
+            c0 += n_blocks
+            if has_rows:
+                # kernels.attention.finish; a row that saw no key gives 0 and -inf.
+                seen = l > 0
+                out = (acc / gl.convert_layout(gl.where(seen, l, 1.0), ROW_O)[:, None]).to(o_desc.dtype)
+                lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
+                rows = q0 + gl.arange(0, _WG_ROWS, layout=ROW_S)
+                gl.store(lse_ptr + h.to(gl.int64) * stride_lh + q_start + rows, lse, mask=rows < q_len)
+                if q0 + _WG_ROWS <= q_len:
+                    # A whole tile by TMA, once the previous tile's store has left the staging tile.
+                    tma.store_wait(0)
+                    os_.store(out)
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(o_desc, [(q_start + q0).to(gl.int32), h * BLOCK_D], os_)
+                else:
+                    # The sequence's last rows: the rows past them belong to another sequence.
+                    _store_rows(o_ptr, out, q_start + q0, q_len - q0, stride_ot, h * BLOCK_D, O_LAYOUT)
+        tma.store_wait(0)
 
     @gluon.jit
     def _producer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr):
-        """K and V blocks 0 .. n_blocks - 1 into the stages, each once both consumers freed it."""
-        (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, q_bar, k_ready,
-         v_ready, kv_empty, h, kvh, m0, q_start, q_len, kv_row0, k_len, KV_S, qk_scale, n_blocks, stride_ot,
-         stride_vp, stride_vt, stride_lh, KP, KC, VP, VC) = args
-        for i in range(n_blocks):
-            st = i % STAGES
-            row = kv_row0 + i * BLOCK_N
-            mbarrier.wait(kv_empty.index(st), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [KP, row, kvh * KC], k_ready.index(st), k_smem.index(st))
-            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [VP, row, kvh * VC], v_ready.index(st), v_smem.index(st))
+                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr, DENSE: gl.constexpr):
+        """K and V blocks of every tile of the program into the stages, each once both
+        consumers freed it."""
+        (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, o_smem, q_bar,
+         k_ready, v_ready, kv_empty, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, H, G, LQ, LK, KV_S, qk_scale,
+         stride_ot, stride_vp, stride_vt, stride_lh, KB, KH, KC, VB, VH, VC, NUM_M, NUM_TILES) = args
+        c = 0
+        for j in range(0, gl.cdiv(NUM_TILES, gl.num_programs(0))):
+            t = _tile_of_round(j)
+            h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, KP, VP = _tile(
+                t, NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH,
+                CAUSAL, BLOCK_N, REVERSE_M, DENSE)
+            for i in range(n_blocks):
+                st = c % STAGES
+                row = k_start + i * BLOCK_N
+                mbarrier.wait(kv_empty.index(st), ((c // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [KP, row, kvh * KC], k_ready.index(st), k_smem.index(st))
+                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [VP, row, kvh * VC], v_ready.index(st), v_smem.index(st))
+                c += 1
 
-    # Lengths are not specialized on: they vary per call, and Triton 3.6 fails to lower the
-    # kernel with a one-key sequence's lengths folded in as constants.
-    @gluon.jit(do_not_specialize=["LQ", "LK", "KV_S"])
+    # Lengths and tile counts are not specialized on: they vary per call, and Triton 3.6
+    # fails to lower the kernel with a one-key sequence's lengths folded in as constants.
+    @gluon.jit(do_not_specialize=["LQ", "LK", "KV_S", "NUM_M", "NUM_TILES"])
     def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr,
                            q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
                            stride_ot, stride_vp, stride_vt, stride_lh, H, G, LQ, LK, KV_S, qk_scale,
-                           KB, KH, KC, VB, VH, VC,
+                           KB, KH, KC, VB, VH, VC, NUM_M, NUM_TILES,
                            CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                            S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr,
                            DENSE: gl.constexpr):
-        """Full forward: one program per (128 query rows, sequence, query head); REVERSE_M
-        starts the longest causal tiles first (launch order only). q/o: 2-D row views
-        [tokens, Hq * D]; k/v: 3-D views [planes, KV_S, cols], sequence b's key j of head
-        kvh at plane b * KB + kvh * KH, row k_start + j, column kvh * KC (``_bounds``);
-        v_ptr, stride_vp, stride_vt: v's view as a pointer (plane and row strides).
-        Launch with num_warps=4 (one consumer) and maxnreg=168: 3 warpgroups x 128 threads
-        x 168 registers fill the register file; the producer keeps 24, the consumers 240."""
-        pid_m = gl.program_id(0)
-        if REVERSE_M:
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        bh = gl.program_id(1)
-        b = bh // H
-        h = bh % H
-        kvh = h // G
-        q_start, q_len, k_start, k_len = _bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, DENSE)
-        m0 = pid_m * (_CONSUMERS * _WG_ROWS)
-        if CAUSAL:
-            n_end = gl.minimum(k_len, k_len - q_len + gl.minimum(m0 + _CONSUMERS * _WG_ROWS, q_len))
-        else:
-            n_end = k_len
-        n_blocks = gl.where(m0 < q_len, gl.cdiv(gl.maximum(n_end, 0), BLOCK_N), 0)
+        """Full forward, persistent: launch one program per SM (at most NUM_TILES); tile t
+        is query tile t // (NUM_TILES // NUM_M) (128 rows) of (sequence, head) t % (NUM_TILES
+        // NUM_M) (``_tile``); REVERSE_M takes the longest causal tiles first (order only).
+        q/o: 2-D row views [tokens, Hq * D]; k/v: 3-D views [planes, KV_S, cols], sequence
+        b's key j of head kvh at plane b * KB + kvh * KH, row k_start + j, column kvh * KC
+        (``_bounds``); v_ptr, stride_vp, stride_vt: v's view as a pointer (plane and row
+        strides). Launch with num_warps=4 (one consumer) and maxnreg=168: 3 warpgroups x 128
+        threads x 168 registers fill the register file; the producer keeps 24, the
+        consumers 240."""
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        o_smem = gl.allocate_shared_memory(q_desc.dtype, [_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         v_fix_smem = gl.allocate_shared_memory(v_desc.dtype, [_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -318,14 +377,13 @@ if gluon is not None:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=_CONSUMERS)
-        args = (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr,
-                q_smem, k_smem, v_smem, v_fix_smem, q_bar, k_ready, v_ready, kv_empty, h, kvh, m0, q_start, q_len,
-                k_start, k_len, KV_S, qk_scale, n_blocks, stride_ot, stride_vp, stride_vt, stride_lh,
-                b * KB + kvh * KH, KC, b * VB + kvh * VH, VC)
+        args = (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, o_smem,
+                q_bar, k_ready, v_ready, kv_empty, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, H, G, LQ, LK, KV_S,
+                qk_scale, stride_ot, stride_vp, stride_vt, stride_lh, KB, KH, KC, VB, VH, VC, NUM_M, NUM_TILES)
         gl.warp_specialize([
-            (_consumer, (args, 0, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES)),
-            (_consumer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES)),
-            (_producer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES)),
+            (_consumer, (args, 0, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE)),
+            (_consumer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE)),
+            (_producer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE)),
         ], [4, 1], [240, 24])
 else:  # pragma: no cover
     attn_fwd_ws_kernel = None

@@ -48,7 +48,7 @@ from ..kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, at
 from ..kernels.attention_ws import CONSUMERS, WG_ROWS, attn_fwd_ws_kernel
 from ..gemm.chain import accumulator_dtype, chain_matmul, chain_sum
 from ..gemm.tma import TensorDescriptor
-from ..runtime.device import capability
+from ..runtime.device import capability, sm_count
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 
 OP = "flash_attn"
@@ -372,8 +372,8 @@ WS_STAGES = 3
 WS_MAXNREG = 168
 # ``RLKERNELS_ATTN_WS=0``: every forward stays on the Triton kernel (the same bits).
 WS_ENV = "RLKERNELS_ATTN_WS"
-# CUDA's limit on the grid's second dimension (sequences x query heads).
-GRID_Y_MAX = 65535
+# The persistent kernel's tile index is an int32.
+WS_MAX_TILES = (1 << 31) - 1
 _WS_LAYOUTS: dict[tuple[torch.dtype, tuple[int, ...]], object] = {}
 
 
@@ -430,6 +430,13 @@ def ws_keys_desc(t: torch.Tensor) -> tuple[object, int, int, int] | None:
     return desc, xb if nb > 1 else 0, xh, xc
 
 
+def ws_programs(tiles: int, device: torch.device) -> int:
+    """Programs of the persistent warp-specialized forward: one per SM (its shared memory
+    holds one per SM), at most one per tile. Launch detail: which program computes a
+    tile changes no bit."""
+    return min(tiles, sm_count(device))
+
+
 def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
            bounds: tuple, nb: int, max_q: int, max_k: int, dense: tuple[int, int] | None, causal: bool,
            qk_scale: float, chain: Chain) -> bool:
@@ -441,19 +448,23 @@ def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     d, hq = q.shape[2], q.shape[1]
     if (_launch_fwd_ws is None or d not in WS_HEAD_DIMS or chain.block_n != WS_BLOCK_N or not switch_on(WS_ENV)
             or q.dtype not in TMA_DTYPES or not q.is_cuda or capability(q.device) != (9, 0)
-            or nb * hq > GRID_Y_MAX or not tma_pays(nb, hq, max_q, max_k, d, causal)):
+            or not tma_pays(nb, hq, max_q, max_k, d, causal)):
         return False
     hkv = k.shape[2]
     qd, od = ws_rows_desc(q), ws_rows_desc(out)
     kx, vx = ws_keys_desc(k), ws_keys_desc(v)
     if qd is None or od is None or kx is None or vx is None:
         return False
+    num_m = cdiv(max_q, CONSUMERS * WG_ROWS)
+    tiles = num_m * nb * hq
+    if tiles > WS_MAX_TILES:
+        return False
     (kd, *kxs), (vd, *vxs) = kx, vx
     lq, lk = dense if dense is not None else (0, 0)
     _launch_fwd_ws(
-        (cdiv(max_q, CONSUMERS * WG_ROWS), nb * hq),
+        (ws_programs(tiles, q.device), ),
         (qd, kd, vd, od, out, vd.base, lse, *bounds, out.stride(0), vd.strides[0], vd.strides[1], lse.stride(0), hq,
-         hq // hkv, lq, lk, k.shape[1], qk_scale, *kxs, *vxs),
+         hq // hkv, lq, lk, k.shape[1], qk_scale, *kxs, *vxs, num_m, tiles),
         # CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE
         (causal, chain.block_n, d, chain.split, WS_STAGES, causal, dense is not None),
         num_warps=4, num_stages=DEFAULT_NUM_STAGES)
