@@ -229,7 +229,6 @@ if gluon is not None:
             h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, KP, VP = _tile(
                 t, NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH,
                 CAUSAL, BLOCK_N, REVERSE_M, DENSE)
-            kv_row0 = k_start
             q0 = m0 + WG * _WG_ROWS
             has_rows = q0 < q_len
             if CAUSAL:
@@ -286,9 +285,9 @@ if gluon is not None:
                 acc_s = acc_s * gl.convert_layout(alpha, ROW_O)[:, None]
                 p_op = gl.convert_layout(p, P_LAYOUT)
                 v_last = v_smem.index(lst).reshape([BLOCK_N, BLOCK_D])
-                if (last + 1) * BLOCK_N > k_len and kv_row0 + k_len < KV_S:
+                if (last + 1) * BLOCK_N > k_len and k_start + k_len < KV_S:
                     v_last = _zeroed_value_block(v_ptr + VP.to(gl.int64) * stride_vp, v_fix_smem.index(WG),
-                                                 kv_row0 + last * BLOCK_N,
+                                                 k_start + last * BLOCK_N,
                                                  k_len - last * BLOCK_N, stride_vt, kvh * VC, BLOCK_N, BLOCK_D)
                 acc_s = warpgroup_mma(p_op, v_last, acc_s, is_async=True)
                 acc_s, p_op = warpgroup_mma_wait(0, deps=(acc_s, p_op))

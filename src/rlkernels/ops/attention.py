@@ -372,8 +372,8 @@ WS_STAGES = 3
 WS_MAXNREG = 168
 # ``RLKERNELS_ATTN_WS=0``: every forward stays on the Triton kernel (the same bits).
 WS_ENV = "RLKERNELS_ATTN_WS"
-# The persistent kernel's tile index is an int32.
-WS_MAX_TILES = (1 << 31) - 1
+# The persistent kernel's tile index (a round's first tile plus the program id) is an int32.
+WS_MAX_TILES = 1 << 30
 _WS_LAYOUTS: dict[tuple[torch.dtype, tuple[int, ...]], object] = {}
 
 
@@ -462,7 +462,7 @@ def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     (kd, *kxs), (vd, *vxs) = kx, vx
     lq, lk = dense if dense is not None else (0, 0)
     _launch_fwd_ws(
-        (ws_programs(tiles, q.device), ),
+        (ws_programs(tiles, q.device),),
         (qd, kd, vd, od, out, vd.base, lse, *bounds, out.stride(0), vd.strides[0], vd.strides[1], lse.stride(0), hq,
          hq // hkv, lq, lk, k.shape[1], qk_scale, *kxs, *vxs, num_m, tiles),
         # CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE
