@@ -171,13 +171,16 @@ if gluon is not None:
         return j * programs + pid
 
     @gluon.jit
-    def _tile(t, NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH,
-              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, REVERSE_M: gl.constexpr, DENSE: gl.constexpr):
-        """Tile t of NUM_TILES = NUM_M query tiles x (sequences x heads), query-tile-major:
-        tile t is query tile t // (sequences x heads) of (sequence, head) t % (sequences x
-        heads), the longest causal tiles first (REVERSE_M). A t past the last tile (a short
-        last round) has no rows and no blocks. Returns the tile's head, key head, first row,
-        bounds, key block count and its k/v planes."""
+    def _tile(j, tiling, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, REVERSE_M: gl.constexpr,
+              DENSE: gl.constexpr):
+        """The program's tile in round j (``_tile_of_round``) of NUM_TILES = NUM_M query tiles
+        x (sequences x heads), query-tile-major: tile t is query tile t // (sequences x heads)
+        of (sequence, head) t % (sequences x heads), the longest causal tiles first
+        (REVERSE_M). A t past the last tile (a short last round) has no rows and no blocks.
+        Returns the tile's head, key head, first row, bounds, key block count and its k/v
+        planes."""
+        (NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH) = tiling
+        t = _tile_of_round(j)
         valid = t < NUM_TILES
         t = gl.minimum(t, NUM_TILES - 1)
         bh_count = NUM_TILES // NUM_M
@@ -205,8 +208,7 @@ if gluon is not None:
         """Rows m0 + WG * 64 .. + 63 of each of the program's tiles: their blocks, the merge,
         the output and LSE stores."""
         (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, o_smem, q_bar,
-         k_ready, v_ready, kv_empty, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, H, G, LQ, LK, KV_S, qk_scale,
-         stride_ot, stride_vp, stride_vt, stride_lh, KB, KH, KC, VB, VH, VC, NUM_M, NUM_TILES) = args
+         k_ready, v_ready, kv_empty, tiling, KV_S, qk_scale, stride_ot, stride_vp, stride_vt, stride_lh, KC, VC) = args
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -224,11 +226,9 @@ if gluon is not None:
         os_ = o_smem.index(WG)
         c0 = 0  # the program's key blocks so far: block c sits in stage c % STAGES
         q_loads = 0
-        for j in range(0, gl.cdiv(NUM_TILES, gl.num_programs(0))):
-            t = _tile_of_round(j)
-            h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, KP, VP = _tile(
-                t, NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH,
-                CAUSAL, BLOCK_N, REVERSE_M, DENSE)
+        for j in range(0, gl.cdiv(tiling[1], gl.num_programs(0))):
+            h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, KP, VP = _tile(j, tiling, CAUSAL, BLOCK_N,
+                                                                                 REVERSE_M, DENSE)
             q0 = m0 + WG * _WG_ROWS
             has_rows = q0 < q_len
             if CAUSAL:
@@ -324,14 +324,11 @@ if gluon is not None:
         """K and V blocks of every tile of the program into the stages, each once both
         consumers freed it."""
         (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, o_smem, q_bar,
-         k_ready, v_ready, kv_empty, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, H, G, LQ, LK, KV_S, qk_scale,
-         stride_ot, stride_vp, stride_vt, stride_lh, KB, KH, KC, VB, VH, VC, NUM_M, NUM_TILES) = args
+         k_ready, v_ready, kv_empty, tiling, KV_S, qk_scale, stride_ot, stride_vp, stride_vt, stride_lh, KC, VC) = args
         c = 0
-        for j in range(0, gl.cdiv(NUM_TILES, gl.num_programs(0))):
-            t = _tile_of_round(j)
-            h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, KP, VP = _tile(
-                t, NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH,
-                CAUSAL, BLOCK_N, REVERSE_M, DENSE)
+        for j in range(0, gl.cdiv(tiling[1], gl.num_programs(0))):
+            h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, KP, VP = _tile(j, tiling, CAUSAL, BLOCK_N,
+                                                                                 REVERSE_M, DENSE)
             for i in range(n_blocks):
                 st = c % STAGES
                 row = k_start + i * BLOCK_N
@@ -376,9 +373,10 @@ if gluon is not None:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=_CONSUMERS)
+        tiling = (NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH)
         args = (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, o_smem,
-                q_bar, k_ready, v_ready, kv_empty, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, H, G, LQ, LK, KV_S,
-                qk_scale, stride_ot, stride_vp, stride_vt, stride_lh, KB, KH, KC, VB, VH, VC, NUM_M, NUM_TILES)
+                q_bar, k_ready, v_ready, kv_empty, tiling, KV_S, qk_scale, stride_ot, stride_vp, stride_vt, stride_lh,
+                KC, VC)
         gl.warp_specialize([
             (_consumer, (args, 0, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE)),
             (_consumer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE)),
