@@ -75,14 +75,16 @@ def resources(fn, ints: dict[str, int], constexprs: dict[str, object], num_warps
 
 def ws_resources(d: int, dense: bool) -> str:
     """The warp-specialized forward (kernels.attention_ws) as ops.attention launches it. The
-    registers shown are the launch's (ops.attention.WS_MAXNREG); the partitions then hold
-    24 / 240 / 240 through setmaxnreg. Stack bytes are spills."""
+    registers shown are the launch's (attention_ws.launch_registers); the partitions then
+    hold 24 and consumer_registers each through setmaxnreg. Stack bytes are spills."""
+    consumers = A.WS_CONSUMERS[d]
     rows, box = A.ws_layout(torch.bfloat16, (W.WG_ROWS, d)), A.ws_layout(torch.bfloat16, (1, W.WG_ROWS, d))
     descs = {"q_desc": f"tensordesc<bf16[{W.WG_ROWS}, {d}],{rows!r}>", "o_desc": f"tensordesc<bf16[{W.WG_ROWS}, {d}],{rows!r}>",
              "k_desc": f"tensordesc<bf16[1, {W.WG_ROWS}, {d}],{box!r}>",
              "v_desc": f"tensordesc<bf16[1, {W.WG_ROWS}, {d}],{box!r}>"}
     constexprs = dict(CAUSAL=True, BLOCK_N=A.WS_BLOCK_N, BLOCK_D=d, S_SPLIT=A.DEFAULT_CHAIN.split, STAGES=A.WS_STAGES,
-                      REVERSE_M=True, DENSE=dense)
+                      REVERSE_M=True, DENSE=dense, CONSUMERS=consumers,
+                      CONSUMER_REGS=W.consumer_registers(consumers))
     sig = {}
     for name in W.attn_fwd_ws_kernel.arg_names:
         if name in constexprs:
@@ -96,7 +98,7 @@ def ws_resources(d: int, dense: bool) -> str:
         else:
             sig[name] = "fp32" if name == "qk_scale" else "i32"
     compiled = triton.compile(GluonASTSource(W.attn_fwd_ws_kernel, sig, constexprs, {}), target=TARGET,
-                              options={"num_warps": 4, "maxnreg": A.WS_MAXNREG, "enable_fp_fusion": False})
+                              options={"num_warps": 4, "maxnreg": W.launch_registers(consumers), "enable_fp_fusion": False})
     return _usage(compiled)
 
 
@@ -155,9 +157,10 @@ def main() -> int:
         ]
         for name, fn, constexprs, warps, stages, opts in rows:
             print(f"D = {d:<4} {name:<27} {warps} warps: {resources(fn, ints, constexprs, warps, stages, opts)}")
-        if d in A.WS_HEAD_DIMS and GluonASTSource is not None and W.attn_fwd_ws_kernel is not None:
+        if d in A.WS_CONSUMERS and GluonASTSource is not None and W.attn_fwd_ws_kernel is not None:
             for name, dense in (("warp-specialized (dense)", True), ("warp-specialized (bounds)", False)):
-                print(f"D = {d:<4} {name:<27} 9 warps: {ws_resources(d, dense)}")
+                warps = 4 * A.WS_CONSUMERS[d] + 1
+                print(f"D = {d:<4} {name:<27} {warps} warps: {ws_resources(d, dense)}")
     return 0
 
 

@@ -124,18 +124,20 @@ def _attention(dtype):
         return
     # Small calls keep pointer loads (A.tma_pays): once as the library runs them, once with
     # every unmasked block read through TMA.
-    # The second pass also sends every head_dim-128 forward through the warp-specialized
+    # The second pass also sends every head_dim-64 and -128 forward through the warp-specialized
     # kernel (counted below, so the run shows it was exercised).
     saved, launch = A.TMA_MIN_FLOPS, A._launch_fwd_ws
     launched = []
 
-    def counting(*args, **kwargs):
-        launched.append(1)
-        return launch(*args, **kwargs)
+    def counting(f):
+        def launch_and_count(*args, **kwargs):
+            launched.append(1)
+            return f(*args, **kwargs)
+        return launch_and_count
 
     for tma_min in (saved, 0):
         A.TMA_MIN_FLOPS = tma_min
-        A._launch_fwd_ws = counting if launch is not None else None
+        A._launch_fwd_ws = {c: counting(f) for c, f in launch.items()}
         try:
             _attention_cases(dtype)
         finally:

@@ -709,9 +709,10 @@ def test_gpu_tma_reads_give_the_pointer_loads_bits(d, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch):
+@pytest.mark.parametrize("d", [128, 64])
+def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypatch):
     """The warp-specialized Hopper forward == the Triton full kernel, output and LSE bit for
-    bit: odd lengths (1, primes, past a split), Lq < Lk and Lq > Lk, causal and not, fp16,
+    bit, at both head dims it takes (two consumer warpgroups at 128, three at 64): odd lengths (1, primes, past a split), Lq < Lk and Lq > Lk, causal and not, fp16,
     keys in Hugging Face's head planes and queries strided inside a fused QKV tensor;
     sequences by their bounds, packed and in a NaN-filled cache (left and right padding),
     also with the persistent kernel on 5 programs."""
@@ -719,15 +720,16 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch)
         pytest.skip("the warp-specialized forward is for sm_90 with Gluon")
     monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call takes it, however small
     launched = []
-    launch = A._launch_fwd_ws
 
-    def recording(*args, **kwargs):
-        launched.append(args[0])
-        return launch(*args, **kwargs)
+    def recording(launch):
+        def launch_and_record(*args, **kwargs):
+            launched.append(args[0])
+            return launch(*args, **kwargs)
+        return launch_and_record
 
-    monkeypatch.setattr(A, "_launch_fwd_ws", recording)
+    monkeypatch.setattr(A, "_launch_fwd_ws", {c: recording(f) for c, f in A._launch_fwd_ws.items()})
     g = torch.Generator(device="cuda").manual_seed(11)
-    hq, hkv, d = 16, 8, 128
+    hq, hkv = 16, 8
     cases = [(2, 1031, 1031, True, torch.bfloat16, "plain"), (3, 1, 1, True, torch.bfloat16, "plain"),
              (1, 4099, 4099, True, torch.bfloat16, "plain"), (2, 131, 2053, True, torch.float16, "plain"),
              (1, 2053, 131, False, torch.bfloat16, "plain"), (2, 509, 509, False, torch.float16, "plain"),
@@ -794,9 +796,9 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(monkeypatch)
         assert not ws.isnan().any() and bits_equal(ws, ref), programs
     monkeypatch.setattr(A, "ws_programs", ws_programs)
     n = len(launched)
-    q, k, v = _gpu_qkv(2, 1031, hq, hkv, 64, torch.bfloat16)
+    q, k, v = _gpu_qkv(2, 1031, hq, hkv, 80, torch.bfloat16)
     A.flash_attn_func(q, k, v)
-    assert len(launched) == n, "head_dim 64 stays on the Triton kernel"
+    assert len(launched) == n, "head_dim 80 stays on the Triton kernel"
     monkeypatch.setenv("RLKERNELS_ATTN_WS", "0")
     q, k, v = _gpu_qkv(2, 1031, hq, hkv, d, torch.bfloat16)
     A.flash_attn_func(q, k, v)

@@ -9,12 +9,13 @@ against a ones matrix (what Triton lowers ``tl.dot(p, ones[BLOCK_N, 8])`` to), e
 ``ex2.approx.ftz``, no FMA contraction. So its outputs and LSE equal ``attn_fwd_kernel``'s
 bit for bit, and with them the decode (split-KV) path's; GPU tests compare every bit.
 
-What changes is who does what. A tile is 128 query rows of one (sequence, query head);
-the kernel is persistent: one CTA per SM takes tile after tile. Two consumer warpgroups
-of 64 rows each (the default partition and a worker) compute a tile, and a one-warp
-producer streams its K/V blocks through STAGES shared-memory stages by TMA, running on
+What changes is who does what. A tile is CONSUMERS x 64 query rows of one (sequence,
+query head); the kernel is persistent: one CTA per SM takes tile after tile. CONSUMERS
+consumer warpgroups of 64 rows each (the default partition and workers) compute a tile
+(two at D = 128; three at D = 64, where a block's exponentials take as long as its MMAs
+and a third softmax in flight keeps the tensor cores fed), and a one-warp producer streams its K/V blocks through STAGES shared-memory stages by TMA, running on
 into the next tile's blocks while the consumers finish a tile's output. Each consumer
-waits on mbarriers alone, so one's softmax can run while the other's MMAs hold the
+waits on mbarriers alone, so one's softmax can run while another's MMAs hold the
 tensor cores; within a consumer, block i's QK^T is in flight with block i-1's P@V.
 Tiles go to CTAs in rounds, longest causal tiles first, in a snake (``_tile_of_round``),
 which balances the CTAs' work. Which CTA takes a tile and its 64-row split between the
@@ -28,9 +29,10 @@ k_start + j of plane b * XB + h * XH, column h * XC -- so heads side by side in 
 rows (XB = 0) are all read in place. A block's keys past the sequence are masked out of
 the scores; their values must be exact zeros too (a free cache slot may hold NaN): TMA
 zero-fills rows past a plane's slots, and a last block that runs into other rows of the
-tensor is read again through masked pointer loads. Tiles of rows past a sequence's end
-are stored through masked pointers, whole tiles by TMA from a staging tile of their own,
-so a tile's store need not finish before the next tile's work starts.
+tensor is read again through masked pointer loads. Query tiles end at a sequence's last
+row, so a partial tile holds its first rows (the shortest causal walk); rows before the
+sequence's first are stored through masked pointers, whole tiles by TMA from a staging
+tile of their own, so a tile's store need not finish before the next tile's work starts.
 """
 from __future__ import annotations
 
@@ -43,16 +45,31 @@ try:
 except Exception:  # pragma: no cover - a Gluon without the Hopper ops
     gluon = None
 
-# Rows per consumer warpgroup (one wgmma M), consumers per CTA, and the columns of the
-# ones matrix the row sums go through (kernels.attention.ROWSUM_COLS with Triton >= 3.5).
+# Rows per consumer warpgroup (one wgmma M) and the columns of the ones matrix the row
+# sums go through (kernels.attention.ROWSUM_COLS with Triton >= 3.5).
 WG_ROWS = 64
-CONSUMERS = 2
 ROWSUM_COLS = 8
+# Registers: the producer's warpgroup keeps PRODUCER_REGS per thread and the consumer
+# warpgroups share the rest of the SM's register file (setmaxnreg counts in steps of 8).
+REGISTER_FILE = 65536
+PRODUCER_REGS = 24
+
+
+def launch_registers(consumers: int) -> int:
+    """The launch's maxnreg: the consumers' warpgroups and the producer's, 128 threads
+    each, fill the register file until setmaxnreg moves the producer's to the consumers."""
+    return REGISTER_FILE // ((consumers + 1) * 128) // 8 * 8
+
+
+def consumer_registers(consumers: int) -> int:
+    """Registers per thread of each consumer warpgroup (the kernel's CONSUMER_REGS)."""
+    return (REGISTER_FILE - 128 * PRODUCER_REGS) // (consumers * 128) // 8 * 8
+
 
 if gluon is not None:
     _WG_ROWS = gl.constexpr(WG_ROWS)
-    _CONSUMERS = gl.constexpr(CONSUMERS)
     _ROWSUM_COLS = gl.constexpr(ROWSUM_COLS)
+    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
     @gluon.jit
     def _merge(m1, l1, acc1, m2, l2, acc2, ROW_O: gl.constexpr):
@@ -138,12 +155,12 @@ if gluon is not None:
                     gl.load(k_len_ptr + b))
 
     @gluon.jit
-    def _store_rows(o_ptr, out, row0, rows_left, stride_ot, col0, O_LAYOUT: gl.constexpr):
-        """Rows 0 .. rows_left - 1 of the tile to o_ptr rows row0 + i, columns col0 + j."""
+    def _store_rows(o_ptr, out, row0, lo, hi, stride_ot, col0, O_LAYOUT: gl.constexpr):
+        """Rows lo .. hi - 1 of the tile to o_ptr rows row0 + i, columns col0 + j."""
         rows = gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, O_LAYOUT))
         cols = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, O_LAYOUT))
         ptrs = o_ptr + (row0 + rows.to(gl.int64))[:, None] * stride_ot + (col0 + cols)[None, :]
-        gl.store(ptrs, out, mask=(rows < rows_left)[:, None])
+        gl.store(ptrs, out, mask=((rows >= lo) & (rows < hi))[:, None])
 
     @gluon.jit
     def _zeroed_value_block(v_ptr, v_fix, row0, n_valid, stride_vt, col0, BLOCK_N: gl.constexpr,
@@ -172,11 +189,13 @@ if gluon is not None:
 
     @gluon.jit
     def _tile(j, tiling, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, REVERSE_M: gl.constexpr,
-              DENSE: gl.constexpr):
+              DENSE: gl.constexpr, CONSUMERS: gl.constexpr):
         """The program's tile in round j (``_tile_of_round``) of NUM_TILES = NUM_M query tiles
         x (sequences x heads), query-tile-major: tile t is query tile t // (sequences x heads)
         of (sequence, head) t % (sequences x heads), the longest causal tiles first
-        (REVERSE_M). A t past the last tile (a short last round) has no rows and no blocks.
+        (REVERSE_M). Query tiles are counted back from the sequence's last row, so tile m's
+        first row m0 = q_len - (NUM_M - m) x tile rows may be negative (rows before 0 are
+        none of the sequence's). A t past the last tile (a short last round) has no rows and no blocks.
         Returns the tile's head, key head, first row, bounds, key block count and its k/v
         planes."""
         (NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH) = tiling
@@ -192,19 +211,22 @@ if gluon is not None:
         h = bh % H
         kvh = h // G
         q_start, q_len, k_start, k_len = _bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, DENSE)
-        m0 = pid_m * (_CONSUMERS * _WG_ROWS)
+        q_len = gl.where(valid, q_len, 0)  # then every row is before the tile's first: no rows, no blocks
+        # Tiles end at the sequence's last row: a partial tile holds its first rows, whose
+        # causal blocks are the fewest (a partial last tile would leave consumers idle
+        # through the longest walk).
+        m0 = q_len - (NUM_M - pid_m) * (CONSUMERS * _WG_ROWS)
         if CAUSAL:
-            n_end = gl.minimum(k_len, k_len - q_len + gl.minimum(m0 + _CONSUMERS * _WG_ROWS, q_len))
+            n_end = gl.minimum(k_len, k_len - q_len + gl.minimum(m0 + CONSUMERS * _WG_ROWS, q_len))
         else:
             n_end = k_len
-        n_blocks = gl.where(m0 < q_len, gl.cdiv(gl.maximum(n_end, 0), BLOCK_N), 0)
-        n_blocks = gl.where(valid, n_blocks, 0)
-        q_len = gl.where(valid, q_len, 0)
+        n_blocks = gl.where(m0 + CONSUMERS * _WG_ROWS > 0, gl.cdiv(gl.maximum(n_end, 0), BLOCK_N), 0)
         return h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, b * KB + kvh * KH, b * VB + kvh * VH
 
     @gluon.jit
     def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr, DENSE: gl.constexpr):
+                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr, DENSE: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
         """Rows m0 + WG * 64 .. + 63 of each of the program's tiles: their blocks, the merge,
         the output and LSE stores."""
         (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, o_smem, q_bar,
@@ -228,9 +250,9 @@ if gluon is not None:
         q_loads = 0
         for j in range(0, gl.cdiv(tiling[1], gl.num_programs(0))):
             h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, KP, VP = _tile(j, tiling, CAUSAL, BLOCK_N,
-                                                                                 REVERSE_M, DENSE)
+                                                                                 REVERSE_M, DENSE, CONSUMERS)
             q0 = m0 + WG * _WG_ROWS
-            has_rows = q0 < q_len
+            has_rows = (q0 < q_len) & (q0 + _WG_ROWS > 0)
             if CAUSAL:
                 my_end = gl.minimum(k_len, k_len - q_len + gl.minimum(q0 + _WG_ROWS, q_len))
                 my_full = gl.minimum(k_len, k_len - q_len + q0 + 1)
@@ -293,8 +315,8 @@ if gluon is not None:
                 acc_s, p_op = warpgroup_mma_wait(0, deps=(acc_s, p_op))
                 mbarrier.arrive(kv_empty.index(lst), count=1)
                 m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s, ROW_O)
-            # The tile's blocks past this consumer's rows (the causal diagonal of the other
-            # one): released once filled, so the stage count stays in step with the producer's.
+            # The tile's blocks past this consumer's rows (the causal diagonal of the later
+            # ones): released once filled, so the stage count stays in step with the producer's.
             for i in range(my_blocks, n_blocks):
                 c = c0 + i
                 mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
@@ -306,29 +328,30 @@ if gluon is not None:
                 out = (acc / gl.convert_layout(gl.where(seen, l, 1.0), ROW_O)[:, None]).to(o_desc.dtype)
                 lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
                 rows = q0 + gl.arange(0, _WG_ROWS, layout=ROW_S)
-                gl.store(lse_ptr + h.to(gl.int64) * stride_lh + q_start + rows, lse, mask=rows < q_len)
-                if q0 + _WG_ROWS <= q_len:
+                gl.store(lse_ptr + h.to(gl.int64) * stride_lh + q_start + rows, lse, mask=(rows >= 0) & (rows < q_len))
+                if (q0 >= 0) & (q0 + _WG_ROWS <= q_len):
                     # A whole tile by TMA, once the previous tile's store has left the staging tile.
                     tma.store_wait(0)
                     os_.store(out)
                     fence_async_shared()
                     tma.async_copy_shared_to_global(o_desc, [(q_start + q0).to(gl.int32), h * BLOCK_D], os_)
                 else:
-                    # The sequence's last rows: the rows past them belong to another sequence.
-                    _store_rows(o_ptr, out, q_start + q0, q_len - q0, stride_ot, h * BLOCK_D, O_LAYOUT)
+                    # The sequence's first rows: the rows before them belong to another sequence.
+                    _store_rows(o_ptr, out, q_start + q0, -q0, q_len - q0, stride_ot, h * BLOCK_D, O_LAYOUT)
         tma.store_wait(0)
 
     @gluon.jit
     def _producer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr, DENSE: gl.constexpr):
-        """K and V blocks of every tile of the program into the stages, each once both
-        consumers freed it."""
+                  S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr, DENSE: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
+        """K and V blocks of every tile of the program into the stages, each once every
+        consumer freed it."""
         (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, o_smem, q_bar,
          k_ready, v_ready, kv_empty, tiling, KV_S, qk_scale, stride_ot, stride_vp, stride_vt, stride_lh, KC, VC) = args
         c = 0
         for j in range(0, gl.cdiv(tiling[1], gl.num_programs(0))):
             h, kvh, m0, q_start, q_len, k_start, k_len, n_blocks, KP, VP = _tile(j, tiling, CAUSAL, BLOCK_N,
-                                                                                 REVERSE_M, DENSE)
+                                                                                 REVERSE_M, DENSE, CONSUMERS)
             for i in range(n_blocks):
                 st = c % STAGES
                 row = k_start + i * BLOCK_N
@@ -348,39 +371,49 @@ if gluon is not None:
                            KB, KH, KC, VB, VH, VC, NUM_M, NUM_TILES,
                            CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                            S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr,
-                           DENSE: gl.constexpr):
+                           DENSE: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Full forward, persistent: launch one program per SM (at most NUM_TILES); tile t
-        is query tile t // (NUM_TILES // NUM_M) (128 rows) of (sequence, head) t % (NUM_TILES
+        is query tile t // (NUM_TILES // NUM_M) (CONSUMERS x 64 rows) of (sequence, head) t % (NUM_TILES
         // NUM_M) (``_tile``); REVERSE_M takes the longest causal tiles first (order only).
         q/o: 2-D row views [tokens, Hq * D]; k/v: 3-D views [planes, KV_S, cols], sequence
         b's key j of head kvh at plane b * KB + kvh * KH, row k_start + j, column kvh * KC
         (``_bounds``); v_ptr, stride_vp, stride_vt: v's view as a pointer (plane and row
-        strides). Launch with num_warps=4 (one consumer) and maxnreg=168: 3 warpgroups x 128
-        threads x 168 registers fill the register file; the producer keeps 24, the
-        consumers 240."""
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-        o_smem = gl.allocate_shared_memory(q_desc.dtype, [_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        strides). Launch with num_warps=4 (one consumer) and maxnreg=launch_registers(CONSUMERS)
+        (168 for two consumers, 128 for three), CONSUMER_REGS=consumer_registers(CONSUMERS)
+        (240, 160): the producer's warpgroup then keeps PRODUCER_REGS and the consumers take
+        the rest of the register file."""
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        o_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        v_fix_smem = gl.allocate_shared_memory(v_desc.dtype, [_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        v_fix_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(_CONSUMERS):
+        for i in gl.static_range(CONSUMERS):
             mbarrier.init(q_bar.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=_CONSUMERS)
+            mbarrier.init(kv_empty.index(i), count=CONSUMERS)
         tiling = (NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH)
         args = (q_desc, k_desc, v_desc, o_desc, o_ptr, v_ptr, lse_ptr, q_smem, k_smem, v_smem, v_fix_smem, o_smem,
                 q_bar, k_ready, v_ready, kv_empty, tiling, KV_S, qk_scale, stride_ot, stride_vp, stride_vt, stride_lh,
                 KC, VC)
-        gl.warp_specialize([
-            (_consumer, (args, 0, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE)),
-            (_consumer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE)),
-            (_producer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE)),
-        ], [4, 1], [240, 24])
+        gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "2 or 3 consumer warpgroups")
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer, (args, 0, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE, CONSUMERS)),
+                (_consumer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE, CONSUMERS)),
+                (_producer, (args, 2, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE, CONSUMERS)),
+            ], [4, 1], [CONSUMER_REGS, _PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (args, 0, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE, CONSUMERS)),
+                (_consumer, (args, 1, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE, CONSUMERS)),
+                (_consumer, (args, 2, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE, CONSUMERS)),
+                (_producer, (args, 3, CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE, CONSUMERS)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, _PRODUCER_REGS])
 else:  # pragma: no cover
     attn_fwd_ws_kernel = None

@@ -45,7 +45,7 @@ from .._env import switch_on, triton_interpret
 from ..kernels._triton import GluonTensorDescriptor, cdiv, gl
 from ..kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_combine_kernel,
                                  attn_fwd_kernel, attn_split_kernel)
-from ..kernels.attention_ws import CONSUMERS, WG_ROWS, attn_fwd_ws_kernel
+from ..kernels.attention_ws import WG_ROWS, attn_fwd_ws_kernel, consumer_registers, launch_registers
 from ..gemm.chain import accumulator_dtype, chain_matmul, chain_sum
 from ..gemm.tma import TensorDescriptor
 from ..runtime.device import capability, sm_count
@@ -361,15 +361,14 @@ def _key_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 # The warp-specialized Hopper forward (kernels.attention_ws) computes attn_fwd_kernel's
-# chain with the same instructions; on an H100 it ran 1.1-1.2x faster at head_dim 128
-# (bf16, causal, L >= 1024) and slower at 64, where the Triton kernel stays. wgmma makes
-# it sm_90 only; its stages hold key blocks of WS_BLOCK_N.
-WS_HEAD_DIMS = (128,)
+# chain with the same instructions. wgmma makes it sm_90 only; its stages hold key blocks
+# of WS_BLOCK_N. WS_CONSUMERS: the head dims it takes, each with its consumer warpgroups
+# per CTA. Measured against the Triton kernel (bf16, causal, B * L = 16384): D = 128 with
+# two, 1.1-1.2x at L >= 1024 (H100); D = 64 with three, 311 -> 341 TFLOP/s at L = 4096 and
+# 354 -> 389 at 16384, level at 1024, where two consumers measured level or slower (H200).
+WS_CONSUMERS = {64: 3, 128: 2}
 WS_BLOCK_N = 64
 WS_STAGES = 3
-# Three warpgroups (two consumers and the producer's) x 128 threads x 168 registers fill
-# the 64K register file; the producer keeps 24 and the consumers take 240 each.
-WS_MAXNREG = 168
 # ``RLKERNELS_ATTN_WS=0``: every forward stays on the Triton kernel (the same bits).
 WS_ENV = "RLKERNELS_ATTN_WS"
 # The persistent kernel's tile index (a round's first tile plus the program id) is an int32.
@@ -446,7 +445,8 @@ def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     Returns False (nothing launched) where it does not apply; the Triton kernel then
     computes the same bits."""
     d, hq = q.shape[2], q.shape[1]
-    if (_launch_fwd_ws is None or d not in WS_HEAD_DIMS or chain.block_n != WS_BLOCK_N or not switch_on(WS_ENV)
+    consumers = WS_CONSUMERS.get(d)
+    if (not _launch_fwd_ws or consumers is None or chain.block_n != WS_BLOCK_N or not switch_on(WS_ENV)
             or q.dtype not in TMA_DTYPES or not q.is_cuda or capability(q.device) != (9, 0)
             or not tma_pays(nb, hq, max_q, max_k, d, causal)):
         return False
@@ -455,18 +455,19 @@ def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     kx, vx = ws_keys_desc(k), ws_keys_desc(v)
     if qd is None or od is None or kx is None or vx is None:
         return False
-    num_m = cdiv(max_q, CONSUMERS * WG_ROWS)
+    num_m = cdiv(max_q, consumers * WG_ROWS)
     tiles = num_m * nb * hq
     if tiles > WS_MAX_TILES:
         return False
     (kd, *kxs), (vd, *vxs) = kx, vx
     lq, lk = dense if dense is not None else (0, 0)
-    _launch_fwd_ws(
+    _launch_fwd_ws[consumers](
         (ws_programs(tiles, q.device),),
         (qd, kd, vd, od, out, vd.base, lse, *bounds, out.stride(0), vd.strides[0], vd.strides[1], lse.stride(0), hq,
          hq // hkv, lq, lk, k.shape[1], qk_scale, *kxs, *vxs, num_m, tiles),
-        # CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE
-        (causal, chain.block_n, d, chain.split, WS_STAGES, causal, dense is not None),
+        # CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE, CONSUMERS, CONSUMER_REGS
+        (causal, chain.block_n, d, chain.split, WS_STAGES, causal, dense is not None, consumers,
+         consumer_registers(consumers)),
         num_warps=4, num_stages=DEFAULT_NUM_STAGES)
     return True
 
@@ -609,8 +610,9 @@ _launch_fwd = cached_launcher(attn_fwd_kernel, options=_FWD_OPTIONS) if attn_fwd
 _launch_split = cached_launcher(attn_split_kernel, options=_FWD_OPTIONS) if attn_split_kernel is not None else None
 _launch_combine = (cached_launcher(attn_combine_kernel, options=_FWD_OPTIONS) if attn_combine_kernel is not None
                    else None)
-_launch_fwd_ws = (cached_launcher(attn_fwd_ws_kernel, options={**_FWD_OPTIONS, "maxnreg": WS_MAXNREG})
-                  if attn_fwd_ws_kernel is not None else None)
+# The warp-specialized forward by consumer count: each count's launch has its own maxnreg.
+_launch_fwd_ws = ({c: cached_launcher(attn_fwd_ws_kernel, options={**_FWD_OPTIONS, "maxnreg": launch_registers(c)})
+                   for c in sorted(set(WS_CONSUMERS.values()))} if attn_fwd_ws_kernel is not None else {})
 _launch_bwd_delta = cached_launcher(attn_bwd_delta_kernel) if attn_bwd_delta_kernel is not None else None
 _launch_bwd_dkdv = cached_launcher(attn_bwd_dkdv_kernel) if attn_bwd_dkdv_kernel is not None else None
 _launch_bwd_dq = cached_launcher(attn_bwd_dq_kernel) if attn_bwd_dq_kernel is not None else None
