@@ -98,7 +98,8 @@ def ws_resources(d: int, dense: bool) -> str:
         else:
             sig[name] = "fp32" if name == "qk_scale" else "i32"
     compiled = triton.compile(GluonASTSource(W.attn_fwd_ws_kernel, sig, constexprs, {}), target=TARGET,
-                              options={"num_warps": 4, "maxnreg": W.launch_registers(consumers), "enable_fp_fusion": False})
+                              options={"num_warps": 4, "maxnreg": W.launch_registers(consumers),
+                                       "enable_fp_fusion": False})
     return _usage(compiled)
 
 

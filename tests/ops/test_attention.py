@@ -712,10 +712,11 @@ def test_gpu_tma_reads_give_the_pointer_loads_bits(d, monkeypatch):
 @pytest.mark.parametrize("d", [128, 64])
 def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypatch):
     """The warp-specialized Hopper forward == the Triton full kernel, output and LSE bit for
-    bit, at both head dims it takes (two consumer warpgroups at 128, three at 64): odd lengths (1, primes, past a split), Lq < Lk and Lq > Lk, causal and not, fp16,
-    keys in Hugging Face's head planes and queries strided inside a fused QKV tensor;
-    sequences by their bounds, packed and in a NaN-filled cache (left and right padding),
-    also with the persistent kernel on 5 programs."""
+    bit, at both head dims it takes (two consumer warpgroups at 128, three at 64): odd
+    lengths (1, primes, past a split: partial first-row tiles), Lq < Lk and Lq > Lk, causal
+    and not, fp16, keys in Hugging Face's head planes and queries strided inside a fused
+    QKV tensor; sequences by their bounds, packed and in a NaN-filled cache (left and right
+    padding), also with the persistent kernel on 5 programs."""
     if A.capability(torch.device("cuda")) != (9, 0) or A.attn_fwd_ws_kernel is None:
         pytest.skip("the warp-specialized forward is for sm_90 with Gluon")
     monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call takes it, however small

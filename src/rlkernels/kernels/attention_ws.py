@@ -13,7 +13,8 @@ What changes is who does what. A tile is CONSUMERS x 64 query rows of one (seque
 query head); the kernel is persistent: one CTA per SM takes tile after tile. CONSUMERS
 consumer warpgroups of 64 rows each (the default partition and workers) compute a tile
 (two at D = 128; three at D = 64, where a block's exponentials take as long as its MMAs
-and a third softmax in flight keeps the tensor cores fed), and a one-warp producer streams its K/V blocks through STAGES shared-memory stages by TMA, running on
+and a third softmax in flight keeps the tensor cores fed), and a one-warp producer
+streams its K/V blocks through STAGES shared-memory stages by TMA, running on
 into the next tile's blocks while the consumers finish a tile's output. Each consumer
 waits on mbarriers alone, so one's softmax can run while another's MMAs hold the
 tensor cores; within a consumer, block i's QK^T is in flight with block i-1's P@V.
@@ -195,7 +196,8 @@ if gluon is not None:
         of (sequence, head) t % (sequences x heads), the longest causal tiles first
         (REVERSE_M). Query tiles are counted back from the sequence's last row, so tile m's
         first row m0 = q_len - (NUM_M - m) x tile rows may be negative (rows before 0 are
-        none of the sequence's). A t past the last tile (a short last round) has no rows and no blocks.
+        none of the sequence's). A t past the last tile (a short last round) has no rows
+        and no blocks.
         Returns the tile's head, key head, first row, bounds, key block count and its k/v
         planes."""
         (NUM_M, NUM_TILES, H, G, LQ, LK, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, KB, KH, VB, VH) = tiling
@@ -373,8 +375,8 @@ if gluon is not None:
                            S_SPLIT: gl.constexpr, STAGES: gl.constexpr, REVERSE_M: gl.constexpr,
                            DENSE: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Full forward, persistent: launch one program per SM (at most NUM_TILES); tile t
-        is query tile t // (NUM_TILES // NUM_M) (CONSUMERS x 64 rows) of (sequence, head) t % (NUM_TILES
-        // NUM_M) (``_tile``); REVERSE_M takes the longest causal tiles first (order only).
+        is query tile t // (NUM_TILES // NUM_M) (CONSUMERS x 64 rows) of (sequence, head)
+        t % (NUM_TILES // NUM_M) (``_tile``); REVERSE_M takes the longest causal tiles first (order only).
         q/o: 2-D row views [tokens, Hq * D]; k/v: 3-D views [planes, KV_S, cols], sequence
         b's key j of head kvh at plane b * KB + kvh * KH, row k_start + j, column kvh * KC
         (``_bounds``); v_ptr, stride_vp, stride_vt: v's view as a pointer (plane and row
