@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlkernels import contract, reference, testing
+from rlkernels.kernels import attention_ws as W
 from rlkernels.ops import attention as A
 from rlkernels.registry import get_op, registered_ops
 
@@ -489,6 +490,19 @@ def test_ws_descriptor_layouts():
     out = torch.zeros(80, 3, 16, dtype=torch.float16)
     assert not A.ws_fwd(rows, t, t, out, torch.zeros(3, 80), (None,) * 4, 2, 40, 40, (40, 40), True, 1.0,
                         A.DEFAULT_CHAIN)  # CPU: not launched
+
+
+def test_ws_register_split_fits_the_register_file():
+    """Each consumer count the warp-specialized forward launches with fits the SM's register
+    file at launch ((consumers + 1) warpgroups at launch_registers) and after setmaxnreg
+    (the producer's warpgroup at PRODUCER_REGS, each consumer at consumer_registers), in
+    setmaxnreg's steps of 8, and setmaxnreg only raises the consumers' count."""
+    for consumers in sorted(set(A.WS_CONSUMERS.values())):
+        launch, consumer = W.launch_registers(consumers), W.consumer_registers(consumers)
+        assert launch % 8 == 0 and consumer % 8 == 0, consumers
+        assert (consumers + 1) * 128 * launch <= W.REGISTER_FILE, consumers
+        assert consumers * 128 * consumer + 128 * W.PRODUCER_REGS <= W.REGISTER_FILE, consumers
+        assert W.PRODUCER_REGS <= launch <= consumer, consumers
 
 
 def test_tma_only_where_the_call_is_large():
