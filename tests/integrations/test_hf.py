@@ -227,3 +227,31 @@ def test_token_logprobs_rejects_ids_outside_the_vocab(bad, where):
                                          rf"the model's vocabulary \[0, 300\) \(first bad id, at batch {b}, "
                                          rf"index {i}\)"):
         token_logprobs(model, ids)
+
+
+def test_generate_refuses_prompts_it_cannot_continue_as_the_trainer_scores():
+    model = patch_model(_tiny("qwen3"))
+    ids = torch.tensor([[0, 0, 5, 6], [0, 0, 0, 0], [7, 8, 9, 10]])
+    empty_row = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
+    # Before, row 1's first log-prob was -ln V from a forward over nothing, where the
+    # trainer's token_logprobs scores that position 0.
+    with pytest.raises(ValueError, match=r"prompt row 1 is all padding \(attention_mask\[1\] has no 1\)"):
+        rlkernels.generate(model, ids, empty_row, max_new_tokens=2)
+    right = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"prompt row 0 is not left-padded .*padding_side = 'left'"):
+        rlkernels.generate(model, ids, right, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 3\)"):
+        rlkernels.generate(model, ids, right[:, :3], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("call", ["generate", "token_logprobs"])
+def test_temperature_must_be_a_python_number(call):
+    model = patch_model(_tiny("qwen3"))
+    fn = getattr(rlkernels, call)
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(TypeError, match=rf"rlkernels.{call}: temperature must be a Python number, got Tensor "
+                                        r"\(call float\(\) on a one-element tensor\)"):
+        fn(model, ids, temperature=torch.tensor(0.7))
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=rf"rlkernels.{call}: temperature must be a finite number > 0"):
+            fn(model, ids, temperature=bad)

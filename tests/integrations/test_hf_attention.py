@@ -151,7 +151,7 @@ def test_generate_masks_tokens_after_eos_and_refuses_beam_search():
     assert (lp2[0, first + 1:] == 0).all() and (lp2[0, :first + 1] != 0).all()
     with pytest.raises(ValueError, match="num_beams=2 is not supported"):
         rlkernels.generate(model, ids, mask, max_new_tokens=2, num_beams=2)
-    with pytest.raises(ValueError, match="temperature must be > 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
         rlkernels.generate(model, ids, mask, temperature=0)
 
 

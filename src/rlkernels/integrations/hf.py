@@ -23,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import fsdp, hf_attention, hf_decode
+from . import fsdp, hf_attention, hf_coverage, hf_decode
 from .batch_invariant import set_batch_invariant_mode
 from ..nn import Linear
 from ..nn import RMSNorm
@@ -56,6 +57,11 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
     keeps pointing at the same tensors). ``attn_implementation`` ("rlkernels" by
     default, the invariant one; "eager" is invariant under the mode except to left
     padding; None leaves it unchanged) is set on the model.
+
+    A model with modules the library does not cover (:mod:`~rlkernels.integrations.hf_coverage`:
+    GPT-2's ``Conv1D``, ``LayerNorm``, mixture-of-experts blocks, families not verified)
+    is patched as far as it goes, with a warning naming those modules; :func:`is_patched`
+    is then False, so :func:`token_logprobs` and :func:`generate` run it under the mode.
     """
     if attn_implementation == hf_attention.NAME:
         hf_attention.register()
@@ -68,20 +74,27 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
                 setattr(parent, name, RMSNorm.from_module(child))
     if attn_implementation is not None:
         _set_attention(model, attn_implementation)
+    gaps = hf_coverage.describe_gaps(model)
+    if gaps is not None:
+        warnings.warn(f"rlkernels.patch_model: {type(model).__name__} is only partly covered ({gaps}). "
+                      "Their ops may reduce across features or tokens with stock kernels: "
+                      "rlkernels.is_patched(model) is False, and token_logprobs / generate run the model under "
+                      "the batch-invariant mode", stacklevel=2)
     return model
 
 
 def is_patched(model: nn.Module) -> bool:
     """True where ``model``'s forward is invariant without the mode: the ``"rlkernels"``
-    attention is selected and no plain ``nn.Linear`` or HF RMSNorm is left.
-
-    The other ops a Llama/Qwen2/Qwen3/Mistral forward runs do not reduce across
-    tokens (embedding gathers, rotary tables from a one-term product, elementwise
-    activations and residual adds), so their bits do not depend on the batch.
+    attention is selected and every module is covered
+    (:func:`~rlkernels.integrations.hf_coverage.uncovered_modules` finds none): the
+    library's Linear and RMSNorm, gathers and elementwise modules, and the parameter-free
+    modules of the verified families (Llama, Mistral, Qwen2, Qwen3), whose other ops do
+    not reduce across tokens (embedding gathers, rotary tables from a one-term product,
+    elementwise activations and residual adds).
     """
     if attention_implementation(model) != hf_attention.NAME:
         return False
-    return not any(type(m) is nn.Linear or _is_rms_norm(m) for m in model.modules())
+    return next(hf_coverage.uncovered_modules(model), None) is None
 
 
 def mode_for(model: nn.Module, batch_invariant: bool | None = None) -> contextlib.AbstractContextManager:
@@ -161,12 +174,28 @@ def next_token_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return target
 
 
+def check_head(op: str, model: nn.Module) -> nn.Module:
+    """The LM head, where the model's logits are ``hidden @ head.weight.T (+ bias)``; else ValueError.
+
+    The fused log-prob applies no scale or cap after the head: a model that has one
+    (:data:`~rlkernels.integrations.hf_coverage.LOGIT_TRANSFORMS`) would be scored by
+    another distribution than its own, so it is refused, naming the field."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"rlkernels.{op}: {type(model).__name__}'s output embedding is "
+                        f"{type(head).__name__ if head is not None else 'missing'}, not a linear LM head")
+    transforms = hf_coverage.logit_transforms(model)
+    if transforms:
+        raise ValueError(f"rlkernels.{op}: {type(model).__name__} changes its logits after the LM head "
+                         f"({', '.join(transforms)}); the fused head computes hidden @ W.T only, so its "
+                         "log-probs would not be the model's. Such heads are not supported")
+    return head
+
+
 def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.Tensor, *,
-                         temperature: float = 1.0, return_entropy: bool = False):
+                         temperature: float = 1.0, return_entropy: bool = False, op: str = "token_logprobs"):
     """linear_logprob of ``target`` [B, T] from ``hidden`` [B, T, H] through the LM head."""
-    head = model.get_output_embeddings()
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise TypeError(f"rlkernels.token_logprobs: {type(model).__name__} has no linear output embedding")
+    head = check_head(op, model)
     B, T = target.shape
     h2 = hidden.reshape(B * T, hidden.shape[-1])
     out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None),
@@ -175,6 +204,17 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
         logp, ent = out
         return logp.reshape(B, T), ent.reshape(B, T)
     return out.reshape(B, T)
+
+
+def check_temperature(op: str, temperature: object) -> float:
+    """``temperature`` as a float; ValueError unless it is a finite Python number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"rlkernels.{op}: temperature must be a Python number, got {type(temperature).__name__}"
+                        + (" (call float() on a one-element tensor)" if isinstance(temperature, torch.Tensor)
+                           else ""))
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"rlkernels.{op}: temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
 
 
 def _vocab_size(model: nn.Module) -> int | None:
@@ -223,8 +263,8 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         raise ValueError(f"rlkernels.token_logprobs: input_ids must be [B, L], got {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError("rlkernels.token_logprobs: attention_mask must match input_ids' shape")
-    if temperature <= 0:
-        raise ValueError(f"rlkernels.token_logprobs: temperature must be > 0, got {temperature}")
+    temperature = check_temperature("token_logprobs", temperature)
+    check_head("token_logprobs", model)
     _check_ids(model, input_ids)
     B, L = input_ids.shape
     if L < 2:
@@ -329,6 +369,32 @@ def _hf_decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.
     return sequences, torch.stack(captured, dim=1)
 
 
+def _check_prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """ValueError naming the first prompt row that is not left-padded or has no token; one host sync.
+
+    New tokens are appended after the last column, so a right-padded prompt would put
+    padding between its tokens and its continuation. A row of padding alone has no
+    token to condition on: the trainer's ``token_logprobs`` scores no position there
+    and the sampler's first log-prob would have no counterpart."""
+    if attention_mask is None or input_ids.numel() == 0:
+        return
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"rlkernels.generate: attention_mask has shape {tuple(attention_mask.shape)}, "
+                         f"input_ids {tuple(input_ids.shape)}")
+    mask = attention_mask.bool()
+    empty = ~mask.any(dim=1)
+    not_left = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)
+    bad = torch.stack([empty, not_left]).cpu()
+    if bool(bad[0].any()):
+        row = int(bad[0].nonzero()[0])
+        raise ValueError(f"rlkernels.generate: prompt row {row} is all padding (attention_mask[{row}] has no 1); "
+                         "every prompt needs at least one token")
+    if bool(bad[1].any()):
+        row = int(bad[1].nonzero()[0])
+        raise ValueError(f"rlkernels.generate: prompt row {row} is not left-padded (a 0 follows a 1 in "
+                         f"attention_mask[{row}]); prompts must be left-padded (tokenizer.padding_side = 'left')")
+
+
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              temperature: float = 1.0, return_entropy: bool = False, batch_invariant: bool | None = None,
              cuda_graph: bool = False, **generate_kwargs: Any):
@@ -356,8 +422,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("rlkernels.generate: input_ids must be a [B, L] tensor")
-    if temperature <= 0:
-        raise ValueError(f"rlkernels.generate: temperature must be > 0, got {temperature}")
+    temperature = check_temperature("generate", temperature)
     for option in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
         value = generate_kwargs.get(option)
         if value not in (None, 1):
@@ -369,7 +434,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         raise ValueError("rlkernels.generate: cuda_graph=True is not supported on an FSDP2 (fully_shard) model: "
                          "its layers gather their parameters in every step's forward; decode eagerly, or from an "
                          "unsharded copy")
+    check_head("generate", model)
     _check_ids(model, input_ids)
+    _check_prompt_mask(input_ids, attention_mask)
     eos_ids = _eos_ids(model, generate_kwargs)
     with mode_for(model, batch_invariant):
         if cuda_graph:
@@ -380,7 +447,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
             sequences, hidden = _hf_decode(model, input_ids, attention_mask, generate_kwargs)
         new = sequences[:, input_ids.shape[1]:]
         target = new.masked_fill(_after_eos(new, eos_ids), IGNORE_INDEX)
-        scores = logprobs_from_hidden(model, hidden, target, temperature=temperature, return_entropy=return_entropy)
+        scores = logprobs_from_hidden(model, hidden, target, temperature=temperature, return_entropy=return_entropy,
+                                      op="generate")
     if return_entropy:
         return sequences, scores[0], scores[1]
     return sequences, scores

@@ -1,0 +1,143 @@
+"""What a patched Hugging Face model's forward is proven to cover, and what it is not.
+
+``is_patched`` is a promise: every op of the forward that reduces across features or
+tokens runs an invariant kernel. It is kept by an allowlist, not a guess. A module is
+covered when it is
+
+* one of the library's own modules (:class:`rlkernels.Linear`, :class:`rlkernels.RMSNorm`);
+* a module that only gathers or acts elementwise (``nn.Embedding``, dropout, identity,
+  a parameter-free activation);
+* a module of a verified family (:data:`VERIFIED_FAMILIES`) that holds no parameter of
+  its own: those forwards were read and compose only the modules above, the attention
+  interface, a rotary table from a one-term product, and elementwise ops.
+
+Anything else -- GPT-2's ``Conv1D``, a ``LayerNorm``, a mixture-of-experts block whose
+experts are 3-D parameters combined with ``index_add_``, a family nobody has read --
+is a gap: ``patch_model`` warns naming it and ``is_patched`` is False, so
+``token_logprobs`` runs such a model under the batch-invariant mode.
+
+The LM head is part of the promise too: ``token_logprobs`` and ``generate`` take the
+log-probs from ``hidden @ lm_head.weight.T (+ bias)``. Some models scale or cap their
+logits after the head (:data:`LOGIT_TRANSFORMS`); the fused head does not apply those,
+so such a model is refused rather than scored by another formula.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from torch import nn
+
+from ..nn import Linear, RMSNorm
+
+# transformers' modeling modules whose causal-LM forward was read: decoder layers of
+# attention (through the attention interface) and a gated MLP, RMSNorms, a rotary table,
+# and an LM head whose output is returned unchanged.
+VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+# Config fields by which transformers' causal LMs change the logits after the LM head
+# (or its input); a value other than the neutral one means the model's logits are not
+# ``hidden @ W.T``. Read from the model's config and its text_config.
+LOGIT_TRANSFORMS: dict[str, tuple[Any, ...]] = {
+    "logit_scale": (None, 1, 1.0),             # Cohere, Cohere2: logits * scale
+    "logits_scaling": (None, 1, 1.0),          # Granite: logits / scaling; HyperCLOVAX: logits * scaling
+    "final_logit_softcapping": (None,),        # Gemma2/3/4, VaultGemma, NanoChat: tanh(logits / cap) * cap
+    "logits_soft_cap": (None,),                # RecurrentGemma
+    "lm_head_multiplier": (None, 1, 1.0),      # FalconH1: logits * multiplier
+    "output_multiplier": (None, 1, 1.0),       # MuseGlimmer, MuseSpark: logits * multiplier, then a cap
+    "logits_mup_width_multiplier": (None, 1, 1.0),  # Inkling: the head's input / multiplier
+    "unpadded_vocab_size": (None,),            # Inkling: logits cut to a smaller vocabulary
+}
+
+# Modules that only gather, act elementwise or hold other modules, whatever family they come from.
+_ELEMENTWISE = (nn.Embedding, nn.Dropout, nn.Identity, nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid,
+                nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _family(module: nn.Module) -> str | None:
+    """``llama`` for ``transformers.models.llama.modeling_llama``; None outside transformers' models.
+
+    Wrappers that subclass the module's class on the fly (FSDP2's ``fully_shard``) are
+    looked through: the first class of the MRO defined outside ``torch`` decides."""
+    for cls in type(module).__mro__:
+        parts = cls.__module__.split(".")
+        if parts[0] == "torch":
+            continue
+        if len(parts) >= 4 and parts[0] == "transformers" and parts[1] == "models":
+            return parts[2]
+        return None
+    return None
+
+
+def _is_activation(module: nn.Module) -> bool:
+    """A parameter-free activation from transformers' ACT2FN table (elementwise)."""
+    return type(module).__module__ == "transformers.activations" and next(module.parameters(), None) is None
+
+
+def _covered(module: nn.Module) -> bool:
+    if isinstance(module, (Linear, RMSNorm, *_ELEMENTWISE)) or _is_activation(module):
+        return True
+    owns_parameters = next(module.parameters(recurse=False), None) is not None
+    return _family(module) in VERIFIED_FAMILIES and not owns_parameters
+
+
+def uncovered_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(qualified name, module) of every module whose forward the library does not cover."""
+    for name, module in model.named_modules():
+        if not _covered(module):
+            yield name or type(module).__name__, module
+
+
+def describe_gaps(model: nn.Module, limit: int = 6) -> str | None:
+    """What :func:`uncovered_modules` finds, in words (one place of each type), or None.
+
+    Modules that hold parameters the library does not patch come first (``Conv1D``,
+    ``LayerNorm``, 3-D expert weights); then the parameter-free modules of families
+    whose forwards are not verified."""
+    unpatched: dict[str, str] = {}
+    unread: dict[str, list[str]] = {}
+    for name, module in uncovered_modules(model):
+        kind = type(module).__name__
+        if next(module.parameters(recurse=False), None) is not None:
+            unpatched.setdefault(kind, name)
+        else:
+            family = unread.setdefault(_family(module) or type(module).__module__, [])
+            if kind not in family:
+                family.append(kind)
+    if not unpatched and not unread:
+        return None
+
+    def listed(items: list[str]) -> str:
+        return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+    parts = []
+    if unpatched:
+        parts.append("modules holding weights the library does not patch: "
+                     + listed([f"{kind} (e.g. {where})" for kind, where in unpatched.items()]))
+    if unread:
+        parts.append("modules of families whose forwards are not verified: "
+                     + "; ".join(f"{family!r}: {listed(kinds)}" for family, kinds in unread.items()))
+    return "; ".join(parts)
+
+
+def logit_transforms(model: nn.Module) -> list[str]:
+    """``field=value`` for every config field by which ``model`` changes its logits after the head."""
+    found = []
+    config = getattr(model, "config", None)
+    configs = [config, getattr(config, "text_config", None)]
+    inner = getattr(model, "model", None)
+    for source in [*configs, inner]:
+        if source is None:
+            continue
+        for field, neutral in LOGIT_TRANSFORMS.items():
+            value = getattr(source, field, None)
+            if not _is_neutral(value, neutral) and f"{field}={value!r}" not in found:
+                found.append(f"{field}={value!r}")
+    return found
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value in neutral
+    return False  # a tensor or anything else: a transform the fused head does not apply

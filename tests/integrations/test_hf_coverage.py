@@ -1,0 +1,125 @@
+"""is_patched claims only what the library covers; heads that scale or cap logits are refused."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import rlkernels  # noqa: E402
+from rlkernels.integrations import hf_coverage  # noqa: E402
+
+VOCAB = 300
+DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def _build(kind: str, **over) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+    elif kind == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4))
+    elif kind == "cohere":
+        model = transformers.CohereForCausalLM(transformers.CohereConfig(**DENSE, **over))
+    elif kind == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**DENSE, head_dim=8, **over))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**DENSE, sliding_window=None))
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE, head_dim=8))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DENSE))
+    return model.eval()
+
+
+def _ragged(n: int = 5, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g) for _ in range(n)]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    return seqs, ids, mask
+
+
+def _rows_equal_alone_and_batched(model: torch.nn.Module, batch_invariant: bool | None) -> int:
+    seqs, ids, mask = _ragged()
+    batched = rlkernels.token_logprobs(model, ids, mask, batch_invariant=batch_invariant)
+    return sum(torch.equal(rlkernels.token_logprobs(model, s[None], batch_invariant=batch_invariant)[0],
+                           batched[i, :len(s) - 1]) for i, s in enumerate(seqs))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+def test_verified_families_are_patched_without_a_warning(kind):
+    model = _build(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rlkernels.patch_model(model)
+    assert rlkernels.is_patched(model)
+    assert list(hf_coverage.uncovered_modules(model)) == []
+
+
+@pytest.mark.parametrize("kind, named", [("gpt2", "Conv1D"), ("qwen3_moe", "Qwen3MoeExperts")])
+def test_uncovered_modules_are_named_and_not_claimed(kind, named):
+    model = _build(kind)
+    with pytest.warns(UserWarning, match=f"only partly covered.*{named}"):
+        rlkernels.patch_model(model)
+    assert not rlkernels.is_patched(model)
+    # Not patched, so token_logprobs runs it under the mode: a row's bits alone == in a batch.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _rows_equal_alone_and_batched(model, None) == 5
+
+
+def test_stock_moe_rows_move_with_the_batch_outside_the_mode():
+    """The control: the same MoE forward without the mode is not invariant on this CPU."""
+    model = _build("qwen3_moe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rlkernels.patch_model(model)
+        assert _rows_equal_alone_and_batched(model, False) < 5
+
+
+def test_a_parameter_holding_module_in_a_verified_family_is_a_gap():
+    model = rlkernels.patch_model(_build("llama"))
+    model.model.layers[0].mlp.register_parameter("scale", torch.nn.Parameter(torch.ones(32)))
+    assert not rlkernels.is_patched(model)
+    assert "LlamaMLP (e.g. model.layers.0.mlp)" in hf_coverage.describe_gaps(model)
+
+
+@pytest.mark.parametrize("kind, over, field", [
+    ("cohere", dict(logit_scale=0.0625), "logit_scale=0.0625"),
+    ("gemma2", dict(final_logit_softcapping=2.0), "final_logit_softcapping=2.0"),
+])
+def test_heads_that_scale_or_cap_logits_are_refused(kind, over, field):
+    model = _build(kind, **over)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    # What the fused head would have missed: the model's own log-probs differ from hidden @ W.T's.
+    with torch.no_grad():
+        own = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+        hidden = model.model(ids).last_hidden_state
+        plain = torch.log_softmax((hidden @ model.lm_head.weight.T).float(), -1)[0, :-1]
+        plain = plain.gather(-1, ids[0, 1:, None])[:, 0]
+    assert not torch.allclose(own, plain, atol=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rlkernels.patch_model(model)
+    with pytest.raises(ValueError, match=f"token_logprobs: .* changes its logits after the LM head \\({field}\\)"):
+        rlkernels.token_logprobs(model, ids)
+    with pytest.raises(ValueError, match=f"generate: .*\\({field}\\)"):
+        rlkernels.generate(model, ids, max_new_tokens=1)
+
+
+def test_neutral_transform_values_are_not_refused():
+    model = _build("cohere", logit_scale=1.0)
+    assert hf_coverage.logit_transforms(model) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert rlkernels.token_logprobs(model, torch.tensor([[1, 2, 3]])).shape == (1, 2)
