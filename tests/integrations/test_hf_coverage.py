@@ -123,3 +123,18 @@ def test_neutral_transform_values_are_not_refused():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert rlkernels.token_logprobs(model, torch.tensor([[1, 2, 3]])).shape == (1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gpt2", "qwen3_moe"])
+def test_uncovered_models_run_under_the_mode_on_the_gpu(kind):
+    model = _build(kind).to(device="cuda", dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="only partly covered"):
+        rlkernels.patch_model(model)
+    assert not rlkernels.is_patched(model)
+    seqs, ids, mask = _ragged()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batched = rlkernels.token_logprobs(model, ids.cuda(), mask.cuda())
+        alone = [rlkernels.token_logprobs(model, s[None].cuda())[0] for s in seqs]
+    assert all(torch.equal(a, batched[i, :len(s) - 1]) for i, (a, s) in enumerate(zip(alone, seqs)))
