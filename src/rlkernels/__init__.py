@@ -11,6 +11,7 @@ from .nn import Linear, RMSNorm
 from .ops.attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops.bmm import bmm
 from .ops.linear_logprob import linear_logprob
+from .ops.linear_sample import linear_sample
 from .ops.matmul import TOKEN_BLOCK, linear, matmul
 from .ops.norms import log_softmax, rms_norm, softmax
 from .registry import BackendUnavailableError, get_op, registered_ops, select_backend
@@ -32,6 +33,7 @@ __all__ = [
     "is_patched",
     "linear",
     "linear_logprob",
+    "linear_sample",
     "log_softmax",
     "matmul",
     "patch_model",

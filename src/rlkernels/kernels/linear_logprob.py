@@ -51,6 +51,21 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def online_stats(m_i, s_i, u_i, z, col_ok):
+        """The running (max m, s = sum e^(z-m), u = sum e^(z-m) (z-m)) of each row after one
+        tile of logits ``z`` (-inf on columns past V, ``col_ok`` False there)."""
+        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        d = z - m_new[:, None]
+        e = tl.exp(d)  # 0 on columns past V (z = -inf there)
+        alpha = tl.exp(m_i - m_new)
+        ed = e * tl.where(col_ok[None, :], d, 0.0)
+        # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
+        shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+        u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
+        s_i = alpha * s_i + tl.sum(e, axis=1)
+        return m_new, s_i, u_i
+
+    @triton.jit
     def fwd_partial_kernel(
         h_ptr, w_ptr, b_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
         N, V, D, temperature,
@@ -85,16 +100,7 @@ if triton is not None:
             # z's registers can be reused by the statistics below.
             zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
             z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(z, axis=1))
-            d = z - m_new[:, None]
-            e = tl.exp(d)  # 0 on columns past V (z = -inf there)
-            alpha = tl.exp(m_i - m_new)
-            ed = e * tl.where(col_ok[None, :], d, 0.0)
-            # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
-            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
-            u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
-            s_i = alpha * s_i + tl.sum(e, axis=1)
-            m_i = m_new
+            m_i, s_i, u_i = online_stats(m_i, s_i, u_i, z, col_ok)
         part = pid_s.to(tl.int64) * N + offs_m
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(s_ptr + part, s_i, mask=row_ok)
@@ -211,4 +217,4 @@ if triton is not None:
                               HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
                               G_DESC)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    logits_tile = fwd_partial_kernel = logprob_combine_kernel = grad_logits_tile = grad_logits_kernel = None
+    logits_tile = online_stats = fwd_partial_kernel = logprob_combine_kernel = grad_logits_tile = grad_logits_kernel = None

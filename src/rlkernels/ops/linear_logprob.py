@@ -178,40 +178,47 @@ def last_chunk_start(vocab: int, cv: int) -> int:
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
+def validate_head(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  temperature: float) -> None:
+    """The LM head's operands and temperature, as every fused head op takes them; raises naming ``op``."""
+    V_.require_tensor(op, "hidden", hidden)
+    V_.require_tensor(op, "weight", weight)
+    if bias is not None:
+        V_.require_tensor(op, "bias", bias)
+    V_.require_float(op, "hidden", hidden)
+    V_.require_float(op, "weight", weight)
+    if bias is not None:
+        V_.require_float(op, "bias", bias)
+    V_.require_ndim(op, "hidden", hidden, 1)
+    V_.require_ndim(op, "weight", weight, 2, 2)
+    if bias is not None:
+        V_.require_ndim(op, "bias", bias, 1, 1)
+    V_.require_same_dtype(op, hidden=hidden, weight=weight, bias=bias)
+    vocab, dim = weight.shape
+    if hidden.shape[-1] != dim:
+        raise ValueError(f"rlkernels.{op}: hidden {tuple(hidden.shape)} has D={hidden.shape[-1]} but weight "
+                         f"{tuple(weight.shape)} (lm_head layout [V, D]) has D={dim}")
+    if vocab == 0:
+        raise ValueError(f"rlkernels.{op}: weight has an empty vocabulary (V=0)")
+    if bias is not None and tuple(bias.shape) != (vocab,):
+        raise ValueError(f"rlkernels.{op}: bias must have shape ({vocab},) to match weight's V, "
+                         f"got {tuple(bias.shape)}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"rlkernels.{op}: temperature must be a finite number > 0, got {temperature!r}")
+
+
 def validate(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
              temperature: float, ignore_index: int) -> None:
     """Raise ValueError/TypeError (naming the op) on any bad input; syncs once to check ids."""
-    V_.require_tensor(OP, "hidden", hidden)
-    V_.require_tensor(OP, "weight", weight)
+    validate_head(OP, hidden, weight, bias, temperature)
     V_.require_tensor(OP, "target", target)
-    if bias is not None:
-        V_.require_tensor(OP, "bias", bias)
-    V_.require_float(OP, "hidden", hidden)
-    V_.require_float(OP, "weight", weight)
-    if bias is not None:
-        V_.require_float(OP, "bias", bias)
     if target.dtype not in _INT_DTYPES:
         raise ValueError(f"rlkernels.{OP}: target must be an integer tensor of token ids, got {target.dtype}")
-    V_.require_ndim(OP, "hidden", hidden, 1)
-    V_.require_ndim(OP, "weight", weight, 2, 2)
-    if bias is not None:
-        V_.require_ndim(OP, "bias", bias, 1, 1)
     V_.require_same_device(OP, hidden=hidden, weight=weight, target=target, bias=bias)
-    V_.require_same_dtype(OP, hidden=hidden, weight=weight, bias=bias)
-    vocab, dim = weight.shape
-    if hidden.shape[-1] != dim:
-        raise ValueError(f"rlkernels.{OP}: hidden {tuple(hidden.shape)} has D={hidden.shape[-1]} but weight "
-                         f"{tuple(weight.shape)} (lm_head layout [V, D]) has D={dim}")
-    if vocab == 0:
-        raise ValueError(f"rlkernels.{OP}: weight has an empty vocabulary (V=0)")
-    if bias is not None and tuple(bias.shape) != (vocab,):
-        raise ValueError(f"rlkernels.{OP}: bias must have shape ({vocab},) to match weight's V, "
-                         f"got {tuple(bias.shape)}")
+    vocab = weight.shape[0]
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"rlkernels.{OP}: target shape {tuple(target.shape)} must equal hidden's leading "
                          f"shape {tuple(hidden.shape[:-1])}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"rlkernels.{OP}: temperature must be a finite number > 0, got {temperature!r}")
     if target.numel() and target.device.type != "meta":  # meta tensors hold no ids to check
         t = target.reshape(-1)
         bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
@@ -257,7 +264,7 @@ def online_softmax_step(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: t
     return m_new, s, u, torch.where(inside, picked, zt)
 
 
-def _torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   v0: int, v1: int, temperature: float) -> torch.Tensor:
     """z = (h W[v0:v1]^T + b) / T for a block of rows, fp32 (fp64 for fp64), ascending D-chain."""
     z = chain_matmul(h_rows, weight[v0:v1].t())
@@ -291,7 +298,7 @@ class TorchLinearLogprobBackend:
             zt = torch.zeros_like(s)
             for v0 in range(0, vocab, TORCH_V_CHUNK):
                 v1 = min(vocab, v0 + TORCH_V_CHUNK)
-                z = _torch_logits(h_rows, weight, bias, v0, v1, temperature)
+                z = torch_logits(h_rows, weight, bias, v0, v1, temperature)
                 m, s, u, zt = online_softmax_step(m, s, u, zt, z, t, v0, v1)
             log_s = torch.log(s)
             valid = t >= 0
@@ -307,7 +314,7 @@ class TorchLinearLogprobBackend:
         """out[:, :] = dL/d(raw logits)[:, v0:v1] in out.dtype (see :func:`_grad_formula`)."""
         for r0 in range(0, h2.shape[0], TORCH_ROW_CHUNK):
             rows = slice(r0, r0 + TORCH_ROW_CHUNK)
-            z = _torch_logits(h2[rows], weight, bias, v0, v1, temperature)
+            z = torch_logits(h2[rows], weight, bias, v0, v1, temperature)
             t = tgt[rows]
             lp = z - lse[rows].to(z.dtype)[:, None]
             p = torch.exp(lp)

@@ -1,0 +1,336 @@
+"""``linear_sample``: draw one token per row from the LM head's fp32 distribution, fused.
+
+    token, logp = linear_sample(hidden, weight, bias, temperature=T, seed=s,
+                                streams=stream_ids, positions=pos)
+
+The distribution is the one :func:`~rlkernels.linear_logprob` scores: ``z = (h @ W^T + b) / T``
+by the canonical ascending D-chain in fp32, never rounded to the model's dtype. Each
+row's token is the Gumbel-max ``argmax_j z_j - log(E_j)`` (ties: the lowest id), where
+``E_j`` is an exponential draw from a counter-based generator keyed by
+``(seed, stream, position, j)`` -- what the row is, never where it sits in the batch
+(:func:`exponential_noise`). So a row's token depends on its hidden state, the head,
+T, the seed, its stream and its position, and on nothing else in the call; and its
+``logp`` (and entropy) are bitwise ``linear_logprob(hidden, weight, token, bias, T)``:
+the same tiles, the same statistics chain, the same combine.
+
+``greedy=True`` takes ``argmax_j z_j`` (ties: the lowest id) with no noise.
+
+No [N, V] buffer is built: the kernels stream the vocabulary as ``linear_logprob``'s
+forward does and keep per-split (max key, its id, its logit) beside the softmax
+statistics. The outputs carry no autograd graph: a sampler's log-probs are data.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _validate as V_
+from ..gemm.chain import accumulator_dtype
+from ..kernels._triton import cdiv
+from ..kernels.linear_logprob import logprob_combine_kernel
+from ..kernels.sampling import sample_partial_kernel, sample_pick_kernel
+from ..registry import OpImpl, implementation, register, select_backend
+from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
+from .linear_logprob import (COMBINE_BLOCK, TORCH_ROW_CHUNK, TORCH_V_CHUNK, TritonLinearLogprobBackend,
+                             fused_config, online_softmax_step, torch_logits, validate_head)
+
+OP = "linear_sample"
+
+SEED_LIMIT = 1 << 63
+POSITION_LIMIT = 1 << 32
+
+
+# ---------------------------------------------------------------------------------------
+# Validation (host side, before any launch).
+# ---------------------------------------------------------------------------------------
+
+def _check_counter(name: str, t: object, lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"rlkernels.{OP}: {name} must be an int64 tensor, got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise ValueError(f"rlkernels.{OP}: {name} must be int64, got {t.dtype}")
+    if tuple(t.shape) != lead:
+        raise ValueError(f"rlkernels.{OP}: {name} shape {tuple(t.shape)} must equal hidden's leading shape {lead}")
+    if t.device != device:
+        raise ValueError(f"rlkernels.{OP}: {name} is on {t.device}, hidden on {device}")
+    return t
+
+
+def _may_read(t: torch.Tensor) -> bool:
+    """Whether a value check may read back from the device (not while a CUDA graph records)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+             seed: object, streams: object, positions: object, greedy: bool) -> None:
+    """Raise ValueError/TypeError naming the op on any bad input, before any launch."""
+    validate_head(OP, hidden, weight, bias, temperature)
+    V_.require_same_device(OP, hidden=hidden, weight=weight, bias=bias)
+    lead = tuple(hidden.shape[:-1])
+    if greedy:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"rlkernels.{OP}: seed must be a Python int, got {type(seed).__name__}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"rlkernels.{OP}: seed must be in [0, 2^63), got {seed}")
+    _check_counter("streams", streams, lead, hidden.device)
+    if positions is not None:
+        pos = _check_counter("positions", positions, lead, hidden.device)
+        if _may_read(pos):
+            bad = (pos < 0) | (pos >= POSITION_LIMIT)
+            if bool(bad.any()):
+                i = int(bad.reshape(-1).nonzero()[0, 0])
+                raise ValueError(f"rlkernels.{OP}: positions must lie in [0, 2^32), got {int(pos.reshape(-1)[i])} "
+                                 f"at flat row {i}")
+
+
+# ---------------------------------------------------------------------------------------
+# The noise, defined once (the Triton kernel computes the same in kernels.sampling).
+# ---------------------------------------------------------------------------------------
+
+_U32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a * b for a uint32 constant and uint32 values in int64."""
+    lo_part = b & 0xFFFF
+    hi_part = b >> 16
+    lo = a * lo_part            # < 2^48
+    hi = a * hi_part            # < 2^48
+    return (hi + (lo >> 16)) >> 16, (((hi & 0xFFFF) << 16) + lo) & _U32
+
+
+def philox4x32(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, k0: int, k1: int,
+               rounds: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32 (Salmon et al., 2011) on uint32 words held in int64 tensors; Triton's rounds."""
+    for _ in range(rounds):
+        hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
+        hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _U32, (k1 + _KEY_B) & _U32
+    return c0, c1, c2, c3
+
+
+def noise_words(seed: int, streams: torch.Tensor, positions: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+    """The generator's uint32 word x (in int64) for rows [R] and vocabulary ids [v0, v1): [R, v1 - v0]."""
+    q0, q1 = v0 // 4, cdiv(v1, 4)
+    dev = streams.device
+    quad = torch.arange(q0, q1, dtype=torch.int64, device=dev)[None, :]
+    shape = (streams.shape[0], q1 - q0)
+    words = philox4x32(quad.expand(shape), (positions & _U32)[:, None].expand(shape),
+                       (streams & _U32)[:, None].expand(shape), ((streams >> 32) & _U32)[:, None].expand(shape),
+                       seed & _U32, (seed >> 32) & _U32)
+    # Word k of counter q belongs to id 4q + k.
+    x = torch.stack(words, dim=-1).reshape(shape[0], 4 * (q1 - q0))
+    return x[:, v0 - 4 * q0:v1 - 4 * q0]
+
+
+def gumbel_from_words(x: torch.Tensor) -> torch.Tensor:
+    """-log(E) in fp32 for the exponential E of u = (x + 1/2) 2^-32, x uint32 words in int64."""
+    upper = (x >> 31) == 1
+    y = torch.where(upper, x ^ _U32, x)
+    w = (y >> 8).to(torch.float32) * 5.9604644775390625e-08 + ((y & 255).to(torch.float32) + 0.5) * 2.3283064365386963e-10
+    t = 1.0 - w
+    log1p_neg = torch.where(t == 1.0, -w, torch.log(t) * (-w) / (t - 1.0))
+    e = torch.where(upper, -log1p_neg, -torch.log(w))
+    return -torch.log(e)
+
+
+# ---------------------------------------------------------------------------------------
+# Backends. Each returns (token [N] int64, logp, entropy) with linear_logprob's bits.
+# ---------------------------------------------------------------------------------------
+
+class TorchLinearSampleBackend:
+    """linear_logprob's torch chain, with the running best key beside its statistics."""
+
+    name = "torch"
+
+    def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+               seed: int, streams: torch.Tensor | None, positions: torch.Tensor | None,
+               greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        N, vocab = h2.shape[0], weight.shape[0]
+        dev, adt = h2.device, accumulator_dtype(h2.dtype)
+        token = torch.zeros(N, dtype=torch.int64, device=dev)
+        logp = torch.zeros(N, dtype=adt, device=dev)
+        ent = torch.zeros_like(logp)
+        for r0 in range(0, N, TORCH_ROW_CHUNK):
+            rows = slice(r0, r0 + TORCH_ROW_CHUNK)
+            h_rows = h2[rows]
+            R = h_rows.shape[0]
+            m = torch.full((R,), -math.inf, dtype=adt, device=dev)
+            s = torch.zeros(R, dtype=adt, device=dev)
+            u = torch.zeros_like(s)
+            best = torch.full((R,), -math.inf, dtype=adt, device=dev)
+            best_id = torch.zeros(R, dtype=torch.int64, device=dev)
+            best_z = torch.zeros_like(s)
+            no_target = torch.full((R,), -1, dtype=torch.int64, device=dev)
+            for v0 in range(0, vocab, TORCH_V_CHUNK):
+                v1 = min(vocab, v0 + TORCH_V_CHUNK)
+                z = torch_logits(h_rows, weight, bias, v0, v1, temperature)
+                key = z
+                if not greedy:
+                    words = noise_words(seed, streams[rows], positions[rows], v0, v1)
+                    key = z + gumbel_from_words(words).to(adt)
+                key = torch.where(torch.isnan(key), torch.full_like(key, -math.inf), key)
+                piece_best, piece_at = key.max(dim=1)  # the first maximal index: the lowest id
+                lead = piece_best > best
+                best = torch.where(lead, piece_best, best)
+                best_id = torch.where(lead, piece_at + v0, best_id)
+                best_z = torch.where(lead, z.gather(1, piece_at[:, None])[:, 0], best_z)
+                m, s, u, _ = online_softmax_step(m, s, u, best_z, z, no_target, v0, v1)
+            log_s = torch.log(s)
+            token[rows] = best_id
+            logp[rows] = (best_z - m) - log_s
+            ent[rows] = log_s - u / s
+        return token, logp, ent
+
+
+_launch_partial = cached_launcher(sample_partial_kernel) if sample_partial_kernel is not None else None
+_launch_pick = cached_launcher(sample_pick_kernel) if sample_pick_kernel is not None else None
+_launch_combine = cached_launcher(logprob_combine_kernel) if logprob_combine_kernel is not None else None
+
+
+def _signed32(word: int) -> int:
+    """A uint32 as the int32 of the same bits: the kernel's scalar stays 32-bit for every seed."""
+    return word - (1 << 32) if word >= (1 << 31) else word
+
+
+class TritonLinearSampleBackend:
+    """linear_logprob's tiles and statistics with the best key per split, then its combine."""
+
+    name = "triton"
+
+    def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+               seed: int, streams: torch.Tensor | None, positions: torch.Tensor | None,
+               greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        N, D = h2.shape
+        vocab = weight.shape[0]
+        dev = h2.device
+        cfg = fused_config(h2.dtype)
+        n_split = cdiv(vocab, cfg.split_v)
+        token = torch.empty(N, dtype=torch.int64, device=dev)
+        logp = torch.empty(N, dtype=torch.float32, device=dev)
+        ent = torch.empty_like(logp)
+        if N == 0:
+            return token, logp, ent
+        m = torch.empty(n_split, N, dtype=torch.float32, device=dev)
+        s, u, key, zb = (torch.empty_like(m) for _ in range(4))
+        ids = torch.empty(n_split, N, dtype=torch.int32, device=dev)
+        zt, lse = torch.empty_like(logp), torch.empty_like(logp)
+        bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
+        h_arg, w_arg, tma = TritonLinearLogprobBackend._operands(h2, weight, cfg)
+        counters = (streams, positions) if not greedy else (token, token)  # unread without noise
+        _launch_partial(
+            (cdiv(N, cfg.block_m) * n_split,),
+            (h_arg, w_arg, bias if bias is not None else h2, *counters, m, s, u, key, ids, zb,
+             N, vocab, D, float(temperature), _signed32(seed & 0xFFFFFFFF), _signed32(seed >> 32),
+             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
+            # HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, NOISE, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M
+            (bias is not None, temperature != 1.0, h2.dtype == torch.float32, D % cfg.block_k == 0, tma,
+             not greedy, cfg.split_v, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _launch_pick((cdiv(N, COMBINE_BLOCK),), (key, ids, zb, token, zt, N, n_split), (COMBINE_BLOCK,),
+                     num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+        _launch_combine((cdiv(N, COMBINE_BLOCK),), (m, s, u, zt, token, logp, ent, lse, N, n_split),
+                        (COMBINE_BLOCK,), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+        return token, logp, ent
+
+
+# ---------------------------------------------------------------------------------------
+# Registry entries and the public function.
+# ---------------------------------------------------------------------------------------
+
+class _LinearSampleBase(OpImpl):
+    op_class = "linear_logprob"  # its log-probs are linear_logprob's
+    backend_impl: TorchLinearSampleBackend | TritonLinearSampleBackend
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                temperature: float = 1.0, seed: int | None = None, streams: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, return_entropy: bool = False, greedy: bool = False):
+        return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy,
+                    self.backend)
+
+    def forward_fp32(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)  # the log-probs are fp32 already
+
+    def invariance_case(self, device: torch.device, dtype: torch.dtype, generator: torch.Generator):
+        n, d, v = (33, 40, 257) if device.type == "cpu" else (256, 1024, 32003)
+        hidden = torch.randn(n, d, generator=generator).to(device=device, dtype=dtype)
+        # A trained head's scale (logit std ~6), where rounding the logits would move probabilities.
+        weight = (torch.randn(v, d, generator=generator) * (6.0 / d ** 0.5)).to(device=device, dtype=dtype)
+        streams = torch.randint(0, 1 << 40, (n,), generator=generator).to(device)
+        positions = torch.randint(0, 4096, (n,), generator=generator).to(device)
+
+        def fn(rows: torch.Tensor):
+            return self.forward(hidden[rows], weight, temperature=0.7, seed=1234, streams=streams[rows],
+                                positions=positions[rows], return_entropy=True)
+
+        # Rows are indices into (hidden, streams, positions): padding/shuffling moves them together.
+        return fn, torch.arange(n, device=device)
+
+
+@register(OP, "triton")
+class LinearSampleTriton(_LinearSampleBase):
+    backend_impl = TritonLinearSampleBackend()
+
+
+@register(OP, "torch")
+class LinearSampleTorch(_LinearSampleBase):
+    backend_impl = TorchLinearSampleBackend()
+
+
+def _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend):
+    V_.require_tensor(OP, "hidden", hidden)
+    V_.require_tensor(OP, "weight", weight)
+    if hidden.is_floating_point() and weight.is_floating_point():
+        hidden, weight, bias = V_.autocast(hidden, weight, bias)
+    validate(hidden, weight, bias, temperature, seed, streams, positions, greedy)
+    name, _ = select_backend(OP, hidden.device, backend)
+    V_.refuse_interpreted_bf16(OP, name, hidden)
+    if name == "triton" and hidden.dtype == torch.float64:
+        raise ValueError(f"rlkernels.{OP}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
+    lead = hidden.shape[:-1]
+    n = math.prod(lead)
+    h2 = hidden.reshape(n, hidden.shape[-1])
+    if not greedy:
+        streams = streams.reshape(n)
+        positions = positions.reshape(n) if positions is not None else torch.zeros_like(streams)
+    with torch.no_grad():
+        token, logp, ent = implementation(OP, name).backend_impl.sample(
+            h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy)
+    if _may_read(logp) and bool(torch.isnan(logp).any()):
+        # torch.multinomial refuses such a row too: there is no distribution to draw from.
+        row = int(torch.isnan(logp).nonzero()[0, 0])
+        raise ValueError(f"rlkernels.{OP}: row {row}'s logits are not a distribution (NaN or all -inf)")
+    token, logp, ent = token.reshape(lead), logp.reshape(lead), ent.reshape(lead)
+    return (token, logp, ent) if return_entropy else (token, logp)
+
+
+@torch.compiler.disable
+def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  temperature: float = 1.0, seed: int | None = None, streams: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None, return_entropy: bool = False, greedy: bool = False,
+                  backend: str | None = None):
+    """One token per row drawn exactly from ``softmax((hidden @ weight.T + bias) / T)`` in fp32.
+
+    hidden: [..., D] bf16/fp16/fp32 (fp64 on the torch backend); weight: [V, D] (lm_head
+    layout); bias: [V] or None. ``seed``: a Python int in [0, 2^63); ``streams``: int64
+    [...] (one per row, any value: which sequence a row is); ``positions``: int64 [...]
+    in [0, 2^32) (which token of that sequence is drawn; None: 0). ``greedy=True`` takes
+    the argmax instead and needs no seed or streams.
+
+    Returns ``(token [...] int64, logp [...] fp32)`` (and ``entropy`` with
+    ``return_entropy``), with no autograd graph. ``logp`` and ``entropy`` are bitwise
+    ``linear_logprob(hidden, weight, token, bias, temperature=T, return_entropy=True)``.
+    A row's token depends only on its hidden row, the head, T, the seed, its stream and
+    its position: the same alone, in any batch, in any order. Ties go to the lowest id.
+    A row whose logits hold NaN (or are all -inf) is refused, as ``torch.multinomial``
+    refuses it (not checked while a CUDA graph records).
+    """
+    return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend)

@@ -1,0 +1,289 @@
+"""linear_sample: exact draws from the fp32 head distribution, linear_logprob's bits, row invariance.
+
+CPU: the torch backend always; the Triton kernels under TRITON_INTERPRET=1 (fp32/fp16).
+GPU tests (``-m gpu``) run the real sizes and bf16. Logits are scaled to a trained
+model's (std ~6), where rounding them to bf16 moves probabilities by percents.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlkernels import linear_logprob, linear_sample
+from rlkernels._env import triton_interpret
+from rlkernels.ops.linear_sample import gumbel_from_words, noise_words, philox4x32
+
+from ..conftest import cpu_backend_cases, randn
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+SEED = 20261127
+
+
+def _head(n, d, v, dtype, gen, *, bias=True, device="cpu", logit_std=6.0):
+    h = randn(n, d, dtype=dtype, generator=gen, device=device)
+    w = randn(v, d, dtype=dtype, generator=gen, scale=logit_std / d ** 0.5, device=device)
+    b = randn(v, dtype=dtype, generator=gen, device=device) if bias else None
+    return h, w, b
+
+
+def _counters(n, gen, device="cpu"):
+    streams = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen).to(device)
+    positions = torch.randint(0, 1 << 32, (n,), generator=gen).to(device)
+    return streams, positions
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == F32 else t.view(torch.int64)
+
+
+# ------------------------------------------------------------------ the generator
+
+
+def test_philox_matches_the_published_known_answers():
+    """Random123's kat_vectors for philox4x32-10 (counter, key -> output)."""
+    def run(ctr, key):
+        c = [torch.tensor([v], dtype=torch.int64) for v in ctr]
+        return [int(x) for x in philox4x32(*c, *key)]
+
+    assert run([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert run([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    assert run([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0]) == \
+        [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+def test_the_kernel_generator_is_the_torch_one():
+    """Triton's philox (the kernel's) gives the torch backend's words, counter for counter."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def words_kernel(out_ptr, c1, c2, c3, k0, k1, BLOCK: tl.constexpr):
+        q = tl.arange(0, BLOCK).to(tl.uint32)
+        z = tl.zeros((BLOCK,), tl.uint32)
+        r0, r1, r2, r3 = tl.philox_impl(q, z + c1.to(tl.uint32), z + c2.to(tl.uint32), z + c3.to(tl.uint32),
+                                        k0.to(tl.uint32), k1.to(tl.uint32), 10)
+        x = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+        tl.store(out_ptr + tl.arange(0, 4 * BLOCK), x.to(tl.int64) & 0xFFFFFFFF)
+
+    seed, stream, position = 0x1234_5678_9ABC_DEF0, -0x0FED_CBA9_8765_4321, 77
+    out = torch.empty(64, dtype=torch.int64)
+    words_kernel[(1,)](out, position, stream & 0xFFFFFFFF, (stream >> 32) & 0xFFFFFFFF,
+                       seed & 0xFFFFFFFF, seed >> 32, BLOCK=16)
+    ref = noise_words(seed, torch.tensor([stream]), torch.tensor([position]), 0, 64)[0]
+    assert torch.equal(out, ref)
+
+
+def test_noise_is_gumbel_with_both_tails():
+    x = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF], dtype=torch.int64)
+    g = gumbel_from_words(x).double()
+    u = (x.double() + 0.5) / 2 ** 32
+    assert torch.allclose(g, -torch.log(-torch.log(u)), rtol=1e-6, atol=1e-6)
+    assert g[0] < -3.0 and g[-1] > 22.0  # the far tails are reached, not cut at fp32's 2^-24
+
+
+# ------------------------------------------------------------------ the contract
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+@pytest.mark.parametrize("n, d, v, bias, temperature", [(7, 40, 257, True, 0.7), (1, 33, 131, False, 1.0),
+                                                        (13, 16, 64, True, 1.3)])
+def test_logp_and_entropy_are_linear_logprobs_bits(backend, dtype, n, d, v, bias, temperature, gen):
+    h, w, b = _head(n, d, v, dtype, gen, bias=bias)
+    streams, positions = _counters(n, gen)
+    tok, lp, ent = linear_sample(h, w, b, temperature=temperature, seed=SEED, streams=streams, positions=positions,
+                                 return_entropy=True, backend=backend)
+    assert tok.dtype == torch.int64 and ((tok >= 0) & (tok < v)).all()
+    ref_lp, ref_ent = linear_logprob(h, w, tok, b, temperature=temperature, return_entropy=True, backend=backend)
+    assert torch.equal(_bits(lp), _bits(ref_lp)) and torch.equal(_bits(ent), _bits(ref_ent))
+    greedy, glp = linear_sample(h, w, b, temperature=temperature, greedy=True, backend=backend)
+    z = (h.double() @ w.double().T + (b.double() if bias else 0)) / temperature
+    top2 = z.topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # rows whose argmax no fp32 rounding can move
+    assert torch.equal(greedy[clear], z.argmax(dim=1)[clear])
+    assert torch.equal(_bits(glp), _bits(linear_logprob(h, w, greedy, b, temperature=temperature, backend=backend)))
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_a_rows_token_is_the_same_alone_in_any_batch_and_order(backend, dtype, gen):
+    n, d, v = 11, 24, 197
+    h, w, b = _head(n, d, v, dtype, gen)
+    streams, positions = _counters(n, gen)
+
+    def draw(rows):
+        return linear_sample(h[rows], w, b, temperature=0.8, seed=SEED, streams=streams[rows],
+                             positions=positions[rows], return_entropy=True, backend=backend)
+
+    full = draw(torch.arange(n))
+    for rows in (torch.tensor([4]), torch.tensor([10, 0, 3]), torch.randperm(n, generator=gen),
+                 torch.arange(n).repeat(3)):
+        part = draw(rows)
+        for got, want in zip(part, full):
+            assert torch.equal(got.view(torch.int64) if got.dtype == torch.int64 else _bits(got), _bits(want[rows]))
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
+def test_the_key_decides_the_draw(backend, dtype, gen):
+    n, d, v = 64, 16, 96
+    h, w, b = _head(1, d, v, dtype, gen, logit_std=0.5)  # a flat distribution: many tokens are likely
+    h = h.expand(n, d)
+    streams = torch.zeros(n, dtype=torch.int64)
+
+    def draw(seed, streams, positions):
+        return linear_sample(h, w, b, seed=seed, streams=streams, positions=positions, backend=backend)[0]
+
+    positions = torch.arange(n)
+    base = draw(SEED, streams, positions)
+    assert torch.equal(base, draw(SEED, streams, positions))            # run to run
+    assert len(set(base.tolist())) > 8                                  # positions draw apart
+    assert not torch.equal(base, draw(SEED + 1, streams, positions))    # the seed matters
+    assert not torch.equal(base, draw(SEED, streams + (1 << 32), positions))  # a stream's high word too
+    same_pos = draw(SEED, torch.arange(n), torch.zeros(n, dtype=torch.int64))
+    assert len(set(same_pos.tolist())) > 8                              # streams draw apart
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
+def test_ties_go_to_the_lowest_id(backend, dtype):
+    d, v = 8, 300
+    w = torch.zeros(v, d, dtype=dtype)
+    w[[5, 77, 260]] = 1.0  # three equal largest logits, in different vocabulary splits
+    h = torch.ones(3, d, dtype=dtype)
+    tok, _ = linear_sample(h, w, greedy=True, backend=backend)
+    assert tok.tolist() == [5, 5, 5]
+
+
+def test_draws_follow_the_fp32_distribution_and_not_the_bf16_rounded_one():
+    """Chi-square of 200k draws against exp(linear_logprob); the same draws reject bf16(z).
+
+    Two-term logits 8.0625 k +- 0.03: each sits 0.03 from a bf16 value, alternately above
+    and below, so rounding them moves neighbouring probability ratios by ~6%."""
+    v, n = 16, 200_000
+    k = torch.arange(v, dtype=torch.float64)
+    w = torch.stack([8.0 + 0.0625 * k - 0.5 * (k - 8).abs(), 0.03 * (-1.0) ** k], dim=1).float()
+    h = torch.ones(1, 2)
+    z32 = (h @ w.T)[0]
+    assert not torch.equal(z32, z32.bfloat16().float())  # the logits are not bf16 values
+    tok, _ = linear_sample(h.expand(n, 2), w, seed=SEED, streams=torch.arange(n),
+                           positions=torch.full((n,), 5), backend="torch")
+    counts = torch.bincount(tok, minlength=v).double()
+    exact = torch.stack([linear_logprob(h, w, torch.tensor([j]), backend="torch")[0] for j in range(v)]).double().exp()
+    rounded = torch.softmax(z32.bfloat16().double(), 0)
+
+    def chi2(p):
+        keep = p * n >= 5
+        return float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum()), int(keep.sum()) - 1
+
+    def critical(df, z=3.719):  # Wilson-Hilferty: the chi-square quantile at p = 1e-4
+        return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+    stat, df = chi2(exact)
+    assert stat < critical(df), (stat, critical(df))
+    stat_bf16, df_bf16 = chi2(rounded)
+    assert stat_bf16 > critical(df_bf16), (stat_bf16, critical(df_bf16))
+
+
+# ------------------------------------------------------------------ edges and refusals
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
+def test_empty_batches_and_leading_shapes(backend, dtype, gen):
+    h, w, b = _head(6, 8, 50, dtype, gen)
+    tok, lp = linear_sample(h[:0], w, b, seed=1, streams=torch.zeros(0, dtype=torch.int64), backend=backend)
+    assert tok.shape == (0,) and lp.shape == (0,)
+    h3 = h.reshape(2, 3, 8)
+    streams = torch.arange(6).reshape(2, 3)
+    tok3, lp3 = linear_sample(h3, w, b, seed=1, streams=streams, backend=backend)
+    tok2, lp2 = linear_sample(h, w, b, seed=1, streams=streams.reshape(6), backend=backend)
+    assert torch.equal(tok3.reshape(6), tok2) and torch.equal(lp3.reshape(6), lp2)
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
+def test_outputs_carry_no_graph(backend, dtype, gen):
+    h, w, b = _head(3, 8, 40, dtype, gen)
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    tok, lp, ent = linear_sample(h, w, b, seed=1, streams=torch.arange(3), return_entropy=True, backend=backend)
+    assert not lp.requires_grad and not ent.requires_grad and lp.grad_fn is None
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
+def test_a_row_with_nan_logits_is_refused(backend, dtype, gen):
+    h, w, b = _head(4, 8, 40, dtype, gen)
+    h[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"linear_sample: row 2's logits are not a distribution"):
+        linear_sample(h, w, b, seed=1, streams=torch.arange(4), backend=backend)
+    with pytest.raises(RuntimeError):  # stock refuses the same row
+        torch.multinomial(torch.softmax(h @ w.T + b, -1), 1)
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(seed=-1), ValueError, r"seed must be in \[0, 2\^63\), got -1"),
+    (dict(seed=1 << 63), ValueError, r"seed must be in \[0, 2\^63\)"),
+    (dict(seed=True), TypeError, r"seed must be a Python int, got bool"),
+    (dict(seed=None), TypeError, r"seed must be a Python int, got NoneType"),
+    (dict(streams=torch.arange(4, dtype=torch.int32)), ValueError, r"streams must be int64, got torch.int32"),
+    (dict(streams=torch.arange(3)), ValueError, r"streams shape \(3,\) must equal hidden's leading shape \(4,\)"),
+    (dict(streams=None), TypeError, r"streams must be an int64 tensor, got NoneType"),
+    (dict(positions=torch.tensor([0, 1, -1, 2])), ValueError, r"positions must lie in \[0, 2\^32\), got -1 at flat row 2"),
+    (dict(positions=torch.tensor([0, 1, 2, 1 << 32])), ValueError, r"positions must lie in \[0, 2\^32\)"),
+    (dict(temperature=0.0), ValueError, r"temperature must be a finite number > 0"),
+    (dict(temperature=float("nan")), ValueError, r"temperature must be a finite number > 0"),
+])
+def test_bad_inputs_are_refused_naming_the_op(kwargs, err, match, gen):
+    h, w, b = _head(4, 8, 40, F32, gen)
+    call = dict(seed=1, streams=torch.arange(4), temperature=1.0)
+    call.update(kwargs)
+    with pytest.raises(err, match=rf"rlkernels.linear_sample: {match}"):
+        linear_sample(h, w, b, **call)
+
+
+def test_head_shape_mismatches_are_refused(gen):
+    h, w, b = _head(4, 8, 40, F32, gen)
+    with pytest.raises(ValueError, match=r"linear_sample: hidden \(4, 7\) has D=7"):
+        linear_sample(h[:, :7], w, b, seed=1, streams=torch.arange(4))
+    with pytest.raises(ValueError, match=r"linear_sample: bias must have shape \(40,\)"):
+        linear_sample(h, w, b[:39], seed=1, streams=torch.arange(4))
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("n, d, v", [(1, 2048, 151936), (37, 4096, 32003), (300, 1024, 50257)])
+def test_gpu_logp_is_linear_logprobs_bits_and_rows_are_invariant(dtype, n, d, v, gen):
+    h, w, b = _head(n, d, v, dtype, gen, device="cuda")
+    streams, positions = _counters(n, gen, device="cuda")
+    tok, lp, ent = linear_sample(h, w, b, temperature=0.7, seed=SEED, streams=streams, positions=positions,
+                                 return_entropy=True)
+    ref_lp, ref_ent = linear_logprob(h, w, tok, b, temperature=0.7, return_entropy=True)
+    assert torch.equal(_bits(lp), _bits(ref_lp)) and torch.equal(_bits(ent), _bits(ref_ent))
+    for rows in (torch.tensor([n - 1]), torch.randperm(n, generator=gen)):
+        rows = rows.cuda()
+        t2, lp2 = linear_sample(h[rows], w, b, temperature=0.7, seed=SEED, streams=streams[rows],
+                                positions=positions[rows])
+        assert torch.equal(t2, tok[rows]) and torch.equal(_bits(lp2), _bits(lp[rows]))
+    # The torch backend draws from the same definition: its tokens agree wherever no
+    # last-ulp difference of the two backends' log could reorder two keys.
+    t_cpu, _ = linear_sample(h.cpu().float(), w.cpu().float(), b.cpu().float(), temperature=0.7, seed=SEED,
+                             streams=streams.cpu(), positions=positions.cpu(), backend="torch")
+    if dtype == F32:
+        assert (t_cpu == tok.cpu()).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+def test_gpu_draws_follow_the_fp32_distribution():
+    v, n = 16, 400_000
+    k = torch.arange(v, dtype=torch.float64)
+    w = torch.stack([8.0 + 0.0625 * k - 0.5 * (k - 8).abs(), 0.03 * (-1.0) ** k], dim=1).float().cuda()
+    h = torch.ones(1, 2, device="cuda")
+    tok, _ = linear_sample(h.expand(n, 2), w, seed=SEED, streams=torch.arange(n, device="cuda"),
+                           positions=torch.full((n,), 9, device="cuda"))
+    counts = torch.bincount(tok, minlength=v).double().cpu()
+    p = torch.stack([linear_logprob(h, w, torch.tensor([j], device="cuda"))[0] for j in range(v)]).double().exp().cpu()
+    keep = p * n >= 5
+    stat = float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum())
+    df = int(keep.sum()) - 1
+    assert stat < df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3
