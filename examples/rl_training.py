@@ -3,7 +3,7 @@
     python examples/rl_training.py                 # tiny random Qwen3, CPU, a few seconds
     python examples/rl_training.py --device cuda --dtype bfloat16
 
-Each step: roll out groups of completions with Hugging Face ``generate``; score them
+Each step: roll out groups of completions with ``rlkernels.generate``; score them
 with ``rlkernels.token_logprobs`` (log-probs and entropy at the sampling temperature);
 compute group-normalized advantages and the clipped-ratio loss; backward in
 micro-batches into ``main_grad``; one optimizer step. The asserts are the point of
@@ -53,7 +53,7 @@ def attach_main_grad(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return params
 
 
-def rollout(model, prompts: list[list[int]], group: int, max_new_tokens: int, temperature: float):
+def rollout(model, prompts: list[list[int]], group: int, max_new_tokens: int, temperature: float, seed: int):
     """Sample ``group`` completions per prompt. Returns (sequences, attention_mask, response_mask, P).
 
     sequences [B, L] = left-padded prompts (width P) + completions; attention_mask marks
@@ -67,13 +67,13 @@ def rollout(model, prompts: list[list[int]], group: int, max_new_tokens: int, te
     prompt_mask = (torch.arange(P, device=dev)[None, :] >= torch.tensor([P - len(p) for p in rows],
                                                                         device=dev)[:, None]).long()
     with torch.no_grad():
-        # top_k=0 / top_p=1: sample from the full softmax(logits / T), the distribution
-        # token_logprobs(temperature=T) scores.
-        # rlkernels.generate: Hugging Face generate, plus each new token's log-prob by the
-        # trainer's formula (linear_logprob on the hidden state that produced it).
+        # rlkernels.generate draws each token from softmax(fp32 logits / T), the distribution
+        # token_logprobs(temperature=T) scores, and returns that token's log-prob by the
+        # trainer's formula. Draws are keyed by (seed, stream, position): a row's
+        # completion is reproducible from its stream alone, whatever its batch-mates.
         seqs, sampler_logp = rlkernels.generate(model, ids, prompt_mask, do_sample=True, temperature=temperature,
-                                                top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, min_new_tokens=1,
-                                                pad_token_id=PAD, eos_token_id=EOS)
+                                                max_new_tokens=max_new_tokens, pad_token_id=PAD, eos_token_id=EOS,
+                                                seed=seed, streams=torch.arange(len(rows), device=dev))
     completion = seqs[:, P:]
     # Keep tokens up to and including the first EOS.
     after_eos = (completion == EOS).long().cumsum(-1) - (completion == EOS).long()
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [[BOS, 17, 42, 99, 7], [BOS, 250, 3]]
     summary = {}
     for step in range(args.steps):
-        torch.manual_seed(1000 + step)
-        seqs, mask, response_mask, _, sampler_old = rollout(model, prompts, args.group, args.max_new_tokens, T)
+        seqs, mask, response_mask, _, sampler_old = rollout(model, prompts, args.group, args.max_new_tokens, T,
+                                                            seed=1000 + step)
         adv = group_advantages(reward(seqs, response_mask), args.group)
         weights = token_weights(response_mask)
 

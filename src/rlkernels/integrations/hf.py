@@ -13,10 +13,10 @@ batch and sequence shape, and eager attention's row sums shift with left padding
 the final hidden states, so the [tokens, vocab] logits are never materialised. A
 patched model (:func:`is_patched`) runs as it is: every op of its forward that
 reduces is already an invariant one, so it needs no per-call Python override; any
-other model's decoder runs under the batch-invariant mode. ``generate`` is the sampler's side of the same
-formula: Hugging Face ``generate``, with each new token's log-prob taken by the same
-fused op from the same final hidden state, so a rollout's log-probs and the
-trainer's ``token_logprobs`` of the finished sequences agree bit for bit.
+other model's decoder runs under the batch-invariant mode. ``generate`` is the sampler's
+side of the same formula: a static-cache decode loop (:mod:`.hf_decode`) whose every
+token is drawn by :func:`rlkernels.linear_sample` from the fp32 distribution
+``token_logprobs`` scores, with that token's log-prob bitwise the trainer's.
 """
 from __future__ import annotations
 
@@ -297,76 +297,44 @@ def _score(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
                                     return_entropy=return_entropy)
 
 
-def _final_norm(model: nn.Module) -> nn.Module:
-    norm = getattr(decoder_of(model), "norm", None)
-    if not isinstance(norm, nn.Module):
-        raise TypeError(f"rlkernels.generate: {type(model).__name__}'s decoder has no final `norm` module "
-                        "(the hidden states the log-probs are taken from)")
-    return norm
-
-
-def _after_eos(new_tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """True where a token follows its sequence's first EOS (generate's padding of finished rows)."""
-    if not eos_ids:
-        return torch.zeros_like(new_tokens, dtype=torch.bool)
-    is_eos = torch.isin(new_tokens, torch.tensor(eos_ids, device=new_tokens.device))
-    seen = is_eos.long().cumsum(-1)
-    return (seen - is_eos.long()) > 0
-
-
 def _eos_ids(model: nn.Module, generate_kwargs: dict[str, Any]) -> list[int]:
     eos = generate_kwargs.get("eos_token_id", getattr(getattr(model, "generation_config", None), "eos_token_id", None))
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def _static_decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   temperature: float, generate_kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequences, hidden [B, T, H]) from the static-cache loop replayed as a CUDA graph."""
-    if input_ids.device.type != "cuda":
-        raise ValueError(f"rlkernels.generate: cuda_graph=True needs a model and inputs on a CUDA device, "
-                         f"got {input_ids.device}")
-    if not is_patched(model):
-        raise ValueError("rlkernels.generate: cuda_graph=True runs a patched model's decode step as a graph; "
-                         "call rlkernels.patch_model(model) first")
-    unknown = sorted(set(generate_kwargs) - hf_decode.SUPPORTED_OPTIONS)
+# Options that would draw from another distribution than the one whose log-probs are
+# returned and trained (softmax of the fp32 logits / T), with why.
+_REFUSED_OPTIONS = {
+    "top_k": "a top-k filter draws from a truncated distribution whose log-probs the trainer does not score",
+    "top_p": "a nucleus filter draws from a truncated distribution whose log-probs the trainer does not score",
+    "min_new_tokens": "forbidding EOS draws from a distribution without it, which the trainer does not score",
+    "generator": "the draws are keyed by seed=, streams= and each token's position, not a torch.Generator",
+}
+
+
+def _is_neutral(option: str, value: Any) -> bool:
+    if value is None:
+        return True
+    if option == "top_k":
+        return value == 0
+    if option == "top_p":
+        return value == 1.0
+    if option == "min_new_tokens":
+        return value == 0
+    return False
+
+
+def _check_decode_options(generate_kwargs: dict[str, Any]) -> None:
+    for option, value in generate_kwargs.items():
+        if option in _REFUSED_OPTIONS and not _is_neutral(option, value):
+            raise ValueError(f"rlkernels.generate: {option}={value!r} is not supported: {_REFUSED_OPTIONS[option]}")
+    if generate_kwargs.get("num_beams") not in (None, 1):
+        raise ValueError(f"rlkernels.generate: num_beams={generate_kwargs['num_beams']!r} is not supported (the "
+                         "log-prob of a token is taken from the forward that produced it)")
+    unknown = sorted(set(generate_kwargs) - hf_decode.SUPPORTED_OPTIONS - set(_REFUSED_OPTIONS) - {"num_beams"})
     if unknown:
-        raise ValueError(f"rlkernels.generate: with cuda_graph=True the options {unknown} are not supported "
-                         f"(supported: {sorted(hf_decode.SUPPORTED_OPTIONS)})")
-    config = model.generation_config
-    max_new = generate_kwargs.get("max_new_tokens", config.max_new_tokens)
-    if not isinstance(max_new, int) or max_new < 0:
-        raise ValueError(f"rlkernels.generate: max_new_tokens must be an int >= 0, got {max_new!r}")
-    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    if max_new == 0:
-        return input_ids, torch.zeros(input_ids.shape[0], 0, model.get_output_embeddings().weight.shape[1],
-                                      device=input_ids.device)
-    return hf_decode.static_generate(
-        model, decoder_of(model), input_ids, mask, max_new_tokens=max_new,
-        min_new_tokens=generate_kwargs.get("min_new_tokens", config.min_new_tokens) or 0,
-        do_sample=bool(generate_kwargs.get("do_sample", config.do_sample)), temperature=temperature,
-        top_k=generate_kwargs.get("top_k", config.top_k), top_p=generate_kwargs.get("top_p", config.top_p),
-        pad_token_id=generate_kwargs.get("pad_token_id", config.pad_token_id),
-        eos_token_ids=_eos_ids(model, generate_kwargs), generator=generate_kwargs.get("generator"),
-        cuda_graph=True, cache_kwargs=cache_kwargs)
-
-
-def _hf_decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-               generate_kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequences, hidden [B, T, H]) from Hugging Face ``generate``, the final norm's output hooked."""
-    captured: list[torch.Tensor] = []
-    hook = _final_norm(model).register_forward_hook(lambda module, args, out: captured.append(
-        (out[0] if isinstance(out, tuple) else out)[:, -1]))
-    try:
-        sequences = model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
-    finally:
-        hook.remove()
-    steps = sequences.shape[1] - input_ids.shape[1]
-    if len(captured) != steps:
-        raise RuntimeError(f"rlkernels.generate: {len(captured)} forward passes for {steps} new tokens")
-    if steps == 0:
-        width = model.get_output_embeddings().weight.shape[1]
-        return sequences, torch.zeros(sequences.shape[0], 0, width, device=sequences.device)
-    return sequences, torch.stack(captured, dim=1)
+        raise ValueError(f"rlkernels.generate: the options {unknown} are not supported "
+                         f"(supported: {sorted(hf_decode.SUPPORTED_OPTIONS)}, plus seed= and streams=)")
 
 
 def _check_prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -397,58 +365,86 @@ def _check_prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              temperature: float = 1.0, return_entropy: bool = False, batch_invariant: bool | None = None,
-             cuda_graph: bool = False, **generate_kwargs: Any):
-    """Hugging Face ``model.generate`` with the sampler's per-token log-probs, by the trainer's formula.
+             cuda_graph: bool = False, seed: int | None = None, streams: torch.Tensor | None = None,
+             **generate_kwargs: Any):
+    """Decode left-padded prompts, drawing every token from the distribution the trainer scores.
 
     Returns ``(sequences, logprobs)`` (and ``entropy`` with ``return_entropy``):
-    sequences [B, L + T] as ``generate`` returns them (prompts left-padded as given),
-    logprobs / entropy [B, T] fp32, where ``logprobs[:, t]`` is the log-prob of
-    ``sequences[:, L + t]`` at ``temperature``; tokens after a sequence's EOS (generate's
-    padding) get 0. Each step's log-prob is :func:`rlkernels.linear_logprob` on the final
-    hidden state that produced the token -- the same op, on the same bits, as
-    :func:`token_logprobs` on the finished sequences, one at a time, batched, left- or
-    right-padded or packed, on a patched model. The tokens themselves are drawn by
-    ``generate`` from the LM head's logits (``do_sample`` and the other sampling options
-    pass through; ``temperature`` is given to both). ``batch_invariant`` as in
-    :func:`token_logprobs`: a patched model runs without the mode.
-    Beam search and assisted decoding (which call the model on other rows) are refused.
+    sequences [B, L + T] (prompts as given, then the new tokens), logprobs / entropy
+    [B, T] fp32 with no autograd graph, where ``logprobs[:, t]`` is the log-prob of
+    ``sequences[:, L + t]`` at ``temperature``; tokens after a sequence's EOS are
+    ``pad_token_id`` and get 0.
 
-    ``cuda_graph=True`` (a patched model on CUDA) decodes with a ``StaticCache`` and
-    replays each step from one captured CUDA graph, as rollout engines do
-    (:mod:`rlkernels.integrations.hf_decode`); it takes ``max_new_tokens``,
-    ``min_new_tokens``, ``do_sample``, ``top_k``, ``top_p``, ``pad_token_id``,
-    ``eos_token_id`` and ``generator``. Its hidden states, tokens and log-probs are the
-    eager loop's bits.
+    Each token is :func:`rlkernels.linear_sample` of the final hidden state that precedes
+    it: drawn from ``softmax(z / T)`` with ``z`` the LM head's fp32 logits by the canonical
+    chain (``do_sample=True``), or their argmax, ties to the lowest id (the default). Its
+    log-prob is bitwise :func:`token_logprobs`' for that token, on the finished sequences,
+    one at a time, batched, left- or right-padded or packed, on a patched model: the
+    importance ratio between sampler and trainer is exactly 1, and so is the ratio between
+    the policy that drew the tokens and the one being trained.
+
+    A row's tokens depend on its prompt, the model, T, ``seed`` and its stream alone: the
+    draw of its token at position p (counted from the row's first real token) is keyed by
+    (seed, stream, p). ``seed``: a Python int in [0, 2^63) (None: drawn from torch's
+    default generator, so ``torch.manual_seed`` reproduces a rollout); ``streams``: int64
+    [B] (None: ``arange(B)``; pass each prompt's own id to reproduce it in any batch).
+
+    Options: ``max_new_tokens``, ``do_sample``, ``pad_token_id``, ``eos_token_id``.
+    ``top_k``, ``top_p``, ``min_new_tokens`` (other than their neutral values) and
+    ``generator`` are refused, naming why; beam search and any other option are refused
+    too. The decode loop keeps a ``StaticCache`` (:mod:`rlkernels.integrations.hf_decode`);
+    ``cuda_graph=True`` (a patched model on CUDA) replays each step, the draw included,
+    from one captured CUDA graph, with the eager loop's bits. ``batch_invariant`` as in
+    :func:`token_logprobs`: a patched model runs without the mode.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("rlkernels.generate: input_ids must be a [B, L] tensor")
     temperature = check_temperature("generate", temperature)
-    for option in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
-        value = generate_kwargs.get(option)
-        if value not in (None, 1):
-            raise ValueError(f"rlkernels.generate: {option}={value!r} is not supported (the log-prob of a "
-                             "token is taken from the forward that produced it)")
     if generate_kwargs.get("return_dict_in_generate"):
         raise ValueError("rlkernels.generate: return_dict_in_generate is not supported; it returns the sequences")
+    generate_kwargs.pop("temperature", None)  # given once, above
+    _check_decode_options(generate_kwargs)
     if cuda_graph and fsdp.is_fsdp(model):
         raise ValueError("rlkernels.generate: cuda_graph=True is not supported on an FSDP2 (fully_shard) model: "
                          "its layers gather their parameters in every step's forward; decode eagerly, or from an "
                          "unsharded copy")
+    if cuda_graph and input_ids.device.type != "cuda":
+        raise ValueError(f"rlkernels.generate: cuda_graph=True needs a model and inputs on a CUDA device, "
+                         f"got {input_ids.device}")
+    if cuda_graph and not is_patched(model):
+        raise ValueError("rlkernels.generate: cuda_graph=True runs a patched model's decode step as a graph; "
+                         "call rlkernels.patch_model(model) first")
     check_head("generate", model)
     _check_ids(model, input_ids)
     _check_prompt_mask(input_ids, attention_mask)
-    eos_ids = _eos_ids(model, generate_kwargs)
+    config = getattr(model, "generation_config", None)
+    max_new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if max_new is None:
+        raise ValueError("rlkernels.generate: pass max_new_tokens (the model's generation_config sets none)")
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+        raise ValueError(f"rlkernels.generate: max_new_tokens must be an int >= 0, got {max_new!r}")
+    do_sample = bool(generate_kwargs.get("do_sample", getattr(config, "do_sample", False)))
+    B = input_ids.shape[0]
+    if do_sample:
+        if seed is None:
+            seed = int(torch.randint(0, 1 << 62, (1,)))
+        streams = streams if streams is not None else torch.arange(B, device=input_ids.device)
+    mask = attention_mask.long() if attention_mask is not None else torch.ones_like(input_ids)
+    if max_new == 0 or B == 0:
+        empty = torch.zeros(B, 0, dtype=torch.float32, device=input_ids.device)
+        out = (input_ids, empty, empty.clone())
+    else:
+        pad = generate_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+        out = fsdp.run_as_forward(
+            model, _decode, model, input_ids, mask, batch_invariant,
+            dict(max_new_tokens=max_new, greedy=not do_sample, temperature=temperature, seed=seed or 0,
+                 streams=streams, pad_token_id=pad, eos_token_ids=_eos_ids(model, generate_kwargs),
+                 cuda_graph=cuda_graph, cache_kwargs=cache_kwargs))
+    sequences, logp, ent = out
+    return (sequences, logp, ent) if return_entropy else (sequences, logp)
+
+
+def _decode(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, batch_invariant: bool | None,
+            options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with mode_for(model, batch_invariant):
-        if cuda_graph:
-            sequences, hidden = _static_decode(model, input_ids, attention_mask, temperature, generate_kwargs)
-        else:
-            if generate_kwargs.get("do_sample"):
-                generate_kwargs["temperature"] = temperature
-            sequences, hidden = _hf_decode(model, input_ids, attention_mask, generate_kwargs)
-        new = sequences[:, input_ids.shape[1]:]
-        target = new.masked_fill(_after_eos(new, eos_ids), IGNORE_INDEX)
-        scores = logprobs_from_hidden(model, hidden, target, temperature=temperature, return_entropy=return_entropy,
-                                      op="generate")
-    if return_entropy:
-        return sequences, scores[0], scores[1]
-    return sequences, scores
+        return hf_decode.static_generate(model, decoder_of(model), input_ids, mask, **options)

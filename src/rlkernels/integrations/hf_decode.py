@@ -10,10 +10,11 @@ captured once with ``torch.cuda.graph`` and replayed for every new token.
 Replaying changes no bit: a graph replays the launches it recorded, and the patched
 model's step is the same computation whatever the key length (a ``StaticCache``
 hands the attention all ``L + max_new_tokens`` slots; the slots past a row's end are
-masked out of the fixed chain, so the eager, ``DynamicCache`` step and the replayed
-one agree). Sampling stays outside the graph (a few small ops on ``[B, vocab]``).
-The prompt is prefilled eagerly, and the first decode step runs eagerly too: it
-compiles every kernel and does every one-time host query before the capture.
+masked out of the fixed chain, so the eager step and the replayed one agree). The
+draw is in the graph too: :func:`rlkernels.linear_sample` keys its noise by the seed,
+the row's stream and the token's position, which live in fixed buffers. The prompt
+is prefilled eagerly, and the first decode step runs eagerly too: it compiles every
+kernel and does every one-time host query before the capture.
 """
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops.linear_sample import linear_sample
+
 OP = "generate"
 
-# What the static loop knows how to do; anything else in generate_kwargs is refused.
-SUPPORTED_OPTIONS = frozenset({"max_new_tokens", "min_new_tokens", "do_sample", "top_k", "top_p",
-                               "pad_token_id", "eos_token_id", "temperature", "generator"})
+# What the loop knows how to do; anything else in generate_kwargs is refused.
+SUPPORTED_OPTIONS = frozenset({"max_new_tokens", "do_sample", "pad_token_id", "eos_token_id"})
 
 
 class _StepBuffers:
@@ -43,40 +45,23 @@ def _takes_cache_position(decoder: nn.Module) -> bool:
     return "cache_position" in inspect.signature(type(decoder).forward).parameters
 
 
-def _sample(logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: int | None,
-            top_p: float | None, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token [B] from the LM head's logits [B, V], as Hugging Face's greedy / multinomial
-    sampling does (fp32 scores, temperature, then top-k, then top-p)."""
-    scores = logits.float()
-    if not do_sample:
-        return scores.argmax(dim=-1)
-    scores = scores / temperature
-    if top_k is not None and 0 < top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cum <= (1 - top_p)
-        drop_sorted[:, -1] = False  # keep at least the most likely token
-        scores = scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
 def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                    max_new_tokens: int, min_new_tokens: int = 0, do_sample: bool = False, temperature: float = 1.0,
-                    top_k: int | None = None, top_p: float | None = None, pad_token_id: int | None = None,
-                    eos_token_ids: list[int] | tuple[int, ...] = (), generator: torch.Generator | None = None,
-                    cuda_graph: bool = True, cache_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                    max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, seed: int = 0,
+                    streams: torch.Tensor | None = None, pad_token_id: int | None = None,
+                    eos_token_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
+                    cache_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to ``max_new_tokens`` tokens after left-padded prompts with a ``StaticCache``.
 
     input_ids, attention_mask: [B, L] (long; left padding). ``decoder`` is the model's base
     decoder (returns the final, normed hidden states); ``cache_kwargs(decoder, cache)`` gives
-    the cache keyword its forward takes. Returns ``(sequences [B, L + T], hidden [B, T, H])``:
-    the prompts followed by the new tokens (``pad_token_id`` after a row's EOS, as
-    ``generate`` pads finished rows), and the final hidden state that produced each new
-    token, in the model dtype. T < ``max_new_tokens`` only where every row has ended.
+    the cache keyword its forward takes. Each token is :func:`rlkernels.linear_sample` of the
+    final hidden state that precedes it: the argmax of the fp32 logits / T (``greedy``), or a
+    draw keyed by (``seed``, the row's stream, the token's position counted from the row's
+    first real token), so left padding and batch-mates change nothing. ``streams``: int64
+    [B] (None: ``arange(B)``). Returns ``(sequences [B, L + T], logp [B, T], entropy [B, T])``:
+    the prompts followed by the new tokens (``pad_token_id`` after a row's EOS, with log-prob
+    and entropy 0), and each new token's log-prob and entropy at T, bitwise
+    ``linear_logprob``'s. T < ``max_new_tokens`` only where every row has ended.
     ``cuda_graph``: replay steps 2.. from one captured graph (CUDA only); False runs every
     step eagerly (the same loop, for CPUs and for comparison).
     """
@@ -85,6 +70,7 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     B, L = input_ids.shape
     dev = input_ids.device
     head = model.get_output_embeddings()
+    streams = torch.arange(B, device=dev) if streams is None else streams
     mask_long = attention_mask.long()
     total = L + max_new_tokens
     cache = StaticCache(config=model.config, max_cache_len=total)
@@ -97,13 +83,16 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     # counts the writes on the device itself and takes no such argument.
     slots = {"cache_position": torch.arange(L, device=dev)} if _takes_cache_position(decoder) else {}
 
-    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
         out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                       **cache_kwargs(decoder, cache), **slots)
         hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
-        return hidden, head(hidden)
+        # The token drawn here is the row's next one: its position follows the last fed token's.
+        return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
+                             seed=seed, streams=streams, positions=positions[:, -1] + 1, greedy=greedy,
+                             return_entropy=True)
 
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
+    def step():
         return forward(buffers.ids, buffers.mask, buffers.positions)
 
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev) if eos_token_ids else None
@@ -113,19 +102,18 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
 
     with torch.no_grad():
         # Prefill: the prompt's keys fill slots [0, L); the mask's later slots are still 0.
-        hidden, logits = forward(input_ids, buffers.mask, (mask_long.cumsum(-1) - 1).clamp(min=0))
+        drawn = forward(input_ids, buffers.mask, (mask_long.cumsum(-1) - 1).clamp(min=0))
         graph: torch.cuda.CUDAGraph | None = None
-        graph_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        graph_out = None
         new_tokens: list[torch.Tensor] = []
-        hiddens: list[torch.Tensor] = []
+        logps: list[torch.Tensor] = []
+        entropies: list[torch.Tensor] = []
         for t in range(max_new_tokens):
-            if t < min_new_tokens and eos is not None:
-                logits = logits.index_fill(1, eos, float("-inf"))
-            token = _sample(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                            generator=generator)
-            token = torch.where(unfinished, token, torch.full_like(token, pad))
-            new_tokens.append(token)
-            hiddens.append(hidden.clone())
+            token, logp, ent = drawn
+            zero = torch.zeros((), dtype=logp.dtype, device=dev)
+            new_tokens.append(torch.where(unfinished, token, torch.full_like(token, pad)))
+            logps.append(torch.where(unfinished, logp, zero))
+            entropies.append(torch.where(unfinished, ent, zero))
             if eos is not None:
                 unfinished &= ~torch.isin(token, eos)
                 if not bool(unfinished.any()):
@@ -133,7 +121,7 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
             if t + 1 == max_new_tokens:
                 break
             # The token just drawn is the next step's input, written into slot L + t.
-            buffers.ids.copy_(token[:, None])
+            buffers.ids.copy_(new_tokens[-1][:, None])
             buffers.positions.copy_(next_position)
             buffers.mask[:, L + t] = 1
             if slots:
@@ -144,9 +132,9 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
             next_position += 1
             if graph is not None:
                 graph.replay()
-                hidden, logits = graph_out
+                drawn = tuple(x.clone() for x in graph_out)
             else:
-                hidden, logits = step()
+                drawn = step()
                 if cuda_graph and t + 2 < max_new_tokens:
                     # The eager step compiled every kernel and made every one-time host query;
                     # record the next one (recording runs nothing: the cache's write counter
@@ -155,4 +143,4 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
                     with torch.cuda.graph(graph):
                         graph_out = step()
     sequences = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
-    return sequences, torch.stack(hiddens, dim=1)
+    return sequences, torch.stack(logps, dim=1), torch.stack(entropies, dim=1)
