@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .ops.activations import silu
 from .ops.matmul import linear
 from .ops.norms import rms_norm
 
@@ -57,3 +58,11 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class SiLU(nn.Module):
+    """Drop-in for ``nn.SiLU`` / transformers' ``SiLUActivation`` whose bits do not depend on
+    the batch or on the batch-invariant mode (:func:`rlkernels.ops.activations.silu`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu(x)

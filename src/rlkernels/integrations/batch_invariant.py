@@ -51,6 +51,7 @@ from . import aten_checks as C
 from ..runtime import mode_state as _mode_state
 from ..ops._validate import refuse_interpreted_bf16
 from ..gemm.chain import accumulator_dtype
+from ..ops.activations import silu_chain, silu_chain_backward
 from ..ops.matmul import gemm_backend_for
 from ..ops.norms import (TorchReductionBackend, TritonReductionBackend, reduction_backend_for, softmax_backward,
                         softmax_forward)
@@ -235,17 +236,14 @@ def _mean_all(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Ten
 
 def _silu(x: torch.Tensor) -> torch.Tensor:
     C.check_elementwise_float("silu_cpu", x)
-    xf = x.to(accumulator_dtype(x.dtype))
-    return (xf / (1 + torch.exp(-xf))).to(x.dtype)
+    return silu_chain(x)
 
 
 def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     C.check_elementwise_float("silu_backward_cpu", grad, x)
     if grad.shape != x.shape:
         torch.broadcast_shapes(grad.shape, x.shape)  # stock's broadcast error, if any
-    xf = x.to(accumulator_dtype(x.dtype))
-    sig = 1 / (1 + torch.exp(-xf))
-    return (grad.to(xf.dtype) * sig * (1 + xf * (1 - sig))).to(grad.dtype)
+    return silu_chain_backward(grad, x)
 
 
 def _out_variant(fn):

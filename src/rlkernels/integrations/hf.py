@@ -34,6 +34,7 @@ from . import fsdp, hf_attention, hf_coverage, hf_decode
 from .batch_invariant import set_batch_invariant_mode
 from ..nn import Linear
 from ..nn import RMSNorm
+from ..nn import SiLU
 from ..ops.linear_logprob import linear_logprob
 
 IGNORE_INDEX = -100
@@ -47,8 +48,16 @@ def _is_rms_norm(module: nn.Module) -> bool:
             and "Gemma" not in type(module).__name__)
 
 
+def _is_silu(module: nn.Module) -> bool:
+    """``nn.SiLU`` (not in place) or transformers' ``SiLUActivation``: x * sigmoid(x)."""
+    kind = type(module)
+    if kind is nn.SiLU:
+        return not module.inplace
+    return kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
+
+
 def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attention.NAME) -> nn.Module:
-    """Make an HF causal LM's Linear and RMSNorm layers batch-invariant, in place; returns ``model``.
+    """Make an HF causal LM's Linear, RMSNorm and SiLU layers batch-invariant, in place; returns ``model``.
 
     Only modules whose type is exactly ``nn.Linear`` are swapped (quantized, LoRA or
     tensor-parallel subclasses are left alone and are not covered).
@@ -72,6 +81,8 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
                 setattr(parent, name, Linear.from_torch(child))
             elif _is_rms_norm(child):
                 setattr(parent, name, RMSNorm.from_module(child))
+            elif _is_silu(child):
+                setattr(parent, name, SiLU())
     if attn_implementation is not None:
         _set_attention(model, attn_implementation)
     gaps = hf_coverage.describe_gaps(model)

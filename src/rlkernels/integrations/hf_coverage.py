@@ -4,9 +4,11 @@
 tokens runs an invariant kernel. It is kept by an allowlist, not a guess. A module is
 covered when it is
 
-* one of the library's own modules (:class:`rlkernels.Linear`, :class:`rlkernels.RMSNorm`);
-* a module that only gathers or acts elementwise (``nn.Embedding``, dropout, identity,
-  a parameter-free activation);
+* one of the library's own modules (:class:`rlkernels.Linear`, :class:`rlkernels.RMSNorm`,
+  :class:`rlkernels.nn.SiLU`);
+* a module that only gathers, copies or holds others (``nn.Embedding``, dropout, identity,
+  ``ReLU``, containers). Other activations are not: ATen's CPU ``silu`` rounds the
+  elements of its vector tail differently, and the rest were never measured;
 * a module of a verified family (:data:`VERIFIED_FAMILIES`) that holds no parameter of
   its own: those forwards were read and compose only the modules above, the attention
   interface, a rotary table from a one-term product, and elementwise ops.
@@ -27,7 +29,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
-from ..nn import Linear, RMSNorm
+from ..nn import Linear, RMSNorm, SiLU
 
 # transformers' modeling modules whose causal-LM forward was read: decoder layers of
 # attention (through the attention interface) and a gated MLP, RMSNorms, a rotary table,
@@ -48,9 +50,8 @@ LOGIT_TRANSFORMS: dict[str, tuple[Any, ...]] = {
     "unpadded_vocab_size": (None,),            # Inkling: logits cut to a smaller vocabulary
 }
 
-# Modules that only gather, act elementwise or hold other modules, whatever family they come from.
-_ELEMENTWISE = (nn.Embedding, nn.Dropout, nn.Identity, nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid,
-                nn.ModuleList, nn.ModuleDict, nn.Sequential)
+# Modules that only gather, copy, take an exact max or hold other modules, whatever family they come from.
+_EXACT = (nn.Embedding, nn.Dropout, nn.Identity, nn.ReLU, nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def _family(module: nn.Module) -> str | None:
@@ -68,13 +69,8 @@ def _family(module: nn.Module) -> str | None:
     return None
 
 
-def _is_activation(module: nn.Module) -> bool:
-    """A parameter-free activation from transformers' ACT2FN table (elementwise)."""
-    return type(module).__module__ == "transformers.activations" and next(module.parameters(), None) is None
-
-
 def _covered(module: nn.Module) -> bool:
-    if isinstance(module, (Linear, RMSNorm, *_ELEMENTWISE)) or _is_activation(module):
+    if isinstance(module, (Linear, RMSNorm, SiLU, *_EXACT)):
         return True
     owns_parameters = next(module.parameters(recurse=False), None) is not None
     return _family(module) in VERIFIED_FAMILIES and not owns_parameters

@@ -1,0 +1,41 @@
+"""SiLU: a row's bits do not depend on the tensor's size, or on the batch-invariant mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rlkernels
+from rlkernels.nn import SiLU
+from rlkernels.ops.activations import silu
+
+
+def _rows_alone_vs_batched(fn, x: torch.Tensor) -> bool:
+    full = fn(x)
+    return all(torch.equal(fn(x[i:i + 1]), full[i:i + 1]) for i in range(x.shape[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_rows_do_not_depend_on_the_batch(dtype):
+    x = (torch.randn(9, 67, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    assert _rows_alone_vs_batched(silu, x)
+    ref = F.silu(x.double()).to(dtype)
+    assert (silu(x).double() - ref.double()).abs().max() <= 2 * torch.finfo(dtype).eps * ref.double().abs().max()
+
+
+def test_stock_cpu_silu_rows_move_with_the_tensor_size():
+    """The control: ATen's vector body and scalar tail round some elements differently."""
+    x = torch.randn(64, 67, generator=torch.Generator().manual_seed(1)) * 4
+    assert not _rows_alone_vs_batched(F.silu, x)
+
+
+def test_silu_module_gives_the_modes_bits_forward_and_backward():
+    x = (torch.randn(5, 67, generator=torch.Generator().manual_seed(2)) * 4).requires_grad_(True)
+    g = torch.randn(5, 67, generator=torch.Generator().manual_seed(3))
+    out = SiLU()(x)
+    (dx,) = torch.autograd.grad(out, x, g)
+    with rlkernels.set_batch_invariant_mode(True):
+        out_mode = F.silu(x)
+        (dx_mode,) = torch.autograd.grad(out_mode, x, g)
+        out_in_mode = SiLU()(x)
+    assert torch.equal(out, out_mode) and torch.equal(dx, dx_mode) and torch.equal(out, out_in_mode)
