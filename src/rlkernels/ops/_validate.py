@@ -5,6 +5,7 @@ a kernel (nothing is written out of bounds, nothing is silently truncated).
 """
 from __future__ import annotations
 
+import operator
 from typing import Iterable
 
 import torch
@@ -34,6 +35,21 @@ def require_ndim(op: str, name: str, t: torch.Tensor, min_ndim: int, max_ndim: i
     if t.dim() < min_ndim or (max_ndim is not None and t.dim() > max_ndim):
         want = f"{min_ndim}" if max_ndim == min_ndim else f">= {min_ndim}" if max_ndim is None else f"{min_ndim}..{max_ndim}"
         raise ValueError(f"rlkernels.{op}: {name} must have {want} dims, got shape {tuple(t.shape)}")
+
+
+def require_dim(op: str, dim: object, ndim: int) -> int:
+    """``dim`` wrapped into [0, ndim), or stock's IndexError (naming the op) when it is out of range.
+
+    A 0-dim tensor takes dim -1 and 0, as in stock. Wrapping an out-of-range dim modulo
+    ndim would reduce over a dim the caller never named."""
+    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
+        raise TypeError(f"rlkernels.{op}: dim must be int, not {type(dim).__name__}")
+    dim = operator.index(dim)
+    rank = max(ndim, 1)
+    if not -rank <= dim < rank:
+        raise IndexError(f"rlkernels.{op}: Dimension out of range (expected to be in range of "
+                         f"[{-rank}, {rank - 1}], but got {dim})")
+    return dim % rank
 
 
 def _require_one(op: str, what: str, tensors: dict[str, torch.Tensor | None], attr: str, sep: str) -> object:
