@@ -5,6 +5,8 @@ a kernel (nothing is written out of bounds, nothing is silently truncated).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from typing import Iterable
 
@@ -50,6 +52,21 @@ def require_dim(op: str, dim: object, ndim: int) -> int:
         raise IndexError(f"rlkernels.{op}: Dimension out of range (expected to be in range of "
                          f"[{-rank}, {rank - 1}], but got {dim})")
     return dim % rank
+
+
+def require_temperature(op: str, temperature: object) -> float:
+    """``temperature`` as a float: a Python (or NumPy) real number, finite and > 0.
+
+    A tensor is refused rather than read: reading a GPU tensor's value is a host sync,
+    and a tensor that requires grad would be silently treated as a constant."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        hint = " (pass float(temperature))" if isinstance(temperature, torch.Tensor) else ""
+        raise TypeError(f"rlkernels.{op}: temperature must be a Python number (float or int), got "
+                        f"{type(temperature).__name__} {temperature!r}{hint}")
+    value = float(temperature)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"rlkernels.{op}: temperature must be a finite number > 0, got {temperature!r}")
+    return value
 
 
 def _require_one(op: str, what: str, tensors: dict[str, torch.Tensor | None], attr: str, sep: str) -> object:

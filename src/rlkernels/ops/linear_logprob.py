@@ -210,8 +210,7 @@ def validate(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, b
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"rlkernels.{OP}: target shape {tuple(target.shape)} must equal hidden's leading "
                          f"shape {tuple(hidden.shape[:-1])}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"rlkernels.{OP}: temperature must be a finite number > 0, got {temperature!r}")
+    V_.require_temperature(OP, temperature)
     if target.numel() and target.device.type != "meta":  # meta tensors hold no ids to check
         t = target.reshape(-1)
         bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
