@@ -13,7 +13,9 @@ Ops register themselves when ``rlkernels.ops`` is imported (the package's
 Choice, per call, from the first tensor argument: ``RLKERNELS_BACKEND`` if set,
 else ``triton`` on GPUs and ``torch`` elsewhere. A forced backend that cannot run
 on the inputs raises :class:`BackendUnavailableError`; nothing falls back silently
-to a path that would break the contract.
+to a path that would break the contract. Meta tensors (shapes only, no values) take
+the ``torch`` backend whatever is asked: there are no bits to keep, and it gives the
+output shapes and dtypes as stock ops do.
 """
 from __future__ import annotations
 
@@ -138,6 +140,11 @@ def _select_backend(op_name: str, device: torch.device, backend: str | None) -> 
     if wanted is not None:
         if wanted not in impls:
             raise BackendUnavailableError(f"rlkernels.{op_name}: no {wanted!r} implementation ({why})")
+    if device.type == "meta" and "torch" in impls:
+        # Meta tensors hold no values, so no backend's bits are at stake: the torch backend's
+        # ops propagate shapes and dtypes on any device, as stock ops do on meta.
+        return "torch", "meta device (shapes only)"
+    if wanted is not None:
         reason = impls[wanted].unavailable_reason(device)
         if reason is not None:
             raise BackendUnavailableError(f"rlkernels.{op_name}: backend {wanted!r} ({why}) cannot run: {reason}")

@@ -207,6 +207,12 @@ def _t(*shape, dtype=torch.float32, device="cpu", seed=0):
     return torch.randint(-3, 4, shape, generator=g).to(dtype).to(device)
 
 
+def _nonfinite_rows(device):
+    inf, nan = float("inf"), float("nan")
+    return torch.tensor([[1.0, inf, 2.0], [-inf, -inf, -inf], [1.0, nan, 2.0], [-inf, 1.0, 2.0], [0.5, 1.0, 2.0]],
+                        device=device)
+
+
 def _odd_inputs(device):
     """name -> a call of an overridden op on inputs stock rejects, or on unusual ones it accepts."""
     f64, i64, c64 = torch.float64, torch.int64, torch.complex64
@@ -249,6 +255,11 @@ def _odd_inputs(device):
         "softmax_int": lambda: torch.softmax(t(3, 4, dtype=i64), -1),
         "log_softmax_int": lambda: F.log_softmax(t(3, 4, dtype=i64), -1),
         "softmax_0d": lambda: torch.softmax(torch.tensor(2.0, device=device), 0),
+        "softmax_0d_dim_out_of_range": lambda: torch.softmax(torch.tensor(2.0, device=device), 1),
+        "log_softmax_dim_below_range": lambda: F.log_softmax(t(3, 4), -3),
+        # Non-finite rows: stock's outcome (a +inf or NaN makes the whole row NaN, an all -inf row too).
+        "softmax_nonfinite_rows": lambda: torch.softmax(_nonfinite_rows(device), -1),
+        "log_softmax_nonfinite_rows": lambda: torch.log_softmax(_nonfinite_rows(device), -1),
         "softmax_half_to_fp32": lambda: torch.softmax(t(3, 4, dtype=torch.float16), -1, dtype=torch.float32),
         "softmax_empty": lambda: torch.softmax(t(0, 4), -1),
         "softmax_backward_shape": lambda: torch.ops.aten._softmax_backward_data(t(3, 4), t(3, 5), 1, torch.float32),

@@ -249,8 +249,8 @@ def test_temperature_must_be_a_python_number(call):
     model = patch_model(_tiny("qwen3"))
     fn = getattr(rlkernels, call)
     ids = torch.tensor([[3, 4, 5]])
-    with pytest.raises(TypeError, match=rf"rlkernels.{call}: temperature must be a Python number, got Tensor "
-                                        r"\(call float\(\) on a one-element tensor\)"):
+    with pytest.raises(TypeError, match=rf"rlkernels.{call}: temperature must be a Python number .*got Tensor "
+                                        r".*\(pass float\(temperature\)\)"):
         fn(model, ids, temperature=torch.tensor(0.7))
     for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=rf"rlkernels.{call}: temperature must be a finite number > 0"):

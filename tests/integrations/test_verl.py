@@ -149,6 +149,8 @@ def test_refusals_name_the_op_and_values(gen):
         linear_cross_entropy(h, w, labels.reshape(-1)[:9])
     with pytest.raises(ValueError, match=op + r"temperature must be a finite number > 0, got 0"):
         linear_cross_entropy(h, w, labels, 0.0)
+    with pytest.raises(TypeError, match=op + r"temperature must be a Python number \(float or int\), got Tensor "):
+        linear_cross_entropy(h, w, labels, torch.tensor(0.7))
     with pytest.raises(ValueError, match=op + r"labels must be an integer tensor"):
         linear_cross_entropy(h, w, labels.float())
     with pytest.raises(NotImplementedError, match=op + r"dist_process_group"):

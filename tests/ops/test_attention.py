@@ -570,6 +570,101 @@ def test_bad_inputs_are_refused():
         A.flash_attn_with_kvcache(qd, odd, odd, cache_seqlens=3)
 
 
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
+def test_empty_batch_gives_empty_results(backend, dtype):
+    # B = 0 is a batch like any other: the empty result, as every op gives for no rows.
+    hq, hkv, d = sizes(backend)
+    cu = torch.tensor([0], dtype=torch.int32)
+    q = torch.zeros(0, hq, d, dtype=dtype, requires_grad=True)
+    k = torch.zeros(0, hkv, d, dtype=dtype, requires_grad=True)
+    out = A.flash_attn_varlen_func(q, k, k, cu, cu, 0, 0, backend=backend)
+    assert out.shape == (0, hq, d) and out.dtype == dtype
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    q4, k4 = torch.zeros(0, 3, hq, d, dtype=dtype), torch.zeros(0, 5, hkv, d, dtype=dtype)
+    out = A.flash_attn_func(q4, k4, k4, backend=backend)
+    assert out.shape == (0, 3, hq, d) and out.dtype == dtype
+    kc, vc = torch.zeros(0, 8, hkv, d, dtype=dtype), torch.zeros(0, 8, hkv, d, dtype=dtype)
+    kn = torch.zeros(0, 1, hkv, d, dtype=dtype)
+    for seqlens in (torch.zeros(0, dtype=torch.int32), 2):
+        out = A.flash_attn_with_kvcache(q4[:, :1], kc, vc, kn, kn.clone(), seqlens, backend=backend)
+        assert out.shape == (0, 1, hq, d) and out.dtype == dtype
+
+
+def test_negative_cache_seqlens_is_named_as_such():
+    kc, qd = torch.zeros(2, 16, 2, 16), torch.randn(2, 1, 2, 16)
+    with pytest.raises(ValueError, match=r"rlkernels\.flash_attn_with_kvcache: cache_seqlens must be >= 0, "
+                                         r"got cache_seqlens\[1\] = -1$"):
+        A.flash_attn_with_kvcache(qd, kc, kc.clone(), cache_seqlens=torch.tensor([3, -1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"rlkernels\.flash_attn_with_kvcache: cache_seqlens must be >= 0, got -2$"):
+        A.flash_attn_with_kvcache(qd, kc, kc.clone(), cache_seqlens=-2)
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+@pytest.mark.parametrize("seqlens", ["tensor", "int"])
+def test_append_refuses_caches_whose_slots_share_memory(backend, dtype, seqlens, gen):
+    # Appending into an expanded cache would write every row's new key into one slot (row 0
+    # then reads row 1's key); k_cache and v_cache in one memory would swap keys for values.
+    hq, hkv, d = sizes(backend)
+    b, cap = 2, 8
+    q = randn(b, 1, hq, d, dtype=dtype, generator=gen)
+    kn, vn = randn(b, 1, hkv, d, dtype=dtype, generator=gen), randn(b, 1, hkv, d, dtype=dtype, generator=gen)
+    cs = torch.tensor([3, 3], dtype=torch.int32) if seqlens == "tensor" else 3
+    base_k = randn(1, cap, hkv, d, dtype=dtype, generator=gen)
+    base_v = randn(1, cap, hkv, d, dtype=dtype, generator=gen)
+    kc, vc = base_k.expand(b, cap, hkv, d), base_v.expand(b, cap, hkv, d)
+    before = base_k.clone()
+    with pytest.raises(ValueError, match=r"rlkernels\.flash_attn_with_kvcache: k_cache is written in place but "
+                                         r"its dim 0 \(size 2\) has stride 0 \(strides \(0, "):
+        A.flash_attn_with_kvcache(q, kc, vc, kn, vn, cs, backend=backend)
+    with pytest.raises(ValueError, match=r"v_cache is written in place but its dim 0 \(size 2\) has stride 0"):
+        A.flash_attn_with_kvcache(q, kc.contiguous(), vc, kn, vn, cs, backend=backend)
+    assert torch.equal(base_k, before)  # refused before any write
+    shared = kc.contiguous()
+    with pytest.raises(ValueError, match=r"k_cache and v_cache share memory"):
+        A.flash_attn_with_kvcache(q, shared, shared, kn, vn, cs, backend=backend)
+    flat = torch.zeros(b * cap * hkv * d + hkv * d, dtype=dtype)
+    shifted = [flat[o:o + b * cap * hkv * d].view(b, cap, hkv, d) for o in (0, hkv * d)]  # one slot apart
+    with pytest.raises(ValueError, match=r"k_cache and v_cache share memory"):
+        A.flash_attn_with_kvcache(q, *shifted, kn, vn, cs, backend=backend)
+    # Read-only use of an expanded cache writes nothing: allowed, and the same bits as a copy.
+    read = A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, backend=backend)
+    assert bits_equal(read, A.flash_attn_with_kvcache(q, kc.contiguous(), vc.contiguous(), cache_seqlens=cs,
+                                                      backend=backend))
+    # k and v interleaved in one buffer ([B, S, 2, Hkv, D]) share storage without sharing a slot.
+    stacked = torch.stack([kc, vc], dim=2).contiguous()
+    k2, v2 = kc.contiguous(), vc.contiguous()
+    got = A.flash_attn_with_kvcache(q, stacked[:, :, 0], stacked[:, :, 1], kn, vn, cs, backend=backend)
+    assert bits_equal(got, A.flash_attn_with_kvcache(q, k2, v2, kn, vn, cs, backend=backend))
+    assert torch.equal(stacked[:, :, 0], k2) and torch.equal(stacked[:, :, 1], v2)
+
+
+@pytest.mark.parametrize("forced", [None, "torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_meta_inputs_give_meta_results(forced, dtype, monkeypatch):
+    # Shape inference (meta / fake tensors) has no values to read back: every entry point
+    # gives the output's shape and dtype, whatever backend is asked for.
+    if forced:
+        monkeypatch.setenv("RLKERNELS_BACKEND", forced)
+
+    def t(*shape, dt=dtype, grad=False):
+        return torch.empty(*shape, device="meta", dtype=dt, requires_grad=grad)
+
+    q, k = t(2, 3, 4, 16, grad=True), t(2, 5, 2, 16, grad=True)
+    out = A.flash_attn_func(q, k, k)
+    assert out.device.type == "meta" and out.shape == (2, 3, 4, 16) and out.dtype == dtype
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device="meta")
+    out = A.flash_attn_varlen_func(t(6, 4, 16), t(6, 2, 16), t(6, 2, 16), cu, cu, 4, 4)
+    assert out.device.type == "meta" and out.shape == (6, 4, 16) and out.dtype == dtype
+    seqlens = torch.tensor([1, 2], dtype=torch.int32, device="meta")
+    for cs in (seqlens, 3):
+        out = A.flash_attn_with_kvcache(t(2, 1, 4, 16), t(2, 8, 2, 16), t(2, 8, 2, 16), t(2, 1, 2, 16),
+                                        t(2, 1, 2, 16), cs)
+        assert out.device.type == "meta" and out.shape == (2, 1, 4, 16) and out.dtype == dtype
+
+
 def test_triton_refuses_bf16_on_the_interpreter(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

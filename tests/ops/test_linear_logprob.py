@@ -584,6 +584,37 @@ def test_errors(gen):
     linear_logprob(h, w, t_ign, b, ignore_index=-1)
 
 
+@pytest.mark.parametrize("temperature,kind", [(torch.tensor(0.7), "Tensor"), (True, "bool"), ("0.7", "str"),
+                                              (None, "NoneType")])
+def test_temperature_must_be_a_python_number(temperature, kind, gen):
+    # A tensor would be read with a host sync and, if it requires grad, treated as a constant.
+    h, w, b, t = _data(3, 16, 20, F32, gen)
+    with pytest.raises(TypeError, match=rf"^rlkernels\.linear_logprob: temperature must be a Python number "
+                                        rf"\(float or int\), got {kind} "):
+        linear_logprob(h, w, t, b, temperature=temperature)
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F16)))
+def test_non_finite_logits_give_stocks_outcome(backend, dtype, gen):
+    # Stock log_softmax + gather: a +inf (or NaN) logit makes the row NaN; -inf logits give
+    # -inf at the target (a row of them: NaN). The other rows keep their bits.
+    inf = float("inf")
+    h, w, _, _ = _data(4, 16, 70, dtype, gen, bias=False)
+    t = torch.tensor([3, 5, 3, 7])
+    rows = torch.zeros(4, 70, dtype=dtype)
+    rows[0, 9], rows[1, 3], rows[2, 3], rows[3] = inf, float("nan"), -inf, -inf
+    for r in range(4):
+        b = rows[r]
+        lp, ent = linear_logprob(h, w, t, b, return_entropy=True, backend=backend)
+        z = torch.nn.functional.linear(h.float(), w.float(), b.float())
+        want = torch.log_softmax(z, -1).gather(1, t[:, None])[:, 0]
+        assert torch.equal(lp.isnan(), want.isnan()) and torch.equal(lp.isneginf(), want.isneginf()), (r, lp, want)
+        finite = want.isfinite()
+        assert (lp[finite] - want[finite]).abs().max() < 1e-2 if finite.any() else True
+        alone = [linear_logprob(h[i:i + 1], w, t[i:i + 1], b, backend=backend) for i in range(4)]
+        assert torch.equal(torch.cat(alone).view(torch.int32), lp.view(torch.int32))
+
+
 @pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
 def test_triton_rejects_fp64(gen):
     h, w, b, t = _data(3, 16, 20, F64, gen)

@@ -7,6 +7,7 @@ import torch
 from rlkernels import contract, reference, testing
 from rlkernels.nn import RMSNorm
 from rlkernels.ops import norms
+from rlkernels.registry import get_op
 
 from ..conftest import cpu_backend_cases, interpreter_only, randn
 
@@ -147,6 +148,60 @@ def test_invalid_inputs():
         norms.rms_norm(torch.randn(3, 4), torch.randn(5))
     with pytest.raises(ValueError):
         norms.softmax(torch.arange(4))
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("shape,dim", [((3, 8), 2), ((3, 8), -3), ((2, 3, 4), 3), ((), 1), ((), -2)])
+def test_softmax_out_of_range_dim_raises_stocks_index_error(op, shape, dim):
+    # A dim wrapped modulo ndim would reduce over a dim the caller never named.
+    x = torch.randn(shape)
+    with pytest.raises(IndexError) as stock:
+        getattr(torch, op)(x, dim)
+    with pytest.raises(IndexError, match=rf"^rlkernels\.{op}: ") as got:
+        getattr(norms, op)(x, dim)
+    assert str(got.value) == f"rlkernels.{op}: {stock.value}"
+    with pytest.raises(IndexError, match=rf"^rlkernels\.{op}: "):
+        get_op(op, backend="torch")(x, dim)
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_softmax_zero_dim_tensor_takes_dims_0_and_minus_1(op, dim):
+    x = torch.tensor(1.5)
+    assert torch.equal(getattr(norms, op)(x, dim), getattr(torch, op)(x, dim))
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_non_finite_rows_match_stock(backend, dtype, log):
+    # A +inf (or NaN) in a row makes stock's whole row NaN; an all -inf row is NaN too.
+    inf, nan = float("inf"), float("nan")
+    rows = [[1.0, inf, 2.0, 0.5], [inf, inf, 1.0, -inf], [-inf] * 4, [1.0, nan, 2.0, 0.5],
+            [-inf, 1.0, 2.0, -inf], [0.25, -1.0, 2.0, 3.0]]
+    x = torch.tensor(rows, dtype=dtype)
+    fn = norms.log_softmax if log else norms.softmax
+    got = fn(x, -1, backend=backend)
+    want = (torch.log_softmax if log else torch.softmax)(x.float(), -1).to(dtype)
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    assert torch.equal(got.isneginf(), want.isneginf()), (got, want)
+    finite = want.isfinite()
+    assert (got[finite].float() - want[finite].float()).abs().max() < 1e-3
+    # Each row's bits are its own: alone, or in the batch beside the non-finite rows.
+    for i in range(len(rows)):
+        alone = fn(x[i:i + 1], -1, backend=backend)
+        assert torch.equal(alone.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                           got[i:i + 1].view(torch.int16 if dtype == torch.float16 else torch.int32))
+    # dim 0 takes the same path through movedim.
+    assert torch.equal(fn(x.t(), 0, backend=backend).t().isnan(), want.isnan())
+
+
+def test_rms_norm_shape_mismatch_blames_the_input():
+    # The weight fixes normalized_shape (nn.RMSNorm's hidden_size): the input is what disagrees.
+    with pytest.raises(ValueError, match=r"rlkernels\.rms_norm: input's last dim is 7 but the weight has 8 "
+                                         r"elements \(normalized_shape \(8,\)\).*got \(3, 7\)"):
+        RMSNorm(8)(torch.randn(3, 7))
+    with pytest.raises(ValueError, match=r"rlkernels\.rms_norm: weight must be 1-D .*got shape \(2, 4\)"):
+        norms.rms_norm(torch.randn(3, 8), torch.ones(2, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

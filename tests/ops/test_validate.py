@@ -84,3 +84,40 @@ def test_linear_logprob_on_meta_tensors_gives_shapes():
     t = torch.empty(3, dtype=torch.long, device="meta")
     lp, ent = rlkernels.linear_logprob(h, w, t, return_entropy=True)
     assert lp.device.type == "meta" and lp.shape == (3,) and ent.shape == (3,) and lp.dtype == torch.float32
+
+
+_META_CALLS = {
+    "matmul": (lambda t, dt: rlkernels.matmul(t(2, 4, 8, dt), t(8, 5, dt), t(5, dt)),
+               lambda t, dt: t(2, 4, 8, dt) @ t(8, 5, dt) + t(5, dt)),
+    "linear": (lambda t, dt: rlkernels.linear(t(4, 8, dt), t(5, 8, dt), t(5, dt)),
+               lambda t, dt: torch.nn.functional.linear(t(4, 8, dt), t(5, 8, dt), t(5, dt))),
+    "bmm": (lambda t, dt: rlkernels.bmm(t(3, 4, 8, dt), t(3, 8, 5, dt)),
+            lambda t, dt: torch.bmm(t(3, 4, 8, dt), t(3, 8, 5, dt))),
+    "rms_norm": (lambda t, dt: rlkernels.rms_norm(t(4, 8, dt), t(8, dt)),
+                 lambda t, dt: torch.nn.functional.rms_norm(t(4, 8, dt), (8,), t(8, dt))),
+    "softmax": (lambda t, dt: rlkernels.softmax(t(4, 8, dt), 0),
+                lambda t, dt: torch.softmax(t(4, 8, dt), 0)),
+    "log_softmax": (lambda t, dt: rlkernels.log_softmax(t(4, 8, dt), -1, dtype=torch.float32),
+                    lambda t, dt: torch.log_softmax(t(4, 8, dt), -1, dtype=torch.float32)),
+}
+
+
+@pytest.mark.parametrize("forced", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("op", list(_META_CALLS))
+def test_meta_tensors_give_stocks_shapes_whatever_backend_is_forced(op, dtype, forced, monkeypatch):
+    # Meta tensors hold no values: no backend's bits are at stake, so a forced backend
+    # must not refuse them (stock gives the shapes); the torch backend propagates them.
+    monkeypatch.setenv("RLKERNELS_BACKEND", forced)
+
+    def t(*shape):
+        *shape, dt = shape
+        return torch.empty(*shape, device="meta", dtype=dt)
+
+    ours, stock = (f(t, dtype) for f in _META_CALLS[op])
+    assert ours.device.type == "meta" and ours.shape == stock.shape and ours.dtype == stock.dtype
+    h = t(4, 8, dtype).requires_grad_()
+    lp, ent = rlkernels.linear_logprob(h, t(50, 8, dtype), t(4, torch.int64), temperature=0.7, return_entropy=True)
+    assert lp.device.type == "meta" and lp.shape == (4,) and ent.shape == (4,)
+    lp.sum().backward()
+    assert h.grad.shape == h.shape and h.grad.device.type == "meta"

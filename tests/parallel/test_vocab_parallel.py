@@ -115,6 +115,8 @@ def test_sharded_logprob_refusals():
         sharded_linear_logprob(h, w, torch.full_like(t, 384), b)
     with pytest.raises(RuntimeError, match=r"rlkernels.vocab_parallel_linear_logprob: torch.distributed"):
         vocab_parallel_linear_logprob(h, w, t, b)
+    with pytest.raises(TypeError, match=r"temperature must be a Python number \(float or int\), got Tensor "):
+        sharded_linear_logprob(h, w, t, b, temperature=torch.tensor(0.7))
 
 
 @pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 import warnings
 from typing import Any
 
@@ -35,6 +34,7 @@ from .batch_invariant import set_batch_invariant_mode
 from ..nn import Linear
 from ..nn import RMSNorm
 from ..nn import SiLU
+from ..ops._validate import require_temperature
 from ..ops.linear_logprob import linear_logprob
 
 IGNORE_INDEX = -100
@@ -217,17 +217,6 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
     return out.reshape(B, T)
 
 
-def check_temperature(op: str, temperature: object) -> float:
-    """``temperature`` as a float; ValueError unless it is a finite Python number > 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"rlkernels.{op}: temperature must be a Python number, got {type(temperature).__name__}"
-                        + (" (call float() on a one-element tensor)" if isinstance(temperature, torch.Tensor)
-                           else ""))
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"rlkernels.{op}: temperature must be a finite number > 0, got {temperature!r}")
-    return float(temperature)
-
-
 def _vocab_size(model: nn.Module) -> int | None:
     emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
     weight = getattr(emb, "weight", None)
@@ -274,7 +263,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         raise ValueError(f"rlkernels.token_logprobs: input_ids must be [B, L], got {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError("rlkernels.token_logprobs: attention_mask must match input_ids' shape")
-    temperature = check_temperature("token_logprobs", temperature)
+    temperature = require_temperature("token_logprobs", temperature)
     check_head("token_logprobs", model)
     _check_ids(model, input_ids)
     B, L = input_ids.shape
@@ -410,7 +399,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("rlkernels.generate: input_ids must be a [B, L] tensor")
-    temperature = check_temperature("generate", temperature)
+    temperature = require_temperature("generate", temperature)
     if generate_kwargs.get("return_dict_in_generate"):
         raise ValueError("rlkernels.generate: return_dict_in_generate is not supported; it returns the sequences")
     generate_kwargs.pop("temperature", None)  # given once, above

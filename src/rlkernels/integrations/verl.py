@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..ops import _validate as V
 from ..ops.linear_logprob import linear_logprob
 
 OP = "integrations.verl.linear_cross_entropy"
@@ -58,9 +59,7 @@ def _validate(hidden: object, weight: object, labels: object, temperature: objec
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"rlkernels.{OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"rlkernels.{OP}: temperature must be a finite number > 0, got {temperature!r}")
+    V.require_temperature(OP, temperature)
     if hidden.dim() < 1:
         raise ValueError(f"rlkernels.{OP}: hidden must be [..., D], got a 0-dim tensor")
     if labels.dtype not in _INT_DTYPES:

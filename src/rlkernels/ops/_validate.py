@@ -5,6 +5,9 @@ a kernel (nothing is written out of bounds, nothing is silently truncated).
 """
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from typing import Iterable
 
 import torch
@@ -36,6 +39,36 @@ def require_ndim(op: str, name: str, t: torch.Tensor, min_ndim: int, max_ndim: i
         raise ValueError(f"rlkernels.{op}: {name} must have {want} dims, got shape {tuple(t.shape)}")
 
 
+def require_dim(op: str, dim: object, ndim: int) -> int:
+    """``dim`` wrapped into [0, ndim), or stock's IndexError (naming the op) when it is out of range.
+
+    A 0-dim tensor takes dim -1 and 0, as in stock. Wrapping an out-of-range dim modulo
+    ndim would reduce over a dim the caller never named."""
+    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
+        raise TypeError(f"rlkernels.{op}: dim must be int, not {type(dim).__name__}")
+    dim = operator.index(dim)
+    rank = max(ndim, 1)
+    if not -rank <= dim < rank:
+        raise IndexError(f"rlkernels.{op}: Dimension out of range (expected to be in range of "
+                         f"[{-rank}, {rank - 1}], but got {dim})")
+    return dim % rank
+
+
+def require_temperature(op: str, temperature: object) -> float:
+    """``temperature`` as a float: a Python (or NumPy) real number, finite and > 0.
+
+    A tensor is refused rather than read: reading a GPU tensor's value is a host sync,
+    and a tensor that requires grad would be silently treated as a constant."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        hint = " (pass float(temperature))" if isinstance(temperature, torch.Tensor) else ""
+        raise TypeError(f"rlkernels.{op}: temperature must be a Python number (float or int), got "
+                        f"{type(temperature).__name__} {temperature!r}{hint}")
+    value = float(temperature)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"rlkernels.{op}: temperature must be a finite number > 0, got {temperature!r}")
+    return value
+
+
 def _require_one(op: str, what: str, tensors: dict[str, torch.Tensor | None], attr: str, sep: str) -> object:
     """The shared value of ``attr`` over the non-None tensors, or a ValueError listing them."""
     values = {k: getattr(v, attr) for k, v in tensors.items() if v is not None}
@@ -52,6 +85,72 @@ def require_same_device(op: str, **tensors: torch.Tensor | None) -> torch.device
 
 def require_same_dtype(op: str, **tensors: torch.Tensor | None) -> torch.dtype:
     return _require_one(op, "tensors must share one dtype", tensors, "dtype", " ")  # type: ignore[return-value]
+
+
+def require_writable(op: str, name: str, t: torch.Tensor) -> None:
+    """Refuse writing into ``t`` where one memory location backs several of its elements.
+
+    A dim of size > 1 with stride 0 (an ``expand``-ed view) makes every write along it
+    land in one place, so a later element silently overwrites an earlier one -- the
+    case stock's in-place ops refuse ("more than one element of the written-to tensor
+    refers to a single memory location")."""
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if size > 1 and stride == 0:
+            raise ValueError(f"rlkernels.{op}: {name} is written in place but its dim {d} (size {size}) has stride 0 "
+                             f"(strides {tuple(t.stride())}: an expanded view?), so its {size} slices along that "
+                             "dim share one memory location; pass a tensor with memory of its own (e.g. clone it "
+                             "once and keep the clone: the write goes into it)")
+
+
+_OVERLAP_SEARCH_BUDGET = 100_000
+
+
+def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether some element of ``a`` and some element of ``b`` share a byte of memory.
+
+    Exact for the layouts views of one buffer have (each element of a as an offset
+    ``sum(i_d * stride_d)``, searched dim by dim with the other dims' reach bounding
+    each index); a search that exceeds its budget answers True (overlap not ruled out).
+    """
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.is_meta:  # meta: no memory
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    # In bytes: element x of a meets element y of b where
+    #   sum(x_d * stride_a_d) - sum(y_d * stride_b_d) + z == b's start - a's start,
+    # z the gap between the two elements' first bytes that still leaves them sharing one.
+    # One layout (views of one buffer: k/v slices of a stacked cache) pairs each dim's two
+    # indices into one difference in (-n, n), which keeps the search to a few steps.
+    ea, eb = a.element_size(), b.element_size()
+    if a.shape == b.shape and a.stride() == b.stride() and ea == eb:
+        terms = [(st * ea, -(n - 1), n - 1) for n, st in zip(a.shape, a.stride()) if n > 1]
+    else:
+        terms = [(st * ea, 0, n - 1) for n, st in zip(a.shape, a.stride()) if n > 1]
+        terms += [(-st * eb, 0, n - 1) for n, st in zip(b.shape, b.stride()) if n > 1]
+    terms.append((1, -(eb - 1), ea - 1))
+    terms.sort(key=lambda t: -abs(t[0]))
+    budget = [_OVERLAP_SEARCH_BUDGET]
+
+    def reach(rest: list[tuple[int, int, int]]) -> tuple[int, int]:
+        lo = sum(min(st * x0, st * x1) for st, x0, x1 in rest)
+        hi = sum(max(st * x0, st * x1) for st, x0, x1 in rest)
+        return lo, hi
+
+    def hits(target: int, rest: list[tuple[int, int, int]]) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        if not rest:
+            return target == 0
+        (st, x0, x1), tail = rest[0], rest[1:]
+        lo, hi = reach(tail)
+        # st * x must land in [target - hi, target - lo].
+        a_lo, a_hi = (target - hi, target - lo) if st > 0 else (lo - target, hi - target)
+        s = abs(st)
+        first, last = max(x0, -(-a_lo // s)), min(x1, a_hi // s)
+        return any(hits(target - st * x, tail) for x in range(first, last + 1))
+
+    return hits(b.data_ptr() - a.data_ptr(), terms)
 
 
 def refuse_interpreted_bf16(op: str, backend: str, t: torch.Tensor) -> None:

@@ -218,6 +218,8 @@ def _read_indices(t: torch.Tensor) -> list[int] | None:
     or the checks are switched off with RLKERNELS_ATTN_CHECK_INDICES=0."""
     if t.device.type == "cpu":
         return t.tolist()
+    if t.device.type == "meta":  # no values to check
+        return None
     if not switch_on(CHECK_ENV):
         return None
     if torch.compiler.is_compiling():
@@ -238,7 +240,7 @@ def _check_cu(op: str, name: str, cu: list[int] | None, total: int, max_len: int
                              f"{name}[{i + 1}] = {cu[i + 1]}")
     if cu[-1] != total:
         raise ValueError(f"rlkernels.{op}: {name} must end at the total length {total}, got {cu[-1]}")
-    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    longest = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)  # B = 0: no sequence
     if longest > max_len:
         raise ValueError(f"rlkernels.{op}: a sequence of {longest} tokens exceeds {max_name} = {max_len}")
 
@@ -778,6 +780,9 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
 
 def _fwd_impl(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split, backend,
               split_kv):
+    if q.is_meta:  # shapes only, as the custom op's fake
+        lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dt)
     chain = Chain(block_n, split)
     if backend == "triton":
         return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, chain, split_kv)
@@ -785,6 +790,8 @@ def _fwd_impl(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, sca
 
 
 def _bwd_impl(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend):
+    if q.is_meta:
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if backend == "triton":
         return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale)
     return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale)
@@ -1081,6 +1088,15 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if k.shape[0] != b or k.shape[2:] != k_cache.shape[2:]:
             raise ValueError(f"rlkernels.{op}: k must be [{b}, Lnew, {k_cache.shape[2]}, {k_cache.shape[3]}], "
                              f"got {tuple(k.shape)}")
+        # The append writes the caches in place: a slot shared by two rows (an expanded
+        # cache) or by k_cache and v_cache would hand one row's new key to another.
+        V.require_writable(op, "k_cache", k_cache)
+        V.require_writable(op, "v_cache", v_cache)
+        if V.may_overlap(k_cache, v_cache):
+            raise ValueError(f"rlkernels.{op}: k_cache and v_cache share memory (k_cache strides "
+                             f"{tuple(k_cache.stride())}, v_cache strides {tuple(v_cache.stride())}, "
+                             f"{v_cache.data_ptr() - k_cache.data_ptr()} bytes apart), so appending v would "
+                             "overwrite keys; pass caches that do not overlap")
         lnew = k.shape[1]
     dev = q.device
     seqlen_int: int | None = None
@@ -1089,7 +1105,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"rlkernels.{op}: appending k/v needs cache_seqlens (the cache is full otherwise)")
         seqlen_int = s_cap
     elif isinstance(cache_seqlens, int):
-        if not 0 <= cache_seqlens <= s_cap - lnew:
+        if cache_seqlens < 0:
+            raise ValueError(f"rlkernels.{op}: cache_seqlens must be >= 0, got {cache_seqlens}")
+        if cache_seqlens > s_cap - lnew:
             raise ValueError(f"rlkernels.{op}: cache_seqlens {cache_seqlens} + {lnew} new tokens exceeds the "
                              f"cache of {s_cap}")
         seqlen_int = cache_seqlens
@@ -1097,7 +1115,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         _check_index(op, "cache_seqlens", cache_seqlens, b, dev)
         vals = _read_indices(cache_seqlens)
         if vals is not None:
-            bad = [(i, x) for i, x in enumerate(vals) if not 0 <= x <= s_cap - lnew]
+            negative = [(i, x) for i, x in enumerate(vals) if x < 0]
+            if negative:
+                i, x = negative[0]
+                raise ValueError(f"rlkernels.{op}: cache_seqlens must be >= 0, got cache_seqlens[{i}] = {x}")
+            bad = [(i, x) for i, x in enumerate(vals) if x > s_cap - lnew]
             if bad:
                 i, x = bad[0]
                 raise ValueError(f"rlkernels.{op}: cache_seqlens[{i}] = {x} with {lnew} new tokens is beyond the "

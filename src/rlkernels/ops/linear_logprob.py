@@ -203,8 +203,7 @@ def validate_head(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias: tor
     if bias is not None and tuple(bias.shape) != (vocab,):
         raise ValueError(f"rlkernels.{op}: bias must have shape ({vocab},) to match weight's V, "
                          f"got {tuple(bias.shape)}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"rlkernels.{op}: temperature must be a finite number > 0, got {temperature!r}")
+    V_.require_temperature(op, temperature)
 
 
 def validate(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,

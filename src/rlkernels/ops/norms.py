@@ -235,9 +235,12 @@ def softmax_forward(x: torch.Tensor, dim: int, out_dtype: torch.dtype | None, lo
     if xt.numel() == 0:
         return torch.empty(shape, dtype=out_dtype, device=x.device).movedim(-1, dim)
     xf = xt.reshape(-1, R).to(adt)
-    # max is exact in any order; a row of -inf keeps a finite shift (stock gives NaN there too).
+    # max is exact in any order. A row whose max is -inf (all -inf) gets a 0 shift: its
+    # sum is 0 and every output NaN (0/0, -inf - -inf), as stock. A +inf or NaN max is
+    # kept: x - m is then NaN at the max and the NaN reaches the row's sum, so the whole
+    # row is NaN, as stock (a 0 shift would give 0 / inf = 0 beside the +inf entry).
     m = torch.amax(xf, dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     shifted = xf - m
     e = torch.exp(shifted)
     s = reduction_backend.row_dot(e)[:, None]
@@ -282,24 +285,26 @@ class _SoftmaxFunction(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
-def _check_softmax(op: str, x: torch.Tensor, dtype: torch.dtype | None) -> None:
+def _check_softmax(op: str, x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> int:
+    """The checks of (log_)softmax; returns ``dim`` wrapped into [0, x.dim())."""
     V.require_tensor(op, "x", x)
     V.require_float(op, "x", x)
     if dtype is not None and dtype not in V.FLOAT_DTYPES_WITH_FP64:
         raise ValueError(f"rlkernels.{op}: dtype must be a float dtype, got {dtype}")
+    return V.require_dim(op, dim, x.dim())
 
 
 def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
             backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``torch.softmax(x, dim, dtype=dtype)`` (fp32 math, fp64 for fp64)."""
-    _check_softmax("softmax", x, dtype)
+    dim = _check_softmax("softmax", x, dim, dtype)
     return _SoftmaxFunction.apply(x, dim, dtype, False, reduction_backend_for("softmax", x.device, backend))
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
                 backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``torch.log_softmax(x, dim, dtype=dtype)`` (fp32 math, fp64 for fp64)."""
-    _check_softmax("log_softmax", x, dtype)
+    dim = _check_softmax("log_softmax", x, dim, dtype)
     return _SoftmaxFunction.apply(x, dim, dtype, True, reduction_backend_for("log_softmax", x.device, backend))
 
 
@@ -383,8 +388,14 @@ def _check_rms(op: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:
     if weight is not None:
         V.require_float(op, "weight", weight)
         V.require_same_device(op, x=x, weight=weight)
-        if tuple(weight.shape) != (x.shape[-1],):
-            raise ValueError(f"rlkernels.{op}: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+        # The weight fixes normalized_shape (as nn.RMSNorm's does): a mismatch is the input's.
+        if weight.dim() != 1:
+            raise ValueError(f"rlkernels.{op}: weight must be 1-D (normalized_shape (N,)), got shape "
+                             f"{tuple(weight.shape)}")
+        if weight.shape[0] != x.shape[-1]:
+            raise ValueError(f"rlkernels.{op}: input's last dim is {x.shape[-1]} but the weight has "
+                             f"{weight.shape[0]} elements (normalized_shape ({weight.shape[0]},)): expected "
+                             f"input of shape [*, {weight.shape[0]}], got {tuple(x.shape)}")
 
 
 # ---------------------------------------------------------------- registry entries
@@ -414,7 +425,7 @@ class _SoftmaxBase(OpImpl):
     backend_impl: TorchReductionBackend | TritonReductionBackend
 
     def forward(self, x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        _check_softmax(self.op_name, x, dtype)
+        dim = _check_softmax(self.op_name, x, dim, dtype)
         return _SoftmaxFunction.apply(x, dim, dtype, self.log, self.backend_impl)
 
     def forward_fp32(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -28,7 +28,6 @@ from :func:`rlkernels.linear_logprob`'s (that op cuts V differently): an opt-in 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.distributed as dist
@@ -223,8 +222,7 @@ def _validate_sharded_inputs(op: str, hidden: torch.Tensor, weight_shard: torch.
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"rlkernels.{op}: target shape {tuple(target.shape)} must equal hidden's leading "
                          f"shape {tuple(hidden.shape[:-1])}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"rlkernels.{op}: temperature must be a finite number > 0, got {temperature!r}")
+    V.require_temperature(op, temperature)
     t = target.reshape(-1)
     bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
     if t.numel() and bool(bad.any()):
