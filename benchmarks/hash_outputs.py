@@ -69,6 +69,12 @@ def cases(device: str) -> dict[str, str]:
             lp, ent = rlkernels.linear_logprob(h, w, t, temperature=0.8, return_entropy=True)
             (lp.sum() + 0.1 * ent.sum()).backward()
             out[f"linear_logprob {name} {nn_}x{d}x{v}"] = _digest(lp, ent, h.grad, w.grad)
+            streams = torch.arange(nn_, device=device) * 7919 - 3
+            positions = torch.arange(nn_, device=device) % 4099
+            draws = rlkernels.linear_sample(h.detach(), w.detach() * 6, temperature=0.8, seed=11, streams=streams,
+                                            positions=positions, return_entropy=True)
+            greedy = rlkernels.linear_sample(h.detach(), w.detach() * 6, temperature=0.8, greedy=True)
+            out[f"linear_sample {name} {nn_}x{d}x{v}"] = _digest(*draws, *greedy)
         for rows, r in [(7, 1000), (4096, 2048), (33, 16385)]:
             x = _rand(rows, r, dtype=dt, seed=r, grad=True, device=device)
             wn = _rand(r, dtype=dt, seed=5, grad=True, device=device)

@@ -13,7 +13,7 @@ import os
 import textwrap
 from types import ModuleType
 
-SUITES = ("gemm", "training", "logprob", "bmm", "cpu", "attention", "model", "tp")
+SUITES = ("gemm", "training", "logprob", "sample", "bmm", "cpu", "attention", "model", "tp")
 # ``all``: the GPU suites (what the README's GPU benchmark command runs); ``cpu`` runs only by name.
 ALL = ("gemm", "training", "logprob", "bmm")
 SUITE_HELP = {
@@ -23,6 +23,8 @@ SUITE_HELP = {
                 "the dX and dW kernels alone in TFLOP/s",
     "logprob": "fused lm-head log-prob (+ entropy) vs materialized logits + log_softmax, and Liger / "
                "Cut Cross-Entropy when installed: forward ms, forward+backward ms, extra peak memory",
+    "sample": "fused lm-head sampling (linear_sample) vs logits GEMM + softmax + multinomial at N = 1 .. "
+              "4096, D = 2048 / 4096, V = 151936: eager ms, graph-replay µs, ratio, extra peak memory",
     "bmm": "tiny batched matmuls vs torch.bmm (CUDA-graph replay): µs, speedup, GB/s against a measured "
            "copy bandwidth",
     "cpu": "the CPU (torch) backend, a reference path, vs stock PyTorch on the CPU; needs no GPU",
