@@ -266,3 +266,42 @@ def test_a_patched_model_gives_the_same_bits_with_the_mode_on_or_off():
     off = token_logprobs(model, ids, return_entropy=True, batch_invariant=False)
     on = token_logprobs(model, ids, return_entropy=True, batch_invariant=True)
     assert all(torch.equal(a, b) for a, b in zip(off, on))
+
+
+def test_a_compiled_patched_model_gives_the_eager_bits():
+    import copy
+
+    model = patch_model(_tiny("qwen3", intermediate_size=67))
+    ids = torch.randint(0, 300, (3, 29), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model)(ids).logits
+    assert torch.equal(eager, compiled)
+    assert model.generation_config.disable_compile
+    # A copy (a reference policy, say) runs its own weights, not the original's.
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref.model.embed_tokens.weight.mul_(2)
+        assert not torch.equal(ref(ids).logits, eager) and torch.equal(model(ids).logits, eager)
+
+
+@pytest.mark.gpu
+def test_compile_and_static_cache_generate_keep_the_bits_gpu():
+    model = _tiny("qwen3", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000)
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, 32000, (4, 40), generator=torch.Generator().manual_seed(1)).cuda()
+    decoder = model.model
+    with torch.no_grad():
+        # The control: inductor's fused elementwise code rounds otherwise than the eager ops.
+        stock_eager = decoder(ids).last_hidden_state
+        stock_compiled = torch.compile(lambda x: decoder(x).last_hidden_state)(ids)
+        assert not torch.equal(stock_eager, stock_compiled)
+        patch_model(model)
+        eager = model(ids).logits
+        assert torch.equal(eager, torch.compile(model)(ids).logits)
+        kw = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        dynamic = model.generate(ids, **kw)
+        static = model.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(dynamic.sequences, static.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(dynamic.scores, static.scores))

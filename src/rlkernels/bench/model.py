@@ -365,14 +365,17 @@ def _generate_rows(b: Bench, name: str, prompts: Prompts, graphed: bool,
     ids, mask = _left_padded_prompts(b, prompts)
     rows_per_score = max(1, LOGITS_BUDGET // ((prompts.width + prompts.new) * b.vocab * 4))
     kw = dict(max_new_tokens=prompts.new, min_new_tokens=prompts.new, do_sample=False, pad_token_id=PAD)
+    # rlkernels refuses min_new_tokens (it draws from a distribution without EOS); no EOS
+    # at all gives the same full-length decode to time.
+    rk_kw = dict(max_new_tokens=prompts.new, do_sample=False, pad_token_id=PAD, eos_token_id=[])
     # (workload, side, timed call, sequences and sampler log-probs for the bitwise check) or a note
     cases: list[tuple[str, str, Any]] = [
         (name, "stock", (lambda: b.stock.generate(ids, attention_mask=mask, **kw),
                          lambda: _stock_sampled(b.stock, ids, mask, kw))),
     ]
     if eager_rlkernels:
-        cases.append((name, "rlkernels", (lambda: rlk_generate(b.patched, ids, mask, **kw),
-                                          lambda: rlk_generate(b.patched, ids, mask, **kw))))
+        cases.append((name, "rlkernels", (lambda: rlk_generate(b.patched, ids, mask, **rk_kw),
+                                          lambda: rlk_generate(b.patched, ids, mask, **rk_kw))))
     wl = f"{name} (graphed)"
     if b.device.type != "cuda":
         cases += [(wl, side, "skipped: CUDA graphs need a GPU") for side in ("stock", "rlkernels")]
@@ -381,7 +384,7 @@ def _generate_rows(b: Bench, name: str, prompts: Prompts, graphed: bool,
             static = dict(kw, cache_implementation="static")
             cases.append((wl, "stock", (lambda: b.stock.generate(ids, attention_mask=mask, **static),
                                         lambda: _stock_sampled(b.stock, ids, mask, static))))
-        gkw = dict(kw, cuda_graph=True)
+        gkw = dict(rk_kw, cuda_graph=True)
         cases.append((wl, "rlkernels", (lambda: rlk_generate(b.patched, ids, mask, **gkw),
                                         lambda: rlk_generate(b.patched, ids, mask, **gkw))))
     full_mask = torch.cat([mask, torch.ones(mask.shape[0], prompts.new, dtype=mask.dtype, device=b.device)], dim=1)

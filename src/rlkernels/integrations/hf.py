@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 import warnings
 from typing import Any
 
@@ -85,6 +86,7 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
                 setattr(parent, name, SiLU())
     if attn_implementation is not None:
         _set_attention(model, attn_implementation)
+    _keep_out_of_compile(model)
     gaps = hf_coverage.describe_gaps(model)
     if gaps is not None:
         warnings.warn(f"rlkernels.patch_model: {type(model).__name__} is only partly covered ({gaps}). "
@@ -92,6 +94,34 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
                       "rlkernels.is_patched(model) is False, and token_logprobs / generate run the model under "
                       "the batch-invariant mode", stacklevel=2)
     return model
+
+
+def _forward_eagerly(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(self).forward(self, *args, **kwargs)
+
+
+# Bound per decoder as its ``forward``: ``copy.deepcopy`` rebinds a bound method to the
+# copy (a closure over the original's method would run the original's weights).
+_forward_eagerly.__name__ = "forward"
+_EAGER_FORWARD = torch.compiler.disable(_forward_eagerly)
+
+
+def _keep_out_of_compile(model: nn.Module) -> None:
+    """Run the decoder eagerly under ``torch.compile``, and keep Hugging Face from compiling.
+
+    Inductor fuses the decoder's elementwise code (the rotary product, SiLU times the up
+    projection, residual adds) into kernels that round differently from the eager ops,
+    so a compiled forward would give other bits than ``token_logprobs`` and the eager
+    decode. The decoder's forward is made opaque to dynamo (``torch.compiler.disable``):
+    compiling a patched model compiles the code around it, and the tokens' bits stay the
+    eager ones. ``generation_config.disable_compile`` keeps ``generate`` with a static
+    cache from compiling the forward (with ``fullgraph=True`` an opaque decoder would not
+    trace)."""
+    decoder = decoder_of(model)
+    decoder.forward = types.MethodType(_EAGER_FORWARD, decoder)
+    config = getattr(model, "generation_config", None)
+    if config is not None and hasattr(config, "disable_compile"):
+        config.disable_compile = True
 
 
 def is_patched(model: nn.Module) -> bool:
