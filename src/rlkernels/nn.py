@@ -33,6 +33,21 @@ class Linear(nn.Linear):
         return new
 
 
+class LMHead(Linear):
+    """The LM head as a :class:`Linear` whose logits are fp32: the canonical chain's sums,
+    never rounded to the model's dtype.
+
+    These are the logits :func:`rlkernels.linear_logprob` scores and
+    :func:`rlkernels.linear_sample` draws from, so a sampler reading a patched model's
+    logits (Hugging Face ``generate``) draws from the distribution the trainer scores,
+    not from its bf16 rounding. A full forward's [B, L, V] logits take twice the memory
+    of bf16 ones; ``token_logprobs`` never builds them.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, out_dtype=torch.float32)
+
+
 class RMSNorm(nn.Module):
     """Drop-in for HF ``*RMSNorm`` modules (``weight``, ``variance_epsilon``)."""
 

@@ -33,6 +33,7 @@ from torch import nn
 from . import fsdp, hf_attention, hf_coverage, hf_decode
 from .batch_invariant import set_batch_invariant_mode
 from ..nn import Linear
+from ..nn import LMHead
 from ..nn import RMSNorm
 from ..nn import SiLU
 from ..ops._validate import require_temperature
@@ -60,6 +61,10 @@ def _is_silu(module: nn.Module) -> bool:
 def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attention.NAME) -> nn.Module:
     """Make an HF causal LM's Linear, RMSNorm and SiLU layers batch-invariant, in place; returns ``model``.
 
+    The LM head becomes an :class:`rlkernels.nn.LMHead`: its logits are fp32, the
+    distribution ``token_logprobs`` scores and ``generate`` draws from, so Hugging Face's
+    own ``generate`` samples from it too (not from its rounding to the model dtype).
+
     Only modules whose type is exactly ``nn.Linear`` are swapped (quantized, LoRA or
     tensor-parallel subclasses are left alone and are not covered).
 
@@ -75,11 +80,12 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
     """
     if attn_implementation == hf_attention.NAME:
         hf_attention.register()
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             # Exact type: subclasses (quantized / LoRA / parallel linears) compute something else.
             if type(child) is nn.Linear:
-                setattr(parent, name, Linear.from_torch(child))
+                setattr(parent, name, (LMHead if child is head else Linear).from_torch(child))
             elif _is_rms_norm(child):
                 setattr(parent, name, RMSNorm.from_module(child))
             elif _is_silu(child):

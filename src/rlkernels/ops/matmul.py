@@ -211,8 +211,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           backend: str | None = None) -> torch.Tensor:
-    """Batch-invariant ``F.linear``: x [..., K], weight [N, K], bias [N] -> [..., N]."""
+           out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``F.linear``: x [..., K], weight [N, K], bias [N] -> [..., N] in
+    ``out_dtype`` (default x.dtype; fp32 keeps the canonical chain's sums unrounded)."""
     if torch.compiler.is_compiling():
-        return _run_opaque("linear", x, weight, bias, True, None, backend)
-    return _run("linear", x, weight, bias, True, None, backend)
+        return _run_opaque("linear", x, weight, bias, True, out_dtype, backend)
+    return _run("linear", x, weight, bias, True, out_dtype, backend)
