@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -56,6 +58,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def skip_reason_counts(skipped: list) -> Counter:
+    """How many of the ``skipped`` test reports were skipped for each reason."""
+    counts: Counter = Counter()
+    for report in skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        counts[reason.removeprefix("Skipped: ")] += 1
+    return counts
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per distinct skip reason with its count.
+
+    pyproject's ``-rfExX`` leaves skips out of the short summary: ``-ra`` printed a line
+    per skipping test location, about 120 of them on a machine without a GPU. With
+    ``-rs`` or ``-ra`` on the command line those lines come back and this one is not
+    printed. pytest's own closing line ("N passed, N skipped in ...") is unchanged.
+    """
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped or terminalreporter.hasopt("skipped") or config.option.no_summary:
+        return
+    terminalreporter.section("skipped, by reason (-rs for each test)", sep="-")
+    for reason, n in sorted(skip_reason_counts(skipped).items(), key=lambda item: (-item[1], item[0])):
+        terminalreporter.line(f"{n:5d} {reason}")
 
 
 def cpu_backend_cases(dtypes=(torch.float32, torch.float16, torch.bfloat16)):

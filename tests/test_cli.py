@@ -74,6 +74,7 @@ BAD_ARGS = [
      ["/nonexistent/dir", "does not exist"]),
     (["check", "--ops-only", "--model-only"], "rlkernels check: error: argument --model-only:", ["--ops-only"]),
     (["check", "--bogus"], "rlkernels check: error: unrecognized arguments:", ["--bogus"]),
+    (["check", "--compile-workers", "-1"], "rlkernels check: error: argument --compile-workers:", [">= 0", "'-1'"]),
     (["info", "--device", "gpu"], "rlkernels info: error: argument --device:", ["'gpu'", "cpu", "cuda"]),
 ]
 
@@ -205,3 +206,62 @@ def test_check_on_cpu_prints_no_future_warning(capsys, monkeypatch):
     future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
     assert not future, future[:3]
     assert "all bitwise invariant" in capsys.readouterr().out
+
+
+def _check_in_a_pipe(*args: str) -> str:
+    """``rlkernels check`` in a fresh process, stdout and stderr a pipe; its output."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
+    proc = subprocess.run([sys.executable, "-m", "rlkernels.cli", "check", *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def test_check_in_a_pipe_prints_tables_and_no_progress(tmp_path):
+    import json
+    import re
+
+    pytest.importorskip("transformers")
+    out = _check_in_a_pipe("--device", "cpu", "--seqs", "1", "--json", str(tmp_path / "report.json"))
+    assert "\r" not in out and "\x1b" not in out, repr(out[:400])  # no redrawn frames, no cursor control
+    # A rich progress bar's row: a name, the bar, "done/total", the elapsed time.
+    bars = [line for line in out.splitlines() if re.search(r"━.* \d+/\d+ +\d+:\d\d:\d\d", line)]
+    assert not bars, bars
+    for text in ("op invariance on cpu", "per-token log-prob invariance", "all bitwise invariant"):
+        assert text in out, text
+    times = next(line for line in out.splitlines() if line.startswith("wall time:"))
+    assert "op table" in times and "model table" in times and "total" in times, times
+    seconds = json.loads((tmp_path / "report.json").read_text())["seconds"]
+    assert set(seconds) == {"op table", "model table", "total"} and seconds["total"] > 0, seconds
+
+
+def test_check_dtype_sets_both_tables(capsys):
+    pytest.importorskip("transformers")
+    assert cli.main(["check", "--device", "cpu", "--seqs", "1", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    op_table, model_table = out.split("per-token log-prob invariance")
+    assert "bfloat16" in op_table and "float32" not in op_table
+    assert "bfloat16" in model_table and "float32" not in model_table
+
+
+def test_check_dtype_default_on_cpu_is_float32(monkeypatch):
+    seen: dict = {}
+
+    def rows(device, dtypes):
+        seen["ops"] = dtypes
+        return []
+
+    def model_run(**kwargs):
+        seen["model"] = kwargs["dtype"]
+        return {"ok": True}
+
+    monkeypatch.setattr(check_ops, "op_check_rows", rows)
+    monkeypatch.setattr(model_check, "run", model_run)
+    monkeypatch.setitem(sys.modules, "transformers", types.ModuleType("transformers"))
+    assert cli.main(["check", "--device", "cpu"]) == 0
+    assert seen == {"ops": (torch.float32,), "model": None}  # the model resolves None: float32 on the CPU
+    assert cli.main(["check", "--device", "cpu", "--dtype", "fp16"]) == 0
+    assert seen == {"ops": (torch.float16,), "model": "fp16"}

@@ -45,3 +45,26 @@ def test_rl_training_example_refuses_a_ratio_that_is_not_one(monkeypatch):
     monkeypatch.setattr(example, "score_one_at_a_time", perturbed)
     with pytest.raises(AssertionError, match="old and new log-probs differ"):
         example.main(["--steps", "1", "--max-new-tokens", "4"])
+
+
+def test_rl_training_example_runs_on_one_cpu_thread_and_restores_torchs(monkeypatch):
+    # Threaded tiny ops on a busy CPU wait on descheduled OpenMP workers: the example pins
+    # torch to one thread while it runs (as `rlkernels check` does) and gives the setting back.
+    import torch
+    example = _load("rl_training")
+    seen = []
+    real = example.rollout
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(example, "rollout", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        example.main(["--steps", "1", "--max-new-tokens", "2"])
+        assert seen == [1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

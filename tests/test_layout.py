@@ -5,6 +5,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -105,4 +106,31 @@ def test_fresh_import_has_no_side_effects():
             "assert not rlkernels.is_batch_invariant_mode_enabled(); "
             "ops = rlkernels.registered_ops(); "
             "assert {'matmul', 'bmm', 'linear_logprob', 'rms_norm', 'softmax', 'log_softmax', 'flash_attn'} <= set(ops), ops")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_submodules_are_reachable_but_not_imported_with_the_package():
+    # The README's API table names rlkernels.testing, .parallel, .reference and .contract:
+    # each is one attribute access away after `import rlkernels`, imported on that access.
+    code = textwrap.dedent("""
+        import sys
+        import rlkernels
+        lazy = ("testing", "parallel", "reference", "contract")
+        loaded = [m for m in lazy if "rlkernels." + m in sys.modules]
+        assert not loaded, loaded
+        assert set(lazy) <= set(dir(rlkernels))
+        assert callable(rlkernels.testing.assert_batch_invariant)
+        assert "rlkernels.testing" in sys.modules and "rlkernels.parallel" not in sys.modules
+        assert callable(rlkernels.parallel.tree_linear)
+        assert rlkernels.reference.__name__ == "rlkernels.reference"
+        assert rlkernels.contract.__name__ == "rlkernels.contract"
+        import rlkernels.testing as t
+        assert t is rlkernels.testing
+        try:
+            rlkernels.no_such_name
+        except AttributeError as e:
+            assert "no_such_name" in str(e), e
+        else:
+            raise AssertionError("rlkernels.no_such_name did not raise AttributeError")
+    """)
     subprocess.run([sys.executable, "-c", code], check=True)

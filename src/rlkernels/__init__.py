@@ -5,6 +5,9 @@ padding, row position, run and process -- on every backend.
 """
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 from .integrations.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
 from .integrations.hf import generate, is_patched, patch_model, token_logprobs
 from .nn import Linear, RMSNorm
@@ -44,3 +47,19 @@ __all__ = [
     "softmax",
     "token_logprobs",
 ]
+
+# Public submodules reached as attributes (``rlkernels.testing.assert_batch_invariant``)
+# but imported on first use, so that ``import rlkernels`` stays as light as it is.
+_LAZY_SUBMODULES = ("contract", "parallel", "reference", "testing")
+
+
+def __getattr__(name: str) -> ModuleType:
+    """PEP 562: import a public submodule the first time it is reached as an attribute."""
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # also binds it here: no second call
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names and the lazily imported submodules."""
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
@@ -91,20 +92,41 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _op_dtypes(dtype: str | None, device: Any) -> tuple[Any, ...]:
+    """The op table's dtypes: ``--dtype``'s alone, or by default float32 (and bfloat16 on a GPU)."""
+    import torch
+
+    from .check.model import resolve_dtype
+
+    if dtype not in (None, "", "auto"):
+        return (resolve_dtype(dtype, device),)
+    return (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
+
+
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    from .check.ops import CHECKS, op_check_rows, rows_ok
+    from .check import status
+    from .check.ops import CHECKS, default_compile_workers, op_check_rows, rows_ok, warm_up
 
     if args.locate and args.ops_only:
         args.subparser.error("argument --locate: not allowed with --ops-only (it runs the model)")
+    start = time.perf_counter()
+    seconds: dict[str, float] = {}
     device = torch.device(args.device or _default_device())
-    dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
+    dtypes = _op_dtypes(args.dtype, device)
     report: dict[str, Any] = {"device": str(device)}
     ok = True
     if not args.model_only:
-        with console.status("op-level invariance checks..."):
+        t0 = time.perf_counter()
+        with status(console, "compiling the op table's kernels..."):
+            workers = default_compile_workers() if args.compile_workers is None else args.compile_workers
+            if warm_up(device, dtypes, workers):
+                seconds["op warm-up"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with status(console, "op-level invariance checks..."):
             rows = op_check_rows(device, dtypes)
+        seconds["op table"] = time.perf_counter() - t0  # after the warm-up: the sequential pass alone
         # Short headers and one-word cells keep the table inside 80 columns (details follow it).
         table = Table(title=f"op invariance on {device} (bitwise)",
                       caption="each row's bits unchanged: batch = in a smaller batch, chunk = in chunks,\n"
@@ -143,22 +165,29 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         else:
             from .check import model as model_check
 
+            t0 = time.perf_counter()
             model_report = model_check.run(device=str(device), dtype=args.dtype, seqs=args.seqs,
                                            model_path=args.model, json_path=None, console=console)
+            seconds["model table"] = time.perf_counter() - t0
             report["model_ok"] = model_report["ok"]
             report["model"] = model_report
             ok &= model_report["ok"]
             if args.locate:
                 from .check import locate
 
+                t0 = time.perf_counter()
                 locate_report = locate.run(device=str(device), dtype=args.dtype, seqs=args.seqs,
                                            model_path=args.model, console=console)
+                seconds["locate"] = time.perf_counter() - t0
                 report["locate"] = locate_report
                 ok &= locate_report["ok"]
+    seconds["total"] = time.perf_counter() - start
     report["ok"] = ok
+    report["seconds"] = seconds
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
+    console.print("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()), highlight=False)
     console.print("[bold green]all bitwise invariant[/]" if ok else "[bold red]invariance check FAILED[/]")
     return 0 if ok else 1
 
@@ -188,6 +217,16 @@ def _positive_int(value: str) -> int:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
     return n
 
 
@@ -225,12 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_check = sub.add_parser("check", help="prove rollout-style and training-style log-probs agree bit for bit")
     p_check.add_argument("--device", default=None, type=_device_arg, help=device_help)
     p_check.add_argument("--dtype", default=None, type=_dtype_arg,
-                         help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16")
+                         help="dtype of both tables: float32, bfloat16 or float16; auto (default): the op table "
+                              "in float32 and, on a GPU, bfloat16, the model in bfloat16 on a GPU, float32 on the CPU. "
+                              "An op whose backend refuses the dtype by design (bfloat16 on the Triton backend "
+                              "under TRITON_INTERPRET=1) shows as skipped, with the reason")
     p_check.add_argument("--seqs", type=_positive_int, default=None,
                          help="number of sequences, >= 1 (default: 8)")
     p_check.add_argument("--model", default=None, type=_model_arg,
                          help="local Hugging Face checkpoint directory (default: a tiny random Qwen3)")
     p_check.add_argument("--json", default=None, type=_json_arg, metavar="PATH", help="write the full report here")
+    p_check.add_argument("--compile-workers", type=_non_negative_int, default=None, metavar="N",
+                         help="threads that compile the op table's Triton kernels up front on a GPU, before the "
+                              "table's own sequential pass (default: one per core, at most 16; 0 or 1: none)")
     p_check.add_argument("--locate", action="store_true",
                          help="also name the first module whose output drifts between one-at-a-time and "
                               "batched runs, stock vs rlkernels (docs/operators/drift_locator.md)")

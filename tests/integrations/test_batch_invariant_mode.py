@@ -420,3 +420,68 @@ def test_plain_call_in_one_thread_holds_until_turned_off():
     with set_batch_invariant_mode():
         pass
     assert is_batch_invariant_mode_enabled()
+
+
+# ---------------------------------------------------------------- the guard of a plain call
+
+
+def test_plain_call_guard_exit_restores_the_setting_before_the_call():
+    g = set_batch_invariant_mode(True)
+    assert is_batch_invariant_mode_enabled()
+    g.__exit__(None, None, None)  # like leaving a with-block: back to off
+    assert not is_batch_invariant_mode_enabled()
+
+    set_batch_invariant_mode(True)
+    g = set_batch_invariant_mode(False)
+    assert not is_batch_invariant_mode_enabled()
+    g.__exit__(None, None, None)  # back to the plain "on" from before the call
+    assert is_batch_invariant_mode_enabled()
+    set_batch_invariant_mode(False)
+    g.__exit__(None, None, None)  # a second exit undoes nothing more
+    assert not is_batch_invariant_mode_enabled()
+
+
+def test_plain_call_guard_in_an_exit_stack():
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        stack.push(set_batch_invariant_mode(True))  # registered, never entered
+        assert is_batch_invariant_mode_enabled()
+    assert not is_batch_invariant_mode_enabled()
+
+
+def test_entered_guard_exits_once_as_a_block():
+    g = set_batch_invariant_mode(True)
+    with g:
+        assert is_batch_invariant_mode_enabled()
+    assert not is_batch_invariant_mode_enabled()  # the block restored the state before the call
+    set_batch_invariant_mode(True)
+    g.__exit__(None, None, None)  # left already: a stray exit leaves the later plain call alone
+    assert is_batch_invariant_mode_enabled()
+
+
+def test_plain_call_guard_exit_leaves_another_threads_block_alone():
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    def holder():
+        with set_batch_invariant_mode():
+            inside.set()
+            release.wait(5)
+
+    th = threading.Thread(target=holder)
+    th.start()
+    assert inside.wait(5)
+    g = set_batch_invariant_mode(True)
+    g.__exit__(None, None, None)
+    assert is_batch_invariant_mode_enabled()  # the other thread's block still holds the mode
+    # The undo is of a process-wide setting: another thread may make it.
+    g = set_batch_invariant_mode(True)
+    release.set()
+    th.join()
+    assert is_batch_invariant_mode_enabled()  # the plain "on" outlives the block
+    undo = threading.Thread(target=g.__exit__, args=(None, None, None))
+    undo.start()
+    undo.join()
+    assert not is_batch_invariant_mode_enabled()

@@ -18,6 +18,7 @@ from ..integrations.batch_invariant import set_batch_invariant_mode
 from ..integrations.hf import patch_model
 from ..testing import DivergenceReport, locate_divergence
 from . import model as model_check
+from . import status
 
 
 def _summary(report: DivergenceReport) -> dict:
@@ -55,9 +56,9 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
     if dev.type == "cpu" and cpu_threads:
         torch.set_num_threads(cpu_threads)
     try:
-        with console.status("locating drift, stock..."):
+        with status(console, "locating drift, stock..."):
             stock_report = locate_divergence(stock, sequences, way_a, way_b)
-        with console.status("locating drift, rlkernels..."), set_batch_invariant_mode(True):
+        with status(console, "locating drift, rlkernels..."), set_batch_invariant_mode(True):
             ours_report = locate_divergence(ours, sequences, way_a, way_b)
     finally:
         torch.set_num_threads(prev_threads)

@@ -24,7 +24,9 @@ log-probs from ``linear_logprob``.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import platform
 import time
@@ -364,6 +366,10 @@ def score_four_ways(scorer: _Scorer, seqs: list[torch.Tensor], device: torch.dev
     return out, time.perf_counter() - t0
 
 
+def _no_progress(steps: int) -> None:
+    """``advance`` where no progress is shown."""
+
+
 def compare(name: str, ways: dict[str, list[torch.Tensor]], seconds: float) -> ImplResult:
     res = ImplResult(name, seconds=seconds)
     ref = ways["single"]
@@ -453,13 +459,19 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
         torch.set_num_threads(cpu_threads)
     threads = torch.get_num_threads()
     results: list[ImplResult] = []
+    # Progress bars on a terminal only: in a file or a pipe they would be left behind as
+    # lines of bar characters above the table.
+    bars = (Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                     TimeElapsedColumn(), console=console, transient=False)
+            if console.is_terminal else contextlib.nullcontext(None))
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console, transient=False) as progress:
+        with bars as progress:
             for scorer in scorers:
-                task = progress.add_task(f"{scorer.name:>14}", total=per_impl)
+                advance: Callable[[int], None] = _no_progress
+                if progress is not None:
+                    advance = functools.partial(progress.advance, progress.add_task(f"{scorer.name:>14}", total=per_impl))
                 ways, secs = score_four_ways(scorer, sequences, dev, micro_batch=micro_batch, seed=SEED,
-                                             advance=lambda k, t=task: progress.advance(t, k))
+                                             advance=advance)
                 results.append(compare(scorer.name, ways, secs))
     finally:
         torch.set_num_threads(prev_threads)

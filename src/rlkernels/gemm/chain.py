@@ -18,6 +18,16 @@ from __future__ import annotations
 import torch
 
 
+# ATen runs an elementwise op on the calling thread below at::internal::GRAIN_SIZE
+# (32768) elements and splits it over its OpenMP threads from there. A chain's ops are
+# small and many; split, each one waits for every worker thread, and on a loaded CPU
+# a descheduled worker stalls it for a scheduler time slice (2 cores loaded by two busy
+# loops: a 104 x 64 x 128 chain took 44-64 ms with its multiplies split, 0.35-1.1 ms
+# without). Blocks of products stay below the split, so a chain whose output is smaller
+# runs on the calling thread throughout.
+SERIAL_ELEMENTS = 32767
+
+
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -36,7 +46,7 @@ def _converted(x: torch.Tensor, dtype: torch.dtype, *, dense: bool) -> torch.Ten
 
 
 def chain_matmul(a: torch.Tensor, b: torch.Tensor, *, acc: torch.Tensor | None = None,
-                 chunk_elements: int = 1 << 24, block_elements: int = 1 << 16) -> torch.Tensor:
+                 chunk_elements: int = 1 << 24, block_elements: int = SERIAL_ELEMENTS) -> torch.Tensor:
     """``acc + a @ b`` as one ascending chain over K per element.
 
     a: [..., M, K], b: [..., K, N] (broadcastable batch dims), any float dtype.
@@ -50,9 +60,10 @@ def chain_matmul(a: torch.Tensor, b: torch.Tensor, *, acc: torch.Tensor | None =
     ([K, ..., 1, N], dense rows) when its rows are strided, as a transposed weight's
     are (the multiply then gathered every element). For small outputs one broadcast
     multiply writes the products of a block of kb values, [kb, ..., M, N], at most
-    ``block_elements`` of them (small enough to stay in cache beside the
-    accumulator; large outputs get kb = 1, where a bigger block only moves the
-    products out of cache), and each add reads one contiguous slice: fewer calls.
+    ``block_elements`` of them (by default fewer than ATen splits over threads, see
+    ``SERIAL_ELEMENTS``, which also keeps them in cache beside the accumulator; large
+    outputs get kb = 1, where a bigger block only moves the products out of cache),
+    and each add reads one contiguous slice: fewer calls.
     Every product is still its own rounded multiply and every step its own rounded
     add into the accumulator, in ascending k, so the bits are those of one multiply
     and one add per k.

@@ -318,28 +318,50 @@ def _sync() -> None:
 
 
 class _ModeGuard(contextlib.AbstractContextManager):
-    """Returned by :func:`set_batch_invariant_mode`. Not entered, the call was a plain
-    setting; entered, it becomes a block of the calling thread instead, and leaving the
-    block restores what was there before it."""
+    """Returned by :func:`set_batch_invariant_mode`.
+
+    Not entered, the call was a plain setting, and the guard's ``__exit__`` undoes it:
+    the plain setting goes back to what it was before the call, as leaving a ``with``
+    block would (so ``g = set_batch_invariant_mode(True)`` ... ``g.__exit__(None, None,
+    None)`` is a block spelled without ``with``, e.g. for an ``ExitStack`` or a test's
+    setup and teardown). Entered, it becomes a block of the calling thread instead, and
+    leaving the block restores what was there before it.
+    """
 
     def __init__(self, enabled: bool, previous_plain: bool) -> None:
         self.enabled, self.previous_plain = enabled, previous_plain
+        # Threads that entered this guard and have not left it yet (one entry per open
+        # block: a guard may be re-entered), guarded by LOCK.
+        self._open: list[threading.Thread] = []
+        # The plain call is still in force as this guard's (not yet entered or undone).
+        self._plain = True
 
     def __enter__(self) -> "_ModeGuard":
         with _mode_state.LOCK:
-            _PLAIN_ON[0] = self.previous_plain
-            self.thread = threading.current_thread()
-            _BLOCKS.setdefault(self.thread, []).append(self.enabled)
+            if self._plain:  # a block, not a plain setting: the plain one goes back to its value before the call
+                _PLAIN_ON[0] = self.previous_plain
+                self._plain = False
+            thread = threading.current_thread()
+            self._open.append(thread)
+            _BLOCKS.setdefault(thread, []).append(self.enabled)
             _sync()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         with _mode_state.LOCK:
-            stack = _BLOCKS.get(self.thread, [])
-            if stack:
-                stack.pop()
-            if not stack:
-                _BLOCKS.pop(self.thread, None)
+            if self._open:
+                # The block of the calling thread, or (left from elsewhere) of the thread that entered last.
+                current = threading.current_thread()
+                thread = current if current in self._open else self._open[-1]
+                self._open.remove(thread)
+                stack = _BLOCKS.get(thread, [])
+                if stack:
+                    stack.pop()
+                if not stack:
+                    _BLOCKS.pop(thread, None)
+            elif self._plain:  # never entered: undo the plain call, once
+                _PLAIN_ON[0] = self.previous_plain
+                self._plain = False
             _sync()
         return None
 
@@ -347,7 +369,9 @@ class _ModeGuard(contextlib.AbstractContextManager):
 def set_batch_invariant_mode(enabled: bool = True) -> _ModeGuard:
     """Turn the batch-invariant overrides on (or off).
 
-    Plain call: a process-wide setting that stays until changed.
+    Plain call: a process-wide setting that stays until changed -- or until the
+    returned guard's ``__exit__`` is called, which puts the plain setting back to
+    what it was before this call (the same as leaving a ``with`` block).
     ``with set_batch_invariant_mode(enabled):`` a block of the calling thread; leaving
     it (exception or not) restores what was there before, so blocks nest. The
     overrides themselves are process-wide (``torch.library`` registrations act in
