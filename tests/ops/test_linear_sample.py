@@ -274,7 +274,7 @@ def test_gpu_logp_is_linear_logprobs_bits_and_rows_are_invariant(dtype, n, d, v,
 
 
 @pytest.mark.gpu
-def test_gpu_draws_follow_the_fp32_distribution():
+def test_gpu_draws_follow_the_fp32_distribution_and_not_the_bf16_rounded_one():
     v, n = 16, 400_000
     k = torch.arange(v, dtype=torch.float64)
     w = torch.stack([8.0 + 0.0625 * k - 0.5 * (k - 8).abs(), 0.03 * (-1.0) ** k], dim=1).float().cuda()
@@ -283,7 +283,15 @@ def test_gpu_draws_follow_the_fp32_distribution():
                            positions=torch.full((n,), 9, device="cuda"))
     counts = torch.bincount(tok, minlength=v).double().cpu()
     p = torch.stack([linear_logprob(h, w, torch.tensor([j], device="cuda"))[0] for j in range(v)]).double().exp().cpu()
-    keep = p * n >= 5
-    stat = float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum())
-    df = int(keep.sum()) - 1
-    assert stat < df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3
+    rounded = torch.softmax((h.cpu() @ w.cpu().T)[0].bfloat16().double(), 0)
+
+    def chi2(q):
+        keep = q * n >= 5
+        df = int(keep.sum()) - 1
+        stat = float(((counts[keep] - n * q[keep]) ** 2 / (n * q[keep])).sum())
+        return stat, df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3
+
+    stat, critical = chi2(p)
+    assert stat < critical, (stat, critical)
+    stat, critical = chi2(rounded)
+    assert stat > critical, (stat, critical)

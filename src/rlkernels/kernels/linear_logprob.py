@@ -53,7 +53,8 @@ if triton is not None:
     @triton.jit
     def online_stats(m_i, s_i, u_i, z, col_ok):
         """The running (max m, s = sum e^(z-m), u = sum e^(z-m) (z-m)) of each row after one
-        tile of logits ``z`` (-inf on columns past V, ``col_ok`` False there)."""
+        tile of logits ``z`` (-inf on columns past V, ``col_ok`` False there), and the tile's
+        own sum of e^(z-m) (its mass relative to the new running max)."""
         m_new = tl.maximum(m_i, tl.max(z, axis=1))
         d = z - m_new[:, None]
         e = tl.exp(d)  # 0 on columns past V (z = -inf there)
@@ -62,19 +63,23 @@ if triton is not None:
         # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
         shift = tl.where(s_i > 0, m_i - m_new, 0.0)
         u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
-        s_i = alpha * s_i + tl.sum(e, axis=1)
-        return m_new, s_i, u_i
+        tile_sum = tl.sum(e, axis=1)
+        s_i = alpha * s_i + tile_sum
+        return m_new, s_i, u_i, tile_sum
 
     @triton.jit
     def fwd_partial_kernel(
-        h_ptr, w_ptr, b_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
+        h_ptr, w_ptr, b_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, tile_m_ptr, tile_s_ptr,
         N, V, D, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd,
         HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_TILES: tl.constexpr,
     ):
-        """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target."""
+        """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target.
+
+        STORE_TILES: every tile's running max after it and its own sum of e^(z - that max)
+        too, at [split * SPLIT_V / BLOCK_V + tile, row] (the sampler's first level)."""
         # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
         pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
 
@@ -100,7 +105,11 @@ if triton is not None:
             # z's registers can be reused by the statistics below.
             zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
             z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_i, s_i, u_i = online_stats(m_i, s_i, u_i, z, col_ok)
+            m_i, s_i, u_i, tile_sum = online_stats(m_i, s_i, u_i, z, col_ok)
+            if STORE_TILES:
+                tile = (pid_s * (SPLIT_V // BLOCK_V) + j).to(tl.int64) * N + offs_m
+                tl.store(tile_m_ptr + tile, m_i, mask=row_ok)
+                tl.store(tile_s_ptr + tile, tile_sum, mask=row_ok)
         part = pid_s.to(tl.int64) * N + offs_m
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(s_ptr + part, s_i, mask=row_ok)

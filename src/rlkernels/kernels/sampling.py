@@ -1,17 +1,16 @@
 """Kernels of the fused LM-head sampler. Host side: ``rlkernels.ops.linear_sample``.
 
-A row's token is the Gumbel-max of its logits: ``argmax_j z_j - log(E_j)`` with
-``E_j`` an exponential draw, which picks ``j`` with probability ``softmax(z)_j``.
-The draw of column ``j`` comes from a counter-based generator keyed by what the
-row is, never by where it sits (:func:`exponential_noise`), and the logits and the
-softmax statistics are :mod:`.linear_logprob`'s own tiles and chain, so the
-token's log-prob is bitwise ``linear_logprob``'s.
+A token is drawn in two levels over :mod:`.linear_logprob`'s own pass: the forward
+records each vocabulary tile's mass beside the softmax statistics; a first draw picks a
+tile with probability proportional to its mass (:func:`sample_tile_kernel`); the tile's
+logits are recomputed by the same chain and a Gumbel-max picks the token inside it
+(:func:`sample_in_tile_kernel`). Every random number comes from Philox keyed by
+(seed, stream, position): what the row is, never where it sits.
 """
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .linear_logprob import logits_tile, online_stats
-from .tiles import grouped_tile
+from .linear_logprob import logits_tile
 
 if triton is not None:
 
@@ -43,94 +42,108 @@ if triton is not None:
         e = tl.where(upper, -log1p_neg, -tl.log(w))
         return -tl.log(e)
 
-    @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
-    def sample_partial_kernel(
-        h_ptr, w_ptr, b_ptr, stream_ptr, pos_ptr, m_ptr, s_ptr, u_ptr, key_ptr, id_ptr, zb_ptr,
-        N, V, D, temperature, seed_lo, seed_hi,
-        stride_hn, stride_hd, stride_wv, stride_wd,
-        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-        TMA: tl.constexpr, NOISE: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """One token block over one split: linear_logprob's (m, s, u), and the split's best
-        key (z + noise, or z without NOISE), its lowest id and its logit."""
-        pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < N
-        rm = (offs_m % N).to(tl.int64)  # rows past N re-read valid rows; never stored
-        if NOISE:
-            stream = tl.load(stream_ptr + rm)
-            stream_lo = (stream & 0xFFFFFFFF).to(tl.uint32)
-            stream_hi = ((stream >> 32) & 0xFFFFFFFF).to(tl.uint32)
-            position = tl.load(pos_ptr + rm).to(tl.uint32)
-            key_lo = seed_lo.to(tl.uint32, bitcast=True)
-            key_hi = seed_hi.to(tl.uint32, bitcast=True)
-        v_start = pid_s * SPLIT_V
-        n_tiles = tl.cdiv(tl.minimum(V - v_start, SPLIT_V), BLOCK_V)
-
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        s_i = tl.zeros((BLOCK_M,), tl.float32)
-        u_i = tl.zeros((BLOCK_M,), tl.float32)
-        best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        best_id = tl.zeros((BLOCK_M,), tl.int32) + v_start
-        best_z = tl.zeros((BLOCK_M,), tl.float32)
-        # Tiles in ascending column order: the statistics are linear_logprob's chain, and a
-        # later tile takes the lead only with a strictly larger key (ties: the lowest id).
-        for j in range(0, n_tiles):
-            offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
-            z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
-                            temperature, stride_hn, stride_hd, stride_wv, stride_wd,
-                            HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
-            col_ok = offs_v < V
-            if NOISE:
-                key = z + exponential_noise(v_start + j * BLOCK_V, key_lo, key_hi, stream_lo, stream_hi, position,
-                                            BLOCK_M, BLOCK_V)
-            else:
-                key = z
-            # NaN logits never lead (the host refuses a row whose log-prob is NaN).
-            key = tl.where(col_ok[None, :] & (key == key), key, float("-inf"))
-            tile_best = tl.max(key, axis=1)
-            tile_id = tl.min(tl.where(key == tile_best[:, None], offs_v[None, :], 2147483647), axis=1)
-            # The chosen logit as linear_logprob picks its target's: a masked sum, exact.
-            tile_z = tl.sum(tl.where(offs_v[None, :] == tile_id[:, None], z, 0.0), axis=1)
-            lead = tile_best > best
-            best_id = tl.where(lead, tile_id, best_id)
-            best_z = tl.where(lead, tile_z, best_z)
-            best = tl.where(lead, tile_best, best)
-            z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_i, s_i, u_i = online_stats(m_i, s_i, u_i, z, col_ok)
-        part = pid_s.to(tl.int64) * N + offs_m
-        tl.store(m_ptr + part, m_i, mask=row_ok)
-        tl.store(s_ptr + part, s_i, mask=row_ok)
-        tl.store(u_ptr + part, u_i, mask=row_ok)
-        tl.store(key_ptr + part, best, mask=row_ok)
-        tl.store(id_ptr + part, best_id, mask=row_ok)
-        tl.store(zb_ptr + part, best_z, mask=row_ok)
+    @triton.jit
+    def tile_uniform(seed_lo, seed_hi, stream_lo, stream_hi, position):
+        """The first level's uniform in (0, 1), fp64 with 53 bits: Philox counter
+        (2^32 - 1, position, stream_lo, stream_hi), words 0 and 1."""
+        c0 = ~(position ^ position)  # 2^32 - 1: above every id // 4, so apart from the second level's
+        r0, r1, r2, r3 = tl.philox_impl(c0, position, stream_lo, stream_hi, seed_lo, seed_hi, 10)
+        return ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64) + 0.5) * 1.1102230246251565e-16
 
     @triton.jit
-    def sample_pick_kernel(key_ptr, id_ptr, zb_ptr, token_ptr, zt_ptr, N, n_split, BLOCK: tl.constexpr):
-        """Each row's token: the split with the largest key, ascending (ties: the lowest id)."""
+    def _row_keys(stream_ptr, pos_ptr, rows, ok, seed_lo, seed_hi):
+        stream = tl.load(stream_ptr + rows, mask=ok, other=0)
+        stream_lo = (stream & 0xFFFFFFFF).to(tl.uint32)
+        stream_hi = ((stream >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        position = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.uint32)
+        return seed_lo.to(tl.uint32, bitcast=True), seed_hi.to(tl.uint32, bitcast=True), stream_lo, stream_hi, \
+            position
+
+    @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+    def sample_tile_kernel(tile_m_ptr, tile_s_ptr, lse_ptr, stream_ptr, pos_ptr, tile_ptr, N, V, n_tiles,
+                           seed_lo, seed_hi, TILE_V: tl.constexpr, NOISE: tl.constexpr, BLOCK: tl.constexpr):
+        """Each row's tile: drawn with probability mass / total (ascending fp64 running sums,
+        the first tile whose sum exceeds u * total), or without NOISE the first tile whose
+        running max is the row's max (it holds the first maximal logit)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < N
         rows = offs.to(tl.int64)
+        ref = tl.load(lse_ptr + rows, mask=ok, other=0.0).to(tl.float64)
+        total = tl.zeros((BLOCK,), tl.float64)
         best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        token = tl.load(id_ptr + rows, mask=ok, other=0)
-        zt = tl.zeros((BLOCK,), tl.float32)
-        # Pointers advance by N per split: 64-bit pointer arithmetic, no int32 k * N product.
-        k_ptrs = key_ptr + rows
-        i_ptrs = id_ptr + rows
-        z_ptrs = zb_ptr + rows
-        for _ in range(0, n_split):
-            key = tl.load(k_ptrs, mask=ok, other=float("-inf"))
-            lead = key > best
-            best = tl.where(lead, key, best)
-            token = tl.where(lead, tl.load(i_ptrs, mask=ok, other=0), token)
-            # 0 + z: the same normalization as linear_logprob's running target sum.
-            zt = tl.where(lead, 0.0 + tl.load(z_ptrs, mask=ok, other=0.0), zt)
-            k_ptrs += N
-            i_ptrs += N
-            z_ptrs += N
-        tl.store(token_ptr + rows, token.to(tl.int64), mask=ok)
-        tl.store(zt_ptr + rows, zt, mask=ok)
+        m_ptrs = tile_m_ptr + rows
+        s_ptrs = tile_s_ptr + rows
+        for t in range(0, n_tiles):
+            if t * TILE_V < V:  # tiles past V were never written
+                tm = tl.load(m_ptrs, mask=ok, other=float("-inf"))
+                if NOISE:
+                    ts = tl.load(s_ptrs, mask=ok, other=0.0)
+                    total += ts.to(tl.float64) * tl.exp(tm.to(tl.float64) - ref)
+                else:
+                    best = tl.maximum(best, tm)
+            m_ptrs += N
+            s_ptrs += N
+        if NOISE:
+            key_lo, key_hi, stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, rows, ok, seed_lo, seed_hi)
+            target = tile_uniform(key_lo, key_hi, stream_lo, stream_hi, position) * total
+        chosen = tl.full((BLOCK,), -1, tl.int32)
+        last = tl.zeros((BLOCK,), tl.int32)
+        cum = tl.zeros((BLOCK,), tl.float64)
+        m_ptrs = tile_m_ptr + rows
+        s_ptrs = tile_s_ptr + rows
+        for t in range(0, n_tiles):
+            if t * TILE_V < V:
+                tm = tl.load(m_ptrs, mask=ok, other=float("-inf"))
+                if NOISE:
+                    ts = tl.load(s_ptrs, mask=ok, other=0.0)
+                    mass = ts.to(tl.float64) * tl.exp(tm.to(tl.float64) - ref)
+                    cum += mass
+                    hit = cum > target
+                    # Where rounding leaves u * total at the total: the last tile with mass.
+                    last = tl.where(mass > 0, t, last)
+                else:
+                    hit = tm == best
+                chosen = tl.where(hit & (chosen < 0), t, chosen)
+            m_ptrs += N
+            s_ptrs += N
+        chosen = tl.where(chosen < 0, last, chosen)
+        tl.store(tile_ptr + rows, chosen, mask=ok)
+
+    @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+    def sample_in_tile_kernel(
+        h_ptr, w_ptr, b_ptr, tile_ptr, stream_ptr, pos_ptr, token_ptr, zt_ptr,
+        N, V, D, temperature, seed_lo, seed_hi,
+        stride_hn, stride_hd, stride_wv, stride_wd,
+        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+        NOISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """One row per program: its tile's logits by the same chain (the row in all BLOCK_M
+        lanes of the dot), then the Gumbel-max (or the argmax) inside the tile, ties to the
+        lowest id; the token and its logit, normalized as linear_logprob's target sum."""
+        row = tl.program_id(0).to(tl.int64)
+        lanes = tl.arange(0, BLOCK_M)
+        rm = tl.zeros((BLOCK_M,), tl.int64) + row
+        v_lo = tl.load(tile_ptr + row) * BLOCK_V
+        offs_v = v_lo + tl.arange(0, BLOCK_V)
+        z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, 0, v_lo, V, D, temperature,
+                        stride_hn, stride_hd, stride_wv, stride_wd,
+                        HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
+        col_ok = offs_v < V
+        if NOISE:
+            key_lo, key_hi, stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, rm, rm >= 0,
+                                                                      seed_lo, seed_hi)
+            key = z + exponential_noise(v_lo, key_lo, key_hi, stream_lo, stream_hi, position, BLOCK_M, BLOCK_V)
+        else:
+            key = z
+        # NaN logits never lead (the host refuses a row whose log-prob is NaN).
+        key = tl.where(col_ok[None, :] & (key == key), key, float("-inf"))
+        best = tl.max(key, axis=1)
+        token = tl.min(tl.where(key == best[:, None], offs_v[None, :], 2147483647), axis=1)
+        token = tl.where(token == 2147483647, v_lo, token)
+        # The chosen logit as linear_logprob picks its target's: a masked sum, exact, plus 0.
+        zt = 0.0 + tl.sum(tl.where(offs_v[None, :] == token[:, None], z, 0.0), axis=1)
+        first = lanes == 0
+        tl.store(token_ptr + row + lanes, token.to(tl.int64), mask=first)
+        tl.store(zt_ptr + row + lanes, zt, mask=first)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    exponential_noise = sample_partial_kernel = sample_pick_kernel = None
+    exponential_noise = tile_uniform = sample_tile_kernel = sample_in_tile_kernel = None

@@ -248,7 +248,8 @@ def online_softmax_step(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: t
                         t: torch.Tensor, v0: int, v1: int):
     """The running statistics of rows [R] after the logits ``z`` [R, v1 - v0] of columns
     v0..v1-1: max m, sum of e^(z-m) s, u = sum e^(z-m) (z-m), and the target's logit zt
-    (for targets ``t`` in range). The torch backend's one chain step, in fixed order."""
+    (for targets ``t`` in range), and this piece's own sum of e^(z-m). The torch backend's
+    one chain step, in fixed order."""
     m_new = torch.maximum(m, z.amax(dim=1))  # max is exact: any order is fine
     d = z - m_new[:, None]
     e = torch.exp(d)
@@ -257,10 +258,11 @@ def online_softmax_step(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: t
     # max: alpha * (u + (m_old - m_new) * s). Before the first piece s == 0 (and
     # m_old = -inf), so the term is 0, not NaN.
     u = torch.where(s > 0, alpha * (u + (m - m_new) * s), torch.zeros_like(u)) + _tree_rowsum(e * d)
-    s = alpha * s + _tree_rowsum(e)
+    piece = _tree_rowsum(e)
+    s = alpha * s + piece
     inside = (t >= v0) & (t < v1)
     picked = z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-    return m_new, s, u, torch.where(inside, picked, zt)
+    return m_new, s, u, torch.where(inside, picked, zt), piece
 
 
 def torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -279,33 +281,54 @@ class TorchLinearLogprobBackend:
 
     name = "torch"
 
-    def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy, lse) [N] in fp32 (fp64 for fp64 inputs); tgt is -1 where ignored."""
+    def tile_v(self, dtype: torch.dtype) -> int:
+        """The vocabulary piece whose mass ``statistics`` can record."""
+        return TORCH_V_CHUNK
+
+    def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
+                   temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Each row's (m, s, u, zt) [N] over the whole vocabulary (the statistics the
+        forward finishes); with ``pieces`` ([n_pieces, N] each), every piece's running max
+        after it and its own sum of e^(z - that max) too."""
         N = h2.shape[0]
         vocab = weight.shape[0]
         adt = accumulator_dtype(h2.dtype)
-        logp = torch.zeros(N, dtype=adt, device=h2.device)
-        ent = torch.zeros_like(logp)
-        lse = torch.zeros_like(logp)
+        dev = h2.device
+        m = torch.full((N,), -math.inf, dtype=adt, device=dev)
+        s = torch.zeros(N, dtype=adt, device=dev)
+        u = torch.zeros_like(s)
+        zt = torch.zeros_like(s)
         for r0 in range(0, N, TORCH_ROW_CHUNK):
-            h_rows, t = h2[r0:r0 + TORCH_ROW_CHUNK], tgt[r0:r0 + TORCH_ROW_CHUNK]
+            rows = slice(r0, r0 + TORCH_ROW_CHUNK)
+            h_rows, t = h2[rows], tgt[rows]
             R = h_rows.shape[0]
-            m = torch.full((R,), -math.inf, dtype=adt, device=h2.device)
-            s = torch.zeros(R, dtype=adt, device=h2.device)
-            u = torch.zeros_like(s)
-            zt = torch.zeros_like(s)
-            for v0 in range(0, vocab, TORCH_V_CHUNK):
+            mr = torch.full((R,), -math.inf, dtype=adt, device=dev)
+            sr = torch.zeros(R, dtype=adt, device=dev)
+            ur = torch.zeros_like(sr)
+            ztr = torch.zeros_like(sr)
+            for k, v0 in enumerate(range(0, vocab, TORCH_V_CHUNK)):
                 v1 = min(vocab, v0 + TORCH_V_CHUNK)
                 z = torch_logits(h_rows, weight, bias, v0, v1, temperature)
-                m, s, u, zt = online_softmax_step(m, s, u, zt, z, t, v0, v1)
-            log_s = torch.log(s)
-            valid = t >= 0
-            zero = torch.zeros_like(s)
-            logp[r0:r0 + R] = torch.where(valid, (zt - m) - log_s, zero)
-            ent[r0:r0 + R] = torch.where(valid, log_s - u / s, zero)
-            lse[r0:r0 + R] = m + log_s
-        return logp, ent, lse
+                mr, sr, ur, ztr, piece = online_softmax_step(mr, sr, ur, ztr, z, t, v0, v1)
+                if pieces is not None:
+                    pieces[0][k, rows] = mr
+                    pieces[1][k, rows] = piece
+            m[rows], s[rows], u[rows], zt[rows] = mr, sr, ur, ztr
+        return m, s, u, zt
+
+    @staticmethod
+    def finish(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: torch.Tensor,
+               tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, lse) from the statistics; rows whose tgt is -1 get logp = entropy = 0."""
+        log_s = torch.log(s)
+        valid = tgt >= 0
+        zero = torch.zeros_like(s)
+        return torch.where(valid, (zt - m) - log_s, zero), torch.where(valid, log_s - u / s, zero), m + log_s
+
+    def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, lse) [N] in fp32 (fp64 for fp64 inputs); tgt is -1 where ignored."""
+        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature), tgt)
 
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
@@ -411,39 +434,58 @@ class TritonLinearLogprobBackend:
                     True)
         return h2, weight, False
 
-    def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tile_v(self, dtype: torch.dtype) -> int:
+        """The vocabulary piece whose mass ``statistics`` can record: the config's tile."""
+        return self._cfg(dtype).block_v
+
+    def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
+                   temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Per-split partials (m, s, u [n_split, N]) and zt [N]; with ``pieces``
+        ([n_split * split_v / block_v, N] each), every tile's running max and own mass too."""
         N, D = h2.shape
         vocab = weight.shape[0]
         dev = h2.device
         cfg = self._cfg(h2.dtype)
         n_split = cdiv(vocab, cfg.split_v)
-        logp = torch.empty(N, dtype=torch.float32, device=dev)
-        ent = torch.empty_like(logp)
-        lse = torch.empty_like(logp)
-        if N == 0:
-            return logp, ent, lse
         # Partials: O(N * ceil(V / split_v)) fp32, the only O(N) state of the forward.
         m = torch.empty(n_split, N, dtype=torch.float32, device=dev)
         s = torch.empty_like(m)
         u = torch.empty_like(m)
         zt = torch.zeros(N, dtype=torch.float32, device=dev)
+        if N == 0:
+            return m, s, u, zt
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         h_arg, w_arg, tma = self._operands(h2, weight, cfg)
         grid = (cdiv(N, cfg.block_m) * n_split,)
+        tile_m, tile_s = pieces if pieces is not None else (m, m)
         _launch_fwd_partial(
             grid,
-            (h_arg, w_arg, bias if bias is not None else h2, tgt, m, s, u, zt,
+            (h_arg, w_arg, bias if bias is not None else h2, tgt, m, s, u, zt, tile_m, tile_s,
              N, vocab, D, float(temperature),
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
-            # HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M
+            # HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M, STORE_TILES
             (bias is not None, temperature != 1.0, h2.dtype == torch.float32, D % cfg.block_k == 0, tma,
-             cfg.split_v, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m),
+             cfg.split_v, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m, pieces is not None),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        _launch_combine((cdiv(N, COMBINE_BLOCK),), (m, s, u, zt, tgt, logp, ent, lse, N, n_split),
-                        (COMBINE_BLOCK,), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+        return m, s, u, zt
+
+    @staticmethod
+    def finish(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: torch.Tensor,
+               tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, lse) [N]: the splits merged in ascending order; tgt -1 gives 0s."""
+        N = zt.shape[0]
+        logp = torch.empty(N, dtype=torch.float32, device=zt.device)
+        ent = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        if N:
+            _launch_combine((cdiv(N, COMBINE_BLOCK),), (m, s, u, zt, tgt, logp, ent, lse, N, m.shape[0]),
+                            (COMBINE_BLOCK,), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
         return logp, ent, lse
+
+    def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature), tgt)
 
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,

@@ -28,12 +28,11 @@ import torch
 from . import _validate as V_
 from ..gemm.chain import accumulator_dtype
 from ..kernels._triton import cdiv
-from ..kernels.linear_logprob import logprob_combine_kernel
-from ..kernels.sampling import sample_partial_kernel, sample_pick_kernel
+from ..kernels.sampling import sample_in_tile_kernel, sample_tile_kernel
 from ..registry import OpImpl, implementation, register, select_backend
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
-from .linear_logprob import (COMBINE_BLOCK, TORCH_ROW_CHUNK, TORCH_V_CHUNK, TritonLinearLogprobBackend,
-                             fused_config, online_softmax_step, torch_logits, validate_head)
+from .linear_logprob import (TorchLinearLogprobBackend, TritonLinearLogprobBackend, fused_config, torch_logits,
+                             validate_head)
 
 OP = "linear_sample"
 
@@ -145,54 +144,78 @@ def gumbel_from_words(x: torch.Tensor) -> torch.Tensor:
 # Backends. Each returns (token [N] int64, logp, entropy) with linear_logprob's bits.
 # ---------------------------------------------------------------------------------------
 
+def tile_uniform(seed: int, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The first level's uniform in (0, 1) per row, fp64 with 53 bits (Philox counter
+    (2^32 - 1, position, stream mod 2^32, stream >> 32), words 0 and 1)."""
+    shape = streams.shape
+    r0, r1, _, _ = philox4x32(torch.full(shape, _U32, dtype=torch.int64, device=streams.device), positions & _U32,
+                              streams & _U32, (streams >> 32) & _U32, seed & _U32, (seed >> 32) & _U32)
+    return ((r0 >> 5).double() * 67108864.0 + (r1 >> 6).double() + 0.5) * 1.1102230246251565e-16
+
+
+def pick_tiles(tile_m: torch.Tensor, tile_s: torch.Tensor, lse: torch.Tensor, u: torch.Tensor | None,
+               n_valid: int) -> torch.Tensor:
+    """Each row's tile [N] from its tiles' running max and mass [T, N]: the first tile
+    whose ascending fp64 running sum of mass exceeds ``u`` times the total, or (``u``
+    None, greedy) the first tile whose running max is the row's max."""
+    tm, ts = tile_m[:n_valid].double(), tile_s[:n_valid].double()
+    if u is None:
+        hit = tm == tm.amax(dim=0, keepdim=True)
+        return hit.int().argmax(dim=0)  # the first maximal index
+    mass = ts * torch.exp(tm - lse.double()[None, :])
+    running = torch.zeros_like(mass[0])
+    sums = []
+    for t in range(n_valid):  # ascending, one add at a time: the order the kernel sums in
+        running = running + mass[t]
+        sums.append(running)
+    cum = torch.stack(sums)
+    hit = cum > (u * running)[None, :]
+    positive = torch.arange(n_valid, device=mass.device)[:, None].expand_as(mass).masked_fill(~(mass > 0), -1)
+    last = positive.amax(dim=0).clamp(min=0)
+    return torch.where(hit.any(dim=0), hit.int().argmax(dim=0), last)
+
+
 class TorchLinearSampleBackend:
-    """linear_logprob's torch chain, with the running best key beside its statistics."""
+    """linear_logprob's torch statistics with each piece's mass, then the two draws."""
 
     name = "torch"
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int, streams: torch.Tensor | None, positions: torch.Tensor | None,
                greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        stats_backend = TorchLinearLogprobBackend()
         N, vocab = h2.shape[0], weight.shape[0]
         dev, adt = h2.device, accumulator_dtype(h2.dtype)
+        tile_v = stats_backend.tile_v(h2.dtype)
+        n_tiles = cdiv(vocab, tile_v)
+        pieces = (torch.empty(n_tiles, N, dtype=adt, device=dev), torch.empty(n_tiles, N, dtype=adt, device=dev))
+        no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
+        m, s, u, _ = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces)
+        _, _, lse = stats_backend.finish(m, s, u, torch.zeros_like(m), no_target)
+        tiles = pick_tiles(*pieces, lse, None if greedy else tile_uniform(seed, streams, positions), n_tiles)
         token = torch.zeros(N, dtype=torch.int64, device=dev)
-        logp = torch.zeros(N, dtype=adt, device=dev)
-        ent = torch.zeros_like(logp)
-        for r0 in range(0, N, TORCH_ROW_CHUNK):
-            rows = slice(r0, r0 + TORCH_ROW_CHUNK)
-            h_rows = h2[rows]
-            R = h_rows.shape[0]
-            m = torch.full((R,), -math.inf, dtype=adt, device=dev)
-            s = torch.zeros(R, dtype=adt, device=dev)
-            u = torch.zeros_like(s)
-            best = torch.full((R,), -math.inf, dtype=adt, device=dev)
-            best_id = torch.zeros(R, dtype=torch.int64, device=dev)
-            best_z = torch.zeros_like(s)
-            no_target = torch.full((R,), -1, dtype=torch.int64, device=dev)
-            for v0 in range(0, vocab, TORCH_V_CHUNK):
-                v1 = min(vocab, v0 + TORCH_V_CHUNK)
-                z = torch_logits(h_rows, weight, bias, v0, v1, temperature)
-                key = z
-                if not greedy:
-                    words = noise_words(seed, streams[rows], positions[rows], v0, v1)
-                    key = z + gumbel_from_words(words).to(adt)
-                key = torch.where(torch.isnan(key), torch.full_like(key, -math.inf), key)
-                piece_best, piece_at = key.max(dim=1)  # the first maximal index: the lowest id
-                lead = piece_best > best
-                best = torch.where(lead, piece_best, best)
-                best_id = torch.where(lead, piece_at + v0, best_id)
-                best_z = torch.where(lead, z.gather(1, piece_at[:, None])[:, 0], best_z)
-                m, s, u, _ = online_softmax_step(m, s, u, best_z, z, no_target, v0, v1)
-            log_s = torch.log(s)
-            token[rows] = best_id
-            logp[rows] = (best_z - m) - log_s
-            ent[rows] = log_s - u / s
+        zt = torch.zeros(N, dtype=adt, device=dev)
+        for t in torch.unique(tiles).tolist():
+            rows = (tiles == t).nonzero()[:, 0]
+            v0, v1 = t * tile_v, min(vocab, (t + 1) * tile_v)
+            z = torch_logits(h2[rows], weight, bias, v0, v1, temperature)
+            key = z
+            if not greedy:
+                key = z + gumbel_from_words(noise_words(seed, streams[rows], positions[rows], v0, v1)).to(adt)
+            key = torch.where(torch.isnan(key), torch.full_like(key, -math.inf), key)
+            at = key.argmax(dim=1)  # the first maximal index: the lowest id
+            token[rows] = at + v0
+            zt[rows] = z.gather(1, at[:, None])[:, 0]
+        logp, ent, _ = stats_backend.finish(m, s, u, zt, token)
         return token, logp, ent
 
 
-_launch_partial = cached_launcher(sample_partial_kernel) if sample_partial_kernel is not None else None
-_launch_pick = cached_launcher(sample_pick_kernel) if sample_pick_kernel is not None else None
-_launch_combine = cached_launcher(logprob_combine_kernel) if logprob_combine_kernel is not None else None
+_launch_tile = cached_launcher(sample_tile_kernel) if sample_tile_kernel is not None else None
+_launch_in_tile = cached_launcher(sample_in_tile_kernel) if sample_in_tile_kernel is not None else None
+
+# Rows per program of the first level; lanes of the second level's dot (its smallest M).
+TILE_PICK_ROWS = 128
+IN_TILE_LANES = 16
 
 
 def _signed32(word: int) -> int:
@@ -201,44 +224,46 @@ def _signed32(word: int) -> int:
 
 
 class TritonLinearSampleBackend:
-    """linear_logprob's tiles and statistics with the best key per split, then its combine."""
+    """linear_logprob's kernels with each tile's mass recorded, then the two draws, then its combine."""
 
     name = "triton"
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int, streams: torch.Tensor | None, positions: torch.Tensor | None,
                greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        stats_backend = TritonLinearLogprobBackend()
         N, D = h2.shape
         vocab = weight.shape[0]
         dev = h2.device
         cfg = fused_config(h2.dtype)
-        n_split = cdiv(vocab, cfg.split_v)
         token = torch.empty(N, dtype=torch.int64, device=dev)
-        logp = torch.empty(N, dtype=torch.float32, device=dev)
-        ent = torch.empty_like(logp)
         if N == 0:
-            return token, logp, ent
-        m = torch.empty(n_split, N, dtype=torch.float32, device=dev)
-        s, u, key, zb = (torch.empty_like(m) for _ in range(4))
-        ids = torch.empty(n_split, N, dtype=torch.int32, device=dev)
-        zt, lse = torch.empty_like(logp), torch.empty_like(logp)
-        bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
-        h_arg, w_arg, tma = TritonLinearLogprobBackend._operands(h2, weight, cfg)
+            empty = torch.empty(0, dtype=torch.float32, device=dev)
+            return token, empty, empty.clone()
+        n_tiles = cdiv(vocab, cfg.split_v) * (cfg.split_v // cfg.block_v)
+        pieces = (torch.empty(n_tiles, N, dtype=torch.float32, device=dev),
+                  torch.empty(n_tiles, N, dtype=torch.float32, device=dev))
+        no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
+        m, s, u, zt = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces)
+        _, _, lse = stats_backend.finish(m, s, u, zt, no_target)
+        seeds = (_signed32(seed & 0xFFFFFFFF), _signed32(seed >> 32))
         counters = (streams, positions) if not greedy else (token, token)  # unread without noise
-        _launch_partial(
-            (cdiv(N, cfg.block_m) * n_split,),
-            (h_arg, w_arg, bias if bias is not None else h2, *counters, m, s, u, key, ids, zb,
-             N, vocab, D, float(temperature), _signed32(seed & 0xFFFFFFFF), _signed32(seed >> 32),
+        tiles = torch.empty(N, dtype=torch.int32, device=dev)
+        _launch_tile((cdiv(N, TILE_PICK_ROWS),),
+                     (*pieces, lse, *counters, tiles, N, vocab, n_tiles, *seeds),
+                     (cfg.block_v, not greedy, TILE_PICK_ROWS), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+        bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
+        _launch_in_tile(
+            (N,),
+            (h2, weight, bias if bias is not None else h2, tiles, *counters, token, zt,
+             N, vocab, D, float(temperature), *seeds,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
-            # HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, NOISE, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M
-            (bias is not None, temperature != 1.0, h2.dtype == torch.float32, D % cfg.block_k == 0, tma,
-             not greedy, cfg.split_v, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            # HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, NOISE, BLOCK_M, BLOCK_V, BLOCK_K
+            (bias is not None, temperature != 1.0, h2.dtype == torch.float32, D % cfg.block_k == 0, not greedy,
+             IN_TILE_LANES, cfg.block_v, cfg.block_k),
+            num_warps=4, num_stages=DEFAULT_NUM_STAGES,
         )
-        _launch_pick((cdiv(N, COMBINE_BLOCK),), (key, ids, zb, token, zt, N, n_split), (COMBINE_BLOCK,),
-                     num_warps=4, num_stages=DEFAULT_NUM_STAGES)
-        _launch_combine((cdiv(N, COMBINE_BLOCK),), (m, s, u, zt, token, logp, ent, lse, N, n_split),
-                        (COMBINE_BLOCK,), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+        logp, ent, _ = stats_backend.finish(m, s, u, zt, token)
         return token, logp, ent
 
 
