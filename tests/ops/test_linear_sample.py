@@ -76,6 +76,21 @@ def test_the_kernel_generator_is_the_torch_one():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_backends_draw_the_same_tokens(greedy, gen):
+    """One definition: blocks of 256 ids drawn by their mass, then a Gumbel-max inside. The
+    kernels record masses per 64-id tile (fp32) and the torch backend per 256-id tile."""
+    n, d, v = 9, 24, 700
+    h, w, b = _head(n, d, v, F32, gen)
+    streams, positions = _counters(n, gen)
+    kw = dict(temperature=0.9, greedy=greedy) if greedy else \
+        dict(temperature=0.9, seed=SEED, streams=streams, positions=positions)
+    tok_torch, _ = linear_sample(h, w, b, backend="torch", **kw)
+    tok_triton, _ = linear_sample(h, w, b, backend="triton", **kw)
+    assert torch.equal(tok_torch, tok_triton)
+
+
 def test_noise_is_gumbel_with_both_tails():
     x = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF], dtype=torch.int64)
     g = gumbel_from_words(x).double()

@@ -79,7 +79,7 @@ if triton is not None:
         """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target.
 
         STORE_TILES: every tile's running max after it and its own sum of e^(z - that max)
-        too, at [split * SPLIT_V / BLOCK_V + tile, row] (the sampler's first level)."""
+        too, at [row, split * SPLIT_V / BLOCK_V + tile] (the sampler's first level)."""
         # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
         pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
 
@@ -107,7 +107,8 @@ if triton is not None:
             z = tl.where(col_ok[None, :], z, float("-inf"))
             m_i, s_i, u_i, tile_sum = online_stats(m_i, s_i, u_i, z, col_ok)
             if STORE_TILES:
-                tile = (pid_s * (SPLIT_V // BLOCK_V) + j).to(tl.int64) * N + offs_m
+                n_tiles = tl.cdiv(V, SPLIT_V) * (SPLIT_V // BLOCK_V)
+                tile = offs_m.to(tl.int64) * n_tiles + pid_s * (SPLIT_V // BLOCK_V) + j
                 tl.store(tile_m_ptr + tile, m_i, mask=row_ok)
                 tl.store(tile_s_ptr + tile, tile_sum, mask=row_ok)
         part = pid_s.to(tl.int64) * N + offs_m

@@ -2,9 +2,9 @@
 
 A token is drawn in two levels over :mod:`.linear_logprob`'s own pass: the forward
 records each vocabulary tile's mass beside the softmax statistics; a first draw picks a
-tile with probability proportional to its mass (:func:`sample_tile_kernel`); the tile's
-logits are recomputed by the same chain and a Gumbel-max picks the token inside it
-(:func:`sample_in_tile_kernel`). Every random number comes from Philox keyed by
+block of 256 ids with probability proportional to its mass (:func:`sample_block_kernel`);
+the block's logits are recomputed by the same chain and a Gumbel-max picks the token
+inside it (:func:`sample_in_block_kernel`). Every random number comes from Philox keyed by
 (seed, stream, position): what the row is, never where it sits.
 """
 from __future__ import annotations
@@ -59,71 +59,80 @@ if triton is not None:
         return seed_lo.to(tl.uint32, bitcast=True), seed_hi.to(tl.uint32, bitcast=True), stream_lo, stream_hi, \
             position
 
-    @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
-    def sample_tile_kernel(tile_m_ptr, tile_s_ptr, lse_ptr, stream_ptr, pos_ptr, tile_ptr, N, V, n_tiles,
-                           seed_lo, seed_hi, TILE_V: tl.constexpr, NOISE: tl.constexpr, BLOCK: tl.constexpr):
-        """Each row's tile: drawn with probability mass / total (ascending fp64 running sums,
-        the first tile whose sum exceeds u * total), or without NOISE the first tile whose
-        running max is the row's max (it holds the first maximal logit)."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < N
-        rows = offs.to(tl.int64)
-        ref = tl.load(lse_ptr + rows, mask=ok, other=0.0).to(tl.float64)
-        total = tl.zeros((BLOCK,), tl.float64)
-        best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        m_ptrs = tile_m_ptr + rows
-        s_ptrs = tile_s_ptr + rows
-        for t in range(0, n_tiles):
-            if t * TILE_V < V:  # tiles past V were never written
-                tm = tl.load(m_ptrs, mask=ok, other=float("-inf"))
-                if NOISE:
-                    ts = tl.load(s_ptrs, mask=ok, other=0.0)
-                    total += ts.to(tl.float64) * tl.exp(tm.to(tl.float64) - ref)
-                else:
-                    best = tl.maximum(best, tm)
-            m_ptrs += N
-            s_ptrs += N
-        if NOISE:
-            key_lo, key_hi, stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, rows, ok, seed_lo, seed_hi)
-            target = tile_uniform(key_lo, key_hi, stream_lo, stream_hi, position) * total
-        chosen = tl.full((BLOCK,), -1, tl.int32)
-        last = tl.zeros((BLOCK,), tl.int32)
-        cum = tl.zeros((BLOCK,), tl.float64)
-        m_ptrs = tile_m_ptr + rows
-        s_ptrs = tile_s_ptr + rows
-        for t in range(0, n_tiles):
-            if t * TILE_V < V:
-                tm = tl.load(m_ptrs, mask=ok, other=float("-inf"))
-                if NOISE:
-                    ts = tl.load(s_ptrs, mask=ok, other=0.0)
-                    mass = ts.to(tl.float64) * tl.exp(tm.to(tl.float64) - ref)
-                    cum += mass
-                    hit = cum > target
-                    # Where rounding leaves u * total at the total: the last tile with mass.
-                    last = tl.where(mass > 0, t, last)
-                else:
-                    hit = tm == best
-                chosen = tl.where(hit & (chosen < 0), t, chosen)
-            m_ptrs += N
-            s_ptrs += N
-        chosen = tl.where(chosen < 0, last, chosen)
-        tl.store(tile_ptr + rows, chosen, mask=ok)
+    @triton.jit
+    def _block_masses(tile_m_ptr, tile_s_ptr, row, blocks, ref, V, n_tiles,
+                      TILE_V: tl.constexpr, SAMPLE_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+        """(mass fp64, largest running max fp32) [BLOCK_B] of one row's sample blocks: the sum
+        of their tiles' e^(m - ref) s, tiles in ascending order."""
+        mass = tl.zeros((BLOCK_B,), tl.float64)
+        top = tl.full((BLOCK_B,), float("-inf"), tl.float32)
+        for r in tl.static_range(SAMPLE_BLOCK // TILE_V):
+            tile = blocks * (SAMPLE_BLOCK // TILE_V) + r
+            ok = (tile < n_tiles) & (tile.to(tl.int64) * TILE_V < V)  # tiles past V were never written
+            tm = tl.load(tile_m_ptr + row * n_tiles + tile, mask=ok, other=float("-inf"))
+            ts = tl.load(tile_s_ptr + row * n_tiles + tile, mask=ok, other=0.0)
+            mass += tl.where(ok, ts.to(tl.float64) * tl.exp(tm.to(tl.float64) - ref), 0.0)
+            top = tl.maximum(top, tm)
+        return mass, top
 
     @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
-    def sample_in_tile_kernel(
-        h_ptr, w_ptr, b_ptr, tile_ptr, stream_ptr, pos_ptr, token_ptr, zt_ptr,
+    def sample_block_kernel(tile_m_ptr, tile_s_ptr, lse_ptr, stream_ptr, pos_ptr, block_ptr, N, V, n_tiles,
+                            seed_lo, seed_hi, TILE_V: tl.constexpr, SAMPLE_BLOCK: tl.constexpr,
+                            NOISE: tl.constexpr, BLOCK_B: tl.constexpr):
+        """One row per program: its sample block, drawn with probability mass / total (the
+        first block whose running fp64 sum exceeds u * total), or without NOISE the first
+        block holding a tile whose running max is the row's max (the first maximal logit)."""
+        row = tl.program_id(0).to(tl.int64)
+        ref = tl.load(lse_ptr + row).to(tl.float64)
+        n_blocks = tl.cdiv(V, SAMPLE_BLOCK)
+        total = tl.zeros((1,), tl.float64)
+        best = tl.full((1,), float("-inf"), tl.float32)
+        for b0 in range(0, n_blocks, BLOCK_B):
+            blocks = b0 + tl.arange(0, BLOCK_B)
+            mass, top = _block_masses(tile_m_ptr, tile_s_ptr, row, blocks, ref, V, n_tiles,
+                                      TILE_V, SAMPLE_BLOCK, BLOCK_B)
+            total += tl.sum(mass, axis=0)
+            best = tl.maximum(best, tl.max(top, axis=0))
+        if NOISE:
+            one = tl.zeros((1,), tl.int64) + row
+            key_lo, key_hi, stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, one, one >= 0,
+                                                                      seed_lo, seed_hi)
+            target = tile_uniform(key_lo, key_hi, stream_lo, stream_hi, position) * total
+        chosen = tl.full((1,), -1, tl.int32)
+        last = tl.zeros((1,), tl.int32)
+        offset = tl.zeros((1,), tl.float64)
+        for b0 in range(0, n_blocks, BLOCK_B):
+            blocks = b0 + tl.arange(0, BLOCK_B)
+            mass, top = _block_masses(tile_m_ptr, tile_s_ptr, row, blocks, ref, V, n_tiles,
+                                      TILE_V, SAMPLE_BLOCK, BLOCK_B)
+            if NOISE:
+                hit = (offset + tl.cumsum(mass, axis=0)) > target
+                offset += tl.sum(mass, axis=0)
+                # Where rounding leaves u * total at the total: the last block with mass.
+                last = tl.maximum(last, tl.max(tl.where(mass > 0, blocks, -1), axis=0))
+            else:
+                hit = top == best
+            first = tl.min(tl.where(hit, blocks, 2147483647), axis=0)
+            chosen = tl.where((chosen < 0) & (first < 2147483647), first, chosen)
+        chosen = tl.where(chosen < 0, last, chosen)
+        tl.store(block_ptr + row + tl.arange(0, 1), chosen)
+
+    @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+    def sample_in_block_kernel(
+        h_ptr, w_ptr, b_ptr, block_ptr, stream_ptr, pos_ptr, token_ptr, zt_ptr,
         N, V, D, temperature, seed_lo, seed_hi,
         stride_hn, stride_hd, stride_wv, stride_wd,
         HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         NOISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """One row per program: its tile's logits by the same chain (the row in all BLOCK_M
-        lanes of the dot), then the Gumbel-max (or the argmax) inside the tile, ties to the
-        lowest id; the token and its logit, normalized as linear_logprob's target sum."""
+        """One row per program: its sample block's BLOCK_V logits by the same chain (the row in
+        all BLOCK_M lanes of the dot), then the Gumbel-max (or the argmax) inside the block,
+        ties to the lowest id; the token and its logit, normalized as linear_logprob's
+        target sum."""
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK_M)
         rm = tl.zeros((BLOCK_M,), tl.int64) + row
-        v_lo = tl.load(tile_ptr + row) * BLOCK_V
+        v_lo = tl.load(block_ptr + row) * BLOCK_V
         offs_v = v_lo + tl.arange(0, BLOCK_V)
         z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, 0, v_lo, V, D, temperature,
                         stride_hn, stride_hd, stride_wv, stride_wd,
@@ -146,4 +155,4 @@ if triton is not None:
         tl.store(token_ptr + row + lanes, token.to(tl.int64), mask=first)
         tl.store(zt_ptr + row + lanes, zt, mask=first)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    exponential_noise = tile_uniform = sample_tile_kernel = sample_in_tile_kernel = None
+    exponential_noise = tile_uniform = sample_block_kernel = sample_in_block_kernel = None

@@ -60,6 +60,8 @@ OP = "linear_logprob"
 # torch backend: vocabulary piece of the online softmax. The per-row sums inside a
 # piece are pairwise trees whose shape depends only on the piece width (so on V).
 TORCH_V_CHUNK = 1024
+# torch backend: the tile of a piece whose mass the sampler's first level reads.
+TORCH_TILE_V = 256
 # torch backend: token rows per step (memory only; every op is elementwise per row).
 TORCH_ROW_CHUNK = 128
 
@@ -248,8 +250,8 @@ def online_softmax_step(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: t
                         t: torch.Tensor, v0: int, v1: int):
     """The running statistics of rows [R] after the logits ``z`` [R, v1 - v0] of columns
     v0..v1-1: max m, sum of e^(z-m) s, u = sum e^(z-m) (z-m), and the target's logit zt
-    (for targets ``t`` in range), and this piece's own sum of e^(z-m). The torch backend's
-    one chain step, in fixed order."""
+    (for targets ``t`` in range), and the piece's e^(z-m) [R, v1 - v0]. The torch
+    backend's one chain step, in fixed order."""
     m_new = torch.maximum(m, z.amax(dim=1))  # max is exact: any order is fine
     d = z - m_new[:, None]
     e = torch.exp(d)
@@ -258,11 +260,10 @@ def online_softmax_step(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: t
     # max: alpha * (u + (m_old - m_new) * s). Before the first piece s == 0 (and
     # m_old = -inf), so the term is 0, not NaN.
     u = torch.where(s > 0, alpha * (u + (m - m_new) * s), torch.zeros_like(u)) + _tree_rowsum(e * d)
-    piece = _tree_rowsum(e)
-    s = alpha * s + piece
+    s = alpha * s + _tree_rowsum(e)
     inside = (t >= v0) & (t < v1)
     picked = z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-    return m_new, s, u, torch.where(inside, picked, zt), piece
+    return m_new, s, u, torch.where(inside, picked, zt), e
 
 
 def torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -282,14 +283,17 @@ class TorchLinearLogprobBackend:
     name = "torch"
 
     def tile_v(self, dtype: torch.dtype) -> int:
-        """The vocabulary piece whose mass ``statistics`` can record."""
-        return TORCH_V_CHUNK
+        """The vocabulary tile whose mass ``statistics`` can record (a quarter of a piece)."""
+        return TORCH_TILE_V
+
+    def n_tiles(self, vocab: int, dtype: torch.dtype) -> int:
+        return -(-vocab // TORCH_V_CHUNK) * (TORCH_V_CHUNK // TORCH_TILE_V)
 
     def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                    temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Each row's (m, s, u, zt) [N] over the whole vocabulary (the statistics the
-        forward finishes); with ``pieces`` ([n_pieces, N] each), every piece's running max
-        after it and its own sum of e^(z - that max) too."""
+        forward finishes); with ``pieces`` ([N, n_tiles] each), every tile's running max
+        after it and its own sum of e^(z - that max) too, as the Triton kernel records them."""
         N = h2.shape[0]
         vocab = weight.shape[0]
         adt = accumulator_dtype(h2.dtype)
@@ -298,6 +302,7 @@ class TorchLinearLogprobBackend:
         s = torch.zeros(N, dtype=adt, device=dev)
         u = torch.zeros_like(s)
         zt = torch.zeros_like(s)
+        per_piece = TORCH_V_CHUNK // TORCH_TILE_V
         for r0 in range(0, N, TORCH_ROW_CHUNK):
             rows = slice(r0, r0 + TORCH_ROW_CHUNK)
             h_rows, t = h2[rows], tgt[rows]
@@ -309,10 +314,15 @@ class TorchLinearLogprobBackend:
             for k, v0 in enumerate(range(0, vocab, TORCH_V_CHUNK)):
                 v1 = min(vocab, v0 + TORCH_V_CHUNK)
                 z = torch_logits(h_rows, weight, bias, v0, v1, temperature)
-                mr, sr, ur, ztr, piece = online_softmax_step(mr, sr, ur, ztr, z, t, v0, v1)
+                m_before = mr
+                mr, sr, ur, ztr, e = online_softmax_step(mr, sr, ur, ztr, z, t, v0, v1)
                 if pieces is not None:
-                    pieces[0][k, rows] = mr
-                    pieces[1][k, rows] = piece
+                    # Each tile's running max after it, and its mass rescaled from the piece's max to it.
+                    for i, c0 in enumerate(range(0, v1 - v0, TORCH_TILE_V)):
+                        tile = slice(c0, c0 + TORCH_TILE_V)
+                        m_before = torch.maximum(m_before, z[:, tile].amax(dim=1))
+                        pieces[0][rows, k * per_piece + i] = m_before
+                        pieces[1][rows, k * per_piece + i] = _tree_rowsum(e[:, tile]) * torch.exp(mr - m_before)
             m[rows], s[rows], u[rows], zt[rows] = mr, sr, ur, ztr
         return m, s, u, zt
 
@@ -435,13 +445,17 @@ class TritonLinearLogprobBackend:
         return h2, weight, False
 
     def tile_v(self, dtype: torch.dtype) -> int:
-        """The vocabulary piece whose mass ``statistics`` can record: the config's tile."""
+        """The vocabulary tile whose mass ``statistics`` can record: the config's tile."""
         return self._cfg(dtype).block_v
+
+    def n_tiles(self, vocab: int, dtype: torch.dtype) -> int:
+        cfg = self._cfg(dtype)
+        return cdiv(vocab, cfg.split_v) * (cfg.split_v // cfg.block_v)
 
     def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                    temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Per-split partials (m, s, u [n_split, N]) and zt [N]; with ``pieces``
-        ([n_split * split_v / block_v, N] each), every tile's running max and own mass too."""
+        ([N, n_split * split_v / block_v] each), every tile's running max and own mass too."""
         N, D = h2.shape
         vocab = weight.shape[0]
         dev = h2.device

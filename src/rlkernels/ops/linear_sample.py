@@ -28,7 +28,7 @@ import torch
 from . import _validate as V_
 from ..gemm.chain import accumulator_dtype
 from ..kernels._triton import cdiv
-from ..kernels.sampling import sample_in_tile_kernel, sample_tile_kernel
+from ..kernels.sampling import sample_block_kernel, sample_in_block_kernel
 from ..registry import OpImpl, implementation, register, select_backend
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .linear_logprob import (TorchLinearLogprobBackend, TritonLinearLogprobBackend, fused_config, torch_logits,
@@ -37,6 +37,9 @@ from .linear_logprob import (TorchLinearLogprobBackend, TritonLinearLogprobBacke
 OP = "linear_sample"
 
 SEED_LIMIT = 1 << 63
+# The first level draws one of the vocabulary's blocks of this many ids (the last may be
+# shorter), the second a token inside it. A multiple of every backend's mass tile.
+SAMPLE_BLOCK = 256
 POSITION_LIMIT = 1 << 32
 
 
@@ -153,30 +156,36 @@ def tile_uniform(seed: int, streams: torch.Tensor, positions: torch.Tensor) -> t
     return ((r0 >> 5).double() * 67108864.0 + (r1 >> 6).double() + 0.5) * 1.1102230246251565e-16
 
 
-def pick_tiles(tile_m: torch.Tensor, tile_s: torch.Tensor, lse: torch.Tensor, u: torch.Tensor | None,
-               n_valid: int) -> torch.Tensor:
-    """Each row's tile [N] from its tiles' running max and mass [T, N]: the first tile
-    whose ascending fp64 running sum of mass exceeds ``u`` times the total, or (``u``
-    None, greedy) the first tile whose running max is the row's max."""
-    tm, ts = tile_m[:n_valid].double(), tile_s[:n_valid].double()
+def pick_blocks(tile_m: torch.Tensor, tile_s: torch.Tensor, lse: torch.Tensor, u: torch.Tensor | None,
+                vocab: int, tile_v: int) -> torch.Tensor:
+    """Each row's sample block [N] from its tiles' running max and mass [N, n_tiles]: the
+    first block whose running fp64 sum of mass exceeds ``u`` times the total, or (``u``
+    None, greedy) the first block holding a tile whose running max is the row's max."""
+    N, n_tiles = tile_m.shape
+    per_block = SAMPLE_BLOCK // tile_v
+    n_blocks = cdiv(vocab, SAMPLE_BLOCK)
+    valid = (torch.arange(n_tiles, device=tile_m.device) * tile_v < vocab)[None, :]
+    tm = torch.where(valid, tile_m, torch.full_like(tile_m, -math.inf))
+    ts = torch.where(valid, tile_s, torch.zeros_like(tile_s))
+    pad = n_blocks * per_block - n_tiles
+    if pad > 0:
+        tm = torch.cat([tm, torch.full((N, pad), -math.inf, dtype=tm.dtype, device=tm.device)], dim=1)
+        ts = torch.cat([ts, torch.zeros(N, pad, dtype=ts.dtype, device=ts.device)], dim=1)
+    tm, ts = tm[:, :n_blocks * per_block], ts[:, :n_blocks * per_block]
     if u is None:
-        hit = tm == tm.amax(dim=0, keepdim=True)
-        return hit.int().argmax(dim=0)  # the first maximal index
-    mass = ts * torch.exp(tm - lse.double()[None, :])
-    running = torch.zeros_like(mass[0])
-    sums = []
-    for t in range(n_valid):  # ascending, one add at a time: the order the kernel sums in
-        running = running + mass[t]
-        sums.append(running)
-    cum = torch.stack(sums)
-    hit = cum > (u * running)[None, :]
-    positive = torch.arange(n_valid, device=mass.device)[:, None].expand_as(mass).masked_fill(~(mass > 0), -1)
-    last = positive.amax(dim=0).clamp(min=0)
-    return torch.where(hit.any(dim=0), hit.int().argmax(dim=0), last)
+        top = tm.reshape(N, n_blocks, per_block).amax(dim=2)
+        return (top == top.amax(dim=1, keepdim=True)).int().argmax(dim=1)  # the first maximal block
+    tile_mass = torch.where(ts > 0, ts.double() * torch.exp(tm.double() - lse.double()[:, None]),
+                            torch.zeros_like(ts, dtype=torch.float64))
+    mass = tile_mass.reshape(N, n_blocks, per_block).sum(dim=2)
+    cum = torch.cumsum(mass, dim=1)
+    hit = cum > (u * cum[:, -1])[:, None]
+    last = torch.where(mass > 0, torch.arange(n_blocks, device=mass.device)[None, :], -1).amax(dim=1).clamp(min=0)
+    return torch.where(hit.any(dim=1), hit.int().argmax(dim=1), last)
 
 
 class TorchLinearSampleBackend:
-    """linear_logprob's torch statistics with each piece's mass, then the two draws."""
+    """linear_logprob's torch statistics with each tile's mass, then the two draws."""
 
     name = "torch"
 
@@ -186,18 +195,18 @@ class TorchLinearSampleBackend:
         stats_backend = TorchLinearLogprobBackend()
         N, vocab = h2.shape[0], weight.shape[0]
         dev, adt = h2.device, accumulator_dtype(h2.dtype)
-        tile_v = stats_backend.tile_v(h2.dtype)
-        n_tiles = cdiv(vocab, tile_v)
-        pieces = (torch.empty(n_tiles, N, dtype=adt, device=dev), torch.empty(n_tiles, N, dtype=adt, device=dev))
+        n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
+        pieces = (torch.empty(N, n_tiles, dtype=adt, device=dev), torch.empty(N, n_tiles, dtype=adt, device=dev))
         no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
         m, s, u, _ = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces)
         _, _, lse = stats_backend.finish(m, s, u, torch.zeros_like(m), no_target)
-        tiles = pick_tiles(*pieces, lse, None if greedy else tile_uniform(seed, streams, positions), n_tiles)
+        blocks = pick_blocks(*pieces, lse, None if greedy else tile_uniform(seed, streams, positions), vocab,
+                             stats_backend.tile_v(h2.dtype))
         token = torch.zeros(N, dtype=torch.int64, device=dev)
         zt = torch.zeros(N, dtype=adt, device=dev)
-        for t in torch.unique(tiles).tolist():
-            rows = (tiles == t).nonzero()[:, 0]
-            v0, v1 = t * tile_v, min(vocab, (t + 1) * tile_v)
+        for b in torch.unique(blocks).tolist():
+            rows = (blocks == b).nonzero()[:, 0]
+            v0, v1 = b * SAMPLE_BLOCK, min(vocab, (b + 1) * SAMPLE_BLOCK)
             z = torch_logits(h2[rows], weight, bias, v0, v1, temperature)
             key = z
             if not greedy:
@@ -210,12 +219,12 @@ class TorchLinearSampleBackend:
         return token, logp, ent
 
 
-_launch_tile = cached_launcher(sample_tile_kernel) if sample_tile_kernel is not None else None
-_launch_in_tile = cached_launcher(sample_in_tile_kernel) if sample_in_tile_kernel is not None else None
+_launch_block = cached_launcher(sample_block_kernel) if sample_block_kernel is not None else None
+_launch_in_block = cached_launcher(sample_in_block_kernel) if sample_in_block_kernel is not None else None
 
-# Rows per program of the first level; lanes of the second level's dot (its smallest M).
-TILE_PICK_ROWS = 128
-IN_TILE_LANES = 16
+# Blocks per step of the first level's scan; lanes of the second level's dot (its smallest M).
+SCAN_BLOCKS = 512
+IN_BLOCK_LANES = 16
 
 
 def _signed32(word: int) -> int:
@@ -240,27 +249,28 @@ class TritonLinearSampleBackend:
         if N == 0:
             empty = torch.empty(0, dtype=torch.float32, device=dev)
             return token, empty, empty.clone()
-        n_tiles = cdiv(vocab, cfg.split_v) * (cfg.split_v // cfg.block_v)
-        pieces = (torch.empty(n_tiles, N, dtype=torch.float32, device=dev),
-                  torch.empty(n_tiles, N, dtype=torch.float32, device=dev))
+        n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
+        pieces = (torch.empty(N, n_tiles, dtype=torch.float32, device=dev),
+                  torch.empty(N, n_tiles, dtype=torch.float32, device=dev))
         no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
         m, s, u, zt = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces)
         _, _, lse = stats_backend.finish(m, s, u, zt, no_target)
         seeds = (_signed32(seed & 0xFFFFFFFF), _signed32(seed >> 32))
         counters = (streams, positions) if not greedy else (token, token)  # unread without noise
-        tiles = torch.empty(N, dtype=torch.int32, device=dev)
-        _launch_tile((cdiv(N, TILE_PICK_ROWS),),
-                     (*pieces, lse, *counters, tiles, N, vocab, n_tiles, *seeds),
-                     (cfg.block_v, not greedy, TILE_PICK_ROWS), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+        blocks = torch.empty(N, dtype=torch.int32, device=dev)
+        _launch_block((N,), (*pieces, lse, *counters, blocks, N, vocab, n_tiles, *seeds),
+                      # TILE_V, SAMPLE_BLOCK, NOISE, BLOCK_B
+                      (cfg.block_v, SAMPLE_BLOCK, not greedy, SCAN_BLOCKS), num_warps=4,
+                      num_stages=DEFAULT_NUM_STAGES)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
-        _launch_in_tile(
+        _launch_in_block(
             (N,),
-            (h2, weight, bias if bias is not None else h2, tiles, *counters, token, zt,
+            (h2, weight, bias if bias is not None else h2, blocks, *counters, token, zt,
              N, vocab, D, float(temperature), *seeds,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
             # HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, NOISE, BLOCK_M, BLOCK_V, BLOCK_K
             (bias is not None, temperature != 1.0, h2.dtype == torch.float32, D % cfg.block_k == 0, not greedy,
-             IN_TILE_LANES, cfg.block_v, cfg.block_k),
+             IN_BLOCK_LANES, SAMPLE_BLOCK, cfg.block_k),
             num_warps=4, num_stages=DEFAULT_NUM_STAGES,
         )
         logp, ent, _ = stats_backend.finish(m, s, u, zt, token)
