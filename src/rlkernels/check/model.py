@@ -37,8 +37,8 @@ from typing import Callable
 import torch
 
 from ..integrations import hf_attention
-from ..integrations.hf import (cache_kwargs, decoder_of, logprobs_from_hidden, mode_for, next_token_targets, patch_model,
-                               token_logprobs)
+from ..integrations.hf import (cache_kwargs, decoder_of, hidden_states, logprobs_from_hidden, mode_for,
+                               next_token_targets, patch_model, token_logprobs)
 
 DEFAULT_SEQS = 8
 SEED = 1234
@@ -419,6 +419,49 @@ def _table(results: list[ImplResult], title: str):
     return table
 
 
+# The logit scale of a trained model's head (std of its logits), where rounding the
+# logits to bf16 moves probabilities by percents; a random head gives std ~1.
+TRAINED_LOGIT_STD = 6.0
+GAP_TEMPERATURE = 1.0
+
+
+def sampler_gap(model, sequences: list[torch.Tensor], device: torch.device, *, seed: int = SEED) -> dict:
+    """How far the distribution tokens are drawn from is from the one the trainer scores.
+
+    The patched model's final hidden states of ``sequences`` go through its head scaled to a
+    trained model's logit scale (a scaled copy; the model is unchanged). The trainer scores
+    ``log_softmax(z / T)``, z the fp32 logits. Stock samplers draw from the head's bf16
+    logits: ``softmax(bf16(z) / T)``; reported here as KL(drawn || scored) per position and
+    |log p_drawn - log p_scored| at tokens drawn from it. rlkernels draws with
+    ``linear_sample`` from ``softmax(z / T)`` itself; its check is that every drawn token's
+    log-prob is bitwise ``linear_logprob``'s.
+    """
+    from ..ops.linear_logprob import linear_logprob
+    from ..ops.linear_sample import linear_sample
+    from ..ops.matmul import linear
+
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        hidden = torch.cat([hidden_states(model, s[None].to(device))[0] for s in sequences])
+        z0 = linear(hidden, head.weight, out_dtype=torch.float32)
+        weight = head.weight * (TRAINED_LOGIT_STD / float(z0.std()))
+        z = linear(hidden, weight, out_dtype=torch.float32) / GAP_TEMPERATURE
+        scored = torch.log_softmax(z.double(), dim=-1)
+        drawn = torch.log_softmax(z.bfloat16().double(), dim=-1)
+        kl = (drawn.exp() * (drawn - scored)).sum(dim=-1)
+        g = torch.Generator(device=device).manual_seed(seed)
+        tokens = torch.multinomial(drawn.exp(), 1, generator=g)[:, 0]
+        at = (drawn - scored).gather(1, tokens[:, None])[:, 0].abs()
+        rows = hidden.shape[0]
+        ours, logp = linear_sample(hidden, weight, temperature=GAP_TEMPERATURE, seed=seed,
+                                   streams=torch.arange(rows, device=device))
+        same = torch.equal(logp, linear_logprob(hidden, weight, ours, temperature=GAP_TEMPERATURE))
+    return {"positions": rows, "logit_std": float(z.std()), "temperature": GAP_TEMPERATURE,
+            "stock_kl_mean": float(kl.mean()), "stock_kl_max": float(kl.max()),
+            "stock_max_abs_dlogp_at_drawn": float(at.max()), "stock_mean_abs_dlogp_at_drawn": float(at.mean()),
+            "rlkernels_logp_bitwise_linear_logprob": same}
+
+
 def run(device: str | None = None, dtype: str | None = None, seqs: int | None = None,
         model_path: str | None = None, json_path: str | None = None, *,
         min_len: int | None = None, max_len: int | None = None, micro_batch: int = 3,
@@ -484,6 +527,16 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
     ok = results[-1].equal_all == results[-1].tokens
     console.print(f"rlkernels: {'[green]all tokens bitwise equal[/]' if ok else '[red]MISMATCH[/]'} across "
                   f"one-at-a-time, padded, chunked-prefill, shuffled batches and the sampler's rollout.")
+    gap = sampler_gap(ours, sequences, dev)
+    console.print(f"sampling distribution vs the trainer's, {gap['positions']} positions, head scaled to a trained "
+                  f"model's logit std {gap['logit_std']:.1f}, T = {gap['temperature']:g}: stock (draws from bf16 "
+                  f"logits) KL mean {gap['stock_kl_mean']:.2e}, max {gap['stock_kl_max']:.2e}; |d log p| at drawn "
+                  f"tokens mean {gap['stock_mean_abs_dlogp_at_drawn']:.3f}, max "
+                  f"{gap['stock_max_abs_dlogp_at_drawn']:.3f}. rlkernels draws from the scored distribution "
+                  f"(linear_sample): gap 0, drawn tokens' log-probs "
+                  f"{'bitwise linear_logprob' if gap['rlkernels_logp_bitwise_linear_logprob'] else '[red]NOT bitwise[/]'}.",
+                  highlight=False)
+    ok &= gap["rlkernels_logp_bitwise_linear_logprob"]
     import transformers
     payload = {
         "ok": ok, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
@@ -492,6 +545,7 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
         "cpu_threads": threads if dev.type == "cpu" else None,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "results": [r.as_dict() for r in results],
+        "sampler_gap": gap,
     }
     if json_path:
         with open(json_path, "w") as f:
