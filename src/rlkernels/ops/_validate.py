@@ -91,7 +91,7 @@ def require_writable(op: str, name: str, t: torch.Tensor) -> None:
     """Refuse writing into ``t`` where one memory location backs several of its elements.
 
     A dim of size > 1 with stride 0 (an ``expand``-ed view) makes every write along it
-    land in one place, so a later element silently overwrites an earlier one -- the
+    land in one place, so a later element silently overwrites another -- the
     case stock's in-place ops refuse ("more than one element of the written-to tensor
     refers to a single memory location")."""
     for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
