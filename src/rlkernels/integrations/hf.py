@@ -455,8 +455,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     _check_prompt_mask(input_ids, attention_mask)
     config = getattr(model, "generation_config", None)
     max_new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if max_new is None and isinstance(getattr(config, "max_length", None), int):
+        max_new = max(0, config.max_length - input_ids.shape[1])  # Hugging Face's reading of max_length
     if max_new is None:
-        raise ValueError("rlkernels.generate: pass max_new_tokens (the model's generation_config sets none)")
+        raise ValueError("rlkernels.generate: pass max_new_tokens (the model's generation_config sets neither "
+                         "max_new_tokens nor max_length)")
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise ValueError(f"rlkernels.generate: max_new_tokens must be an int >= 0, got {max_new!r}")
     do_sample = bool(generate_kwargs.get("do_sample", getattr(config, "do_sample", False)))
