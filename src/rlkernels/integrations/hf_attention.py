@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .._env import switch_on
+from ..runtime.device import can_read_back
 from ..ops.attention import attention_by_bounds
 
 NAME = "rlkernels"
@@ -74,9 +75,7 @@ def _interval(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _may_read(t: torch.Tensor) -> bool:
     if t.device.type == "cpu":
         return True
-    if not switch_on("RLKERNELS_ATTN_CHECK_INDICES") or torch.compiler.is_compiling():
-        return False
-    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return switch_on("RLKERNELS_ATTN_CHECK_INDICES") and can_read_back(t)
 
 
 # Every layer of one forward gets the same mask object: its bounds are worked out once

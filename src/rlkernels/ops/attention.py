@@ -48,7 +48,7 @@ from ..kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, at
 from ..kernels.attention_ws import WG_ROWS, attn_fwd_ws_kernel, consumer_registers, launch_registers
 from ..gemm.chain import accumulator_dtype, chain_matmul, chain_sum
 from ..gemm.tma import TensorDescriptor
-from ..runtime.device import capability, sm_count
+from ..runtime.device import can_read_back, capability, sm_count
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 
 OP = "flash_attn"
@@ -218,13 +218,7 @@ def _read_indices(t: torch.Tensor) -> list[int] | None:
     or the checks are switched off with RLKERNELS_ATTN_CHECK_INDICES=0."""
     if t.device.type == "cpu":
         return t.tolist()
-    if t.device.type == "meta":  # no values to check
-        return None
-    if not switch_on(CHECK_ENV):
-        return None
-    if torch.compiler.is_compiling():
-        return None
-    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if not switch_on(CHECK_ENV) or not can_read_back(t):
         return None
     return t.tolist()
 

@@ -30,6 +30,7 @@ from ..gemm.chain import accumulator_dtype
 from ..kernels._triton import cdiv
 from ..kernels.sampling import sample_block_kernel, sample_in_block_kernel
 from ..registry import OpImpl, implementation, register, select_backend
+from ..runtime.device import can_read_back
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .linear_logprob import (TorchLinearLogprobBackend, TritonLinearLogprobBackend, fused_config, torch_logits,
                              validate_head)
@@ -37,10 +38,10 @@ from .linear_logprob import (TorchLinearLogprobBackend, TritonLinearLogprobBacke
 OP = "linear_sample"
 
 SEED_LIMIT = 1 << 63
+POSITION_LIMIT = 1 << 32
 # The first level draws one of the vocabulary's blocks of this many ids (the last may be
 # shorter), the second a token inside it. A multiple of every backend's mass tile.
 SAMPLE_BLOCK = 256
-POSITION_LIMIT = 1 << 32
 
 
 # ---------------------------------------------------------------------------------------
@@ -59,13 +60,6 @@ def _check_counter(name: str, t: object, lead: tuple[int, ...], device: torch.de
     return t
 
 
-def _may_read(t: torch.Tensor) -> bool:
-    """Whether a value check may read back from the device (not while a CUDA graph records)."""
-    if t.device.type == "meta" or t.numel() == 0:
-        return False
-    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-
-
 def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
              seed: object, streams: object, positions: object, greedy: bool) -> None:
     """Raise ValueError/TypeError naming the op on any bad input, before any launch."""
@@ -81,7 +75,7 @@ def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _check_counter("streams", streams, lead, hidden.device)
     if positions is not None:
         pos = _check_counter("positions", positions, lead, hidden.device)
-        if _may_read(pos):
+        if pos.numel() and can_read_back(pos):
             bad = (pos < 0) | (pos >= POSITION_LIMIT)
             if bool(bad.any()):
                 i = int(bad.reshape(-1).nonzero()[0, 0])
@@ -339,7 +333,7 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
     with torch.no_grad():
         token, logp, ent = implementation(OP, name).backend_impl.sample(
             h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy)
-    if _may_read(logp) and bool(torch.isnan(logp).any()):
+    if logp.numel() and can_read_back(logp) and bool(torch.isnan(logp).any()):
         # torch.multinomial refuses such a row too: there is no distribution to draw from.
         row = int(torch.isnan(logp).nonzero()[0, 0])
         raise ValueError(f"rlkernels.{OP}: row {row}'s logits are not a distribution (NaN or all -inf)")

@@ -23,3 +23,12 @@ def sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+def can_read_back(t: torch.Tensor) -> bool:
+    """Whether a host-side value check may read ``t`` now: a tensor with values (not meta),
+    and no torch.compile trace or CUDA-graph capture under way, where a read back would
+    break the trace or the capture."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
