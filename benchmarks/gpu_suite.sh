@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call verifies everything: offline setup, the gpu-marked tests, the
 # benchmarks; logs and JSON land in $OUT. Usage (repo root, on the GPU machine):
-#   bash benchmarks/gpu_suite.sh [tests] [bench] [tune] [decode] [bmmsweep] [floors] [contract] [check]
+#   bash benchmarks/gpu_suite.sh [tests] [bench] [hashes] [tune] [decode] [bmmsweep] [floors] [contract] [check]
 #   (default: tests bench check)
 # Test selection: GPU_TESTS="tests/ops/test_matmul_gpu.py ..." (default: tests); extra pytest
 # arguments: GPU_PYTEST_ARGS="-k matmul"; extra bench arguments: GPU_BENCH_ARGS. Peers and other wheels the
@@ -25,6 +25,9 @@ for stage in ${*:-tests bench check}; do
     tests) python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -p no:cacheprovider -o addopts="" ${GPU_PYTEST_ARGS:-} \
              --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
     bench) mkdir -p "$OUT/bench"; python3 -m rlkernels.bench ${GPU_BENCH:-all} --json "$OUT/bench" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    hashes) python3 benchmarks/hash_outputs.py --json "$OUT/hashes.json" > "$OUT/hashes.log" 2>&1 \
+              && python3 benchmarks/hash_outputs.py --compare benchmarks/results/hashes_h100.json "$OUT/hashes.json" \
+              | tee "$OUT/hash_compare.log" || status=1 ;;
     decode) python3 benchmarks/tune_gemm.py --decode --json "$OUT/tune_decode.json" 2>&1 | tee "$OUT/tune_decode.log" || status=1 ;;
     contract) python3 benchmarks/measure_contract.py --device cuda --trials 10 --json "$OUT/contract_gpu.json" 2>&1 | tail -40 || status=1 ;;
     tune)  python3 benchmarks/tune_gemm.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
