@@ -328,3 +328,56 @@ def test_hugging_faces_own_generate_draws_from_the_fp32_logits():
     hf = model.generate(ids, max_new_tokens=12, do_sample=False)
     ours, _ = rlkernels.generate(model, ids, max_new_tokens=12)
     assert torch.equal(hf, ours)
+
+
+def _scaled_patched_qwen3(dtype, device="cpu", **over):
+    """A patched tiny Qwen3 whose head gives a trained model's logit scale (std ~6)."""
+    model = _tiny("qwen3", dtype=dtype, device=device, tie_word_embeddings=False, **over)
+    ids = torch.randint(1, model.config.vocab_size, (4, 9), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        h = model.model(ids).last_hidden_state
+        model.lm_head.weight.mul_(6.0 / (h @ model.lm_head.weight.T).float().std())
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    patch_model(model)
+    return model, ids
+
+
+def _hf_scores_match_token_logprobs(model, ids, **sampling):
+    """Hugging Face's own generate: log_softmax of its scores (logits / T) under the mode,
+    at the drawn tokens, against token_logprobs of the sequences (bits)."""
+    temperature = sampling.get("temperature", 1.0)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, output_scores=True, return_dict_in_generate=True, **sampling)
+        new = out.sequences[:, ids.shape[1]:]
+        with set_batch_invariant_mode(True):
+            hf = torch.stack([torch.log_softmax(s, -1).gather(1, new[:, i:i + 1])[:, 0]
+                              for i, s in enumerate(out.scores)], dim=1)
+        stock = torch.stack([torch.log_softmax(s, -1).gather(1, new[:, i:i + 1])[:, 0]
+                             for i, s in enumerate(out.scores)], dim=1)
+    ours = token_logprobs(model, out.sequences, temperature=temperature)[:, ids.shape[1] - 1:]
+    return torch.equal(hf.view(torch.int32), ours.view(torch.int32)), \
+        torch.equal(stock.view(torch.int32), ours.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_softmax_of_hugging_faces_scores_is_token_logprobs(dtype):
+    model, ids = _scaled_patched_qwen3(dtype)
+    equal, stock_equal = _hf_scores_match_token_logprobs(model, ids, do_sample=False)
+    assert equal and not stock_equal  # the control: ATen's log_softmax sums in another order
+    torch.manual_seed(5)
+    equal, _ = _hf_scores_match_token_logprobs(model, ids, do_sample=True, temperature=0.7, top_k=0)
+    assert equal
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_log_softmax_of_hugging_faces_scores_is_token_logprobs_gpu(dtype):
+    model, ids = _scaled_patched_qwen3(dtype, "cuda", hidden_size=1024, intermediate_size=2816,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+                                       vocab_size=151936)
+    equal, stock_equal = _hf_scores_match_token_logprobs(model, ids, do_sample=False)
+    assert equal and not stock_equal
+    torch.manual_seed(5)
+    equal, _ = _hf_scores_match_token_logprobs(model, ids, do_sample=True, temperature=0.7, top_k=0)
+    assert equal

@@ -539,7 +539,7 @@ def test_tma_loads_and_persistent_g_kernel_keep_the_bits(gen):
     base.grad_logits(h, w, b, tgt, want[2], want[1], gl, ge, TEMP, 64, 192, g_want)
     for cfg in (dataclasses.replace(FUSED_INTERPRETER, tma=True),
                 dataclasses.replace(FUSED_INTERPRETER, tma=True, persistent=True),
-                # g stored by TMA: the chunk's 128 columns (2 tiles), clipped at N = 13 rows.
+                # g stored by TMA: the chunk's 128 columns, clipped at N = 13 rows.
                 dataclasses.replace(FUSED_INTERPRETER, tma=True, persistent=True, tma_store=True)):
         k = TritonLinearLogprobBackend(cfg)
         assert all(torch.equal(x, y) for x, y in zip(k.forward(h, w, b, tgt, TEMP), want)), cfg.short()

@@ -1,7 +1,7 @@
 """Benchmark: fused lm-head log-prob (+ entropy) vs materialized logits and peers.
 
     python -m rlkernels.bench logprob [--quick] [--json PATH] [--no-peers] [--temperature T]
-        [--shape N,D,V ...] [--config BM,BV,BK,SPLIT,GROUP,WARPS,STAGES]
+        [--shape N,D,V ...] [--config BM,BV,BK,GROUP,WARPS,STAGES]
 
 bf16 inputs, per-token random upstream gradients on logp (and entropy for
 rlkernels / naive torch). Columns: forward ms, forward+backward ms (grads of hidden
@@ -27,7 +27,7 @@ TEMPERATURE = 1.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peers", action="store_true", help="skip Liger / CCE / naive torch")
     parser.add_argument("--config", default=None,
-                        help="try another fused tile config: BM,BV,BK,SPLIT_V,GROUP_M,WARPS,STAGES[,tma][,pers] "
+                        help="try another fused tile config: BM,BV,BK,GROUP_M,WARPS,STAGES[,tma][,pers] (BV: the LSE tile) "
                              "(bits may change)")
     parser.add_argument("--shape", action="append", default=None, help="N,D,V (repeatable)")
     parser.add_argument("--temperature", type=float, default=1.0,
@@ -169,10 +169,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     if getattr(args, "config", None):
         parts = args.config.split(",")
-        a = [int(x) for x in parts[:7]]
+        a = [int(x) for x in parts[:6]]
         L.LinearLogprobTriton.backend_impl = L.TritonLinearLogprobBackend(
-            L.FusedConfig(a[0], a[1], a[2], split_v=a[3], group_m=a[4], num_warps=a[5], num_stages=a[6],
-                          tma="tma" in parts[7:], persistent="pers" in parts[7:]))
+            L.FusedConfig(a[0], a[1], a[2], group_m=a[3], num_warps=a[4], num_stages=a[5],
+                          tma="tma" in parts[6:], persistent="pers" in parts[6:]))
     if getattr(args, "shape", None):
         shapes = tuple(tuple(int(x) for x in s.split(",")) for s in args.shape)
     else:

@@ -2,14 +2,31 @@
 from __future__ import annotations
 
 from ._triton import tl, triton
+from .lse_chain import lse_step, merge_mass
 from .tiles import grouped_tile
+
+# The ``TEMP`` constexpr of the logits kernels: how z / T is computed (scale_by_temperature).
+TEMP_NONE, TEMP_DIVIDE, TEMP_RECIPROCAL = 0, 1, 2
 
 if triton is not None:
 
     @triton.jit
+    def scale_by_temperature(x, temperature, TEMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+        """x / T as torch divides an fp32 tensor by a Python float on the device the host
+        named (``TEMP``): TEMP_DIVIDE, the correctly rounded quotient (``temperature`` = T);
+        TEMP_RECIPROCAL, a multiply by ``temperature`` = fl(1 / T), which is what ATen does
+        on CUDA; TEMP_NONE, x itself."""
+        if TEMP == 1:
+            # div_rn wants operands of one shape: broadcast T explicitly.
+            x = tl.math.div_rn(x, tl.zeros((BLOCK_M, BLOCK_V), tl.float32) + temperature)
+        elif TEMP == 2:
+            x = x * temperature
+        return x
+
+    @triton.jit
     def logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, m0, v_lo, V, D, temperature,
                      stride_hn, stride_hd, stride_wv, stride_wd,
-                     HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
                      TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
         """z[BLOCK_M, BLOCK_V] = (h[rm] @ W[offs_v]^T + b) / T: the canonical ascending D-chain.
 
@@ -44,35 +61,27 @@ if triton is not None:
         if HAS_BIAS:
             b = tl.load(b_ptr + rv)
             acc = acc + b.to(tl.float32)[None, :]
-        if HAS_TEMP:
-            # Exactly as samplers do: logits / T, correctly rounded (not a multiply by 1/T).
-            # (div_rn wants operands of one shape: broadcast T explicitly.)
-            acc = tl.math.div_rn(acc, tl.zeros((BLOCK_M, BLOCK_V), tl.float32) + temperature)
+        acc = scale_by_temperature(acc, temperature, TEMP, BLOCK_M, BLOCK_V)
         return acc
 
     @triton.jit
     def online_stats(m_i, s_i, u_i, z, col_ok):
         """The running (max m, s = sum e^(z-m), u = sum e^(z-m) (z-m)) of each row after one
         tile of logits ``z`` (-inf on columns past V, ``col_ok`` False there), and the tile's
-        own sum of e^(z-m) (its mass relative to the new running max)."""
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        d = z - m_new[:, None]
-        e = tl.exp(d)  # 0 on columns past V (z = -inf there)
-        alpha = tl.exp(m_i - m_new)
+        own mass: (m, s) by the LSE chain's step, u beside it."""
+        m_new, m_ref, alpha, e, d, mass, s_new = lse_step(m_i, s_i, z)
         ed = e * tl.where(col_ok[None, :], d, 0.0)
         # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
-        shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+        shift = tl.where(s_i > 0, m_i - m_ref, 0.0)
         u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
-        tile_sum = tl.sum(e, axis=1)
-        s_i = alpha * s_i + tile_sum
-        return m_new, s_i, u_i, tile_sum
+        return m_new, s_new, u_i, mass
 
     @triton.jit
     def fwd_partial_kernel(
         h_ptr, w_ptr, b_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, tile_m_ptr, tile_s_ptr,
         N, V, D, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd,
-        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_TILES: tl.constexpr,
     ):
@@ -99,7 +108,7 @@ if triton is not None:
             offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
             z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
                              temperature, stride_hn, stride_hd, stride_wv, stride_wd,
-                             HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+                             HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
             col_ok = offs_v < V
             # At most one column matches: the sum is that logit exactly. Taken first so
             # z's registers can be reused by the statistics below.
@@ -121,7 +130,7 @@ if triton is not None:
     @triton.jit
     def logprob_combine_kernel(m_ptr, s_ptr, u_ptr, zt_ptr, t_ptr, logp_ptr, ent_ptr, lse_ptr, N, n_split,
                         BLOCK: tl.constexpr):
-        """Merge the per-split statistics of each row in ascending split order."""
+        """Merge the per-split statistics of each row in ascending split order (the LSE chain's merge)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < N
         rows = offs.to(tl.int64)
@@ -142,7 +151,7 @@ if triton is not None:
             uk = tl.load(u_ptrs, mask=ok, other=0.0)
             a = tl.exp(mk - mx)
             u += a * (uk + (mk - mx) * sk)
-            s += a * sk
+            s = merge_mass(s, a, sk)
             m_ptrs += N
             s_ptrs += N
             u_ptrs += N
@@ -158,7 +167,7 @@ if triton is not None:
         h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
         N, V, D, v0, v1, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_DESC: tl.constexpr,
     ):
@@ -172,7 +181,7 @@ if triton is not None:
         offs_v = v0 + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v0 + pid_v * BLOCK_V, V, D,
                          temperature, stride_hn, stride_hd, stride_wv, stride_wd,
-                         HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+                         HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
         lp = z - tl.load(lse_ptr + rm)[:, None]
         p = tl.exp(lp)
         gl = tl.load(gl_ptr + rm)  # already zero on ignored rows
@@ -184,8 +193,7 @@ if triton is not None:
         g = -(p * coef)
         tgt = tl.load(t_ptr + rm).to(tl.int32)
         g = tl.where(offs_v[None, :] == tgt[:, None], g + gl[:, None], g)
-        if HAS_TEMP:
-            g = tl.math.div_rn(g, tl.zeros((BLOCK_M, BLOCK_V), tl.float32) + temperature)
+        g = scale_by_temperature(g, temperature, TEMP, BLOCK_M, BLOCK_V)
         if G_DESC:
             # Through shared memory by TMA, clipped at the descriptor's [N, v1 - v0]: no
             # per-element pointers or masks in the epilogue's registers.
@@ -205,7 +213,7 @@ if triton is not None:
         h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr,
         N, V, D, v0, v1, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
         G_DESC: tl.constexpr,
@@ -218,13 +226,13 @@ if triton is not None:
                 grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
                                   N, V, D, v0, v1, temperature,
                                   stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-                                  HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+                                  HAS_BIAS, TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
                                   G_DESC)
         else:
             grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tl.program_id(0),
                               N, V, D, v0, v1, temperature,
                               stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-                              HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+                              HAS_BIAS, TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
                               G_DESC)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    logits_tile = online_stats = fwd_partial_kernel = logprob_combine_kernel = grad_logits_tile = grad_logits_kernel = None
+    scale_by_temperature = logits_tile = online_stats = fwd_partial_kernel = logprob_combine_kernel = grad_logits_tile = grad_logits_kernel = None

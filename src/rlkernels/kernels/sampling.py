@@ -122,7 +122,7 @@ if triton is not None:
         h_ptr, w_ptr, b_ptr, block_ptr, stream_ptr, pos_ptr, token_ptr, zt_ptr,
         N, V, D, temperature, seed_lo, seed_hi,
         stride_hn, stride_hd, stride_wv, stride_wd,
-        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         NOISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """One row per program: its sample block's BLOCK_V logits by the same chain (the row in
@@ -136,7 +136,7 @@ if triton is not None:
         offs_v = v_lo + tl.arange(0, BLOCK_V)
         z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, 0, v_lo, V, D, temperature,
                         stride_hn, stride_hd, stride_wv, stride_wd,
-                        HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
+                        HAS_BIAS, TEMP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
         col_ok = offs_v < V
         if NOISE:
             key_lo, key_hi, stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, rm, rm >= 0,

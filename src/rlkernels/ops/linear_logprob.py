@@ -9,15 +9,19 @@ computes, for every token row ``h`` and its target id ``t``,
     logp    = z_t - logsumexp(z)
     entropy = logsumexp(z) - sum_j softmax(z)_j * z_j
 
-Both backends stream the vocabulary in fixed pieces and keep per-row running
-statistics (max ``m``, ``s = sum exp(z - m)`` and ``u = sum exp(z - m) * (z - m)``),
-so the extra memory is O(N) plus one tile, never O(N * V).
+Both backends stream the vocabulary by the LSE chain (``ops.lse_chain``: splits of
+2048 columns, tiles of 256 inside, fixed-point tile masses, splits merged in
+ascending order) and keep per-row running statistics (max ``m``, ``s = sum exp(z - m)``
+and ``u = sum exp(z - m) * (z - m)``), so the extra memory is O(N) plus one tile,
+never O(N * V). ``s`` follows the chain exactly, so ``log_softmax`` of the logits
+(``rlkernels.nn.LMHead``'s output) gives logp's bits at the target.
 
-Invariance: every piece boundary is a function of V alone (never of N or of a
-row's position), the logits are the canonical ascending D-chain (``gemm.triton``
+Invariance: every tile and split boundary is a function of V alone (never of N or of
+a row's position), the logits are the canonical ascending D-chain (``gemm.triton``
 conventions), and every per-row reduction runs over that row's own values in an
-order fixed by V. So a row's logp/entropy -- and its dhidden row -- are bitwise the
-same whatever else is in the batch. dW reduces over tokens in one ascending fp32
+order fixed by V (``u``'s in-tile sum follows the fixed per-dtype config's layout).
+So a row's logp/entropy -- and its dhidden row -- are bitwise the same whatever else
+is in the batch. dW reduces over tokens in one ascending fp32
 chain per vocabulary chunk (the GEMM backend, no atomics), so it is run-to-run
 deterministic and rounded once.
 
@@ -46,8 +50,10 @@ from ..gemm.tma import TensorDescriptor, tma_layout_ok
 from ..runtime.device import sm_count
 from .matmul import gemm_backend_for, main_grad_target
 
+from .lse_chain import LSE_SPLIT, LSE_TILE, lse_step, merge_splits, tree_rowsum
 from ..kernels._triton import cdiv
-from ..kernels.linear_logprob import fwd_partial_kernel, logprob_combine_kernel, grad_logits_kernel
+from ..kernels.linear_logprob import (TEMP_DIVIDE, TEMP_NONE, TEMP_RECIPROCAL, fwd_partial_kernel,
+                                      grad_logits_kernel, logprob_combine_kernel)
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 
 OP = "linear_logprob"
@@ -57,11 +63,6 @@ OP = "linear_logprob"
 # a row's bits must never depend on N.
 # ---------------------------------------------------------------------------------------
 
-# torch backend: vocabulary piece of the online softmax. The per-row sums inside a
-# piece are pairwise trees whose shape depends only on the piece width (so on V).
-TORCH_V_CHUNK = 1024
-# torch backend: the tile of a piece whose mass the sampler's first level reads.
-TORCH_TILE_V = 256
 # torch backend: token rows per step (memory only; every op is elementwise per row).
 TORCH_ROW_CHUNK = 128
 
@@ -233,42 +234,24 @@ def validate(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, b
 # torch backend: ascending chains and pairwise trees of elementwise ops only.
 # ---------------------------------------------------------------------------------------
 
-def _tree_rowsum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 1 by a pairwise tree of elementwise adds (shape-fixed order per row).
-
-    ATen's reductions pick their order from the whole tensor; an elementwise add
-    rounds each element alone, so a row's sum depends on its own values only.
-    """
-    while x.shape[1] > 1:
-        half = x.shape[1] // 2
-        folded = x[:, :half] + x[:, half:2 * half]
-        x = torch.cat([folded, x[:, 2 * half:]], dim=1) if x.shape[1] % 2 else folded
-    return x[:, 0]
-
-
-def online_softmax_step(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: torch.Tensor, z: torch.Tensor,
-                        t: torch.Tensor, v0: int, v1: int):
-    """The running statistics of rows [R] after the logits ``z`` [R, v1 - v0] of columns
-    v0..v1-1: max m, sum of e^(z-m) s, u = sum e^(z-m) (z-m), and the target's logit zt
-    (for targets ``t`` in range), and the piece's e^(z-m) [R, v1 - v0]. The torch
-    backend's one chain step, in fixed order."""
-    m_new = torch.maximum(m, z.amax(dim=1))  # max is exact: any order is fine
-    d = z - m_new[:, None]
-    e = torch.exp(d)
-    alpha = torch.exp(m - m_new)
-    # u is kept relative to the running max: u = sum e^(z-m) (z-m). Rescaled to a new
-    # max: alpha * (u + (m_old - m_new) * s). Before the first piece s == 0 (and
-    # m_old = -inf), so the term is 0, not NaN.
-    u = torch.where(s > 0, alpha * (u + (m - m_new) * s), torch.zeros_like(u)) + _tree_rowsum(e * d)
-    s = alpha * s + _tree_rowsum(e)
-    inside = (t >= v0) & (t < v1)
-    picked = z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-    return m_new, s, u, torch.where(inside, picked, zt), e
+def temperature_scaling(temperature: float, device: torch.device) -> tuple[float, int]:
+    """(kernel argument, ``TEMP`` constexpr) for z / T computed as torch computes
+    ``logits / T`` for a Python float T on ``device`` -- what samplers and trainers write
+    (Hugging Face's temperature warper, TRL, verl), so their log_softmax of the scores
+    gives this op's bits: on CUDA ATen multiplies by fl32(1 / fl32(T)); elsewhere it
+    divides, correctly rounded."""
+    if temperature == 1.0:
+        return 1.0, TEMP_NONE
+    if device.type == "cuda":
+        t = torch.tensor(temperature, dtype=torch.float32)
+        return float(torch.tensor(1.0, dtype=torch.float32) / t), TEMP_RECIPROCAL
+    return float(temperature), TEMP_DIVIDE
 
 
 def torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   v0: int, v1: int, temperature: float) -> torch.Tensor:
-    """z = (h W[v0:v1]^T + b) / T for a block of rows, fp32 (fp64 for fp64), ascending D-chain."""
+    """z = (h W[v0:v1]^T + b) / T for a block of rows, fp32 (fp64 for fp64), ascending D-chain;
+    / T is torch's own division by a Python float on that device (see :func:`temperature_scaling`)."""
     z = chain_matmul(h_rows, weight[v0:v1].t())
     if bias is not None:
         z.add_(bias[v0:v1].to(z.dtype))
@@ -283,47 +266,54 @@ class TorchLinearLogprobBackend:
     name = "torch"
 
     def tile_v(self, dtype: torch.dtype) -> int:
-        """The vocabulary tile whose mass ``statistics`` can record (a quarter of a piece)."""
-        return TORCH_TILE_V
+        """The vocabulary tile whose mass ``statistics`` can record: the LSE chain's tile."""
+        return LSE_TILE
 
     def n_tiles(self, vocab: int, dtype: torch.dtype) -> int:
-        return -(-vocab // TORCH_V_CHUNK) * (TORCH_V_CHUNK // TORCH_TILE_V)
+        return cdiv(vocab, LSE_SPLIT) * (LSE_SPLIT // LSE_TILE)
 
     def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                    temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Each row's (m, s, u, zt) [N] over the whole vocabulary (the statistics the
-        forward finishes); with ``pieces`` ([N, n_tiles] each), every tile's running max
-        after it and its own sum of e^(z - that max) too, as the Triton kernel records them."""
+        """Each row's (m, s, u, zt) [N] over the whole vocabulary by the LSE chain (the
+        statistics the forward finishes); with ``pieces`` ([N, n_tiles] each), every tile's
+        running max after it and its own mass too, as the Triton kernel records them."""
         N = h2.shape[0]
         vocab = weight.shape[0]
         adt = accumulator_dtype(h2.dtype)
         dev = h2.device
-        m = torch.full((N,), -math.inf, dtype=adt, device=dev)
-        s = torch.zeros(N, dtype=adt, device=dev)
-        u = torch.zeros_like(s)
-        zt = torch.zeros_like(s)
-        per_piece = TORCH_V_CHUNK // TORCH_TILE_V
+        n_split = cdiv(vocab, LSE_SPLIT)
+        per_split = LSE_SPLIT // LSE_TILE
+        m = torch.empty(N, dtype=adt, device=dev)
+        s, u, zt = torch.empty_like(m), torch.empty_like(m), torch.empty_like(m)
         for r0 in range(0, N, TORCH_ROW_CHUNK):
             rows = slice(r0, r0 + TORCH_ROW_CHUNK)
             h_rows, t = h2[rows], tgt[rows]
             R = h_rows.shape[0]
-            mr = torch.full((R,), -math.inf, dtype=adt, device=dev)
-            sr = torch.zeros(R, dtype=adt, device=dev)
-            ur = torch.zeros_like(sr)
-            ztr = torch.zeros_like(sr)
-            for k, v0 in enumerate(range(0, vocab, TORCH_V_CHUNK)):
-                v1 = min(vocab, v0 + TORCH_V_CHUNK)
-                z = torch_logits(h_rows, weight, bias, v0, v1, temperature)
-                m_before = mr
-                mr, sr, ur, ztr, e = online_softmax_step(mr, sr, ur, ztr, z, t, v0, v1)
-                if pieces is not None:
-                    # Each tile's running max after it, and its mass rescaled from the piece's max to it.
-                    for i, c0 in enumerate(range(0, v1 - v0, TORCH_TILE_V)):
-                        tile = slice(c0, c0 + TORCH_TILE_V)
-                        m_before = torch.maximum(m_before, z[:, tile].amax(dim=1))
-                        pieces[0][rows, k * per_piece + i] = m_before
-                        pieces[1][rows, k * per_piece + i] = _tree_rowsum(e[:, tile]) * torch.exp(mr - m_before)
-            m[rows], s[rows], u[rows], zt[rows] = mr, sr, ur, ztr
+            parts = torch.empty(3, n_split, R, dtype=adt, device=dev)  # per-split m, s, u
+            ztr = torch.zeros(R, dtype=adt, device=dev)
+            for k in range(n_split):
+                v0, v1 = k * LSE_SPLIT, min(vocab, (k + 1) * LSE_SPLIT)
+                z_split = torch_logits(h_rows, weight, bias, v0, v1, temperature)
+                mr = torch.full((R,), -math.inf, dtype=adt, device=dev)
+                sr = torch.zeros(R, dtype=adt, device=dev)
+                ur = torch.zeros(R, dtype=adt, device=dev)
+                for i, c0 in enumerate(range(0, v1 - v0, LSE_TILE)):
+                    z = z_split[:, c0:c0 + LSE_TILE]
+                    m_new, m_ref, alpha, e, d, mass, s_new = lse_step(mr, sr, z)
+                    # u = sum e^(z-m) (z-m), kept relative to the running max: rescaled by
+                    # alpha * (u + (m_old - m_new) s); 0 before the first tile (s == 0).
+                    ur = torch.where(sr > 0, alpha * (ur + (mr - m_ref) * sr), torch.zeros_like(ur)) \
+                        + tree_rowsum(e * d)
+                    mr, sr = m_new, s_new
+                    if pieces is not None:
+                        pieces[0][rows, k * per_split + i] = mr
+                        pieces[1][rows, k * per_split + i] = mass
+                inside = (t >= v0) & (t < v1)
+                picked = z_split.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+                ztr = torch.where(inside, picked, ztr)
+                parts[0, k], parts[1, k], parts[2, k] = mr, sr, ur
+            m[rows], s[rows], u[rows] = merge_splits(parts[0], parts[1], parts[2])
+            zt[rows] = ztr
         return m, s, u, zt
 
     @staticmethod
@@ -366,14 +356,13 @@ class TorchLinearLogprobBackend:
 
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
-    """Tile config of the fused logits kernels. Fixed per dtype: the in-tile row
-    reductions (max, sums) follow the register layout, which follows the config, so a
-    config picked by N would make a row's bits depend on N."""
+    """Tile config of the fused logits kernels. Fixed per dtype: the entropy's in-tile
+    sum follows the register layout, which follows the config, so a config picked by N
+    would make a row's bits depend on N (the mass ``s`` is layout-free: the LSE chain)."""
 
     block_m: int
-    block_v: int
+    block_v: int  # the LSE chain's tile (the forward's statistics follow it)
     block_k: int
-    split_v: int  # forward: columns per program (a multiple of block_v); depends on nothing else
     group_m: int
     num_warps: int
     num_stages: int
@@ -385,8 +374,18 @@ class FusedConfig:
     # Backward g kernel, with TMA loads: g stored by TMA too where its layout allows.
     tma_store: bool = False
 
+    def __post_init__(self) -> None:
+        if self.block_v != LSE_TILE:
+            raise ValueError(f"rlkernels.{OP}: block_v must be the LSE chain's tile {LSE_TILE} (the forward's "
+                             f"statistics are taken tile by tile), got {self.block_v}")
+
+    @property
+    def split_v(self) -> int:
+        """Forward: columns per program, the LSE chain's split."""
+        return LSE_SPLIT
+
     def short(self) -> str:
-        return (f"{self.block_m}x{self.block_v}x{self.block_k}/split{self.split_v}/g{self.group_m}"
+        return (f"{self.block_m}x{self.block_v}x{self.block_k}/g{self.group_m}"
                 f"/w{self.num_warps}/s{self.num_stages}{'/tma' if self.tma else ''}"
                 f"{'/pers' if self.persistent else ''}{'/tmastore' if self.tma_store else ''}")
 
@@ -399,13 +398,15 @@ class FusedConfig:
 # g stored by TMA: the pointer store's epilogue spilled 2 KB per thread (offline sm_90
 # build: 2080 bytes of stack, none with the TMA store); same bits, and the time did not
 # move (docs/design/linear_logprob_schedule.md).
-FUSED_16BIT = FusedConfig(128, 256, 64, split_v=2048, group_m=16, num_warps=8, num_stages=3, tma=True,
-                          persistent=True, tma_store=True)
-FUSED_FP32 = FusedConfig(64, 64, 32, split_v=2048, group_m=8, num_warps=4, num_stages=3)
+FUSED_16BIT = FusedConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True,
+                          tma_store=True)
+FUSED_FP32 = FusedConfig(32, 256, 32, group_m=8, num_warps=8, num_stages=2)
 # The interpreter's tl.dot is numpy's BLAS, whose rounding depends on a row's place in
 # the tile (see gemm.table): one row per program keeps every row's numpy calls identical.
-# split_v=64 makes the small test vocabularies span several splits.
-FUSED_INTERPRETER = FusedConfig(1, 64, 32, split_v=64, group_m=1, num_warps=4, num_stages=1)
+# BLOCK_K = 16 as the interpreter's GEMM config: the interpreter sums a whole BLOCK_K
+# per step, so the logits are rlkernels.linear's bits (as on the GPU, where the tensor
+# cores' 16-wide K step is the same in every tile).
+FUSED_INTERPRETER = FusedConfig(1, 256, 16, group_m=1, num_warps=4, num_stages=1)
 
 
 def fused_config(dtype: torch.dtype) -> FusedConfig:
@@ -471,14 +472,15 @@ class TritonLinearLogprobBackend:
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         h_arg, w_arg, tma = self._operands(h2, weight, cfg)
         grid = (cdiv(N, cfg.block_m) * n_split,)
+        temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
         tile_m, tile_s = pieces if pieces is not None else (m, m)
         _launch_fwd_partial(
             grid,
             (h_arg, w_arg, bias if bias is not None else h2, tgt, m, s, u, zt, tile_m, tile_s,
-             N, vocab, D, float(temperature),
+             N, vocab, D, temp_arg,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
-            # HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M, STORE_TILES
-            (bias is not None, temperature != 1.0, h2.dtype == torch.float32, D % cfg.block_k == 0, tma,
+            # HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M, STORE_TILES
+            (bias is not None, temp_mode, h2.dtype == torch.float32, D % cfg.block_k == 0, tma,
              cfg.split_v, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m, pieces is not None),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -514,17 +516,18 @@ class TritonLinearLogprobBackend:
         sms = sm_count(h2.device)
         grid = (min(num_tiles, sms) if cfg.persistent else num_tiles,)
         g_desc = tma and cfg.tma_store and tma_layout_ok(out)
+        temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
         g_arg = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [cfg.block_m, cfg.block_v]) if g_desc \
             else out
         _launch_grad_logits(
             grid,
             (h_arg, w_arg, bias if bias is not None else h2, tgt, lse, ent, g_logp,
              g_ent if g_ent is not None else g_logp, g_arg,
-             N, weight.shape[0], D, v0, v1, float(temperature),
+             N, weight.shape[0], D, v0, v1, temp_arg,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1)),
-            # HAS_BIAS, HAS_TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+            # HAS_BIAS, TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
             # PERSISTENT, NUM_SMS, G_DESC
-            (bias is not None, temperature != 1.0, g_ent is not None, h2.dtype == torch.float32,
+            (bias is not None, temp_mode, g_ent is not None, h2.dtype == torch.float32,
              D % cfg.block_k == 0, tma, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m,
              cfg.persistent, sms, g_desc),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

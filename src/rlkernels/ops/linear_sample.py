@@ -32,16 +32,17 @@ from ..kernels.sampling import sample_block_kernel, sample_in_block_kernel
 from ..registry import OpImpl, implementation, register, select_backend
 from ..runtime.device import can_read_back
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
-from .linear_logprob import (TorchLinearLogprobBackend, TritonLinearLogprobBackend, fused_config, torch_logits,
-                             validate_head)
+from .lse_chain import LSE_TILE
+from .linear_logprob import (TorchLinearLogprobBackend, TritonLinearLogprobBackend, fused_config,
+                             temperature_scaling, torch_logits, validate_head)
 
 OP = "linear_sample"
 
 SEED_LIMIT = 1 << 63
 POSITION_LIMIT = 1 << 32
 # The first level draws one of the vocabulary's blocks of this many ids (the last may be
-# shorter), the second a token inside it. A multiple of every backend's mass tile.
-SAMPLE_BLOCK = 256
+# shorter), the second a token inside it: the LSE chain's tile, whose masses the forward records.
+SAMPLE_BLOCK = LSE_TILE
 
 
 # ---------------------------------------------------------------------------------------
@@ -257,13 +258,14 @@ class TritonLinearSampleBackend:
                       (cfg.block_v, SAMPLE_BLOCK, not greedy, SCAN_BLOCKS), num_warps=4,
                       num_stages=DEFAULT_NUM_STAGES)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
+        temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
         _launch_in_block(
             (N,),
             (h2, weight, bias if bias is not None else h2, blocks, *counters, token, zt,
-             N, vocab, D, float(temperature), *seeds,
+             N, vocab, D, temp_arg, *seeds,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
-            # HAS_BIAS, HAS_TEMP, IEEE, EVEN_D, NOISE, BLOCK_M, BLOCK_V, BLOCK_K
-            (bias is not None, temperature != 1.0, h2.dtype == torch.float32, D % cfg.block_k == 0, not greedy,
+            # HAS_BIAS, TEMP, IEEE, EVEN_D, NOISE, BLOCK_M, BLOCK_V, BLOCK_K
+            (bias is not None, temp_mode, h2.dtype == torch.float32, D % cfg.block_k == 0, not greedy,
              IN_BLOCK_LANES, SAMPLE_BLOCK, cfg.block_k),
             num_warps=4, num_stages=DEFAULT_NUM_STAGES,
         )
