@@ -84,3 +84,20 @@ def test_host_median_is_the_median_burst_per_call(monkeypatch):
     got = common.host_median_us(fn, calls=5, trials=21)
     assert abs(got - 11.0) < 1e-6
     assert len(calls) == 3 + 5 * 21
+
+
+def test_write_json_records_suite_command_and_environment(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from rlkernels.bench import common
+
+    monkeypatch.setattr(sys, "argv", ["rlkernels", "bench", "gemm", "--quick"])
+    path = tmp_path / "out.json"
+    common.write_json(str(path), "gemm", [{"M": 1}], {"summary": {}})
+    doc = json.loads(path.read_text())
+    assert list(doc)[:4] == ["benchmark", "command", "environment", "rows"]
+    assert doc["command"] == "rlkernels bench gemm --quick" and doc["rows"] == [{"M": 1}]
+    for key in ("date", "device", "torch", "triton", "rlkernels"):
+        assert key in doc["environment"]
+    common.write_json(None, "gemm", [])  # no path: nothing written

@@ -12,7 +12,9 @@ import importlib
 import itertools
 import json
 import platform
+import shlex
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -179,7 +181,10 @@ def peak_extra_memory_gib(fn: Callable[[], Any]) -> float:
 def write_json(path: str | None, name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
     if not path:
         return
-    doc = {"benchmark": name, "environment": environment(), "rows": rows, **(extra or {})}
+    """The layout of benchmarks/results/README.md: the suite, the command line that ran it,
+    the environment (date, device, versions), the rows, then any suite-specific keys."""
+    doc = {"benchmark": name, "command": shlex.join(sys.argv), "environment": environment(), "rows": rows,
+           **(extra or {})}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
 
