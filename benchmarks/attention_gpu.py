@@ -6,10 +6,13 @@
    sequence alone == packed with other lengths == decode steps over a NaN-filled cache
    (split-KV kernel) at block/split boundaries == chunked prefill in chunks of 1, 7, 64,
    100; backward run-to-run equal and alone == packed; accuracy vs float64.
-2. Tuning: times candidate launch parameters of the forward (BLOCK_M, warps, stages),
-   the split-KV decode kernel (query tile, warps, stages) and the backward (dK/dV and
-   dQ tiles, warps, stages). The chain constants (BLOCK_N, S_SPLIT) are the library's
-   for every candidate; each candidate's bits are compared with the default's.
+2. Tuning: times candidate launch parameters of the Triton forward kernel (BLOCK_M,
+   warps, stages; the warp-specialized Hopper kernel, which has its own fixed launch and
+   which the default takes where it applies, is turned off for these candidates), the
+   split-KV decode kernel (query tile, warps, stages) and the backward (dK/dV and dQ
+   tiles, warps, stages). The chain constants (BLOCK_N, S_SPLIT) are the library's for
+   every candidate; each candidate's bits are compared with the default's. The library's
+   launch overrides are restored after every candidate.
 
 Every step is wrapped in try/except and prints as it goes; a failing candidate is
 reported and skipped.
@@ -17,6 +20,7 @@ reported and skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -54,6 +58,17 @@ def median_ms(fn) -> float:
         fn()
     torch.cuda.synchronize()
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+@contextlib.contextmanager
+def launch(fwd: A.FwdLaunch | None = None, bwd: A.BwdLaunch | None = None):
+    """Run the block with these launch overrides (None: the defaults), then restore them."""
+    saved = A.FWD_LAUNCH_OVERRIDE, A.BWD_LAUNCH_OVERRIDE
+    A.FWD_LAUNCH_OVERRIDE, A.BWD_LAUNCH_OVERRIDE = fwd, bwd
+    try:
+        yield
+    finally:
+        A.FWD_LAUNCH_OVERRIDE, A.BWD_LAUNCH_OVERRIDE = saved
 
 
 def check(name: str, fn, results: dict) -> None:
@@ -165,25 +180,25 @@ def tune_forward(d: int, L: int, quick: bool) -> list[dict]:
     q = rand((b, L, HQ, d), torch.bfloat16, 7)
     k = rand((b, L, HKV, d), torch.bfloat16, 8)
     v = rand((b, L, HKV, d), torch.bfloat16, 9)
-    A.FWD_LAUNCH_OVERRIDE = None
-    want = A.flash_attn_func(q, k, v)
+    with launch():
+        want = A.flash_attn_func(q, k, v)
     flops = 2.0 * b * HQ * L * L * d
     rows = []
     cands = list(itertools.product((64, 128), (4, 8), (2, 3, 4)))
     if quick:
         cands = cands[:4]
     for bm, w, s in cands:
-        A.FWD_LAUNCH_OVERRIDE = A.FwdLaunch(bm, w, s)
         try:
-            same = bits_equal(A.flash_attn_func(q, k, v), want)
-            ms = median_ms(lambda: A.flash_attn_func(q, k, v))
+            # ws=False: the settings are the Triton kernel's; the warp-specialized one ignores them.
+            with launch(fwd=A.FwdLaunch(bm, w, s, ws=False)):
+                same = bits_equal(A.flash_attn_func(q, k, v), want)
+                ms = median_ms(lambda: A.flash_attn_func(q, k, v))
             rows.append({"kernel": "fwd", "D": d, "L": L, "block_m": bm, "warps": w, "stages": s,
                          "ms": ms, "tflops": flops / ms / 1e9, "same_bits": same})
         except Exception as exc:  # noqa: BLE001
             rows.append({"kernel": "fwd", "D": d, "L": L, "block_m": bm, "warps": w, "stages": s,
                          "error": f"{type(exc).__name__}: {str(exc)[:80]}"})
         say(rows[-1])
-    A.FWD_LAUNCH_OVERRIDE = None
     return rows
 
 
@@ -194,21 +209,20 @@ def tune_decode(d: int, quick: bool) -> list[dict]:
         q = rand((b, 1, HQ, d), torch.bfloat16, 11)
         kc = rand((b, s, HKV, d), torch.bfloat16, 12)
         vc = rand((b, s, HKV, d), torch.bfloat16, 13)
-        A.FWD_LAUNCH_OVERRIDE = None
-        want = A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s)
+        with launch():
+            want = A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s)
         base = A.default_fwd_launch(d)
         for bm, w, st in itertools.product((16, 32), (2, 4, 8), (2, 3, 4)):
-            A.FWD_LAUNCH_OVERRIDE = A.FwdLaunch(base.block_m, base.num_warps, base.num_stages, bm, w, st)
             try:
-                same = bits_equal(A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s), want)
-                ms = median_ms(lambda: A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s))
+                with launch(fwd=A.FwdLaunch(base.block_m, base.num_warps, base.num_stages, bm, w, st)):
+                    same = bits_equal(A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s), want)
+                    ms = median_ms(lambda: A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s))
                 rows.append({"kernel": "decode", "D": d, "B": b, "S": s, "block_m": bm, "warps": w, "stages": st,
                              "us": ms * 1e3, "TB/s": 2 * b * s * HKV * d * 2 / ms / 1e9, "same_bits": same})
             except Exception as exc:  # noqa: BLE001
                 rows.append({"kernel": "decode", "D": d, "B": b, "S": s, "block_m": bm, "warps": w, "stages": st,
                              "error": f"{type(exc).__name__}: {str(exc)[:80]}"})
             say(rows[-1])
-    A.FWD_LAUNCH_OVERRIDE = None
     return rows
 
 
@@ -222,8 +236,8 @@ def tune_backward(d: int, L: int, quick: bool) -> list[dict]:
 
     def bwd():
         return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-    A.BWD_LAUNCH_OVERRIDE = None
-    want = bwd()
+    with launch():
+        want = bwd()
     flops = 2.5 * 2.0 * b * HQ * L * L * d
     rows = []
     # (dK/dV tile, warps, stages, dQ tile, warps, stages): BwdLaunch's field order.
@@ -232,19 +246,18 @@ def tune_backward(d: int, L: int, quick: bool) -> list[dict]:
     if quick:
         cands = cands[:4]
     for c in cands:
-        A.BWD_LAUNCH_OVERRIDE = A.BwdLaunch(*c)
         row = {"kernel": "bwd", "D": d, "L": L, "dkdv": f"{c[0]}x{c[1]}", "dq": f"{c[4]}x{c[5]}", "warps": c[2],
                "stages": c[3]}
         try:
-            got = bwd()
-            row["same_bits"] = all(bits_equal(a, b_) for a, b_ in zip(got, want))
-            ms = median_ms(bwd)
+            with launch(bwd=A.BwdLaunch(*c)):
+                got = bwd()
+                row["same_bits"] = all(bits_equal(a, b_) for a, b_ in zip(got, want))
+                ms = median_ms(bwd)
             row.update(ms=ms, tflops=flops / ms / 1e9)
         except Exception as exc:  # noqa: BLE001
             row["error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
         rows.append(row)
         say(row)
-    A.BWD_LAUNCH_OVERRIDE = None
     return rows
 
 

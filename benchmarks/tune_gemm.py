@@ -3,7 +3,7 @@
 For each shape and M it times candidate tile configs of the canonical-chain Triton
 kernel against stock cuBLAS and cuBLASLt-no-split, and checks every candidate's
 bits against cuBLASLt-no-split (a candidate that differs is disqualified). The
-winners are copied by hand into ``GEMM_TABLE_*`` in ``rlkernels/ops/gemm.py``.
+winners are copied by hand into ``GEMM_TABLE_*`` in ``src/rlkernels/gemm/table.py``.
 
     python benchmarks/tune_gemm.py --json $OUT/tune.json [--quick]
     python benchmarks/tune_gemm.py --decode --json $OUT/tune_decode.json   (small M, graph timing)
@@ -43,8 +43,8 @@ CANDIDATES_DECODE = [
     # programs run in about one wave (the entries above hold one program per SM).
     C(16, 32, 256, 1, 4, 3), C(16, 32, 256, 1, 2, 3), C(16, 32, 128, 1, 4, 4), C(16, 32, 128, 1, 2, 4),
     C(16, 16, 256, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 64, 128, 1, 4, 3), C(16, 16, 128, 1, 2, 6),
-    # Session 11, after masking the rows past M (M = 1 no longer pays for 15 re-read rows):
-    # longer k-blocks with few programs' worth of buffers.
+    # With the rows past M masked (M = 1 pays for no re-read rows): longer k-blocks with
+    # few programs' worth of buffers.
     C(16, 16, 512, 1, 2, 4), C(16, 32, 512, 1, 4, 3), C(16, 32, 128, 1, 2, 6), C(16, 64, 256, 1, 4, 3),
 ]
 # --tma-decode: the decode tiles with TMA operand loads (bulk copies into shared memory,

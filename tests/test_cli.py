@@ -1,8 +1,12 @@
 """``rlkernels info``: versions, backends and the dispatch table, on any machine."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 
+from rlkernels._env import SWITCHES
 from rlkernels.gemm import table as gemm_table
 
 from rlkernels import cli
@@ -23,7 +27,18 @@ def test_info_lists_versions_backends_and_the_table(capsys):
     assert "linear_logprob" in out and "matmul" in out
     for _, _, cfg in gemm_table.GEMM_TABLE_16BIT:
         assert cfg.short() in out
-    assert "RLKERNELS_L2_STREAMING" in out and "L2 streaming window" in out
+    assert "L2 streaming window" in out
+    for var in SWITCHES:
+        assert var in out
+
+
+def test_every_switch_the_package_reads_is_listed():
+    src = Path(cli.__file__).parent
+    read = set()
+    for path in src.rglob("*.py"):
+        read |= set(re.findall(r"[\"'](RLKERNELS_[A-Z0-9_]+)[\"']", path.read_text()))
+    assert read and read <= set(SWITCHES), sorted(read - set(SWITCHES))
+    assert "TRITON_INTERPRET" in SWITCHES
 
 
 # ---------------------------------------------------------------- argument validation

@@ -1,27 +1,25 @@
 """Every environment switch of rlkernels, read one way.
 
-=============================  ========================================================  =============
-variable                       effect                                                    read
-=============================  ========================================================  =============
-``RLKERNELS_BACKEND``          ``triton`` / ``torch`` / ``auto``: the op backend          every call
-``RLKERNELS_GEMM_BACKEND``     ``auto`` / ``triton`` / ``cublaslt``: the GEMM producer    every call
-``RLKERNELS_DISABLE_TINY_GEMM``  ``1``: bmm skips its one-launch tiny-matrix kernel      every call
-``RLKERNELS_FAST_LAUNCH``      ``0``: launch kernels through Triton's own launcher        at import
-``RLKERNELS_L2_STREAMING``     ``0``: no streaming L2 window over decode GEMM weights     at import
-``RLKERNELS_ATTN_CHECK_INDICES``  ``0``: attention skips reading cu_seqlens back       every call
-``RLKERNELS_ATTN_WS``          ``0``: the attention forward stays on the Triton kernel    every call
-``TRITON_INTERPRET``           ``1``: Triton kernels run on the CPU (the interpreter)     every call
-=============================  ========================================================  =============
-
-None of them changes a result's bits: they choose among producers of the same
-canonical chain, or refuse.
+``SWITCHES`` lists them (``rlkernels info`` prints it with each one's value; a test
+checks that every ``RLKERNELS_*`` name the package reads is in it). None of them
+changes a result's bits: they choose among producers of the same canonical chain,
+or refuse.
 """
 from __future__ import annotations
 
 import os
 
-SWITCHES = ("RLKERNELS_BACKEND", "RLKERNELS_GEMM_BACKEND", "RLKERNELS_DISABLE_TINY_GEMM", "RLKERNELS_FAST_LAUNCH",
-            "RLKERNELS_L2_STREAMING", "RLKERNELS_ATTN_CHECK_INDICES", "RLKERNELS_ATTN_WS", "TRITON_INTERPRET")
+# name -> (effect, when it is read)
+SWITCHES: dict[str, tuple[str, str]] = {
+    "RLKERNELS_BACKEND": ("triton / torch / auto: the op backend", "every call"),
+    "RLKERNELS_GEMM_BACKEND": ("auto / triton / cublaslt: the GEMM producer", "every call"),
+    "RLKERNELS_DISABLE_TINY_GEMM": ("1: bmm skips its one-launch tiny-matrix kernel", "every call"),
+    "RLKERNELS_FAST_LAUNCH": ("0: launch kernels through Triton's own launcher", "at import"),
+    "RLKERNELS_L2_STREAMING": ("0: no streaming L2 window over decode GEMM weights", "at import"),
+    "RLKERNELS_ATTN_CHECK_INDICES": ("0: attention skips reading cu_seqlens back", "every call"),
+    "RLKERNELS_ATTN_WS": ("0: the attention forward stays on the Triton kernel", "every call"),
+    "TRITON_INTERPRET": ("1: Triton kernels run on the CPU (the interpreter)", "every call"),
+}
 
 # os.environ.get re-encodes the name and wraps the lookup in three Python calls; the
 # per-call switches are read on every op call, which for decode-size GEMMs is host-bound.

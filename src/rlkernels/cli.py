@@ -31,7 +31,7 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
 
     from .gemm import table as gemm_table
     from .registry import registered_ops, select_backend
-    from ._env import triton_interpret
+    from ._env import SWITCHES, env_get
 
     versions = Table(title="rlkernels environment", show_header=False)
     from . import __version__
@@ -43,11 +43,15 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     versions.add_row("cuda", str(torch.version.cuda))
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     versions.add_row("devices", ", ".join(gpus) or "cpu only")
-    versions.add_row("TRITON_INTERPRET", "on" if triton_interpret() else "off")
-    for var in ("RLKERNELS_BACKEND", "RLKERNELS_GEMM_BACKEND", "RLKERNELS_DISABLE_TINY_GEMM", "RLKERNELS_FAST_LAUNCH",
-                "RLKERNELS_L2_STREAMING"):
-        versions.add_row(var, os.environ.get(var, "(unset)"))
     console.print(versions)
+
+    switches = Table(title="environment switches")
+    switches.add_column("variable", no_wrap=True, min_width=max(map(len, SWITCHES)))
+    for col in ("value", "effect", "read"):
+        switches.add_column(col)
+    for var, (effect, read) in SWITCHES.items():
+        switches.add_row(var, env_get(var) or "(unset)", effect, read)
+    console.print(switches)
 
     device = torch.device(args.device or _default_device())
     ops = Table(title=f"backend per op on {device}")

@@ -86,25 +86,18 @@ def test_host_median_is_the_median_burst_per_call(monkeypatch):
     assert len(calls) == 3 + 5 * 21
 
 
-def test_compare_variants_rows(monkeypatch):
+def test_write_json_records_suite_command_and_environment(tmp_path, monkeypatch):
+    import json
+    import sys
+
     from rlkernels.bench import common
 
-    want = torch.arange(6.0)
-    fns = {"stock": lambda: want + 1, "same": lambda: want.clone(), "other": lambda: want + 1,
-           "broken": lambda: 1 / 0}
-    eager = {"stock": 2.0, "same": 1.0, "other": 3.0}
-    graph = {"stock": 1000.0, "same": 500.0, "other": 2000.0}
-    name_of = {fn: name for name, fn in fns.items()}
-
-    def fake_interleaved(runnable, rounds, warmup_ms, rep_ms):
-        assert set(runnable) == {"stock", "same", "other"}  # the variant that raised is left out
-        return {name: eager[name] for name in runnable}
-
-    monkeypatch.setattr(common, "interleaved_median_ms", fake_interleaved)
-    monkeypatch.setattr(common, "graph_median_us", lambda fn, replays, trials: graph[name_of[fn]])
-    rows = {row["variant"]: row for row in common.compare_variants(fns, want)}
-    assert set(rows) == {"stock", "same", "other"}
-    assert rows["stock"]["same_bits"] is None and rows["same"]["same_bits"] is True
-    assert rows["other"]["same_bits"] is False
-    assert rows["same"]["eager_us"] == 1000.0 and rows["same"]["eager_ratio"] == 0.5
-    assert rows["other"]["graph_ratio"] == 2.0 and rows["stock"]["graph_us"] == 1000.0
+    monkeypatch.setattr(sys, "argv", ["rlkernels", "bench", "gemm", "--quick"])
+    path = tmp_path / "out.json"
+    common.write_json(str(path), "gemm", [{"M": 1}], {"summary": {}})
+    doc = json.loads(path.read_text())
+    assert list(doc)[:4] == ["benchmark", "command", "environment", "rows"]
+    assert doc["command"] == "rlkernels bench gemm --quick" and doc["rows"] == [{"M": 1}]
+    for key in ("date", "device", "torch", "triton", "rlkernels"):
+        assert key in doc["environment"]
+    common.write_json(None, "gemm", [])  # no path: nothing written

@@ -12,7 +12,9 @@ import importlib
 import itertools
 import json
 import platform
+import shlex
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -101,28 +103,6 @@ def interleaved_median_ms(fns: dict[str, Callable[[], Any]], rounds: int = 5, wa
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def compare_variants(fns: dict[str, Callable[[], Any]], want: torch.Tensor, *, rounds: int = 6,
-                     replays: int = 10) -> list[dict[str, Any]]:
-    """A row per variant of ``fns`` (which holds the baseline, ``"stock"``): eager time from
-    alternating rounds and CUDA-graph replay time, each with its ratio to stock, and whether
-    its output equals ``want`` bit for bit (None for stock). A variant that raises (out of
-    shared memory, say) is reported and left out."""
-    same: dict[str, bool] = {}
-    for name, fn in fns.items():
-        if name == "stock":
-            continue
-        try:
-            same[name] = torch.equal(fn(), want)
-        except Exception as e:
-            print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
-    runnable = {name: fn for name, fn in fns.items() if name == "stock" or name in same}
-    eager = interleaved_median_ms(runnable, rounds=rounds, warmup_ms=20, rep_ms=60)
-    graph = {name: graph_median_us(fn, replays=replays, trials=7) for name, fn in runnable.items()}
-    return [{"variant": name, "eager_us": eager[name] * 1e3, "eager_ratio": eager[name] / eager["stock"],
-             "graph_us": graph[name], "graph_ratio": graph[name] / graph["stock"], "same_bits": same.get(name)}
-            for name in runnable]
-
-
 def host_median_us(fn: Callable[[], Any], calls: int = 20, trials: int = 21) -> float:
     """Median host µs per call of ``fn`` (Python, launch), the GPU never the slower side.
 
@@ -201,7 +181,10 @@ def peak_extra_memory_gib(fn: Callable[[], Any]) -> float:
 def write_json(path: str | None, name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
     if not path:
         return
-    doc = {"benchmark": name, "environment": environment(), "rows": rows, **(extra or {})}
+    """The layout of benchmarks/results/README.md: the suite, the command line that ran it,
+    the environment (date, device, versions), the rows, then any suite-specific keys."""
+    doc = {"benchmark": name, "command": shlex.join(sys.argv), "environment": environment(), "rows": rows,
+           **(extra or {})}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
 

@@ -21,7 +21,6 @@ from .common import median_ms, optional_import, peak_extra_memory_gib, print_tab
 
 FULL_SHAPES = ((1024, 4096, 151936), (8192, 4096, 151936), (32768, 4096, 151936), (8192, 4096, 32000))
 QUICK_SHAPES = ((8192, 4096, 151936),)
-TEMPERATURE = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,24 +55,36 @@ def _measure(name: str, fwd: Callable[[], Any] | None, fwd_bwd: Callable[[], Any
     return row
 
 
-def _rlkernels_case(h, w, t, gl, ge):
-    from ..ops.linear_logprob import linear_logprob
+def _rlkernels_case(h, w, t, gl, ge, temperature: float, logprob_backend=None):
+    """``linear_logprob`` as the public call runs it, or (``logprob_backend``, one with
+    another tile config) its autograd Function with that backend passed explicitly."""
+    from ..ops.linear_logprob import LinearLogprobFunction, linear_logprob
+    from ..ops.matmul import gemm_backend_for
+
+    if logprob_backend is None:
+        def call(hh, ww):
+            return linear_logprob(hh, ww, t, temperature=temperature, return_entropy=True)
+    else:
+        gemm_backend = gemm_backend_for(h.device, "triton")
+
+        def call(hh, ww):
+            return LinearLogprobFunction.apply(hh, ww, None, t, temperature, logprob_backend, gemm_backend)
 
     def fwd():
         with torch.no_grad():
-            return linear_logprob(h, w, t, temperature=TEMPERATURE, return_entropy=True)
+            return call(h, w)
 
     def fwd_bwd():
         hh, ww = h.requires_grad_(), w.requires_grad_()
-        lp, ent = linear_logprob(hh, ww, t, temperature=TEMPERATURE, return_entropy=True)
+        lp, ent = call(hh, ww)
         return torch.autograd.grad((lp, ent), (hh, ww), (gl, ge))
 
     return fwd, fwd_bwd
 
 
-def _naive_case(h, w, t, gl, ge):
+def _naive_case(h, w, t, gl, ge, temperature: float):
     def compute(hh, ww):
-        z = (hh @ ww.t()).float() / TEMPERATURE
+        z = (hh @ ww.t()).float() / temperature
         logz = torch.logsumexp(z, dim=-1)
         lp = z.gather(1, t[:, None])[:, 0] - logz
         ent = logz - (torch.softmax(z, dim=-1) * z).sum(-1)
@@ -164,30 +175,29 @@ def four_gemm_passes(h: torch.Tensor, w: torch.Tensor, generator: torch.Generato
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..ops import linear_logprob as L
 
-    global TEMPERATURE
-    TEMPERATURE = float(getattr(args, "temperature", 1.0) or 1.0)
-
+    temperature = float(getattr(args, "temperature", 1.0) or 1.0)
+    logprob_backend = None  # None: the public call with its own config
     if getattr(args, "config", None):
         parts = args.config.split(",")
         a = [int(x) for x in parts[:6]]
-        L.LinearLogprobTriton.backend_impl = L.TritonLinearLogprobBackend(
+        logprob_backend = L.TritonLinearLogprobBackend(
             L.FusedConfig(a[0], a[1], a[2], group_m=a[3], num_warps=a[4], num_stages=a[5],
                           tma="tma" in parts[6:], persistent="pers" in parts[6:]))
     if getattr(args, "shape", None):
         shapes = tuple(tuple(int(x) for x in s.split(",")) for s in args.shape)
     else:
         shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
-    cfg = L.LinearLogprobTriton.backend_impl._cfg(torch.bfloat16)
+    cfg = (logprob_backend or L.LinearLogprobTriton.backend_impl)._cfg(torch.bfloat16)
     rows: list[dict[str, Any]] = []
     for n, d, v in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         h, w, t, gl, ge = make_inputs(n, d, v, g)
-        cases: list[tuple[str, Any]] = [("rlkernels", _rlkernels_case(h, w, t, gl, ge))]
+        cases: list[tuple[str, Any]] = [("rlkernels", _rlkernels_case(h, w, t, gl, ge, temperature, logprob_backend))]
         if not getattr(args, "no_peers", False):
             free, _ = torch.cuda.mem_get_info()
             # fp32 logits, softmax, their grads and the bf16 copy: about 18 bytes per logit.
             if n * v * 18 < 0.8 * free:
-                cases.append(("torch (materialized)", _naive_case(h, w, t, gl, ge)))
+                cases.append(("torch (materialized)", _naive_case(h, w, t, gl, ge, temperature)))
             else:
                 rows.append({"N": n, "D": d, "V": v, "impl": "torch (materialized)", "note": "skipped: would OOM"})
             for name, case in (("liger FLCE", _liger_case(h, w, t, gl)), ("cut-cross-entropy", _cce_case(h, w, t, gl))):
@@ -227,5 +237,5 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     print_table("linear_logprob (bf16, per-token upstream grads)", rows,
                 ["N", "D", "V", "impl", "fwd_ms", "fwd_bwd_ms", "peak_extra_gib", "fwd_tflops", "fwd_bwd_tflops",
                  "logits_gemm_ms", "fwd_vs_gemm", "four_gemms_ms", "fwd_bwd_vs_four_gemms", "note"])
-    write_json(args.json, "logprob", rows, {"fused_config": cfg.short(), "temperature": TEMPERATURE})
+    write_json(args.json, "logprob", rows, {"fused_config": cfg.short(), "temperature": temperature})
     return rows

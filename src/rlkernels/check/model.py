@@ -43,8 +43,6 @@ from ..integrations.hf import (cache_kwargs, decoder_of, hidden_states, logprobs
 DEFAULT_SEQS = 8
 SEED = 1234
 WAYS = ("single", "padded", "chunked", "shuffled", "rollout")
-WAY_LABELS = {"single": "(a) one at a time", "padded": "(b) padded batch",
-              "chunked": "(c) chunked prefill", "shuffled": "(d) shuffled batches"}
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -6,8 +6,8 @@ Triton GEMM backend on that K-slice with an fp32 output: on Hopper the chain's b
 not depend on the tile (``gemm.triton``'s module doc), so the segment chains here are
 the GEMM backend's whatever tile this launch uses (``tests/gemm/test_ktree.py`` checks it
 against the unfused tree on the GPU and in the interpreter). One launch instead of
-``n_seg`` GEMMs with fp32 outputs and ``n_seg - 1`` additions through HBM (docs/design/ktree.md:
-H100, Llama-3-8B's o_proj at 4096 tokens, 0.41 vs 0.89 ms).
+``n_seg`` GEMMs with fp32 outputs and ``n_seg - 1`` additions through HBM: fewer bytes
+and launches (measurements: docs/design/ktree.md).
 
 Operands come by TMA, so the fused path needs a layout TMA can describe (unit inner
 stride, 16-byte aligned rows; a Hopper GPU or the interpreter) and ``seg`` divisible by
@@ -27,16 +27,13 @@ from .tma import TensorDescriptor, tma_layout_ok
 
 _launch_ktree = cached_launcher(ktree_gemm_kernel) if ktree_gemm_kernel is not None else None
 
-# Tiles and leaf pairs in registers (H100, bf16, Llama-3-8B o_proj / down_proj, 8 segments;
-# docs/design/ktree.md): pairs cut o_proj at 4096 tokens from 0.60 to 0.41 ms, and the
-# 128 x 128 tile keeps both accumulators without spilling (178 registers at 8 warps; the
-# 128 x 256 GEMM tile spills 1.1 KB with them).
+# Tiles, with leaf pairs in registers (docs/design/ktree.md has the measurements): the
+# 128 x 128 tile holds both accumulators without spilling, where the large-M GEMM tile
+# (128 x 256) spills with them.
 KTREE_SMALL_M = GemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)
 KTREE_LARGE_M = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
 KTREE_SMALL_M_MAX = 256
 KTREE_FP32 = GemmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)
-# Leaf pairs added in registers (a second accumulator) instead of through the scratch slots.
-KTREE_PAIRS = True
 
 
 def ktree_config(m: int, dtype: torch.dtype) -> GemmConfig:
@@ -60,17 +57,18 @@ def ktree_fusable(x2: torch.Tensor, w_nk: torch.Tensor, seg: int) -> bool:
 
 def ktree_gemm(x2: torch.Tensor, w_nk: torch.Tensor, seg: int, n_seg: int, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.float32, *, config: GemmConfig | None = None,
-               pairs: bool | None = None) -> torch.Tensor:
+               pairs: bool = True) -> torch.Tensor:
     """[M, N] in ``out_dtype``: the K-tree of x2 [M, n_seg*seg] @ w_nk [N, n_seg*seg]^T, plus
     ``bias`` [N] in fp32 (if given), rounded once. ``n_seg`` a power of two; the operands
-    as :func:`ktree_fusable` accepts them. ``config`` / ``pairs`` override the tile and
-    whether leaf pairs are added in registers (benchmarks; the bits are the same)."""
+    as :func:`ktree_fusable` accepts them. ``config`` overrides the tile; ``pairs=False``
+    adds leaf pairs through the scratch slots instead of in registers (a second
+    accumulator). Either way the bits are the same (benchmarks and tests compare them)."""
     M, N = x2.shape[0], w_nk.shape[0]
     out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     if M == 0 or N == 0:
         return out
     cfg = config or ktree_config(M, x2.dtype)
-    pairs = (KTREE_PAIRS if pairs is None else pairs) and n_seg >= 2
+    pairs = pairs and n_seg >= 2
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     levels = max(1, n_seg.bit_length() - 1)
     # Each program's pending tree nodes, one slot per level that waits in memory (level 0 stays

@@ -45,35 +45,29 @@ class GemmConfig:
 # The dispatch table: (dtype kind) -> rows of (largest M, smallest N, config); the
 # first row with m <= largest M and n >= smallest N wins. Pure and checked in --
 # never tuned at run time (a timing-based pick can differ between processes).
-# Picked offline on H100 by benchmarks/tune_gemm.py (results under
-# benchmarks/results/); the canonical K-chain makes every entry produce the same
-# bits (measured: 19 candidate configs x 8 M x 4 shapes, 0 mismatches vs
-# cuBLASLt-no-split; tests/ops/test_matmul_gpu.py re-proves it for each entry).
+# Picked offline on H100 by benchmarks/tune_gemm.py; the canonical K-chain makes every
+# entry produce the same bits (tests/ops/test_matmul_gpu.py proves it for each entry).
+# The measurements behind each row: docs/design/gemm_dispatch.md.
 WIDE_N = 8192  # wide outputs (MLP up-projections, lm heads) want wider N tiles at decode
 LM_HEAD_N = 65536  # vocabulary-sized outputs (lm heads)
 GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
     # M <= 16 (decode): one tile per width class serves M = 1..16. Rows past M are masked,
-    # not wrapped (wrapped rows re-read row 0 from the same L2 lines: M = 1 ran up to 60%
-    # slower than M = 4), so M = 1 runs like M = 4. 32-wide N tiles keep more programs in
-    # flight while the weight streams from HBM (graph replay, 4096 x 12288: 36.3-36.8 us
-    # on 16x32x128/w2 vs 37.0-37.9 on 16x64x256; 12288 x 4096 M = 1 37.8 vs 38.5).
-    # lm heads: 16x32x256/w4/s6, eager and from HBM alike: M = 16 419 vs 423 us for
-    # 16x64x256/w4/s4 (0.928x vs 0.937x stock), M = 1-8 0.917-0.922x vs 0.921-0.929x.
-    # Same bits on every tile; docs/design/gemm_dispatch.md#decode-tiles.
+    # not wrapped (wrapped rows re-read row 0 from the same L2 lines), so M = 1 runs like
+    # M = 4. 32-wide N tiles keep more programs in flight while the weight streams from
+    # HBM. Same bits on every tile; docs/design/gemm_dispatch.md#decode-tiles.
     (16, LM_HEAD_N, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=6)),
     (16, WIDE_N, GemmConfig(16, 32, 128, group_m=1, num_warps=2, num_stages=4)),
     (16, 0, GemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=5)),
     (64, WIDE_N, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=3)),
     (32, 0, GemmConfig(32, 32, 256, group_m=4, num_warps=4, num_stages=4)),
     # M in (32, 64] on narrower outputs: 64-row tiles, N tiles of 32 keep 128 programs
-    # on a 4096-wide output (graph replay, weight from HBM: 15.3 vs 16.9-17.4 us at
-    # M = 64 on 4096 x 4096; docs/design/gemm_dispatch.md).
+    # on a 4096-wide output (docs/design/gemm_dispatch.md#decode-tiles).
     (64, 0, GemmConfig(64, 32, 256, group_m=1, num_warps=4, num_stages=4)),
     (256, WIDE_N, GemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)),
     (256, 0, GemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
     # Large M: TMA operand loads and a persistent schedule, warp-specialized up to
-    # M = 2048 (H100 bf16, M >= 1024: 0.96-1.06x stock cuBLAS where the pointer kernel
-    # ran 1.18-1.29x, same bits; docs/design/gemm_dispatch.md#tma-tiles-large-m).
+    # M = 2048: the pointer kernel with the same tile gives the same bits, more slowly
+    # (docs/design/gemm_dispatch.md#tma-tiles-large-m).
     (2048, 0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True,
                          warp_specialize=True)),
     (1 << 62, 0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)),
@@ -81,8 +75,8 @@ GEMM_TABLE_16BIT: tuple[tuple[int, int, GemmConfig], ...] = (
 # Decode rows for a B stored [K, N] with N contiguous (``rlkernels.matmul(x, b)`` on a
 # row-major matrix), consulted before the table above: the table's 16x32 tiles were
 # picked for a k-contiguous nn.Linear weight, and on a [K, N] lm head they read 32-wide
-# row pieces (1.28x stock at M = 1-16). 128-wide N tiles read whole 256-byte rows; same
-# bits (the K chain does not depend on the tile). See docs/operators/matmul.md.
+# row pieces. 128-wide N tiles read whole 256-byte rows; same bits (the K chain does not
+# depend on the tile). See docs/design/gemm_dispatch.md#decode-tiles.
 GEMM_TABLE_16BIT_N_CONTIGUOUS_B: tuple[tuple[int, int, GemmConfig], ...] = (
     (16, WIDE_N, GemmConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3)),
 )
@@ -94,25 +88,21 @@ GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_sta
 # (tests/ops/test_matmul_gpu.py). What the tile changes is shared-memory traffic: each lane
 # owns output columns and reads B's column k-values; a k-contiguous B (an nn.Linear
 # weight read as W^T) puts a lane's column 256 bytes from its neighbour's, 8-way bank
-# conflicts that held every forward-orientation tile near 26 TFLOP/s. Swapped, the
+# conflicts that hold every forward-orientation tile far below the FMA peak. Swapped, the
 # weight is the row operand (read broadcast across a warp) and the activation,
 # transposed once into [K, M] (tokens x hidden: small next to the GEMM), the column
 # operand with lanes on consecutive addresses. A few rows on a narrow output stay
 # unswapped: their dot runs unpadded (Triton >= 3.5), one lane per output column.
-# Picked on H100 (every candidate's bits equal): swapped, 4096 x 4096 runs M = 64 in
-# 93 us and M = 4096 in 3.3 ms against 297 us and 5.35 ms in the forward orientation;
-# docs/design/gemm_dispatch.md#fp32-the-swap.
+# Picked on H100 (every candidate's bits equal); docs/design/gemm_dispatch.md#fp32-the-swap.
 _FP32_M1 = GemmConfig(1, 32, 128, group_m=1, num_warps=1, num_stages=4)
 _FP32_SWAP_32X32 = GemmConfig(32, 32, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)
 GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     (1, 0, _FP32_M1),
-    # Wide outputs: one 16-token tile streams the weight once (lm head M = 4-8: 1.0 ms,
-    # stock 1.0-1.3 ms).
+    # Wide outputs: one 16-token tile streams the weight once.
     (16, LM_HEAD_N, GemmConfig(32, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
     (16, WIDE_N, GemmConfig(16, 16, 64, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
     (4, 0, GemmConfig(2, 64, 64, group_m=1, num_warps=2, num_stages=4)),
-    # 16-row weight tiles: 256 programs on a 4096-wide output (4096^2 M = 16: 46 us vs
-    # 86 us for 32x32x32 and stock's 62; docs/design/gemm_dispatch.md#fp32-the-swap).
+    # 16-row weight tiles: 256 programs on a 4096-wide output instead of 128.
     (16, 0, GemmConfig(16, 16, 128, group_m=1, num_warps=1, num_stages=4, swap_ab=True)),
     (32, LM_HEAD_N, GemmConfig(64, 32, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
     (32, WIDE_N, _FP32_SWAP_32X32),
@@ -120,10 +110,9 @@ GEMM_TABLE_FP32: tuple[tuple[int, int, GemmConfig], ...] = (
     (64, WIDE_N, GemmConfig(32, 64, 32, group_m=1, num_warps=4, num_stages=3, swap_ab=True)),
     (64, 0, _FP32_SWAP_32X32),
     # M = 128 on 32-row weight tiles: 256 two-warp programs instead of 128 four-warp ones
-    # hide the FMA chain's latency (4096^2: 133 vs 137 us); 8 warps on 128x64 at large M
-    # (4096^2 M = 4096: 3.25 vs 3.34 ms). The lm head keeps 64x64 at M = 128: its 151936
-    # columns already give 2374 programs (3.65 ms; the 32-row tile took 3.89 ms).
-    # Same bits; docs/design/gemm_dispatch.md#fp32-the-swap.
+    # hide the FMA chain's latency; 8 warps on 128x64 at large M. The lm head keeps 64x64
+    # at M = 128: its 151936 columns already give 2374 programs, and the 32-row tile is
+    # slower there. Same bits; docs/design/gemm_dispatch.md#fp32-the-swap.
     (128, LM_HEAD_N, GemmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
     (128, 0, GemmConfig(32, 64, 32, group_m=1, num_warps=2, num_stages=4, swap_ab=True)),
     (1 << 62, 0, GemmConfig(128, 64, 32, group_m=1, num_warps=8, num_stages=3, swap_ab=True)),
@@ -171,9 +160,8 @@ def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = Fals
 
     ``token_reduction``: a backward GEMM -- A read transposed (dW = dY^T @ X) or an fp32
     output chained from its current value (dW into main_grad, linear_logprob's dH over
-    V) -- which gets the wide accumulate tile (H100, 8192 x 4096 x 4096 dH chunk:
-    18.4 ms vs 20.3 ms with the forward's large-M tile;
-    docs/design/gemm_dispatch.md#tma-tiles-large-m).
+    V) -- which gets the wide accumulate tile, faster there than the forward's large-M
+    tile (docs/design/gemm_dispatch.md#tma-tiles-large-m).
     """
     if triton_interpret():
         return GEMM_INTERPRETER_CONFIG
