@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .lse_chain import lse_step, merge_mass
+from .lse_chain import lse_step, merge_mass, tile_mass
 from .tiles import grouped_tile
 
 # The ``TEMP`` constexpr of the logits kernels: how z / T is computed (scale_by_temperature).
@@ -68,12 +68,13 @@ if triton is not None:
     def online_stats(m_i, s_i, u_i, z, col_ok):
         """The running (max m, s = sum e^(z-m), u = sum e^(z-m) (z-m)) of each row after one
         tile of logits ``z`` (-inf on columns past V, ``col_ok`` False there), and the tile's
-        own mass: (m, s) by the LSE chain's step, u beside it."""
+        own mass: (m, s) by the LSE chain's step, u beside it with its tile sum in fixed
+        point too (e (z - m) lies in [-1/e, 0]), so no sum follows the register layout."""
         m_new, m_ref, alpha, e, d, mass, s_new = lse_step(m_i, s_i, z)
         ed = e * tl.where(col_ok[None, :], d, 0.0)
         # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
         shift = tl.where(s_i > 0, m_i - m_ref, 0.0)
-        u_i = alpha * (u_i + shift * s_i) + tl.sum(ed, axis=1)
+        u_i = alpha * (u_i + shift * s_i) + tile_mass(ed)
         return m_new, s_new, u_i, mass
 
     @triton.jit

@@ -22,8 +22,8 @@ from ._triton import tl, triton
 
 LSE_TILE = 256
 LSE_SPLIT = 2048
-# e in [0, 1] is summed as integers of e * 2^52 (truncated): at most LSE_TILE * 2^52 =
-# 2^60 per tile, below int64's 2^63. The truncation costs at most 2^-52 per element,
+# e in [-1, 1] is summed as integers of e * 2^52 (truncated toward 0): at most
+# LSE_TILE * 2^52 = 2^60 in magnitude per tile, below int64's 2^63. The truncation costs at most 2^-52 per element,
 # against a mass of at least 1 at the row's max.
 MASS_SCALE = 2.0 ** 52
 MASS_UNIT = 2.0 ** -52
@@ -32,7 +32,7 @@ if triton is not None:
 
     @triton.jit
     def tile_mass(e):
-        """sum over axis 1 of ``e`` [ROWS, LSE_TILE] (fp32 in [0, 1]), in fixed point: exact,
+        """sum over axis 1 of ``e`` [ROWS, LSE_TILE] (fp32 in [-1, 1]), in fixed point: exact,
         so independent of the order and layout of the sum; NaN in a row makes its sum NaN."""
         q = (e * 4503599627370496.0).to(tl.int64)
         mass = tl.sum(q, axis=1).to(tl.float32) * 2.220446049250313e-16

@@ -19,7 +19,7 @@ never O(N * V). ``s`` follows the chain exactly, so ``log_softmax`` of the logit
 Invariance: every tile and split boundary is a function of V alone (never of N or of
 a row's position), the logits are the canonical ascending D-chain (``gemm.triton``
 conventions), and every per-row reduction runs over that row's own values in an
-order fixed by V (``u``'s in-tile sum follows the fixed per-dtype config's layout).
+order fixed by V (the tile sums of ``s`` and ``u`` are exact fixed-point sums).
 So a row's logp/entropy -- and its dhidden row -- are bitwise the same whatever else
 is in the batch. dW reduces over tokens in one ascending fp32
 chain per vocabulary chunk (the GEMM backend, no atomics), so it is run-to-run
@@ -50,7 +50,7 @@ from ..gemm.tma import TensorDescriptor, tma_layout_ok
 from ..runtime.device import sm_count
 from .matmul import gemm_backend_for, main_grad_target
 
-from .lse_chain import LSE_SPLIT, LSE_TILE, lse_step, merge_splits, tree_rowsum
+from .lse_chain import LSE_SPLIT, LSE_TILE, lse_step, merge_splits, tile_mass
 from ..kernels._triton import cdiv
 from ..kernels.linear_logprob import (TEMP_DIVIDE, TEMP_NONE, TEMP_RECIPROCAL, fwd_partial_kernel,
                                       grad_logits_kernel, logprob_combine_kernel)
@@ -303,7 +303,7 @@ class TorchLinearLogprobBackend:
                     # u = sum e^(z-m) (z-m), kept relative to the running max: rescaled by
                     # alpha * (u + (m_old - m_new) s); 0 before the first tile (s == 0).
                     ur = torch.where(sr > 0, alpha * (ur + (mr - m_ref) * sr), torch.zeros_like(ur)) \
-                        + tree_rowsum(e * d)
+                        + tile_mass(e * d)
                     mr, sr = m_new, s_new
                     if pieces is not None:
                         pieces[0][rows, k * per_split + i] = mr
@@ -356,9 +356,9 @@ class TorchLinearLogprobBackend:
 
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
-    """Tile config of the fused logits kernels. Fixed per dtype: the entropy's in-tile
-    sum follows the register layout, which follows the config, so a config picked by N
-    would make a row's bits depend on N (the mass ``s`` is layout-free: the LSE chain)."""
+    """Tile config of the fused logits kernels, fixed per dtype. The forward's statistics
+    do not depend on it (the LSE chain's fixed-point tile sums); ``block_v`` must be the
+    chain's tile."""
 
     block_m: int
     block_v: int  # the LSE chain's tile (the forward's statistics follow it)

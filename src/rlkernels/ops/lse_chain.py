@@ -44,7 +44,7 @@ def tree_rowsum(x: torch.Tensor) -> torch.Tensor:
 
 
 def tile_mass(e: torch.Tensor) -> torch.Tensor:
-    """Row sums of ``e`` [R, <= LSE_TILE] (values in [0, 1]): fp32 in fixed point, exact
+    """Row sums of ``e`` [R, <= LSE_TILE] (values in [-1, 1]): fp32 in fixed point, exact
     in any order (as the Triton chain); fp64 (the torch backend's fp64 path) by a
     pairwise tree, whose order is fixed by the tile's width."""
     if e.dtype == torch.float64:
