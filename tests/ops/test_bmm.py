@@ -1,8 +1,6 @@
 """bmm: tiny-matrix batched GEMM (torch backend, Triton interpreter, and GPU tests)."""
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -27,7 +25,7 @@ BENCH_SHAPES = [(1024, 12, 12, 64), (1024, 12, 64, 12), (4096, 16, 16, 16), (256
 # Small B still spans partial groups: 11 is not a multiple of any group size.
 CPU_B = 11
 ODD_SHAPES = [(1, 1, 1), (3, 17, 12), (17, 3, 64), (12, 64, 3), (64, 1, 17), (1, 12, 64), (17, 17, 17),
-              (64, 64, 1), (3, 3, 3)]
+              (64, 64, 1), (3, 3, 3), (17, 5, 33)]
 
 
 
@@ -126,24 +124,21 @@ def test_disable_tiny_env_uses_general_path(dtype, gen, monkeypatch):
 
 
 @interpreter_only
-def test_launch_failure_falls_back_and_logs_once(gen, monkeypatch, caplog):
+def test_launch_failure_raises_without_fallback(gen, monkeypatch):
+    # Whether a launch fails is not a function of (m, n, k, dtype) alone, so a fallback
+    # could split one shape's elements between two kernels: the error goes to the caller.
     def broken(*args, **kwargs):
         raise RuntimeError("simulated launch failure")
 
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the general path must not stand in for a failed tiny launch")
+
     a, b = _operands(6, 3, 12, 64, torch.float32, gen)
-    monkeypatch.setenv("RLKERNELS_DISABLE_TINY_GEMM", "1")
-    general = bmm(a, b, backend="triton")
-    monkeypatch.delenv("RLKERNELS_DISABLE_TINY_GEMM")
     monkeypatch.setattr(bmm_mod, "_launch_tiny", broken)
-    monkeypatch.setattr(bmm_mod, "_failed_tiny", set())
-    with caplog.at_level(logging.WARNING, logger="rlkernels"):
-        first = bmm(a, b, backend="triton")
-        second = bmm(a[:3], b[:3], backend="triton")
-    assert torch.equal(first, general)
-    assert torch.equal(second, general[:3])
-    warnings = [r for r in caplog.records if "tiny-GEMM kernel failed" in r.getMessage()]
-    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
-    assert "simulated launch failure" in warnings[0].getMessage()
+    monkeypatch.setattr(bmm_mod, "_general_triton", must_not_run)
+    for _ in range(2):  # and again: nothing is remembered
+        with pytest.raises(RuntimeError, match="simulated launch failure"):
+            bmm(a, b, backend="triton")
 
 
 # ----------------------------------------------------------------------------- invariance
@@ -238,6 +233,47 @@ def test_config_table_is_well_formed():
             cfg = tiny_config(m, 64 - m + 1, 33, dtype)
             assert cfg.use_dot or dtype == torch.float32
             assert cfg == tiny_config(m, 64 - m + 1, 33, dtype)  # pure
+
+
+@pytest.mark.slow  # ~800K configs: some seconds
+def test_config_rule_gives_blocks_the_kernel_takes():
+    # Every (m, n, k <= 64, dtype) the tiny path serves gets a config the kernel compiles:
+    # tl.arange takes power-of-two lengths only (the group, and every block but the FMA
+    # mode's BLOCK_K, which is k itself and only a static_range count), and tl.dot wants
+    # >= 16 per dim (fp32 rows: any power of two from Triton 3.5). 17 x 5 x 33 fp32 once
+    # got G = 3 and failed to compile.
+    from rlkernels.kernels._triton import DOT_ANY_M
+
+    def pow2(x):
+        return x >= 1 and x & (x - 1) == 0
+
+    tabled = {key[:3] for key in TINY_TABLE}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        seen = {}
+        for m in range(1, bmm_mod.TINY_MAX_DIM + 1):
+            for n in range(1, bmm_mod.TINY_MAX_DIM + 1):
+                for k in range(1, bmm_mod.TINY_MAX_DIM + 1):
+                    cfg = tiny_config(m, n, k, dtype)
+                    key = (cfg, bmm_mod.tiny_blocks(m, n, k, cfg, dtype), (m, n, k) in tabled)
+                    if key in seen:
+                        continue
+                    seen[key] = (m, n, k)
+                    (bm, bn, bk), in_table = key[1], key[2]
+                    assert pow2(cfg.group) and cfg.group <= 16 and pow2(cfg.num_warps), (m, n, k, dtype, cfg)
+                    assert bm >= m and bn >= n and bk >= k and pow2(bm) and pow2(bn), (m, n, k, dtype, cfg)
+                    if cfg.use_dot:
+                        assert pow2(bk) and bn >= 16 and bk >= 16, (m, n, k, dtype, cfg)
+                        assert bm >= 16 or (dtype == torch.float32 and DOT_ANY_M), (m, n, k, dtype, cfg)
+                    else:
+                        assert dtype == torch.float32 and bk == k, (m, n, k, dtype, cfg)
+                    if not in_table:
+                        # The rule's group is the largest power of two <= its quotient, so
+                        # every shape whose quotient was one already keeps its config (and bits).
+                        probe = bmm_mod.tiny_blocks(m, n, k, TinyConfig(1, 4, cfg.use_dot), dtype)
+                        tile = max(probe[0] * probe[2], probe[2] * probe[1], probe[0] * probe[1])
+                        quotient = max(1, min(16, 4096 // tile))
+                        assert cfg.group <= quotient < 2 * cfg.group, (m, n, k, dtype, cfg)
+    assert tiny_config(17, 5, 33, torch.float32).group == 2
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -392,3 +428,20 @@ def test_gpu_autograd(dtype, shape, gen):
         for got, want, what, tol in ((a.grad, ga, "dA", GRAD_TOL), (b.grad, gb, "dB", db_tol)):
             err = testing.rel_error(got, want)
             assert err <= tol[dtype], f"{what} ({'shared' if shared_b else 'batched'} b) rel error {err:.3e}"
+
+
+# fp32 FMA shapes whose default group was once not a power of two (17 x 5 x 33: G = 3,
+# a CompilationError at tl.arange on every Triton), and odd shapes of other config classes.
+GPU_ODD_SHAPES = [(17, 5, 33), (64, 3, 63), (1, 1, 63), (5, 64, 47), (33, 8, 64), (63, 63, 63), (2, 9, 17)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("m,n,k", GPU_ODD_SHAPES, ids=lambda v: str(v))
+def test_gpu_odd_shapes_run_on_the_tiny_kernel(dtype, m, n, k, gen):
+    a, b = _operands(37, m, n, k, dtype, gen, device="cuda")
+    out = bmm(a, b)  # raises if the tiny kernel fails: there is no fallback
+    _check_accuracy(out, a, b, dtype)
+    testing.assert_batch_invariant(_packed_fn(m, n, k, "triton"), _packed(a, b), sizes=[1, 2, 17, 36])
+    if dtype == torch.float32:  # the same sequential FMA chain on both paths
+        assert torch.equal(out, bmm_mod._triton_bmm(a, b, dtype, force_general=True))

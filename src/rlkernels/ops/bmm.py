@@ -22,9 +22,9 @@ Paths (triton backend):
     grid is ``cdiv(B, G)`` and nothing else about the launch depends on B.
     The tiny path serves every B >= 1 with fitting dims (B == 1 included), so an
     element's kernel never changes with the batch size.
-  * general -- larger dims, ``RLKERNELS_DISABLE_TINY_GEMM=1``, or a failed tiny
-    launch (logged once per shape): ``triton_gemm`` with its batch axis.
-    Never cuBLAS/torch.bmm, whose algorithm choice depends on B.
+  * general -- larger dims, or ``RLKERNELS_DISABLE_TINY_GEMM=1``: ``triton_gemm``
+    with its batch axis. Never cuBLAS/torch.bmm, whose algorithm choice depends on B.
+    A failed tiny launch raises (``_triton_bmm`` says why it does not fall back).
 
 The torch backend is ``chain_matmul`` (ascending elementwise chain, batch dims).
 
@@ -35,7 +35,6 @@ over the flattened (batch, m) axis, reduced in ascending order (batch-major).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Callable
 
 import torch
@@ -55,8 +54,6 @@ OP = "bmm"
 TINY_MAX_DIM = 64
 DISABLE_ENV = "RLKERNELS_DISABLE_TINY_GEMM"
 
-_log = logging.getLogger("rlkernels")
-_failed_tiny: set[tuple] = set()
 # Tiny batched GEMMs are host-bound: later launches skip Triton's binder (runtime.launcher).
 _launch_bmm_tiny = cached_launcher(bmm_tiny_kernel) if bmm_tiny_kernel is not None else None
 
@@ -93,6 +90,11 @@ class TinyConfig:
 
 def _pow2(x: int, floor: int) -> int:
     return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+def _pow2_floor(x: int) -> int:
+    """The largest power of two <= x (x >= 1)."""
+    return 1 << (x.bit_length() - 1)
 
 
 def tiny_blocks(m: int, n: int, k: int, cfg: TinyConfig, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -137,8 +139,13 @@ def default_tiny_config(m: int, n: int, k: int, dtype: torch.dtype) -> TinyConfi
     bm, bn, bk = tiny_blocks(m, n, k, probe, dtype)
     tile = max(bm * bk, bk * bn, bm * bn)
     # About 4K staged elements per operand per program: enough work per program
-    # to amortise its start-up, few enough registers to keep occupancy.
-    group = max(1, min(16, 4096 // tile))
+    # to amortise its start-up, few enough registers to keep occupancy. Rounded down
+    # to a power of two: the kernel stages the group with tl.arange(0, GROUP), which
+    # takes powers of two only. (The FMA mode's BLOCK_K is k itself, so its tile need
+    # not be a power of two: 17 x 5 x 33 fp32 gave 4096 // 1056 = 3, which failed to
+    # compile on every Triton and fell back to the general path. Shapes whose quotient
+    # was already a power of two keep exactly the group they had.)
+    group = _pow2_floor(max(1, min(16, 4096 // tile)))
     return TinyConfig(group, 4, use_dot)
 
 
@@ -226,16 +233,24 @@ def _triton_bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
         return out
     if not force_general and uses_tiny_path(M, N, K):
         cfg = tiny_config(M, N, K, a.dtype)
-        key = (M, N, K, a.dtype, a.device.type, cfg)
-        if key not in _failed_tiny:
-            try:
-                _launch_tiny(a, b, out, cfg)
-                return out
-            except Exception as exc:  # noqa: BLE001 - any launch failure: compile, resources, driver
-                _failed_tiny.add(key)
-                _log.warning("rlkernels.bmm: tiny-GEMM kernel failed for m=%d n=%d k=%d %s (%s: %s); "
-                             "using the batch-invariant general GEMM for this shape from now on",
-                             M, N, K, a.dtype, type(exc).__name__, exc)
+        try:
+            _launch_tiny(a, b, out, cfg)
+        except Exception as exc:  # noqa: BLE001 - compile, resources, driver: all re-raised as they are
+            # No fallback to the general kernel. It would keep an element's bits only if
+            # the failure were a pure function of (m, n, k, dtype), and it is not: Triton
+            # also specializes on B == 1, on strides equal to 1 or divisible by 16 (and
+            # the *_DIV classes), on 16-byte pointer alignment, and resources depend on the
+            # GPU. One shape's elements could then run on the tiny kernel in one call and
+            # the general one in the next, and the two agree bit for bit only as a GPU
+            # property we test, not one we rely on (docs/operators/bmm.md). The config
+            # rule is checked to give blocks the kernel takes for every shape it serves
+            # (tests/ops/test_bmm.py, and an offline sm_90 compile of every config class).
+            if hasattr(exc, "add_note"):  # Python >= 3.11; the exception keeps its type
+                exc.add_note(f"rlkernels.bmm: the tiny-GEMM kernel failed for m={M} n={N} k={K} {a.dtype} "
+                             f"(config {cfg.short()}); there is no fallback, as its bits could differ. "
+                             f"{DISABLE_ENV}=1 runs every shape on the general kernel.")
+            raise
+        return out
     _general_triton(a, b, out)
     return out
 
