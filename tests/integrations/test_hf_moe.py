@@ -211,6 +211,24 @@ def test_a_token_alone_and_in_a_crowded_batch_is_the_same(kind, dtype):
         assert torch.equal(block(x[:, :300].reshape(3, 100, HIDDEN))[1, at - 100], batched[0, at])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_tied_router_scores_go_to_the_lowest_expert_id(kind):
+    model = _patched(kind, torch.bfloat16)
+    block = _blocks(model)[0]
+    with torch.no_grad():
+        block.gate.weight[11] = block.gate.weight[4]  # experts 4 and 11 always score the same
+        x = torch.randn(400, HIDDEN, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+        logits, weights, index = block.gate(x)
+    assert torch.equal(logits[:, 4], logits[:, 11])
+    has4, has11 = (index == 4).any(-1), (index == 11).any(-1)
+    assert has4.sum() >= 20 and bool((has4 | ~has11).all())  # 11 never chosen without 4
+    both = has4 & has11
+    rank4 = (index == 4).long().argmax(-1)
+    rank11 = (index == 11).long().argmax(-1)
+    assert both.any() and bool((rank4[both] < rank11[both]).all())
+    assert torch.equal(weights[both].gather(-1, rank4[both, None]), weights[both].gather(-1, rank11[both, None]))
+
+
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
 def test_control_the_stock_block_moves_with_the_batch_on_the_cpu(impl):
     """The same property, on the stock block: a token's output changes with its batch-mates."""

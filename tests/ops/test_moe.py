@@ -168,6 +168,16 @@ def test_backward_is_deterministic_and_a_tokens_dx_is_batch_invariant(backend, d
     assert unused and all(float(first[2][e].abs().max()) == 0 for e in unused)
 
 
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_inference_and_training_forwards_give_the_same_bits(backend, dtype):
+    _, gate_up, down = _weights(dtype)
+    x, index, weights = _crowded_batch([3, 9, 12, 5], 30, dtype)
+    with torch.no_grad():
+        plain = moe_experts(x, index, weights, gate_up, down, backend=backend)
+    graph = moe_experts(x.clone().requires_grad_(), index, weights, gate_up, down, backend=backend)
+    assert graph.grad_fn is not None and torch.equal(graph.detach(), plain)
+
+
 def test_backward_matches_autograd_of_the_plain_formula():
     _, gate_up, down = _weights(torch.float64)
     x, index, weights = _crowded_batch([3, 9, 12, 5], 30, torch.float64)

@@ -340,8 +340,15 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     if T == 0:
         zero = (hidden_states.sum() + top_k_weights.sum() + gate_up_proj.sum() + down_proj.sum()) * 0
         return zero.to(out_dtype).expand(0, H).clone()
-    return _MoeExpertsFunction.apply(hidden_states, top_k_weights, gate_up_proj, down_proj,
-                                     top_k_index.long(), gemm_backend, out_dtype)
+    index = top_k_index.long()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, gate_up_proj,
+                                                                  down_proj)):
+        return _MoeExpertsFunction.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, index,
+                                         gemm_backend, out_dtype)
+    # Inference (scoring, decode): the Function's forward without keeping what the backward reads.
+    routing = _Routing(index, gate_up_proj.shape[0], op)
+    out, _ = experts_forward(gemm_backend, hidden_states, top_k_weights, gate_up_proj, down_proj, routing, keep=False)
+    return out.to(out_dtype)
 
 
 # ---------------------------------------------------------------- registry entries
