@@ -143,8 +143,9 @@ def is_patched(model: nn.Module) -> bool:
     """True where ``model``'s forward is invariant without the mode: the ``"rlkernels"``
     attention is selected and every module is covered
     (:func:`~rlkernels.integrations.hf_coverage.uncovered_modules` finds none): the
-    library's Linear and RMSNorm, gathers and elementwise modules, and the parameter-free
-    modules of the verified families (Llama, Mistral, Qwen2, Qwen3), whose other ops do
+    library's Linear, RMSNorm and MoE block, gathers and elementwise modules, and the
+    parameter-free modules of the verified families (Llama, Mistral, Qwen2, Qwen3 and the
+    MoE Qwen3-MoE, Qwen2-MoE, Mixtral), whose other ops do
     not reduce across tokens (embedding gathers, rotary tables from a one-term product,
     elementwise activations and residual adds).
     """
