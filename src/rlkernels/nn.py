@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops.activations import silu
+from .gemm.chain import accumulator_dtype
+from .ops.activations import sigmoid, silu
 from .ops.matmul import linear
+from .ops.moe import moe_experts, moe_topk
 from .ops.norms import rms_norm
 
 
@@ -81,3 +83,90 @@ class SiLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu(x)
+
+
+class MoeRouter(nn.Module):
+    """Top-k router over ``weight`` [E, H] (no bias): logits by the canonical chain in the
+    input's dtype, then :func:`rlkernels.ops.moe.moe_topk` (fp32 softmax, top-k with ties
+    to the lowest expert id, renormalised with ``normalize``; ``round_weights`` rounds the
+    weights to the logits' dtype, as Qwen2-MoE / Qwen3-MoE do)."""
+
+    def __init__(self, weight: nn.Parameter, top_k: int, *, normalize: bool, round_weights: bool = False) -> None:
+        super().__init__()
+        self.weight = weight
+        self.top_k = int(top_k)
+        self.num_experts = weight.shape[0]
+        self.normalize = bool(normalize)
+        self.round_weights = bool(round_weights)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (logits [T, E] in x's dtype, weights [T, k] fp32, expert ids [T, k] int64)."""
+        logits = linear(x, self.weight)
+        weights, index = moe_topk(logits, self.top_k, normalize=self.normalize,
+                                  round_weights_to=logits.dtype if self.round_weights else None)
+        return logits, weights, index
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, "
+                f"round_weights={self.round_weights}")
+
+
+class MoeExperts(nn.Module):
+    """E gated-SiLU experts held as transformers' fused 3-D parameters: ``gate_up_proj``
+    [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I]; forward is
+    :func:`rlkernels.ops.moe.moe_experts`."""
+
+    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.num_experts = gate_up_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, out_dtype=out_dtype)
+
+    def extra_repr(self) -> str:
+        E, two_i, H = self.gate_up_proj.shape
+        return f"experts={E}, hidden={H}, intermediate={two_i // 2}"
+
+
+class SparseMoeBlock(nn.Module):
+    """A mixture-of-experts MLP whose every token's output is a function of its own row.
+
+    ``out = round((sum_r w_r * expert_r(x)) + sigmoid(shared_expert_gate(x)) * shared_expert(x))``:
+    the routed experts' combine in fp32 in ascending rank order, then the shared expert (if
+    any; its gate in fp32, ungated without ``shared_expert_gate``), rounded once to x's dtype.
+    Children keep transformers' names (``gate``, ``experts``, ``shared_expert``,
+    ``shared_expert_gate``), so a patched model's state_dict keys are the stock ones.
+    """
+
+    def __init__(self, gate: MoeRouter, experts: MoeExperts, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: Linear | None = None) -> None:
+        super().__init__()
+        if gate.num_experts != experts.num_experts:
+            raise ValueError(f"rlkernels.SparseMoeBlock: the router scores {gate.num_experts} experts but the experts "
+                             f"module holds {experts.num_experts}")
+        if gate.weight.shape[1] != experts.gate_up_proj.shape[2]:
+            raise ValueError(f"rlkernels.SparseMoeBlock: the router's hidden size {gate.weight.shape[1]} differs from "
+                             f"the experts' {experts.gate_up_proj.shape[2]}")
+        if shared_expert_gate is not None and shared_expert is None:
+            raise ValueError("rlkernels.SparseMoeBlock: a shared_expert_gate needs a shared_expert")
+        self.gate = gate
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, index = self.gate(x)
+        acc = accumulator_dtype(x.dtype)
+        out = self.experts(x, index, weights, out_dtype=acc)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x).to(acc)
+            if self.shared_expert_gate is not None:
+                w = self.shared_expert_gate.weight
+                shared = sigmoid(linear(x, w, self.shared_expert_gate.bias, out_dtype=acc)) * shared
+            out = out + shared
+        return out.to(hidden_states.dtype).reshape(shape)

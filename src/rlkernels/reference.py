@@ -66,3 +66,15 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         s = s.masked_fill(torch.arange(lk, device=q.device)[None, :] > pos, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)
     return (p @ vd).transpose(1, 2)
+
+
+def moe_experts_ref(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """sum_r weights[t, r] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = index[t, r], in float64:
+    x [T, H], index / weights [T, k], gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+    inter = down.shape[2]
+    xd, wd = x.double(), weights.double()
+    gu = torch.einsum("th,tkih->tki", xd, gate_up.double()[index])  # [T, k, 2I]
+    h = torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]
+    y = torch.einsum("tki,tkhi->tkh", h, down.double()[index])      # [T, k, H]
+    return (wd[..., None] * y).sum(1)

@@ -13,7 +13,7 @@ import os
 import textwrap
 from types import ModuleType
 
-SUITES = ("gemm", "training", "logprob", "sample", "bmm", "cpu", "attention", "model", "tp")
+SUITES = ("gemm", "training", "logprob", "sample", "bmm", "cpu", "attention", "model", "moe", "tp")
 # ``all``: the GPU suites (what the README's GPU benchmark command runs); ``cpu`` runs only by name.
 ALL = ("gemm", "training", "logprob", "bmm")
 SUITE_HELP = {
@@ -34,6 +34,9 @@ SUITE_HELP = {
              "policy-gradient training step, generate and long-sequence scoring; ms, tok/s, peak GiB, ratio, "
              "and the share of log-probs that are bitwise equal batched vs alone (sampler vs trainer for "
              "generate); --device cpu --config tiny runs without a GPU",
+    "moe": "the invariant mixture-of-experts block vs stock transformers (eager and grouped_mm experts) at "
+           "Qwen3-30B-A3B's shape: the layer alone over 1 .. 16384 tokens (forward, forward+backward), a 4-layer "
+           "model's scoring, training and eager decode; ms, ratio, bitwise share; --device cpu runs tiny shapes",
     "tp": "the TP-invariant row-parallel linear and vocab-parallel log-prob vs the stock TP layers (all_reduce), "
           "one process per GPU (NCCL) at TP 1, 2, 4, ..; ms, ratio, bitwise equal to TP = 1; --device cpu runs "
           "gloo processes",

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fsdp, hf_attention, hf_coverage, hf_decode
+from . import fsdp, hf_attention, hf_coverage, hf_decode, hf_moe
 from .batch_invariant import set_batch_invariant_mode
 from ..nn import Linear
 from ..nn import LMHead
@@ -73,13 +73,22 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
     default, the invariant one; "eager" is invariant under the mode except to left
     padding; None leaves it unchanged) is set on the model.
 
+    The mixture-of-experts blocks of Qwen3-MoE, Qwen2-MoE and Mixtral become
+    :class:`rlkernels.nn.SparseMoeBlock` (:mod:`~rlkernels.integrations.hf_moe`); one whose
+    configuration that block would compute differently (a router with a bias, expert
+    counts or top-k that do not match the weights, router jitter, another activation) is
+    refused with a ValueError naming it, before anything is swapped.
+
     A model with modules the library does not cover (:mod:`~rlkernels.integrations.hf_coverage`:
-    GPT-2's ``Conv1D``, ``LayerNorm``, mixture-of-experts blocks, families not verified)
+    GPT-2's ``Conv1D``, ``LayerNorm``, other mixture-of-experts blocks, families not verified)
     is patched as far as it goes, with a warning naming those modules; :func:`is_patched`
     is then False, so :func:`token_logprobs` and :func:`generate` run it under the mode.
     """
     if attn_implementation == hf_attention.NAME:
         hf_attention.register()
+    # MoE blocks first (a refusal raises before anything else is swapped); the loop below
+    # then patches their shared experts' Linear and SiLU children like any MLP's.
+    hf_moe.patch_moe_blocks(model)
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -134,8 +143,9 @@ def is_patched(model: nn.Module) -> bool:
     """True where ``model``'s forward is invariant without the mode: the ``"rlkernels"``
     attention is selected and every module is covered
     (:func:`~rlkernels.integrations.hf_coverage.uncovered_modules` finds none): the
-    library's Linear and RMSNorm, gathers and elementwise modules, and the parameter-free
-    modules of the verified families (Llama, Mistral, Qwen2, Qwen3), whose other ops do
+    library's Linear, RMSNorm and MoE block, gathers and elementwise modules, and the
+    parameter-free modules of the verified families (Llama, Mistral, Qwen2, Qwen3 and the
+    MoE Qwen3-MoE, Qwen2-MoE, Mixtral), whose other ops do
     not reduce across tokens (embedding gathers, rotary tables from a one-term product,
     elementwise activations and residual adds).
     """
@@ -450,6 +460,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     if cuda_graph and not is_patched(model):
         raise ValueError("rlkernels.generate: cuda_graph=True runs a patched model's decode step as a graph; "
                          "call rlkernels.patch_model(model) first")
+    if cuda_graph and hf_moe.has_moe_blocks(model):
+        raise ValueError("rlkernels.generate: cuda_graph=True is not supported on a mixture-of-experts model yet: "
+                         "its experts run one GEMM per expert that received tokens, sized on the host every "
+                         "step (a host sync a graph cannot capture); decode eagerly (cuda_graph=False)")
     check_head("generate", model)
     _check_ids(model, input_ids)
     _check_prompt_mask(input_ids, attention_mask)

@@ -5,7 +5,8 @@ tokens runs an invariant kernel. It is kept by an allowlist, not a guess. A modu
 covered when it is
 
 * one of the library's own modules (:class:`rlkernels.Linear`, :class:`rlkernels.RMSNorm`,
-  :class:`rlkernels.nn.SiLU`);
+  :class:`rlkernels.nn.SiLU`, and the mixture-of-experts :class:`~rlkernels.nn.SparseMoeBlock`
+  with its :class:`~rlkernels.nn.MoeRouter` and :class:`~rlkernels.nn.MoeExperts`);
 * a module that only gathers, copies or holds others (``nn.Embedding``, dropout, identity,
   ``ReLU``, containers). Other activations are not: ATen's CPU ``silu`` rounds the
   elements of its vector tail differently, and the rest were never measured;
@@ -13,8 +14,13 @@ covered when it is
   its own: those forwards were read and compose only the modules above, the attention
   interface, a rotary table from a one-term product, and elementwise ops.
 
-Anything else -- GPT-2's ``Conv1D``, a ``LayerNorm``, a mixture-of-experts block whose
-experts are 3-D parameters combined with ``index_add_``, a family nobody has read --
+A stock mixture-of-experts block (``*SparseMoeBlock``, its ``*TopKRouter`` and fused
+``*Experts``) is never covered, even in a verified family: its experts run over a
+batch-dependent token count and are combined with ``index_add_``. ``patch_model`` replaces
+those of Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`.hf_moe`).
+
+Anything else -- GPT-2's ``Conv1D``, a ``LayerNorm``, another family's mixture-of-experts
+block, a family nobody has read --
 is a gap: ``patch_model`` warns naming it and ``is_patched`` is False, so
 ``token_logprobs`` runs such a model under the batch-invariant mode.
 
@@ -29,12 +35,19 @@ from typing import Any, Iterator
 
 from torch import nn
 
-from ..nn import Linear, RMSNorm, SiLU
+from ..nn import Linear, MoeExperts, MoeRouter, RMSNorm, SiLU, SparseMoeBlock
 
 # transformers' modeling modules whose causal-LM forward was read: decoder layers of
-# attention (through the attention interface) and a gated MLP, RMSNorms, a rotary table,
-# and an LM head whose output is returned unchanged.
-VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# attention (through the attention interface) and a gated MLP or a mixture-of-experts
+# block (the MoE families: their attention, decoder layer and model forward are the dense
+# family's, Mistral's for Mixtral), RMSNorms, a rotary table, and an LM head whose output is
+# returned unchanged.
+VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                               "qwen3_moe"})
+
+# Class-name endings of transformers' MoE modules: uncovered wherever they appear (the
+# block itself holds no parameter, so the family rule alone would let it through).
+STOCK_MOE_SUFFIXES = ("SparseMoeBlock", "MoeBlock", "Experts", "TopKRouter", "Router")
 
 # Config fields by which transformers' causal LMs change the logits after the LM head
 # (or its input); a value other than the neutral one means the model's logits are not
@@ -70,8 +83,10 @@ def _family(module: nn.Module) -> str | None:
 
 
 def _covered(module: nn.Module) -> bool:
-    if isinstance(module, (Linear, RMSNorm, SiLU, *_EXACT)):
+    if isinstance(module, (Linear, RMSNorm, SiLU, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT)):
         return True
+    if type(module).__name__.endswith(STOCK_MOE_SUFFIXES):
+        return False
     owns_parameters = next(module.parameters(recurse=False), None) is not None
     return _family(module) in VERIFIED_FAMILIES and not owns_parameters
 

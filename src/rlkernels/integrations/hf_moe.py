@@ -1,0 +1,185 @@
+"""transformers' mixture-of-experts blocks, replaced by :class:`rlkernels.nn.SparseMoeBlock`.
+
+The blocks read (transformers 5.x, ``models/<family>/modeling_<family>.py``) compute, per
+token, with a ``*TopKRouter`` ``gate`` (``weight`` [E, H], no bias) and a fused
+``*Experts`` module (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], SiLU):
+
+* Qwen3-MoE (``Qwen3MoeSparseMoeBlock``): ``softmax(logits, dtype=float32)``, ``topk``,
+  divided by their sum when ``norm_topk_prob``, cast to the logits' dtype; the experts'
+  outputs times the weights, ``index_add_`` into the output.
+* Qwen2-MoE (``Qwen2MoeSparseMoeBlock``): the same routed experts, plus a shared expert
+  (a gated MLP) times ``sigmoid(shared_expert_gate(x))`` (a [1, H] linear), added.
+* Mixtral (``MixtralSparseMoeBlock``): ``softmax(logits.float())``, ``topk``, always divided
+  by their sum, kept in fp32; in training, a random jitter of the input when
+  ``router_jitter_noise`` > 0.
+
+The replacement computes that math with the fixed orders of :mod:`rlkernels.ops.moe`
+(ties to the lowest expert id, combine in fp32 in ascending rank order, the shared expert
+added last, rounded once) and shares every Parameter object. Any other MoE block is left
+alone: :mod:`.hf_coverage` names it and ``is_patched`` stays False. A block of these
+families whose configuration the replacement would compute differently is refused with
+a ValueError naming the module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..nn import Linear, MoeExperts, MoeRouter, SiLU, SparseMoeBlock
+
+
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes one family's block: how it routes and whether it has a shared expert."""
+
+    router: str                       # the class name of its ``gate``
+    experts: str                      # the class name of its ``experts``
+    normalize: str | bool             # the router attribute that says whether to renormalise, or a constant
+    round_weights: bool               # the routing weights are cast to the logits' dtype
+    shared_expert: bool               # a shared expert with a sigmoid gate
+    shared_mlp: str | None = None     # its class name
+
+
+# (transformers model module family, block class name) -> Family
+BLOCKS: dict[tuple[str, str], Family] = {
+    ("qwen3_moe", "Qwen3MoeSparseMoeBlock"): Family("Qwen3MoeTopKRouter", "Qwen3MoeExperts", "norm_topk_prob",
+                                                    round_weights=True, shared_expert=False),
+    ("qwen2_moe", "Qwen2MoeSparseMoeBlock"): Family("Qwen2MoeTopKRouter", "Qwen2MoeExperts", "norm_topk_prob",
+                                                    round_weights=True, shared_expert=True,
+                                                    shared_mlp="Qwen2MoeMLP"),
+    ("mixtral", "MixtralSparseMoeBlock"): Family("MixtralTopKRouter", "MixtralExperts", True,
+                                                 round_weights=False, shared_expert=False),
+}
+
+# The expert layout flags transformers' ``use_experts_implementation`` sets, at the values
+# the blocks above use: [gate; up] concatenated, [out, in] weights, no bias, a gate, no
+# post-expert norm, not sharded over an expert-parallel group.
+_EXPERT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                 "has_post_expert_norm": False, "_is_expert_parallel": False}
+
+
+def family_of(module: nn.Module) -> str | None:
+    """``qwen3_moe`` for a module defined in ``transformers.models.qwen3_moe``; else None."""
+    parts = type(module).__module__.split(".")
+    if len(parts) >= 4 and parts[0] == "transformers" and parts[1] == "models":
+        return parts[2]
+    return None
+
+
+def known_block(module: nn.Module) -> Family | None:
+    return BLOCKS.get((family_of(module) or "", type(module).__name__))
+
+
+def _is_silu(act: object) -> bool:
+    kind = type(act)
+    if kind is nn.SiLU:
+        return not act.inplace  # type: ignore[attr-defined]
+    return isinstance(act, SiLU) or (kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations")
+
+
+def _refuse(name: str, module: nn.Module, why: str) -> ValueError:
+    return ValueError(f"rlkernels.patch_model: the mixture-of-experts block {name} ({type(module).__name__}) "
+                      f"cannot be replaced: {why}")
+
+
+def _children(module: nn.Module) -> set[str]:
+    return {n for n, _ in module.named_children()}
+
+
+def replace_block(name: str, block: nn.Module, config: object = None) -> SparseMoeBlock:
+    """The invariant block computing ``block``'s forward, sharing its Parameters; ValueError
+    (naming ``name``) where the block holds something the replacement would not compute."""
+    family = known_block(block)
+    if family is None:
+        raise _refuse(name, block, "not a block rlkernels reads (Qwen3-MoE, Qwen2-MoE, Mixtral)")
+    want = {"gate", "experts"} | ({"shared_expert", "shared_expert_gate"} if family.shared_expert else set())
+    if _children(block) != want or next(block.parameters(recurse=False), None) is not None:
+        raise _refuse(name, block, f"it holds {sorted(_children(block))} and "
+                                   f"{sorted(n for n, _ in block.named_parameters(recurse=False))} of its own; "
+                                   f"the {type(block).__name__} read holds {sorted(want)} only")
+    gate, experts = block.gate, block.experts
+    if type(gate).__name__ != family.router or type(experts).__name__ != family.experts:
+        raise _refuse(name, block, f"its gate / experts are {type(gate).__name__} / {type(experts).__name__}, "
+                                   f"expected {family.router} / {family.experts}")
+    if float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
+        raise _refuse(name, block, f"router_jitter_noise={block.jitter_noise} scales the input by random noise "
+                                   "in training, a draw that depends on the batch's shape")
+    # The router: weight [E, H], no bias.
+    weight = getattr(gate, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise _refuse(name, block, "its router has no 2-D weight")
+    if getattr(gate, "bias", None) is not None or {n for n, _ in gate.named_parameters()} != {"weight"}:
+        raise _refuse(name, block, f"its router holds {sorted(n for n, _ in gate.named_parameters())}; "
+                                   "a router with a bias (or other parameters) is not the formula read")
+    E, H = weight.shape
+    top_k = getattr(gate, "top_k", None)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise _refuse(name, block, f"top_k = {top_k!r} is not an int in [1, {E}] (the router's experts)")
+    if getattr(gate, "num_experts", E) != E:
+        raise _refuse(name, block, f"the router says num_experts = {gate.num_experts} but its weight scores {E}")
+    normalize = family.normalize if isinstance(family.normalize, bool) else getattr(gate, family.normalize, None)
+    if not isinstance(normalize, bool):
+        raise _refuse(name, block, f"its router's {family.normalize} is {normalize!r}, not a bool")
+    # The experts: [E, 2I, H] and [E, H, I], SiLU, the stock layout.
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dim() != 3 \
+            or down.dim() != 3:
+        raise _refuse(name, block, "its experts do not hold 3-D gate_up_proj and down_proj parameters")
+    if {n for n, _ in experts.named_parameters()} != {"gate_up_proj", "down_proj"}:
+        raise _refuse(name, block, f"its experts hold {sorted(n for n, _ in experts.named_parameters())}, "
+                                   "expected gate_up_proj and down_proj only")
+    inter = gate_up.shape[1] // 2
+    if gate_up.shape[0] != E or getattr(experts, "num_experts", E) != E or down.shape[0] != E:
+        raise _refuse(name, block, f"the router scores {E} experts but the experts hold "
+                                   f"{gate_up.shape[0]} (gate_up_proj) / {down.shape[0]} (down_proj) "
+                                   f"(num_experts = {getattr(experts, 'num_experts', None)})")
+    if gate_up.shape[1] % 2 or gate_up.shape[2] != H or tuple(down.shape) != (E, H, inter):
+        raise _refuse(name, block, f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are "
+                                   f"not [E, 2I, H] and [E, H, I] with E = {E}, H = {H}")
+    for flag, value in _EXPERT_FLAGS.items():
+        if getattr(experts, flag, value) != value:
+            raise _refuse(name, block, f"its experts have {flag} = {getattr(experts, flag)!r} (the replacement "
+                                       f"computes the {flag} = {value!r} layout)")
+    if not _is_silu(getattr(experts, "act_fn", None)):
+        raise _refuse(name, block, f"its experts' activation is {type(getattr(experts, 'act_fn', None)).__name__}, "
+                                   "not SiLU")
+    if getattr(config, "output_router_logits", False):
+        raise _refuse(name, block, "the config sets output_router_logits=True: transformers records the router "
+                                   "logits (for the load-balancing loss) from its own router class, which the "
+                                   "replacement does not use, so that loss would silently be 0")
+    router = MoeRouter(weight, top_k, normalize=normalize, round_weights=family.round_weights)
+    shared = shared_gate = None
+    if family.shared_expert:
+        shared = block.shared_expert
+        sg = block.shared_expert_gate
+        if type(shared).__name__ != family.shared_mlp:
+            raise _refuse(name, block, f"its shared expert is {type(shared).__name__}, expected {family.shared_mlp}")
+        if type(sg) not in (nn.Linear, Linear) or tuple(sg.weight.shape) != (1, H):
+            raise _refuse(name, block, f"its shared_expert_gate is {type(sg).__name__} "
+                                       f"{tuple(getattr(sg, 'weight', torch.empty(0)).shape)}, expected a [1, {H}] "
+                                       "nn.Linear")
+        shared_gate = sg if isinstance(sg, Linear) else Linear.from_torch(sg)
+    new = SparseMoeBlock(router, MoeExperts(gate_up, down), shared, shared_gate)
+    new.train(block.training)
+    return new
+
+
+def patch_moe_blocks(model: nn.Module) -> int:
+    """Replace every known MoE block of ``model`` in place; returns how many. Refusals raise
+    before any block is replaced."""
+    config = getattr(model, "config", None)
+    plan = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if known_block(child) is not None:
+                name = f"{parent_name}.{child_name}" if parent_name else child_name
+                plan.append((parent, child_name, replace_block(name, child, config)))
+    for parent, child_name, new in plan:
+        setattr(parent, child_name, new)
+    return len(plan)
+
+
+def has_moe_blocks(model: nn.Module) -> bool:
+    return any(isinstance(m, SparseMoeBlock) for m in model.modules())

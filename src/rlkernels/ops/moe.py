@@ -1,0 +1,387 @@
+"""Mixture-of-experts routing and experts whose per-token bits do not depend on the batch.
+
+Where a stock MoE block's bits move with the batch (transformers 5 ``*SparseMoeBlock``):
+the router GEMM (split and tiles picked from the token count), each expert's
+``F.linear`` over however many tokens were routed to it (or one ``torch._grouped_mm``
+over all of them), ``torch.topk``'s order among equal scores, and the combine
+``index_add_``: in the model dtype, in the order the experts happen to be visited, with
+atomics on CUDA. Here, per token:
+
+* :func:`moe_topk` -- the routing: ``softmax`` of the router logits in fp32
+  (:func:`rlkernels.softmax`: a fixed-order row sum), the k largest probabilities by a
+  stable descending sort (equal probabilities: the lowest expert id first), and the
+  renormalisation ``w_j = p_j / (p_0 + p_1 + ... + p_{k-1})``, the sum in ascending rank
+  order. Backward likewise (no reduction whose order follows the batch).
+* :func:`moe_experts` -- each selected expert's ``gate_up`` GEMM, ``silu(gate) * up``
+  and ``down`` GEMM on the canonical K-chain (one row's bits are those of the row alone,
+  whatever number of rows the expert received), then the combine in fp32 in ascending
+  rank order, ``((w_0 y_0 + w_1 y_1) + ...) + w_{k-1} y_{k-1}``, rounded once. A token's
+  k outputs land in a [T, k, H] buffer at their (token, rank) slots -- each slot written
+  once, no reduction, no atomics -- and the sum over k runs as k - 1 elementwise adds.
+
+The backward of :func:`moe_experts` is written out (:class:`_MoeExpertsFunction`): dX of
+each expert is a GEMM like the forward; a token's dX is the fp32 sum of its k slots,
+ascending rank, rounded once (a gather by the inverse permutation, never
+``index_add_``); dW of expert e reduces over its tokens in ascending token order in fp32
+(continuing ``main_grad`` where the parameter has one); the routing weights' gradient
+``<dOut_t, y_{t,r}>`` is a fixed-order row dot.
+
+Backend: the GEMM backend of the device (``gemm.backends``: Triton / cuBLASLt-no-split on
+GPUs, the torch chain anywhere), one call per expert that received tokens. The per-expert
+token counts are read on the host (one sync per call), so a block does not capture into a
+CUDA graph; a grouped kernel over all experts in one launch can replace the loop behind
+the same Function (docs/design/moe.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _validate as V
+from .activations import silu_chain
+from .matmul import gemm_backend_for, linear, main_grad_target
+from .norms import TorchReductionBackend, TritonReductionBackend, softmax
+from ..gemm.chain import accumulator_dtype
+from ..registry import OpImpl, register
+
+_REDUCTIONS = {"torch": TorchReductionBackend(), "triton": TritonReductionBackend()}
+
+
+# ---------------------------------------------------------------- routing
+
+
+class _TopKWeightsFunction(torch.autograd.Function):
+    """w [T, k] = probs[t, index[t, j]] (/ their sum over j, ascending j, with ``normalize``).
+
+    Backward: with g the gradient wrt w, dp_j = (g_j - sum_i g_i w_i) / s (normalized) or
+    g_j, the sum over i ascending; scattered back to the selected columns (each written
+    once: a token's k experts are distinct), zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, probs, index, normalize: bool):  # type: ignore[override]
+        top = probs.gather(-1, index)
+        if normalize:
+            total = _sum_columns(top)
+            top = top / total[:, None]
+            ctx.save_for_backward(index, top, total)
+        else:
+            ctx.save_for_backward(index)
+        ctx.normalize, ctx.shape = normalize, probs.shape
+        return top
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if ctx.normalize:
+            index, w, total = ctx.saved_tensors
+            dot = _sum_columns(grad * w)
+            dtop = (grad - dot[:, None]) / total[:, None]
+        else:
+            (index,) = ctx.saved_tensors
+            dtop = grad
+        dprobs = torch.zeros(ctx.shape, dtype=dtop.dtype, device=dtop.device)
+        return dprobs.scatter_(-1, index, dtop), None, None
+
+
+def _sum_columns(x: torch.Tensor) -> torch.Tensor:
+    """sum_j x[:, j] as a chain of elementwise adds, j ascending: an order fixed by k alone
+    (ATen's reduction over a short dim picks its vectorisation from the whole shape)."""
+    total = x[:, 0].clone()
+    for j in range(1, x.shape[1]):
+        total = total + x[:, j]
+    return total
+
+
+def top_k_lowest_id(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices [T, k] of each row's k largest scores, largest first; equal scores in
+    ascending index order. ``torch.topk`` promises no order among equal values; a stable
+    descending sort keeps equal values in index order."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def moe_topk(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
+             round_weights_to: torch.dtype | None = None,
+             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route each token: (weights [T, k] fp32, expert ids [T, k] int64), from logits [T, E]
+    (fp64 logits: fp64 weights, for references and gradcheck).
+
+    ``probs = softmax(logits.float())`` (fixed-order row sum); the k largest, largest
+    first, equal probabilities to the lowest expert id; with ``normalize`` each divided
+    by their sum (ascending rank). ``round_weights_to``: round the weights to that dtype
+    (and back), as Qwen2-MoE / Qwen3-MoE do (they cast the routing weights to the
+    logits' dtype). Autograd flows to ``logits``; the ids have none.
+    """
+    op = "moe_topk"
+    V.require_tensor(op, "logits", logits)
+    V.require_float(op, "logits", logits)
+    V.require_ndim(op, "logits", logits, 2, 2)
+    E = logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"rlkernels.{op}: top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    acc = accumulator_dtype(logits.dtype)
+    probs = softmax(logits, -1, dtype=acc, backend=backend)
+    index = top_k_lowest_id(probs.detach(), top_k)
+    weights = _TopKWeightsFunction.apply(probs, index, bool(normalize))
+    if round_weights_to is not None:
+        weights = weights.to(round_weights_to).to(acc)
+    return weights, index
+
+
+# ---------------------------------------------------------------- experts
+
+
+def _silu(g: torch.Tensor) -> torch.Tensor:
+    """silu with per-element bits: the fixed chain on the CPU (ATen's vector tail rounds
+    differently), ATen's elementwise kernel on GPUs (ops.activations)."""
+    return silu_chain(g) if g.device.type == "cpu" else F.silu(g)
+
+
+class _Routing:
+    """The (token, rank) slots grouped by expert: slot s = t * k + r.
+
+    ``order``: the slots sorted by expert id, stably (ascending slot, hence ascending
+    token, within an expert); ``inverse``: its inverse permutation; ``counts``: the slots
+    of each expert, on the host."""
+
+    def __init__(self, index: torch.Tensor, num_experts: int, op: str) -> None:
+        flat = index.reshape(-1)
+        bad = (flat < 0) | (flat >= num_experts)
+        # Out-of-range ids counted in an extra bin: the range check and the counts in one sync.
+        binned = torch.where(bad, torch.full_like(flat, num_experts), flat)
+        counts = torch.bincount(binned, minlength=num_experts + 1).tolist()
+        if counts[num_experts]:
+            i = int(bad.nonzero()[0])
+            k = index.shape[1]
+            raise ValueError(f"rlkernels.{op}: top_k_index[{i // k}, {i % k}] = {int(flat[i])} is not an expert "
+                             f"id in [0, {num_experts})")
+        self.counts = counts[:num_experts]
+        self.order = torch.sort(flat, stable=True).indices
+        self.inverse = torch.empty_like(self.order)
+        self.inverse[self.order] = torch.arange(flat.numel(), device=flat.device)
+        self.k = index.shape[1]
+
+    def spans(self):
+        """(expert, start, end) over the sorted slots, for every expert that received any."""
+        start = 0
+        for e, n in enumerate(self.counts):
+            if n:
+                yield e, start, start + n
+            start += n
+
+
+def _sum_ranks(slots: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_r (weights[:, r] *) slots[:, r] over [T, k, H], fp32, r ascending, elementwise."""
+    out = slots[:, 0] * weights[:, 0, None] if weights is not None else slots[:, 0].clone()
+    for r in range(1, slots.shape[1]):
+        out = out + (slots[:, r] * weights[:, r, None] if weights is not None else slots[:, r])
+    return out
+
+
+def experts_forward(gemm_backend, x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, routing: _Routing, keep: bool):
+    """The combined fp32 output [T, H] and, with ``keep``, what the backward reads:
+    (gate_up outputs in sorted slot order [T*k, 2I] in x's dtype, y in slot order [T*k, H] fp32)."""
+    T, H = x.shape
+    k = routing.k
+    inter = down.shape[2]
+    acc = accumulator_dtype(x.dtype)
+    rows = x.index_select(0, routing.order // k)  # token of each sorted slot
+    y_sorted = torch.empty(T * k, H, dtype=acc, device=x.device)
+    gu_sorted = torch.empty(T * k, 2 * inter, dtype=x.dtype, device=x.device) if keep else None
+    for e, s0, s1 in routing.spans():
+        gu = gemm_backend.gemm(rows[s0:s1], gate_up[e], b_transposed=True)
+        if keep:
+            gu_sorted[s0:s1] = gu
+        h = _silu(gu[:, :inter]) * gu[:, inter:]
+        # fp32 out: the canonical chain's sums, rounded once after the combine, not here.
+        y_sorted[s0:s1] = gemm_backend.gemm(h, down[e], b_transposed=True, out_dtype=acc)
+    y = y_sorted.index_select(0, routing.inverse)  # back to (token, rank) slots: a gather
+    out = _sum_ranks(y.view(T, k, H), weights.to(acc))
+    return out, (gu_sorted, y if keep else None)
+
+
+def _expert_grads(gemm_backend, param: torch.Tensor, need: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the .grad to return or None, the fp32 main_grad to accumulate into or None)."""
+    if not need:
+        return None, None
+    main = main_grad_target("moe_experts", param, tuple(param.shape), "expert weight")
+    if main is not None:
+        return None, main
+    return torch.zeros_like(param), None
+
+
+def _weight_grad(gemm_backend, dy: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor | None,
+                 main: torch.Tensor | None, e: int) -> None:
+    """dW_e = dy^T @ rows: reduced over the expert's tokens in ascending token order, fp32,
+    rounded once into ``grad[e]`` or accumulated into ``main[e]``."""
+    if main is not None:
+        gemm_backend.gemm(dy.t(), rows, out=main[e], accumulate=True)
+    elif grad is not None:
+        grad[e].copy_(gemm_backend.gemm(dy.t(), rows, out_dtype=grad.dtype))
+
+
+class _MoeExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, gate_up, down, index, gemm_backend, out_dtype):  # type: ignore[override]
+        routing = _Routing(index, gate_up.shape[0], "moe_experts")
+        out, (gu_sorted, y) = experts_forward(gemm_backend, x, weights, gate_up, down, routing, keep=True)
+        ctx.save_for_backward(x, weights, gate_up, down, gu_sorted, y)
+        ctx.routing, ctx.gemm_backend = routing, gemm_backend
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, weights, gate_up, down, gu_sorted, y = ctx.saved_tensors
+        routing, gemm_backend = ctx.routing, ctx.gemm_backend
+        need_x, need_w, need_gu, need_down = ctx.needs_input_grad[:4]
+        T, H = x.shape
+        k = routing.k
+        inter = down.shape[2]
+        acc = accumulator_dtype(x.dtype)
+        g = grad_out.to(acc)
+        grad_w = None
+        if need_w:
+            # d out_t / d w_{t,r} = y_{t,r}: one fixed-order dot per slot.
+            reduce = _REDUCTIONS[gemm_backend.name]
+            g_slots = g[:, None, :].expand(T, k, H).reshape(T * k, H)
+            grad_w = reduce.row_dot(g_slots, y).view(T, k).to(weights.dtype)
+        grad_x = grad_gu = grad_down = None
+        if need_x or need_gu or need_down:
+            # d out / d y_{t,r} = w_{t,r} g_t, rounded to x's dtype as a linear's dY is.
+            dy_slots = (weights.to(acc)[:, :, None] * g[:, None, :]).view(T * k, H)
+            dy_sorted = dy_slots.index_select(0, routing.order).to(x.dtype)
+            rows = x.index_select(0, routing.order // k) if (need_gu or need_down) else None
+            grad_gu, main_gu = _expert_grads(gemm_backend, gate_up, need_gu)
+            grad_down, main_down = _expert_grads(gemm_backend, down, need_down)
+            dx_sorted = torch.empty(T * k, H, dtype=acc, device=x.device) if need_x else None
+            for e, s0, s1 in routing.spans():
+                dy = dy_sorted[s0:s1]
+                gu = gu_sorted[s0:s1]
+                gate, up = gu[:, :inter], gu[:, inter:]
+                act = _silu(gate)
+                if need_down:
+                    _weight_grad(gemm_backend, dy, act * up, grad_down, main_down, e)
+                if not (need_x or need_gu):
+                    continue
+                dh = gemm_backend.gemm(dy, down[e], out_dtype=acc)  # [n, I]
+                gf = gate.to(acc)
+                sig = 1 / (1 + torch.exp(-gf))
+                d_gate = dh * up.to(acc) * (sig * (1 + gf * (1 - sig)))
+                d_up = dh * act.to(acc)
+                dgu = torch.cat([d_gate, d_up], dim=-1).to(x.dtype)
+                if need_gu:
+                    _weight_grad(gemm_backend, dgu, rows[s0:s1], grad_gu, main_gu, e)
+                if need_x:
+                    dx_sorted[s0:s1] = gemm_backend.gemm(dgu, gate_up[e], out_dtype=acc)
+            if need_x:
+                # Experts nobody chose leave no slot; every slot of a token holds its expert's dX.
+                dx_slots = dx_sorted.index_select(0, routing.inverse).view(T, k, H)
+                grad_x = _sum_ranks(dx_slots).to(x.dtype)
+        return grad_x, grad_w, grad_gu, grad_down, None, None, None
+
+
+def validate_moe_experts(op: str, x, index, weights, gate_up, down) -> None:
+    for name, t in (("hidden_states", x), ("top_k_index", index), ("top_k_weights", weights),
+                    ("gate_up_proj", gate_up), ("down_proj", down)):
+        V.require_tensor(op, name, t)
+    V.require_float(op, "hidden_states", x)
+    V.require_float(op, "gate_up_proj", gate_up)
+    V.require_float(op, "down_proj", down)
+    V.require_float(op, "top_k_weights", weights)
+    V.require_ndim(op, "hidden_states", x, 2, 2)
+    V.require_ndim(op, "gate_up_proj", gate_up, 3, 3)
+    V.require_ndim(op, "down_proj", down, 3, 3)
+    V.require_ndim(op, "top_k_index", index, 2, 2)
+    V.require_same_device(op, hidden_states=x, top_k_index=index, top_k_weights=weights, gate_up_proj=gate_up,
+                          down_proj=down)
+    V.require_same_dtype(op, hidden_states=x, gate_up_proj=gate_up, down_proj=down)
+    if index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"rlkernels.{op}: top_k_index must be int64 or int32, got {index.dtype}")
+    T, H = x.shape
+    E, two_i, h_in = gate_up.shape
+    if h_in != H or two_i % 2:
+        raise ValueError(f"rlkernels.{op}: gate_up_proj must be [E, 2 * I, H] with H = {H} (hidden_states' last "
+                         f"dim), got {tuple(gate_up.shape)}")
+    if tuple(down.shape) != (E, H, two_i // 2):
+        raise ValueError(f"rlkernels.{op}: down_proj must be [E, H, I] = {(E, H, two_i // 2)} to match "
+                         f"gate_up_proj {tuple(gate_up.shape)}, got {tuple(down.shape)}")
+    if index.shape[0] != T or tuple(weights.shape) != tuple(index.shape):
+        raise ValueError(f"rlkernels.{op}: top_k_index and top_k_weights must both be [T, k] with T = {T}, got "
+                         f"{tuple(index.shape)} and {tuple(weights.shape)}")
+    if index.shape[1] < 1 or index.shape[1] > E:
+        raise ValueError(f"rlkernels.{op}: k = {index.shape[1]} experts per token, expected 1 .. {E} (the experts "
+                         "in gate_up_proj)")
+
+
+def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+                backend: str | None = None) -> torch.Tensor:
+    """sum_r w[t, r] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, r]: [T, H].
+
+    hidden_states [T, H] (bf16/fp16/fp32; fp64 on the torch backend); top_k_index [T, k]
+    int64/int32 expert ids (a token's k ids distinct, as a top-k gives them); top_k_weights
+    [T, k] (any float dtype, used in fp32); gate_up_proj [E, 2I, H] (rows [0, I) the gate,
+    [I, 2I) the up projection: transformers' fused ``*Experts`` layout); down_proj [E, H, I].
+    The combine is fp32 in ascending rank order, rounded once to ``out_dtype`` (default
+    hidden_states' dtype; fp32 keeps it unrounded so a block can add a shared expert
+    first). A token's output is a function of its own row, ids and weights alone.
+    Autograd to hidden_states, top_k_weights and both weights (``main_grad`` honoured).
+    """
+    op = "moe_experts"
+    validate_moe_experts(op, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    hidden_states, gate_up_proj, down_proj = V.autocast(hidden_states, gate_up_proj, down_proj)
+    out_dtype = out_dtype or hidden_states.dtype
+    if out_dtype not in V.FLOAT_DTYPES_WITH_FP64:
+        raise ValueError(f"rlkernels.{op}: out_dtype must be a float dtype, got {out_dtype}")
+    gemm_backend = gemm_backend_for(hidden_states.device, backend)
+    V.refuse_interpreted_bf16(op, gemm_backend.name, hidden_states)
+    if hidden_states.dtype == torch.float64 and gemm_backend.name == "triton":
+        raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
+    T, H = hidden_states.shape
+    if T == 0:
+        zero = (hidden_states.sum() + top_k_weights.sum() + gate_up_proj.sum() + down_proj.sum()) * 0
+        return zero.to(out_dtype).expand(0, H).clone()
+    index = top_k_index.long()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, gate_up_proj,
+                                                                  down_proj)):
+        return _MoeExpertsFunction.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, index,
+                                         gemm_backend, out_dtype)
+    # Inference (scoring, decode): the Function's forward without keeping what the backward reads.
+    routing = _Routing(index, gate_up_proj.shape[0], op)
+    out, _ = experts_forward(gemm_backend, hidden_states, top_k_weights, gate_up_proj, down_proj, routing, keep=False)
+    return out.to(out_dtype)
+
+
+# ---------------------------------------------------------------- registry entries
+
+
+class _MoeBase(OpImpl):
+    """The routed experts of one MoE layer, routing included, as one op of the table."""
+
+    op_class = "moe"
+
+    def forward(self, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                top_k: int, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        logits = linear(x, router, backend=self.backend)
+        weights, index = moe_topk(logits, top_k, backend=self.backend)
+        return moe_experts(x, index, weights, gate_up, down, out_dtype=out_dtype, backend=self.backend)
+
+    def forward_fp32(self, x, router, gate_up, down, top_k):
+        return self.forward(x, router, gate_up, down, top_k, out_dtype=accumulator_dtype(x.dtype))
+
+    def invariance_case(self, device: torch.device, dtype: torch.dtype, generator: torch.Generator):
+        H, inter, E, k = (64, 32, 8, 2) if device.type == "cpu" else (512, 256, 16, 4)
+        x = torch.randn(33, H, generator=generator).to(device=device, dtype=dtype)
+        router = torch.randn(E, H, generator=generator).to(device=device, dtype=dtype)
+        gate_up = (torch.randn(E, 2 * inter, H, generator=generator) / H ** 0.5).to(device=device, dtype=dtype)
+        down = (torch.randn(E, H, inter, generator=generator) / inter ** 0.5).to(device=device, dtype=dtype)
+        return (lambda rows: self.forward(rows, router, gate_up, down, k)), x
+
+
+@register("moe", "triton")
+class MoeTriton(_MoeBase):
+    pass
+
+
+@register("moe", "torch")
+class MoeTorch(_MoeBase):
+    pass

@@ -1,0 +1,259 @@
+"""moe_topk / moe_experts: a token's bits do not depend on the other tokens, ties go to the
+lowest expert id, the math is the stock blocks', the backward is deterministic."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkernels import reference
+from rlkernels.ops.moe import moe_experts, moe_topk, top_k_lowest_id
+from rlkernels.registry import get_op, registered_ops
+
+from ..conftest import HAS_CUDA, cpu_backend_cases
+
+H, INTER, E, K = 64, 32, 16, 4
+
+
+def _weights(dtype, device="cpu", seed=0, experts=E, hidden=H, inter=INTER):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(device=device, dtype=dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(device=device, dtype=dtype)
+    router = torch.randn(experts, hidden, generator=g).to(device=device, dtype=dtype)
+    return router, gate_up, down
+
+
+def _crowded_batch(target_ids: list[int], n: int, dtype, device="cpu", seed=1, experts=E):
+    """Index/weights for ``n`` tokens: the first routed to ``target_ids``, the rest crowding
+    two experts (one of them the target's first) and spread over half the others; the
+    rest of the experts get no token."""
+    g = torch.Generator().manual_seed(seed)
+    k = len(target_ids)
+    index = torch.empty(n, k, dtype=torch.long)
+    index[0] = torch.tensor(target_ids)
+    crowd = [target_ids[0], (target_ids[0] + 1) % experts]
+    others = [e for e in range(experts // 2) if e not in crowd]
+    for t in range(1, n):
+        extra = torch.randperm(len(others), generator=g)[:k - 2].tolist()
+        index[t] = torch.tensor(crowd + [others[i] for i in extra])
+    weights = torch.softmax(torch.randn(n, k, generator=g), -1)
+    x = torch.randn(n, H, generator=g).to(device=device, dtype=dtype)
+    return x, index.to(device), weights.to(device)
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_a_tokens_output_is_the_same_alone_and_in_a_crowded_batch(backend, dtype):
+    _, gate_up, down = _weights(dtype)
+    x, index, weights = _crowded_batch([3, 9, 12, 5], 97, dtype)
+    counts = torch.bincount(index.reshape(-1), minlength=E)
+    assert counts.max() >= 96 and (counts == 0).sum() >= 4  # some experts crowded, some empty
+    batched = moe_experts(x, index, weights, gate_up, down, backend=backend)
+    alone = moe_experts(x[:1], index[:1], weights[:1], gate_up, down, backend=backend)
+    assert torch.equal(alone[0], batched[0])
+    # Every other row too: alone, and in the batch reversed (other slots, other positions).
+    flip = moe_experts(x.flip(0), index.flip(0), weights.flip(0), gate_up, down, backend=backend).flip(0)
+    assert torch.equal(flip, batched)
+    for t in (1, 50, 96):
+        one = moe_experts(x[t:t + 1], index[t:t + 1], weights[t:t + 1], gate_up, down, backend=backend)
+        assert torch.equal(one[0], batched[t]), t
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_the_routed_layer_is_row_invariant_through_the_router(backend, dtype):
+    op = get_op("moe", backend)
+    router, gate_up, down = _weights(dtype)
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(H, generator=g)
+    # 200 copies of one token crowd its 4 experts; the target sits in the middle.
+    x = torch.cat([v.expand(100, H), torch.randn(1, H, generator=g), v.expand(100, H)]).to(dtype)
+    batched = op(x, router, gate_up, down, K)
+    alone = op(x[100:101], router, gate_up, down, K)
+    assert torch.equal(alone[0], batched[100])
+    assert torch.equal(op(x[:1], router, gate_up, down, K)[0], batched[0])
+
+
+def test_the_op_is_registered_for_both_backends():
+    assert registered_ops()["moe"] == ("torch", "triton")
+
+
+def test_ties_go_to_the_lowest_expert_id():
+    scores = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 1.0],
+                           [2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+                           [0.1, 0.3, 0.3, 0.3, 0.2, 0.9]])
+    assert top_k_lowest_id(scores, 3).tolist() == [[1, 2, 4], [0, 1, 2], [5, 1, 2]]
+    # Through the softmax: equal logits give equal probabilities, so the same ids.
+    logits = torch.zeros(4, E)
+    logits[1, 7:] = 3.0
+    logits[2, ::2] = -1.0
+    logits[3, E - 1] = 5.0
+    _, index = moe_topk(logits, K)
+    assert index.tolist() == [[0, 1, 2, 3], [7, 8, 9, 10], [1, 3, 5, 7], [E - 1, 0, 1, 2]]
+    # The same rows inside a larger batch of other rows get the same ids and weights.
+    g = torch.Generator().manual_seed(0)
+    big = torch.cat([torch.randn(50, E, generator=g), logits, torch.randn(50, E, generator=g)])
+    w_big, i_big = moe_topk(big, K)
+    w, i = moe_topk(logits, K)
+    assert torch.equal(i_big[50:54], i) and torch.equal(w_big[50:54], w)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_is_the_stock_routers_math(normalize, dtype):
+    g = torch.Generator().manual_seed(2)
+    logits = (2 * torch.randn(300, E, generator=g)).to(dtype)
+    weights, index = moe_topk(logits, K, normalize=normalize, round_weights_to=dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, K, dim=-1)
+    if normalize:
+        top = top / top.sum(-1, keepdim=True)
+    # Rows whose k + 1 largest logits are distinct have one answer: the same experts, same order.
+    # (bf16 logits collide: there stock's order among equal values is unspecified.)
+    head = torch.sort(logits.float(), -1, descending=True).values[:, :K + 1]
+    distinct = (head[:, 1:] != head[:, :-1]).all(-1)
+    assert distinct.float().mean() > 0.8
+    assert torch.equal(index[distinct], ids[distinct])
+    assert weights.dtype == torch.float32
+    assert (weights - top.to(dtype).float()).abs().max() <= (2e-7 if dtype == torch.float32 else 4e-3)
+
+
+def test_routing_gradient_is_deterministic_and_correct():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, E, generator=g, dtype=torch.float64, requires_grad=True)
+    fn = lambda lg: moe_topk(lg, K, normalize=True)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (logits,))
+    assert torch.autograd.gradcheck(lambda lg: moe_topk(lg, K, normalize=False)[0], (logits,))
+
+
+def test_experts_gradcheck_float64():
+    _, gate_up, down = _weights(torch.float64, experts=5, hidden=8, inter=4)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 8, generator=g, dtype=torch.float64)
+    index = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=g, dtype=torch.float64)
+    args = [t.clone().requires_grad_() for t in (x, weights, gate_up, down)]
+    assert torch.autograd.gradcheck(lambda a, w, gu, dn: moe_experts(a, index, w, gu, dn), args)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+def test_accuracy_against_the_float64_reference(dtype, tol):
+    _, gate_up, down = _weights(dtype)
+    x, index, weights = _crowded_batch([1, 2, 3, 4], 64, dtype)
+    out = moe_experts(x, index, weights, gate_up, down)
+    ref = reference.moe_experts_ref(x, index, weights, gate_up, down)
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err <= tol, err
+    # The fp32 output is the combine before its one rounding.
+    out32 = moe_experts(x, index, weights, gate_up, down, out_dtype=torch.float32)
+    assert out32.dtype == torch.float32 and torch.equal(out32.to(dtype), out)
+
+
+def _grads(x, index, weights, gate_up, down, grad, backend="torch"):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate_up, down)]
+    out = moe_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], backend=backend)
+    out.backward(grad)
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_backward_is_deterministic_and_a_tokens_dx_is_batch_invariant(backend, dtype):
+    _, gate_up, down = _weights(dtype)
+    x, index, weights = _crowded_batch([3, 9, 12, 5], 60, dtype)
+    grad = torch.randn(60, H, generator=torch.Generator().manual_seed(9)).to(dtype)
+    first = _grads(x, index, weights, gate_up, down, grad, backend)
+    second = _grads(x, index, weights, gate_up, down, grad, backend)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    alone = _grads(x[:1], index[:1], weights[:1], gate_up, down, grad[:1], backend)
+    assert torch.equal(alone[0][0], first[0][0]) and torch.equal(alone[1][0], first[1][0])
+    # Experts nobody chose get a zero gradient.
+    unused = sorted(set(range(E)) - set(index.reshape(-1).tolist()))
+    assert unused and all(float(first[2][e].abs().max()) == 0 for e in unused)
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_inference_and_training_forwards_give_the_same_bits(backend, dtype):
+    _, gate_up, down = _weights(dtype)
+    x, index, weights = _crowded_batch([3, 9, 12, 5], 30, dtype)
+    with torch.no_grad():
+        plain = moe_experts(x, index, weights, gate_up, down, backend=backend)
+    graph = moe_experts(x.clone().requires_grad_(), index, weights, gate_up, down, backend=backend)
+    assert graph.grad_fn is not None and torch.equal(graph.detach(), plain)
+
+
+def test_backward_matches_autograd_of_the_plain_formula():
+    _, gate_up, down = _weights(torch.float64)
+    x, index, weights = _crowded_batch([3, 9, 12, 5], 30, torch.float64)
+    weights = weights.double()
+    grad = torch.randn(30, H, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    ours = _grads(x, index, weights, gate_up, down, grad)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate_up, down)]
+    reference.moe_experts_ref(leaves[0], index, leaves[1], leaves[2], leaves[3]).backward(grad)
+    for a, b in zip(ours, leaves):
+        assert torch.allclose(a, b.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_weight_gradients_accumulate_into_main_grad_across_micro_batches():
+    # The torch backend's chain is exact at any split: two micro-batches == one batch.
+    _, gate_up, down = _weights(torch.float32)
+    x, index, weights = _crowded_batch([3, 9, 12, 5], 40, torch.float32)
+    grad = torch.randn(40, H, generator=torch.Generator().manual_seed(9))
+    plain = _grads(x, index, weights, gate_up, down, grad)
+    gu, dn = gate_up.clone().requires_grad_(), down.clone().requires_grad_()
+    gu.main_grad = torch.zeros_like(gu)
+    dn.main_grad = torch.zeros_like(dn)
+    for part in (slice(0, 17), slice(17, 40)):
+        moe_experts(x[part], index[part], weights[part], gu, dn).backward(grad[part])
+    assert gu.grad is None and dn.grad is None
+    assert torch.equal(gu.main_grad, plain[2]) and torch.equal(dn.main_grad, plain[3])
+
+
+def test_empty_batch():
+    _, gate_up, down = _weights(torch.float32)
+    out = moe_experts(torch.zeros(0, H), torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K), gate_up, down)
+    assert out.shape == (0, H)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(index=torch.tensor([[0, 16]])), r"top_k_index\[0, 1\] = 16 is not an expert id in \[0, 16\)"),
+    (dict(index=torch.tensor([[-1, 2]])), r"top_k_index\[0, 0\] = -1"),
+    (dict(index=torch.tensor([[0.0, 1.0]])), "must be int64 or int32"),
+    (dict(weights=torch.ones(1, 3)), "must both be \\[T, k\\]"),
+    (dict(down=torch.zeros(E, H, INTER + 1)), "down_proj must be \\[E, H, I\\]"),
+    (dict(gate_up=torch.zeros(E, 2 * INTER, H + 1)), "gate_up_proj must be \\[E, 2 \\* I, H\\]"),
+    (dict(x=torch.zeros(1, H, dtype=torch.float64)), "tensors must share one dtype"),
+    (dict(x=torch.zeros(H)), "hidden_states must have 2 dims"),
+])
+def test_bad_input_is_refused(change, match):
+    _, gate_up, down = _weights(torch.float32)
+    args = dict(x=torch.randn(1, H), index=torch.tensor([[0, 1]]), weights=torch.ones(1, 2), gate_up=gate_up,
+                down=down)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        moe_experts(args["x"], args["index"], args["weights"], args["gate_up"], args["down"])
+
+
+@pytest.mark.parametrize("top_k", [0, E + 1, 2.0, True])
+def test_bad_top_k_is_refused(top_k):
+    with pytest.raises(ValueError, match="top_k must be an int"):
+        moe_topk(torch.randn(3, E), top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_crowded_batch_bitwise_and_deterministic_backward_gpu_bf16():
+    dtype, dev = torch.bfloat16, "cuda"
+    _, gate_up, down = (t.to(dev) for t in _weights(dtype, experts=64, hidden=512, inter=256))
+    g = torch.Generator().manual_seed(1)
+    n = 4096
+    index = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(n)])  # 8 of 64 experts crowded
+    index[0] = torch.tensor([3, 40, 41, 63])
+    x = torch.randn(n, 512, generator=g).to(dev, dtype)
+    weights = torch.softmax(torch.randn(n, 4, generator=g), -1).to(dev)
+    index = index.to(dev)
+    batched = moe_experts(x, index, weights, gate_up, down)
+    for t in (0, 1, n - 1):
+        assert torch.equal(moe_experts(x[t:t + 1], index[t:t + 1], weights[t:t + 1], gate_up, down)[0], batched[t])
+    grad = torch.randn(n, 512, generator=g).to(dev, dtype)
+    first = _grads(x, index, weights, gate_up, down, grad, backend=None)
+    second = _grads(x, index, weights, gate_up, down, grad, backend=None)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    alone = _grads(x[:1], index[:1], weights[:1], gate_up, down, grad[:1], backend=None)
+    assert torch.equal(alone[0][0], first[0][0]) and torch.equal(alone[1][0], first[1][0])
