@@ -125,9 +125,7 @@ def test_gpu_log_softmax_of_the_heads_logits_is_linear_logprob(dtype, n, d, v, t
     with rlkernels.set_batch_invariant_mode(True):
         moded = torch.log_softmax(z, -1).gather(1, target[:, None])[:, 0]
     assert torch.equal(_bits(moded), _bits(ref))
-    # Alone and in the batch, and the control: stock's order gives other bits.
+    # Alone and in the batch (the control, stock's order giving other bits, is the
+    # Hugging Face test's: at some shapes ATen's order happens to round alike).
     alone = rlkernels.log_softmax(z[-1:], -1)[0, target[-1]]
     assert torch.equal(_bits(alone), _bits(ref[-1]))
-    if n > 1:
-        stock = torch.log_softmax(z, -1).gather(1, target[:, None])[:, 0]
-        assert not torch.equal(_bits(stock), _bits(ref))
