@@ -25,8 +25,10 @@ for stage in ${*:-tests bench check}; do
     tests) python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -p no:cacheprovider -o addopts="" ${GPU_PYTEST_ARGS:-} \
              --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
     bench) mkdir -p "$OUT/bench"; python3 -m rlkernels.bench ${GPU_BENCH:-all} --json "$OUT/bench" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1 ;;
-    hashes) python3 benchmarks/hash_outputs.py --json "$OUT/hashes.json" > "$OUT/hashes.log" 2>&1 \
-              && python3 benchmarks/hash_outputs.py --compare benchmarks/results/hashes_h100.json "$OUT/hashes.json" \
+    # The baseline of this GPU model (hashes_h100.json, hashes_h200.json, ...).
+    hashes) base="benchmarks/results/hashes_$(python3 -c "import torch; n = torch.cuda.get_device_name(); print('h200' if 'H200' in n else 'h100')").json"
+            python3 benchmarks/hash_outputs.py --json "$OUT/hashes.json" > "$OUT/hashes.log" 2>&1 \
+              && python3 benchmarks/hash_outputs.py --compare "$base" "$OUT/hashes.json" \
               | tee "$OUT/hash_compare.log" || status=1 ;;
     decode) python3 benchmarks/tune_gemm.py --decode --json "$OUT/tune_decode.json" 2>&1 | tee "$OUT/tune_decode.log" || status=1 ;;
     contract) python3 benchmarks/measure_contract.py --device cuda --trials 10 --json "$OUT/contract_gpu.json" 2>&1 | tail -40 || status=1 ;;
