@@ -787,3 +787,20 @@ def test_gpu_memory_bound():
     total = torch.cuda.max_memory_allocated() - base
     print(f"fwd+bwd extra peak {total / 2**30:.3f} GiB (bound {backward_extra_bytes(n, d, v, 2) / 2**30:.3f} GiB)")
     assert total <= forward_extra_bytes(n, v) + backward_extra_bytes(n, d, v, 2)
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32, F16)))
+def test_logp_alone_skips_the_entropy_and_keeps_the_bits(backend, dtype, gen):
+    # Without return_entropy the forward skips the entropy's sums; logp and its gradients
+    # are the same chain, so the same bits.
+    h, w, b, t = _data(13, 40, 600, dtype, gen)
+    both = linear_logprob(h, w, t, b, temperature=0.7, return_entropy=True, backend=backend)[0]
+    alone = linear_logprob(h, w, t, b, temperature=0.7, backend=backend)
+    assert torch.equal(both, alone)
+    grads = []
+    for entropy in (True, False):
+        hh = h.clone().requires_grad_()
+        out = linear_logprob(hh, w, t, b, temperature=0.7, return_entropy=entropy, backend=backend)
+        (out[0] if entropy else out).sum().backward()
+        grads.append(hh.grad)
+    assert torch.equal(grads[0], grads[1])

@@ -84,10 +84,11 @@ if triton is not None:
         stride_hn, stride_hd, stride_wv, stride_wd,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_TILES: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_TILES: tl.constexpr, ENTROPY: tl.constexpr,
     ):
         """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target.
 
+        Without ENTROPY, u is not computed (stored as 0): (m, s) are the same chain.
         STORE_TILES: every tile's running max after it and its own sum of e^(z - that max)
         too, at [row, split * SPLIT_V / BLOCK_V + tile] (the sampler's first level)."""
         # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
@@ -115,7 +116,10 @@ if triton is not None:
             # z's registers can be reused by the statistics below.
             zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
             z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_i, s_i, u_i, tile_sum = online_stats(m_i, s_i, u_i, z, col_ok)
+            if ENTROPY:
+                m_i, s_i, u_i, tile_sum = online_stats(m_i, s_i, u_i, z, col_ok)
+            else:
+                m_i, m_ref, alpha, e, d, tile_sum, s_i = lse_step(m_i, s_i, z)
             if STORE_TILES:
                 n_tiles = tl.cdiv(V, SPLIT_V) * (SPLIT_V // BLOCK_V)
                 tile = offs_m.to(tl.int64) * n_tiles + pid_s * (SPLIT_V // BLOCK_V) + j
@@ -130,8 +134,9 @@ if triton is not None:
 
     @triton.jit
     def logprob_combine_kernel(m_ptr, s_ptr, u_ptr, zt_ptr, t_ptr, logp_ptr, ent_ptr, lse_ptr, N, n_split,
-                        BLOCK: tl.constexpr):
-        """Merge the per-split statistics of each row in ascending split order (the LSE chain's merge)."""
+                        BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
+        """Merge the per-split statistics of each row in ascending split order (the LSE chain's
+        merge); without ENTROPY the entropy is NaN (not computed)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < N
         rows = offs.to(tl.int64)
@@ -160,7 +165,11 @@ if triton is not None:
         valid = ok & (tl.load(t_ptr + rows, mask=ok, other=-1) >= 0)
         zt = tl.load(zt_ptr + rows, mask=ok, other=0.0)
         tl.store(logp_ptr + rows, tl.where(valid, (zt - mx) - log_s, 0.0), mask=ok)
-        tl.store(ent_ptr + rows, tl.where(valid, log_s - u / s, 0.0), mask=ok)
+        if ENTROPY:
+            ent = tl.where(valid, log_s - u / s, 0.0)
+        else:
+            ent = tl.full((BLOCK,), float("nan"), tl.float32)
+        tl.store(ent_ptr + rows, ent, mask=ok)
         tl.store(lse_ptr + rows, mx + log_s, mask=ok)
 
     @triton.jit

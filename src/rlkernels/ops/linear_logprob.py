@@ -273,10 +273,12 @@ class TorchLinearLogprobBackend:
         return cdiv(vocab, LSE_SPLIT) * (LSE_SPLIT // LSE_TILE)
 
     def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                   temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None):
+                   temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   entropy: bool = True):
         """Each row's (m, s, u, zt) [N] over the whole vocabulary by the LSE chain (the
-        statistics the forward finishes); with ``pieces`` ([N, n_tiles] each), every tile's
-        running max after it and its own mass too, as the Triton kernel records them."""
+        statistics the forward finishes; u is 0 without ``entropy``); with ``pieces``
+        ([N, n_tiles] each), every tile's running max after it and its own mass too, as the
+        Triton kernel records them."""
         N = h2.shape[0]
         vocab = weight.shape[0]
         adt = accumulator_dtype(h2.dtype)
@@ -302,8 +304,9 @@ class TorchLinearLogprobBackend:
                     m_new, m_ref, alpha, e, d, mass, s_new = lse_step(mr, sr, z)
                     # u = sum e^(z-m) (z-m), kept relative to the running max: rescaled by
                     # alpha * (u + (m_old - m_new) s); 0 before the first tile (s == 0).
-                    ur = torch.where(sr > 0, alpha * (ur + (mr - m_ref) * sr), torch.zeros_like(ur)) \
-                        + tile_mass(e * d)
+                    if entropy:
+                        ur = torch.where(sr > 0, alpha * (ur + (mr - m_ref) * sr), torch.zeros_like(ur)) \
+                            + tile_mass(e * d)
                     mr, sr = m_new, s_new
                     if pieces is not None:
                         pieces[0][rows, k * per_split + i] = mr
@@ -318,17 +321,20 @@ class TorchLinearLogprobBackend:
 
     @staticmethod
     def finish(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: torch.Tensor,
-               tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy, lse) from the statistics; rows whose tgt is -1 get logp = entropy = 0."""
+               tgt: torch.Tensor, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, lse) from the statistics; rows whose tgt is -1 get logp = entropy = 0;
+        without ``entropy`` it is NaN (not computed)."""
         log_s = torch.log(s)
         valid = tgt >= 0
         zero = torch.zeros_like(s)
-        return torch.where(valid, (zt - m) - log_s, zero), torch.where(valid, log_s - u / s, zero), m + log_s
+        ent = torch.where(valid, log_s - u / s, zero) if entropy else torch.full_like(s, math.nan)
+        return torch.where(valid, (zt - m) - log_s, zero), ent, m + log_s
 
     def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy, lse) [N] in fp32 (fp64 for fp64 inputs); tgt is -1 where ignored."""
-        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature), tgt)
+                temperature: float, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, lse) [N] in fp32 (fp64 for fp64 inputs); tgt is -1 where ignored;
+        without ``entropy`` the entropy is NaN and its sums are skipped."""
+        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy=entropy), tgt, entropy)
 
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
@@ -454,8 +460,9 @@ class TritonLinearLogprobBackend:
         return cdiv(vocab, cfg.split_v) * (cfg.split_v // cfg.block_v)
 
     def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                   temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Per-split partials (m, s, u [n_split, N]) and zt [N]; with ``pieces``
+                   temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   entropy: bool = True):
+        """Per-split partials (m, s, u [n_split, N]; u is 0 without ``entropy``) and zt [N]; with ``pieces``
         ([N, n_split * split_v / block_v] each), every tile's running max and own mass too."""
         N, D = h2.shape
         vocab = weight.shape[0]
@@ -479,29 +486,30 @@ class TritonLinearLogprobBackend:
             (h_arg, w_arg, bias if bias is not None else h2, tgt, m, s, u, zt, tile_m, tile_s,
              N, vocab, D, temp_arg,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
-            # HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M, STORE_TILES
+            # HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M, STORE_TILES, ENTROPY
             (bias is not None, temp_mode, h2.dtype == torch.float32, D % cfg.block_k == 0, tma,
-             cfg.split_v, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m, pieces is not None),
+             cfg.split_v, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m, pieces is not None, entropy),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return m, s, u, zt
 
     @staticmethod
     def finish(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: torch.Tensor,
-               tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy, lse) [N]: the splits merged in ascending order; tgt -1 gives 0s."""
+               tgt: torch.Tensor, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, lse) [N]: the splits merged in ascending order; tgt -1 gives 0s;
+        without ``entropy`` it is NaN (not computed)."""
         N = zt.shape[0]
         logp = torch.empty(N, dtype=torch.float32, device=zt.device)
         ent = torch.empty_like(logp)
         lse = torch.empty_like(logp)
         if N:
             _launch_combine((cdiv(N, COMBINE_BLOCK),), (m, s, u, zt, tgt, logp, ent, lse, N, m.shape[0]),
-                            (COMBINE_BLOCK,), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+                            (COMBINE_BLOCK, entropy), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
         return logp, ent, lse
 
     def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature), tgt)
+                temperature: float, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy=entropy), tgt, entropy)
 
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
@@ -543,8 +551,10 @@ class LinearLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h2, weight, bias, tgt, temperature: float,  # type: ignore[override]
-                logprob_backend, gemm_backend):
-        logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt, temperature)
+                logprob_backend, gemm_backend, entropy: bool = True):
+        # Without entropy its sums are skipped and the output is NaN: the caller drops it,
+        # and the backward then never reads it (no gradient reaches an output not returned).
+        logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt, temperature, entropy)
         ctx.save_for_backward(h2, weight, bias, tgt, lse, ent)
         ctx.temperature, ctx.logprob_backend, ctx.gemm_backend = temperature, logprob_backend, gemm_backend
         ctx.set_materialize_grads(False)
@@ -573,7 +583,7 @@ class LinearLogprobFunction(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if grad_logp is None and grad_ent is None or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         N, D = h2.shape
         vocab = weight.shape[0]
         dev, acc_dt = h2.device, lse.dtype
@@ -667,7 +677,7 @@ class LinearLogprobFunction(torch.autograd.Function):
                 v1 = min(kept, v0 + g_buf.shape[1])
                 weight_grads(grad_logits(g_buf, v0, v1), v0, v1)
         grad_b = db.to(bias.dtype) if need_b and b_main is None else None
-        return grad_h, dw, grad_b, None, None, None, None
+        return grad_h, dw, grad_b, None, None, None, None, None
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -754,7 +764,8 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
     t1 = target.reshape(-1).to(torch.int64)
     # Kernels see -1 for ignored rows (ignore_index may itself be a valid id in [0, V)).
     tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
-    logp, ent = LinearLogprobFunction.apply(h2, weight, bias, tgt, float(temperature), logprob_backend, gemm_backend)
+    logp, ent = LinearLogprobFunction.apply(h2, weight, bias, tgt, float(temperature), logprob_backend, gemm_backend,
+                                            bool(return_entropy))
     logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp
 

@@ -186,15 +186,15 @@ class TorchLinearSampleBackend:
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int, streams: torch.Tensor | None, positions: torch.Tensor | None,
-               greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               greedy: bool, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         stats_backend = TorchLinearLogprobBackend()
         N, vocab = h2.shape[0], weight.shape[0]
         dev, adt = h2.device, accumulator_dtype(h2.dtype)
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
         pieces = (torch.empty(N, n_tiles, dtype=adt, device=dev), torch.empty(N, n_tiles, dtype=adt, device=dev))
         no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
-        m, s, u, _ = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces)
-        _, _, lse = stats_backend.finish(m, s, u, torch.zeros_like(m), no_target)
+        m, s, u, _ = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces, entropy=entropy)
+        _, _, lse = stats_backend.finish(m, s, u, torch.zeros_like(m), no_target, entropy=False)
         blocks = pick_blocks(*pieces, lse, None if greedy else tile_uniform(seed, streams, positions), vocab,
                              stats_backend.tile_v(h2.dtype))
         token = torch.zeros(N, dtype=torch.int64, device=dev)
@@ -210,7 +210,7 @@ class TorchLinearSampleBackend:
             at = key.argmax(dim=1)  # the first maximal index: the lowest id
             token[rows] = at + v0
             zt[rows] = z.gather(1, at[:, None])[:, 0]
-        logp, ent, _ = stats_backend.finish(m, s, u, zt, token)
+        logp, ent, _ = stats_backend.finish(m, s, u, zt, token, entropy)
         return token, logp, ent
 
 
@@ -234,7 +234,7 @@ class TritonLinearSampleBackend:
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int, streams: torch.Tensor | None, positions: torch.Tensor | None,
-               greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               greedy: bool, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         stats_backend = TritonLinearLogprobBackend()
         N, D = h2.shape
         vocab = weight.shape[0]
@@ -248,8 +248,8 @@ class TritonLinearSampleBackend:
         pieces = (torch.empty(N, n_tiles, dtype=torch.float32, device=dev),
                   torch.empty(N, n_tiles, dtype=torch.float32, device=dev))
         no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
-        m, s, u, zt = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces)
-        _, _, lse = stats_backend.finish(m, s, u, zt, no_target)
+        m, s, u, zt = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces, entropy=entropy)
+        _, _, lse = stats_backend.finish(m, s, u, zt, no_target, entropy=False)
         seeds = (_signed32(seed & 0xFFFFFFFF), _signed32(seed >> 32))
         counters = (streams, positions) if not greedy else (token, token)  # unread without noise
         blocks = torch.empty(N, dtype=torch.int32, device=dev)
@@ -269,7 +269,7 @@ class TritonLinearSampleBackend:
              IN_BLOCK_LANES, SAMPLE_BLOCK, cfg.block_k),
             num_warps=4, num_stages=DEFAULT_NUM_STAGES,
         )
-        logp, ent, _ = stats_backend.finish(m, s, u, zt, token)
+        logp, ent, _ = stats_backend.finish(m, s, u, zt, token, entropy)
         return token, logp, ent
 
 
@@ -334,7 +334,8 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
         positions = positions.reshape(n) if positions is not None else torch.zeros_like(streams)
     with torch.no_grad():
         token, logp, ent = implementation(OP, name).backend_impl.sample(
-            h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy)
+            h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy,
+            bool(return_entropy))
     if logp.numel() and can_read_back(logp) and bool(torch.isnan(logp).any()):
         # torch.multinomial refuses such a row too: there is no distribution to draw from.
         row = int(torch.isnan(logp).nonzero()[0, 0])
