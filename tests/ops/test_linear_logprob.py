@@ -804,3 +804,19 @@ def test_logp_alone_skips_the_entropy_and_keeps_the_bits(backend, dtype, gen):
         (out[0] if entropy else out).sum().backward()
         grads.append(hh.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_small_batches_read_gemm_logits_with_the_fused_kernels_bits(dtype, gen):
+    # N <= small_n takes the logits from the GEMM backend and runs the same statistics
+    # over them: a row alone (that route) equals the row in a batch (the fused kernel).
+    from rlkernels.ops.linear_logprob import FUSED_INTERPRETER
+
+    n = FUSED_INTERPRETER.small_n * 3 + 1
+    h, w, b, t = _data(n, 40, 2 * 2048 + 77, dtype, gen)
+    whole = linear_logprob(h, w, t, b, temperature=0.7, return_entropy=True, backend="triton")
+    for r in (0, n // 2, n - 1):
+        alone = linear_logprob(h[r:r + 1], w, t[r:r + 1], b, temperature=0.7, return_entropy=True,
+                               backend="triton")
+        assert all(torch.equal(a, x[r:r + 1]) for a, x in zip(alone, whole))

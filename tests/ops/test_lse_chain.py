@@ -112,7 +112,7 @@ def test_log_softmax_dim_and_empty_shapes(backend, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, F32])
 @pytest.mark.parametrize("n, d, v, temperature", [(1, 2048, 151936, 1.0), (37, 4096, 32003, 0.7),
                                                   (300, 1024, 50257, 1.0)])
 def test_gpu_log_softmax_of_the_heads_logits_is_linear_logprob(dtype, n, d, v, temperature, gen):

@@ -79,15 +79,19 @@ if triton is not None:
 
     @triton.jit
     def fwd_partial_kernel(
-        h_ptr, w_ptr, b_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, tile_m_ptr, tile_s_ptr,
+        h_ptr, w_ptr, b_ptr, z_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, tile_m_ptr, tile_s_ptr,
         N, V, D, temperature,
-        stride_hn, stride_hd, stride_wv, stride_wd,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_zn,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_TILES: tl.constexpr, ENTROPY: tl.constexpr,
+        LOGITS: tl.constexpr,
     ):
         """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target.
 
+        LOGITS: the raw logits h W^T + b are read from ``z_ptr`` ([N, V] fp32, row stride
+        ``stride_zn``: the same canonical chain, computed by the GEMM) instead of computed
+        here; every step after them is the same code, so the same bits.
         Without ENTROPY, u is not computed (stored as 0): (m, s) are the same chain.
         STORE_TILES: every tile's running max after it and its own sum of e^(z - that max)
         too, at [row, split * SPLIT_V / BLOCK_V + tile] (the sampler's first level)."""
@@ -108,10 +112,15 @@ if triton is not None:
         # Tiles in ascending column order: the row's statistics are one fixed chain.
         for j in range(0, n_tiles):
             offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
-            z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
-                             temperature, stride_hn, stride_hd, stride_wv, stride_wd,
-                             HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
             col_ok = offs_v < V
+            if LOGITS:
+                z = tl.load(z_ptr + rm[:, None] * stride_zn + offs_v[None, :].to(tl.int64), mask=col_ok[None, :],
+                            other=0.0)
+                z = scale_by_temperature(z, temperature, TEMP, BLOCK_M, BLOCK_V)
+            else:
+                z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
+                                temperature, stride_hn, stride_hd, stride_wv, stride_wd,
+                                HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
             # At most one column matches: the sum is that logit exactly. Taken first so
             # z's registers can be reused by the statistics below.
             zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)

@@ -379,6 +379,13 @@ class FusedConfig:
     persistent: bool = False
     # Backward g kernel, with TMA loads: g stored by TMA too where its layout allows.
     tma_store: bool = False
+    # Forward at N <= small_n rows: the logits [N, V] fp32 by the GEMM backend (the same
+    # canonical chain, decode-tuned tiles over all of V), then the statistics over them in
+    # blocks of small_block_m rows. At small N the fused kernel has one token block and
+    # V / 2048 programs; the GEMM spreads the weight read over the whole GPU. The bits are
+    # the fused kernel's either way (tests/ops/test_linear_logprob.py, on the GPU too).
+    small_n: int = 64
+    small_block_m: int = 16
 
     def __post_init__(self) -> None:
         if self.block_v != LSE_TILE:
@@ -412,7 +419,7 @@ FUSED_FP32 = FusedConfig(32, 256, 32, group_m=8, num_warps=8, num_stages=2)
 # BLOCK_K = 16 as the interpreter's GEMM config: the interpreter sums a whole BLOCK_K
 # per step, so the logits are rlkernels.linear's bits (as on the GPU, where the tensor
 # cores' 16-wide K step is the same in every tile).
-FUSED_INTERPRETER = FusedConfig(1, 256, 16, group_m=1, num_warps=4, num_stages=1)
+FUSED_INTERPRETER = FusedConfig(1, 256, 16, group_m=1, num_warps=4, num_stages=1, small_n=4, small_block_m=1)
 
 
 def fused_config(dtype: torch.dtype) -> FusedConfig:
@@ -477,19 +484,28 @@ class TritonLinearLogprobBackend:
         if N == 0:
             return m, s, u, zt
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
-        h_arg, w_arg, tma = self._operands(h2, weight, cfg)
-        grid = (cdiv(N, cfg.block_m) * n_split,)
         temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
         tile_m, tile_s = pieces if pieces is not None else (m, m)
+        if N <= cfg.small_n:
+            logits = gemm_backend_for(h2.device, "triton").gemm(h2, weight, bias=bias, out_dtype=torch.float32,
+                                                                b_transposed=True)
+            h_arg, w_arg, tma, block_m, group_m = h2, weight, False, cfg.small_block_m, 1
+            num_warps, num_stages = 4, 2
+        else:
+            logits = m  # unread
+            h_arg, w_arg, tma = self._operands(h2, weight, cfg)
+            block_m, group_m, num_warps, num_stages = cfg.block_m, cfg.group_m, cfg.num_warps, cfg.num_stages
         _launch_fwd_partial(
-            grid,
-            (h_arg, w_arg, bias if bias is not None else h2, tgt, m, s, u, zt, tile_m, tile_s,
+            (cdiv(N, block_m) * n_split,),
+            (h_arg, w_arg, bias if bias is not None else h2, logits, tgt, m, s, u, zt, tile_m, tile_s,
              N, vocab, D, temp_arg,
-             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
-            # HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M, STORE_TILES, ENTROPY
+             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), logits.stride(0)),
+            # HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M, STORE_TILES, ENTROPY,
+            # LOGITS
             (bias is not None, temp_mode, h2.dtype == torch.float32, D % cfg.block_k == 0, tma,
-             cfg.split_v, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m, pieces is not None, entropy),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+             cfg.split_v, block_m, cfg.block_v, cfg.block_k, group_m, pieces is not None, entropy,
+             logits is not m),
+            num_warps=num_warps, num_stages=num_stages,
         )
         return m, s, u, zt
 
