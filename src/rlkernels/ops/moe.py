@@ -26,11 +26,12 @@ ascending rank, rounded once (a gather by the inverse permutation, never
 (continuing ``main_grad`` where the parameter has one); the routing weights' gradient
 ``<dOut_t, y_{t,r}>`` is a fixed-order row dot.
 
-Backend: the GEMM backend of the device (``gemm.backends``: Triton / cuBLASLt-no-split on
-GPUs, the torch chain anywhere), one call per expert that received tokens. The per-expert
-token counts are read on the host (one sync per call), so a block does not capture into a
-CUDA graph; a grouped kernel over all experts in one launch can replace the loop behind
-the same Function (docs/design/moe.md).
+Backend: on the Triton backend the forward is two grouped launches over all experts
+(``gemm.grouped``: tiles found on the device from the sorted expert ids, no count read on
+the host, silu * up fused into the gate/up launch on GPUs), so the forward captures into
+a CUDA graph; the torch backend and the backward run one GEMM call per expert that
+received tokens, with the per-expert counts read on the host (docs/design/moe.md). A
+slot's bits are the same on either path: each is the canonical K-chain of its row alone.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ from .activations import silu_chain
 from .matmul import gemm_backend_for, linear, main_grad_target
 from .norms import TorchReductionBackend, TritonReductionBackend, softmax
 from ..gemm.chain import accumulator_dtype
+from ..gemm.grouped import grouped_config, grouped_gemm
+from ..runtime.device import can_read_back
 from ..registry import OpImpl, register
 
 _REDUCTIONS = {"torch": TorchReductionBackend(), "triton": TritonReductionBackend()}
@@ -139,25 +142,49 @@ class _Routing:
     """The (token, rank) slots grouped by expert: slot s = t * k + r.
 
     ``order``: the slots sorted by expert id, stably (ascending slot, hence ascending
-    token, within an expert); ``inverse``: its inverse permutation; ``counts``: the slots
-    of each expert, on the host."""
+    token, within an expert); ``slot_end`` [E] on the device: where each expert's sorted
+    slots end (a search in the sorted ids: no count is read on the host, so the grouped
+    forward launches without a sync). ``counts`` and ``inverse`` are worked out when first
+    asked for: the per-expert loops (the torch backend, the backward) read the counts on
+    the host.
+
+    The expert ids are range-checked before any launch wherever they can be read back
+    (one sync); during a CUDA-graph capture or a torch.compile trace they cannot, and are
+    not checked (an id outside [0, E) then gives that slot garbage, never an access
+    outside the tensors)."""
 
     def __init__(self, index: torch.Tensor, num_experts: int, op: str) -> None:
         flat = index.reshape(-1)
-        bad = (flat < 0) | (flat >= num_experts)
-        # Out-of-range ids counted in an extra bin: the range check and the counts in one sync.
-        binned = torch.where(bad, torch.full_like(flat, num_experts), flat)
-        counts = torch.bincount(binned, minlength=num_experts + 1).tolist()
-        if counts[num_experts]:
-            i = int(bad.nonzero()[0])
-            k = index.shape[1]
-            raise ValueError(f"rlkernels.{op}: top_k_index[{i // k}, {i % k}] = {int(flat[i])} is not an expert "
-                             f"id in [0, {num_experts})")
-        self.counts = counts[:num_experts]
-        self.order = torch.sort(flat, stable=True).indices
-        self.inverse = torch.empty_like(self.order)
-        self.inverse[self.order] = torch.arange(flat.numel(), device=flat.device)
+        if can_read_back(flat):
+            bad = (flat < 0) | (flat >= num_experts)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                k = index.shape[1]
+                raise ValueError(f"rlkernels.{op}: top_k_index[{i // k}, {i % k}] = {int(flat[i])} is not an "
+                                 f"expert id in [0, {num_experts})")
+        sorted_ids, self.order = torch.sort(flat, stable=True)
+        experts = torch.arange(num_experts, device=flat.device, dtype=sorted_ids.dtype)
+        self.slot_end = torch.searchsorted(sorted_ids, experts, right=True)
         self.k = index.shape[1]
+        self.slots = flat.numel()
+        self._counts: list[int] | None = None
+        self._inverse: torch.Tensor | None = None
+
+    @property
+    def counts(self) -> list[int]:
+        """The slots of each expert, on the host (a sync)."""
+        if self._counts is None:
+            ends = self.slot_end.tolist()
+            self._counts = [end - start for start, end in zip([0] + ends[:-1], ends)]
+        return self._counts
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        """The inverse permutation of ``order``."""
+        if self._inverse is None:
+            self._inverse = torch.empty_like(self.order)
+            self._inverse[self.order] = torch.arange(self.slots, device=self.order.device)
+        return self._inverse
 
     def spans(self):
         """(expert, start, end) over the sorted slots, for every expert that received any."""
@@ -179,7 +206,24 @@ def _sum_ranks(slots: torch.Tensor, weights: torch.Tensor | None = None) -> torc
 def experts_forward(gemm_backend, x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, routing: _Routing, keep: bool):
     """The combined fp32 output [T, H] and, with ``keep``, what the backward reads:
-    (gate_up outputs in sorted slot order [T*k, 2I] in x's dtype, y in slot order [T*k, H] fp32)."""
+    (gate_up outputs in sorted slot order [T*k, 2I] in x's dtype, y in slot order [T*k, H] fp32).
+
+    The Triton backend runs each projection as one grouped launch over all experts
+    (:func:`grouped_experts_forward`), the torch backend one GEMM per expert
+    (:func:`per_expert_forward`); a slot's bits are the same either way."""
+    if gemm_backend.name == "triton":
+        y, gu_sorted = grouped_experts_forward(x, gate_up, down, routing, keep)
+    else:
+        y, gu_sorted = per_expert_forward(gemm_backend, x, gate_up, down, routing, keep)
+    T, H = x.shape
+    out = _sum_ranks(y.view(T, routing.k, H), weights.to(y.dtype))
+    return out, (gu_sorted, y if keep else None)
+
+
+def per_expert_forward(gemm_backend, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                       routing: _Routing, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y in slot order [T*k, H] fp32, gate_up outputs in sorted slot order or None): three
+    GEMMs per expert that received tokens, the counts read on the host."""
     T, H = x.shape
     k = routing.k
     inter = down.shape[2]
@@ -194,9 +238,35 @@ def experts_forward(gemm_backend, x: torch.Tensor, weights: torch.Tensor, gate_u
         h = _silu(gu[:, :inter]) * gu[:, inter:]
         # fp32 out: the canonical chain's sums, rounded once after the combine, not here.
         y_sorted[s0:s1] = gemm_backend.gemm(h, down[e], b_transposed=True, out_dtype=acc)
-    y = y_sorted.index_select(0, routing.inverse)  # back to (token, rank) slots: a gather
-    out = _sum_ranks(y.view(T, k, H), weights.to(acc))
-    return out, (gu_sorted, y if keep else None)
+    return y_sorted.index_select(0, routing.inverse), gu_sorted  # back to (token, rank) slots: a gather
+
+
+def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, routing: _Routing,
+                            keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`per_expert_forward`'s results from two grouped launches and no host sync.
+
+    gate_up: A's row of a sorted slot is its token's row of x, gathered in the kernel (no
+    [T*k, H] copy). On CUDA the same launch applies ``silu(gate) * up`` (the bits of
+    ATen's silu and mul, which ``_silu`` runs there) and writes h once; under the
+    interpreter ``_silu``'s CPU chain uses torch's exp, which the interpreter's numpy exp
+    does not match bit for bit, so h is made from the stored gate_up outputs as in the
+    per-expert loop. down: each sorted slot's row is written straight to its (token, rank)
+    slot, fp32 (no gather through the inverse permutation)."""
+    k, slots = routing.k, routing.slots
+    inter = down.shape[2]
+    acc = accumulator_dtype(x.dtype)
+    cfg = grouped_config(slots, x.dtype)
+    tokens = routing.order // k
+    if x.is_cuda:
+        h, gu_sorted = grouped_gemm(x, gate_up, routing.slot_end, slots, a_rows=tokens, silu_up=True,
+                                    keep_gate_up=keep, config=cfg)
+    else:
+        gu_sorted, _ = grouped_gemm(x, gate_up, routing.slot_end, slots, a_rows=tokens, config=cfg)
+        h = _silu(gu_sorted[:, :inter]) * gu_sorted[:, inter:]
+        if not keep:
+            gu_sorted = None
+    y, _ = grouped_gemm(h, down, routing.slot_end, slots, c_rows=routing.order, out_dtype=acc, config=cfg)
+    return y, gu_sorted
 
 
 def _expert_grads(gemm_backend, param: torch.Tensor, need: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
