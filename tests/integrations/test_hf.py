@@ -311,25 +311,6 @@ def test_compile_and_static_cache_generate_keep_the_bits_gpu():
     assert all(torch.equal(a, b) for a, b in zip(dynamic.scores, static.scores))
 
 
-def test_hugging_faces_own_generate_draws_from_the_fp32_logits():
-    # A trained model's logit scale (std ~6), where rounding logits to bf16 moves the argmax
-    # of near-ties and probabilities by percents.
-    model = _tiny("qwen3", dtype=torch.bfloat16, tie_word_embeddings=False)
-    ids = torch.randint(1, 300, (6, 9), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        h = model.model(ids).last_hidden_state
-        model.lm_head.weight.mul_(6.0 / (h @ model.lm_head.weight.T).float().std())
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    patch_model(model)
-    with torch.no_grad():
-        logits = model(ids).logits
-    assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())
-    hf = model.generate(ids, max_new_tokens=12, do_sample=False)
-    ours, _ = rlkernels.generate(model, ids, max_new_tokens=12)
-    assert torch.equal(hf, ours)
-
-
 def _scaled_patched_qwen3(dtype, device="cpu", **over):
     """A patched tiny Qwen3 whose head gives a trained model's logit scale (std ~6)."""
     model = _tiny("qwen3", dtype=dtype, device=device, tie_word_embeddings=False, **over)
@@ -341,6 +322,18 @@ def _scaled_patched_qwen3(dtype, device="cpu", **over):
     model.generation_config.pad_token_id = 0
     patch_model(model)
     return model, ids
+
+
+def test_hugging_faces_own_generate_draws_from_the_fp32_logits():
+    # A trained model's logit scale (std ~6), where rounding logits to bf16 moves the argmax
+    # of near-ties and probabilities by percents.
+    model, ids = _scaled_patched_qwen3(torch.bfloat16)
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())
+    hf = model.generate(ids, max_new_tokens=12, do_sample=False)
+    ours, _ = rlkernels.generate(model, ids, max_new_tokens=12)
+    assert torch.equal(hf, ours)
 
 
 def _hf_scores_match_token_logprobs(model, ids, **sampling):

@@ -207,3 +207,15 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
+
+
+def only_arg(value: str, workloads: tuple[str, ...]) -> tuple[str, ...]:
+    """``--only a,b``: the named workloads, each one of ``workloads`` (argparse's error otherwise)."""
+    import argparse
+
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    bad = [n for n in names if n not in workloads]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown workload(s) {', '.join(map(repr, bad)) or repr(value)}; "
+                                         f"expected a comma-separated list of {', '.join(workloads)}")
+    return names

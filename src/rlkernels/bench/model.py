@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from ..integrations.hf import generate as rlk_generate, patch_model, token_logprobs
-from .common import fixed_call_times_ms, print_table, write_json
+from .common import fixed_call_times_ms, only_arg, print_table, write_json
 
 NEEDS_CUDA = False  # `--device cpu --config tiny` runs anywhere; the CUDA default is checked at parse time
 
@@ -117,12 +117,7 @@ def _device_arg(value: str) -> str:
 
 
 def _only_arg(value: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in value.split(",") if n.strip())
-    bad = [n for n in names if n not in WORKLOADS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown workload(s) {', '.join(map(repr, bad)) or repr(value)}; "
-                                         f"expected a comma-separated list of {', '.join(WORKLOADS)}")
-    return names
+    return only_arg(value, WORKLOADS)
 
 
 def _positive(value: str) -> int:

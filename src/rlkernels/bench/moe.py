@@ -41,7 +41,7 @@ from torch import nn
 from ..integrations import hf_moe
 from ..integrations.hf import patch_model
 from . import model as whole
-from .common import fixed_call_times_ms, interleaved_median_ms, print_table, write_json
+from .common import fixed_call_times_ms, interleaved_median_ms, only_arg, print_table, write_json
 
 NEEDS_CUDA = False  # --device cpu runs the tiny shapes anywhere
 
@@ -75,12 +75,7 @@ def _tokens_arg(value: str) -> tuple[int, ...]:
 
 
 def _only_arg(value: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in value.split(",") if n.strip())
-    bad = [n for n in names if n not in WORKLOADS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown workload(s) {', '.join(map(repr, bad)) or repr(value)}; "
-                                         f"expected a comma-separated list of {', '.join(WORKLOADS)}")
-    return names
+    return only_arg(value, WORKLOADS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
