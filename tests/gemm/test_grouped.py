@@ -1,6 +1,7 @@
 """The grouped GEMM over experts: every sorted slot's row has the bits of ``rlkernels.linear``
 on its token row alone with its expert's weight; the fused silu * up has the unfused
-path's bits; ``moe_experts`` on the grouped kernels equals the per-expert loop."""
+path's bits; ``moe_experts`` on the grouped kernels equals the per-expert loop, forward and
+backward (dh and dX through the transposed weight views)."""
 from __future__ import annotations
 
 import numpy as np
@@ -135,6 +136,111 @@ def test_moe_experts_grouped_equals_the_per_expert_loop(dtype, keep):
     assert (gu is None) == (not keep) and (gu is None or torch.equal(gu, gu_loop))
 
 
+# ---------------------------------------------------------------- backward (interpreter)
+
+
+def _backward_case(T, E, k, H, I, dtype, seed=0, crowd=None):  # noqa: E741
+    """What :func:`moe_ops.experts_backward` reads: x, weights, gate_up, down, routing, the
+    kept gate/up outputs (sorted slot order) and g = dOut fp32."""
+    x, gate_up, index = _case(T, E, k, H, 2 * I, dtype, seed=seed, crowd=crowd)
+    gen = torch.Generator().manual_seed(seed + 100)
+    down = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(dtype)
+    weights = torch.softmax(torch.randn(T, k, generator=gen), -1)
+    g = torch.randn(T, H, generator=gen).to(dtype).float()
+    routing = moe_ops._Routing(index, E, "test")
+    _, gu_sorted = moe_ops.grouped_experts_forward(x, gate_up, down, routing, True)
+    return x, weights, gate_up, down, index, routing, gu_sorted, g
+
+
+def _both_backwards(case, needs):
+    from rlkernels.gemm.backends import TritonGemmBackend
+    x, weights, gate_up, down, _, routing, gu_sorted, g = case
+    return [moe_ops.experts_backward(TritonGemmBackend(), g, x, weights, gate_up, down, gu_sorted, routing, needs,
+                                     grouped=grouped) for grouped in (True, False)]
+
+
+BACKWARD_CASES = [
+    (7, 6, 3, 20, 6, None),    # T prime, half the experts empty, H and I not multiples of the tile
+    (5, 4, 1, 19, 11, 2),      # top-1, one expert receives every token
+    (11, 9, 3, 18, 5, 4),      # one expert crowded (all 11 tokens), the others sparse
+    (1, 5, 2, 17, 7, None),    # one token
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T, E, k, H, I, crowd", BACKWARD_CASES)
+def test_grouped_backward_equals_the_per_expert_backward(dtype, T, E, k, H, I, crowd):  # noqa: E741
+    case = _backward_case(T, E, k, H, I, dtype, crowd=crowd)
+    (dx, dgu, ddown), (dx_loop, dgu_loop, ddown_loop) = _both_backwards(case, (True, True, True))
+    assert dx.dtype == dtype and dx.shape == (T, H) and torch.equal(dx, dx_loop)
+    assert torch.equal(dgu, dgu_loop) and torch.equal(ddown, ddown_loop)
+    # dX alone (no weight gradient: the grouped path reads no count), and each weight alone.
+    only = ((True, False, False), (False, True, False), (False, False, True)) if k == 1 else ((True, False, False),)
+    for needs in only:
+        got, want = _both_backwards(case, needs)
+        for a, b, ref in zip(got, want, (dx, dgu, ddown)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b) and torch.equal(a, ref)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_grouped_gemms_are_matmul_of_each_row_alone(dtype):
+    """dh = dY @ down_e and dX = dgu @ gate_up_e through the transposed weight views: each
+    sorted slot's row is ``rlkernels.matmul`` of its row alone, fp32 out (the per-expert
+    backward's calls), on the interpreter tile and on a multi-row tile."""
+    E, I, H = 5, 9, 21  # noqa: E741
+    x, gate_up, index = _case(8, E, 3, H, 2 * I, dtype, seed=11, crowd=1)
+    down = (torch.randn(E, H, I, generator=torch.Generator().manual_seed(12)) / I ** 0.5).to(dtype)
+    routing = moe_ops._Routing(index, E, "test")
+    experts = index.reshape(-1)[routing.order].tolist()
+    dy = torch.randn(routing.slots, H, generator=torch.Generator().manual_seed(13)).to(dtype)
+    dgu = torch.randn(routing.slots, 2 * I, generator=torch.Generator().manual_seed(14)).to(dtype)
+    for config in (None, WIDE_ROWS):
+        dh, _ = grouped_gemm(dy, down.mT, routing.slot_end, routing.slots, out_dtype=torch.float32, config=config)
+        dx, _ = grouped_gemm(dgu, gate_up.mT, routing.slot_end, routing.slots, c_rows=routing.order,
+                             out_dtype=torch.float32, config=config)
+        for s, e in enumerate(experts):
+            assert torch.equal(dh[s], rlkernels.matmul(dy[s:s + 1], down[e], out_dtype=torch.float32,
+                                                       backend="triton")[0]), (s, e)
+            slot = int(routing.order[s])
+            assert torch.equal(dx[slot], rlkernels.matmul(dgu[s:s + 1], gate_up[e], out_dtype=torch.float32,
+                                                          backend="triton")[0]), (s, e)
+
+
+def _moe_grads(x, index, weights, gate_up, down, grad, only_x=False):
+    leaves = [t.detach().clone().requires_grad_(not only_x or i == 0)
+              for i, t in enumerate((x, weights, gate_up, down))]
+    out = rlkernels.ops.moe.moe_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], backend="triton")
+    out.backward(grad)
+    return [t.grad for t in leaves]
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_backward_twice_and_a_tokens_dx_alone(dtype):
+    x, weights, gate_up, down, index, _, _, g = _backward_case(7, 6, 3, 16, 6, dtype, seed=4, crowd=3)
+    grad = g.to(dtype)
+    first = _moe_grads(x, index, weights, gate_up, down, grad)
+    second = _moe_grads(x, index, weights, gate_up, down, grad)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    only_x = _moe_grads(x, index, weights, gate_up, down, grad, only_x=True)
+    assert torch.equal(only_x[0], first[0]) and only_x[2] is None
+    for t in (0, 3, 6):
+        alone = _moe_grads(x[t:t + 1], index[t:t + 1], weights[t:t + 1], gate_up, down, grad[t:t + 1], only_x=True)
+        assert torch.equal(alone[0][0], first[0][t]), t
+
+
+@interpreter_only
+def test_moe_backward_of_no_tokens():
+    x, weights, gate_up, down, index, _, _, g = _backward_case(3, 4, 2, 16, 8, torch.float32)
+    dx, dw, dgu, ddown = _moe_grads(x[:0], index[:0], weights[:0], gate_up, down, g[:0])
+    assert dx.shape == (0, 16) and dw.shape == (0, 2)
+    assert not dgu.any() and not ddown.any()
+
+
 # ---------------------------------------------------------------- GPU
 
 QWEN3_30B_A3B = dict(H=2048, E=128, k=8, I=768)
@@ -212,3 +318,48 @@ def test_grouped_forward_captures_into_a_cuda_graph_gpu():
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [16, 4096])
+def test_grouped_moe_backward_gpu(dtype, T):
+    """The grouped backward's dX (and the weight gradients beside it) equal the per-expert
+    backward's bit for bit; dh's rows are ``rlkernels.matmul`` of each row alone; a token's
+    dX is the same alone and in the batch."""
+    from rlkernels.gemm.backends import TritonGemmBackend
+    x, gate_up, down, index, weights = _gpu_layer(T, dtype)
+    E, k = gate_up.shape[0], index.shape[1]
+    routing = moe_ops._Routing(index, E, "test")
+    _, gu_sorted = moe_ops.grouped_experts_forward(x, gate_up, down, routing, True)
+    g = torch.randn(T, x.shape[1], generator=torch.Generator().manual_seed(1)).to("cuda", dtype).float()
+    runs = {}
+    for needs in ((True, False, False), (True, True, True)):
+        for grouped in (True, False):
+            runs[needs, grouped] = moe_ops.experts_backward(TritonGemmBackend(), g, x, weights, gate_up, down,
+                                                            gu_sorted, routing, needs, grouped=grouped)
+    full, full_loop = runs[(True, True, True), True], runs[(True, True, True), False]
+    assert all(torch.equal(a, b) for a, b in zip(full, full_loop))
+    assert torch.equal(runs[(True, False, False), True][0], full[0])
+    assert torch.equal(runs[(True, False, False), False][0], full[0])
+    # dh through the transposed down view: each sampled slot's row is matmul of the row alone.
+    acc = torch.float32
+    dy_sorted = (weights[:, :, None] * g[:, None, :]).view(T * k, -1).index_select(0, routing.order).to(dtype)
+    dh, _ = grouped_gemm(dy_sorted, down.mT, routing.slot_end, routing.slots, out_dtype=acc)
+    experts = index.reshape(-1)[routing.order].tolist()
+    for s in sorted({0, len(experts) // 3, len(experts) // 2, len(experts) - 1}):
+        e = experts[s]
+        assert torch.equal(dh[s], rlkernels.matmul(dy_sorted[s:s + 1], down[e], out_dtype=acc)[0]), (s, e)
+    # Through moe_experts: a token's dX alone equals its row of the batch's.
+    grad = g.to(dtype)
+
+    def dx_of(rows):
+        xr = x[rows].detach().clone().requires_grad_()
+        rlkernels.ops.moe.moe_experts(xr, index[rows], weights[rows], gate_up, down).backward(grad[rows])
+        return xr.grad
+
+    batched = dx_of(slice(0, T))
+    assert torch.equal(batched, dx_of(slice(0, T)))
+    for t in sorted({0, T // 2, T - 1}):
+        assert torch.equal(dx_of(slice(t, t + 1))[0], batched[t]), t

@@ -62,7 +62,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, slot_end: torch.Tensor, slots
     """For each sorted slot s of expert e: C[c_rows[s]] = A[a_rows[s]] @ B[e]^T.
 
     a: [R, K] (any strides); b: [E, N', K] (expert weights in nn.Linear layout, any
-    strides); slot_end: [E] int32/int64 on a's device, non-decreasing, the last entry
+    strides: a transposed view ``w.mT`` of [E, K, N] weights gives A @ W[e], which the
+    MoE backward runs); slot_end: [E] int32/int64 on a's device, non-decreasing, the last entry
     ``slots``; a_rows / c_rows: [slots] int64 (None: the slot itself); ``out_rows``: C's
     rows (default ``slots``). ``silu_up``: B's rows are [gate; up] (N' = 2N) and C gets
     h = silu(gate) * up, N columns; with ``keep_gate_up`` the gate and up outputs too, as

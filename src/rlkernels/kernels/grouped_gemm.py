@@ -5,7 +5,9 @@ The slots are sorted by expert; ``slot_end[e]`` (on the device) is the end of ex
 slots. Each program finds its (expert, row tile) from ``slot_end`` itself -- a prefix sum
 of the experts' tile counts over a [BLOCK_E] vector -- so the launch needs no count on the
 host: the grid is an upper bound on the tiles (a function of the slot count, E and
-BLOCK_M) and programs past the last real tile return at once.
+BLOCK_M) and programs past the last real tile return at once. B is read through its
+strides alone, so one kernel serves both orientations: the forward's nn.Linear weights
+([N, K] per expert) and the backward's transposed views ([K, N] per expert, N contiguous).
 
 Every output element is the canonical chain of ``gemm_kernel``: one fp32 accumulator, one
 ascending pass over K in BLOCK_K steps, rounded once. A row's products are its own row's

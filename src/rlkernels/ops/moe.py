@@ -29,9 +29,11 @@ ascending rank, rounded once (a gather by the inverse permutation, never
 Backend: on the Triton backend the forward is two grouped launches over all experts
 (``gemm.grouped``: tiles found on the device from the sorted expert ids, no count read on
 the host, silu * up fused into the gate/up launch on GPUs), so the forward captures into
-a CUDA graph; the torch backend and the backward run one GEMM call per expert that
-received tokens, with the per-expert counts read on the host (docs/design/moe.md). A
-slot's bits are the same on either path: each is the canonical K-chain of its row alone.
+a CUDA graph; the backward's data gradients (dh = dY @ down_e, dX = d gate_up @
+gate_up_e) are two more grouped launches. The weight gradients, and every GEMM on the
+torch backend, run one call per expert that received tokens, with the per-expert counts
+read on the host (docs/design/moe.md). A slot's bits are the same on either path: each
+is the canonical K-chain of its row alone.
 """
 from __future__ import annotations
 
@@ -289,6 +291,110 @@ def _weight_grad(gemm_backend, dy: torch.Tensor, rows: torch.Tensor, grad: torch
         grad[e].copy_(gemm_backend.gemm(dy.t(), rows, out_dtype=grad.dtype))
 
 
+def _silu_backward(dh: torch.Tensor, gu: torch.Tensor, inter: int, acc: torch.dtype,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate_up [n, 2I] in ``dtype``, silu(gate) [n, I]) from dh [n, I] fp32 and the kept
+    gate/up outputs: elementwise, so a row's bits do not depend on which rows are beside it."""
+    gate, up = gu[:, :inter], gu[:, inter:]
+    act = _silu(gate)
+    gf = gate.to(acc)
+    sig = 1 / (1 + torch.exp(-gf))
+    d_gate = dh * up.to(acc) * (sig * (1 + gf * (1 - sig)))
+    d_up = dh * act.to(acc)
+    return torch.cat([d_gate, d_up], dim=-1).to(dtype), act
+
+
+def experts_backward(gemm_backend, g: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor, gu_sorted: torch.Tensor, routing: _Routing,
+                     needs: tuple[bool, bool, bool], grouped: bool):
+    """(dX [T, H] or None, d gate_up or None, d down or None) from g = dOut [T, H] fp32;
+    ``needs``: (dX, d gate_up, d down). The weights' gradients are returned where the
+    parameter has no ``main_grad``; with one they are accumulated into it (None returned).
+
+    ``grouped`` (the Triton backend): dh and dX each one grouped launch over all experts,
+    the silu backward elementwise over all slots at once, dX written straight to the
+    (token, rank) slots; no count is read on the host unless a weight gradient is asked
+    for. Else (:func:`per_expert_backward`) one GEMM per expert. A slot's dh and dX rows
+    are the same canonical chains on either path, so the bits are the same."""
+    need_x, need_gu, need_down = needs
+    T, H = x.shape
+    k = routing.k
+    acc = accumulator_dtype(x.dtype)
+    # d out / d y_{t,r} = w_{t,r} g_t, rounded to x's dtype as a linear's dY is.
+    dy_slots = (weights.to(acc)[:, :, None] * g[:, None, :]).view(T * k, H)
+    dy_sorted = dy_slots.index_select(0, routing.order).to(x.dtype)
+    grad_gu, main_gu = _expert_grads(gemm_backend, gate_up, need_gu)
+    grad_down, main_down = _expert_grads(gemm_backend, down, need_down)
+    run = grouped_backward if grouped else per_expert_backward
+    dx_slots = run(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routing, needs,
+                   (grad_gu, main_gu, grad_down, main_down))
+    grad_x = _sum_ranks(dx_slots.view(T, k, H)).to(x.dtype) if need_x else None
+    return grad_x, grad_gu, grad_down
+
+
+def per_expert_backward(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routing, needs, grads):
+    """dX per slot in (token, rank) slot order [T*k, H] fp32 (None without ``needs[0]``), and
+    the weight gradients into ``grads``: per expert that received tokens, dh = dY @ down_e
+    (``rlkernels.matmul(dy, down[e])``'s chain, fp32), the silu backward, dX = d gate_up @
+    gate_up_e (``rlkernels.matmul(dgu, gate_up[e])``'s chain, fp32), dW over its tokens."""
+    need_x, need_gu, need_down = needs
+    grad_gu, main_gu, grad_down, main_down = grads
+    k = routing.k
+    inter = down.shape[2]
+    acc = accumulator_dtype(x.dtype)
+    rows = x.index_select(0, routing.order // k) if need_gu else None
+    dx_sorted = torch.empty(routing.slots, x.shape[1], dtype=acc, device=x.device) if need_x else None
+    for e, s0, s1 in routing.spans():
+        dy = dy_sorted[s0:s1]
+        gu = gu_sorted[s0:s1]
+        if need_down:
+            _weight_grad(gemm_backend, dy, _silu(gu[:, :inter]) * gu[:, inter:], grad_down, main_down, e)
+        if not (need_x or need_gu):
+            continue
+        dh = gemm_backend.gemm(dy, down[e], out_dtype=acc)  # [n, I]
+        dgu, _ = _silu_backward(dh, gu, inter, acc, x.dtype)
+        if need_gu:
+            _weight_grad(gemm_backend, dgu, rows[s0:s1], grad_gu, main_gu, e)
+        if need_x:
+            dx_sorted[s0:s1] = gemm_backend.gemm(dgu, gate_up[e], out_dtype=acc)
+    # Experts nobody chose leave no slot; every slot of a token holds its expert's dX.
+    return dx_sorted.index_select(0, routing.inverse) if need_x else None
+
+
+def grouped_backward(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routing, needs, grads):
+    """:func:`per_expert_backward`'s results with dh and dX as one grouped launch each.
+
+    The grouped kernel reads B through its strides, so the transposed views
+    ``down.mT`` [E, I, H] and ``gate_up.mT`` [E, H, 2I] make it compute dY @ down_e and
+    d gate_up @ gate_up_e -- the per-expert GEMMs' operands in the per-expert GEMMs'
+    orientation, no copy of a weight. dX rows go straight to their (token, rank) slots.
+    The weight gradients stay per expert (they read the counts on the host)."""
+    need_x, need_gu, need_down = needs
+    grad_gu, main_gu, grad_down, main_down = grads
+    k, slots = routing.k, routing.slots
+    inter = down.shape[2]
+    acc = accumulator_dtype(x.dtype)
+    cfg = grouped_config(slots, x.dtype)
+    dgu = act = None
+    if need_x or need_gu:
+        dh, _ = grouped_gemm(dy_sorted, down.mT, routing.slot_end, slots, out_dtype=acc, config=cfg)
+        dgu, act = _silu_backward(dh, gu_sorted, inter, acc, x.dtype)
+    if need_gu or need_down:
+        if act is None:
+            act = _silu(gu_sorted[:, :inter])
+        h = act * gu_sorted[:, inter:]
+        rows = x.index_select(0, routing.order // k) if need_gu else None
+        for e, s0, s1 in routing.spans():
+            if need_down:
+                _weight_grad(gemm_backend, dy_sorted[s0:s1], h[s0:s1], grad_down, main_down, e)
+            if need_gu:
+                _weight_grad(gemm_backend, dgu[s0:s1], rows[s0:s1], grad_gu, main_gu, e)
+    if not need_x:
+        return None
+    dx, _ = grouped_gemm(dgu, gate_up.mT, routing.slot_end, slots, c_rows=routing.order, out_dtype=acc, config=cfg)
+    return dx
+
+
 class _MoeExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, index, gemm_backend, out_dtype):  # type: ignore[override]
@@ -305,9 +411,7 @@ class _MoeExpertsFunction(torch.autograd.Function):
         need_x, need_w, need_gu, need_down = ctx.needs_input_grad[:4]
         T, H = x.shape
         k = routing.k
-        inter = down.shape[2]
-        acc = accumulator_dtype(x.dtype)
-        g = grad_out.to(acc)
+        g = grad_out.to(accumulator_dtype(x.dtype))
         grad_w = None
         if need_w:
             # d out_t / d w_{t,r} = y_{t,r}: one fixed-order dot per slot.
@@ -316,36 +420,9 @@ class _MoeExpertsFunction(torch.autograd.Function):
             grad_w = reduce.row_dot(g_slots, y).view(T, k).to(weights.dtype)
         grad_x = grad_gu = grad_down = None
         if need_x or need_gu or need_down:
-            # d out / d y_{t,r} = w_{t,r} g_t, rounded to x's dtype as a linear's dY is.
-            dy_slots = (weights.to(acc)[:, :, None] * g[:, None, :]).view(T * k, H)
-            dy_sorted = dy_slots.index_select(0, routing.order).to(x.dtype)
-            rows = x.index_select(0, routing.order // k) if (need_gu or need_down) else None
-            grad_gu, main_gu = _expert_grads(gemm_backend, gate_up, need_gu)
-            grad_down, main_down = _expert_grads(gemm_backend, down, need_down)
-            dx_sorted = torch.empty(T * k, H, dtype=acc, device=x.device) if need_x else None
-            for e, s0, s1 in routing.spans():
-                dy = dy_sorted[s0:s1]
-                gu = gu_sorted[s0:s1]
-                gate, up = gu[:, :inter], gu[:, inter:]
-                act = _silu(gate)
-                if need_down:
-                    _weight_grad(gemm_backend, dy, act * up, grad_down, main_down, e)
-                if not (need_x or need_gu):
-                    continue
-                dh = gemm_backend.gemm(dy, down[e], out_dtype=acc)  # [n, I]
-                gf = gate.to(acc)
-                sig = 1 / (1 + torch.exp(-gf))
-                d_gate = dh * up.to(acc) * (sig * (1 + gf * (1 - sig)))
-                d_up = dh * act.to(acc)
-                dgu = torch.cat([d_gate, d_up], dim=-1).to(x.dtype)
-                if need_gu:
-                    _weight_grad(gemm_backend, dgu, rows[s0:s1], grad_gu, main_gu, e)
-                if need_x:
-                    dx_sorted[s0:s1] = gemm_backend.gemm(dgu, gate_up[e], out_dtype=acc)
-            if need_x:
-                # Experts nobody chose leave no slot; every slot of a token holds its expert's dX.
-                dx_slots = dx_sorted.index_select(0, routing.inverse).view(T, k, H)
-                grad_x = _sum_ranks(dx_slots).to(x.dtype)
+            grad_x, grad_gu, grad_down = experts_backward(
+                gemm_backend, g, x, weights, gate_up, down, gu_sorted, routing, (need_x, need_gu, need_down),
+                grouped=gemm_backend.name == "triton")
         return grad_x, grad_w, grad_gu, grad_down, None, None, None
 
 
