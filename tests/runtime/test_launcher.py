@@ -314,7 +314,7 @@ def test_cached_launcher_compiles_once_per_key_then_calls_the_kernel_directly(mo
             return launch
 
     monkeypatch.setattr(_launch, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 4321, raising=False)
+    monkeypatch.setattr(_launch, "current_raw_stream", lambda device: 4321)
     monkeypatch.setattr(_launch, "launch_hooks_active", lambda: False)
     launcher = _launch.CachedLauncher(FakeJitFunction())
     launcher.enabled = True

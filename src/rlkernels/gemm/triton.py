@@ -24,7 +24,7 @@ import torch
 
 from ..kernels._triton import cdiv
 from ..runtime import l2_window
-from ..runtime.launcher import cached_launcher, current_device, kept_launch_key, launch_with_key
+from ..runtime.launcher import cached_launcher, current_device, current_raw_stream, kept_launch_key, launch_with_key
 from .tma import TmaPlan, tma_gemm_planned, tma_layouts
 from ..kernels.gemm import gemm_kernel
 from .table import GemmConfig, gemm_config, swappable
@@ -124,7 +124,7 @@ def _launch_pointer(grid: tuple[int, int], args: tuple, constexprs: tuple, num_w
     it (None: no window)."""
     stream = saved = None
     if window_span is not None:
-        stream = torch._C._cuda_getCurrentRawStream(current_device())  # the launch's stream
+        stream = current_raw_stream(current_device())  # the launch's stream
         saved = l2_window.set_streaming(b, stream, span=window_span)
     try:
         launch_with_key(_launch_gemm, launch_key, grid, args, constexprs, num_warps=num_warps, num_stages=num_stages,

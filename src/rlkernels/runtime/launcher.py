@@ -20,6 +20,11 @@ Triton specializes integers and pointers on (or, for launchers told which argume
 are tensors, each integer's value, which is finer still). Launch hooks (profilers such as
 proton) and ``RLKERNELS_FAST_LAUNCH=0`` (read when rlkernels is imported) take the
 normal path every time.
+
+Both the positional ``CompiledKernel.run`` call and the copy of Triton's specialization
+rules are private to Triton, so the cached launch is on only for the Triton releases it
+was tested with on a GPU (``_versions.FAST_PATHS["triton_launch"]``); with any other
+Triton every launch is ``kernel[grid](...)``, and ``rlkernels info`` says so.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 
 from .._env import switch_on, triton_interpret
+from .._versions import fast_path
 from ..kernels._triton import GluonTensorDescriptor, triton
 
 FAST_LAUNCH_ENV = "RLKERNELS_FAST_LAUNCH"
@@ -51,8 +57,19 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 DEFAULT_NUM_STAGES = 3
 
 
+def fast_launch_status() -> tuple[bool, str]:
+    """(on, why) for the cached launch: the one decision every CachedLauncher takes at birth."""
+    if _knobs is None:
+        return False, "Triton without triton.knobs (< 3.4 or absent): launch hooks can't be seen"
+    if not switch_on(FAST_LAUNCH_ENV):
+        return False, f"{FAST_LAUNCH_ENV}=0"
+    if triton_interpret():
+        return False, "TRITON_INTERPRET: the interpreter launches"
+    return fast_path("triton_launch")
+
+
 def fast_launch_enabled() -> bool:
-    return _knobs is not None and switch_on(FAST_LAUNCH_ENV) and not triton_interpret()
+    return fast_launch_status()[0]
 
 
 def _arg_key(arg: Any) -> Any:
@@ -93,9 +110,19 @@ def launch_hooks_active() -> bool:
 # shape); past it the dict starts over, and each key's first call takes Triton's path again.
 MAX_KEYS = 4096
 
-# The current device without torch.cuda.current_device()'s Python wrapper (1-2 us of host
-# time per call on the H100 hosts); only called once CUDA is initialized (a launch).
-current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+def _public_raw_stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# The current device and raw stream without torch.cuda's Python wrappers (1-2 us of host
+# time per call on the H100 hosts), within the torch releases that was run with
+# (_versions.FAST_PATHS["torch_cuda_accessors"]); only called once CUDA is initialized.
+if fast_path("torch_cuda_accessors")[0] and hasattr(torch._C, "_cuda_getDevice"):
+    current_device = torch._C._cuda_getDevice
+    current_raw_stream = torch._C._cuda_getCurrentRawStream
+else:
+    current_device = torch.cuda.current_device
+    current_raw_stream = _public_raw_stream
 
 
 class CachedLauncher:
@@ -156,7 +183,7 @@ class CachedLauncher:
                                               **self.options)
             return
         if stream is None:
-            stream = torch._C._cuda_getCurrentRawStream(key[0])
+            stream = current_raw_stream(key[0])
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                    kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
 
