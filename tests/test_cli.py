@@ -10,7 +10,7 @@ from rlkernels._env import SWITCHES
 from rlkernels.gemm import table as gemm_table
 
 from rlkernels import cli
-from rlkernels._versions import installed_version
+from rlkernels._versions import FAST_PATHS, installed_version
 from rlkernels.gemm import triton as gemm
 
 
@@ -28,6 +28,8 @@ def test_info_lists_versions_backends_and_the_table(capsys):
     for _, _, cfg in gemm_table.GEMM_TABLE_16BIT:
         assert cfg.short() in out
     assert "L2 streaming window" in out
+    for name in FAST_PATHS:  # each gated fast path, on or off
+        assert name in out
     for var in SWITCHES:
         assert var in out
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from ._versions import fast_path
+
 # name -> (effect, when it is read)
 SWITCHES: dict[str, tuple[str, str]] = {
     "RLKERNELS_BACKEND": ("triton / torch / auto: the op backend", "every call"),
@@ -23,8 +25,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
 
 # os.environ.get re-encodes the name and wraps the lookup in three Python calls; the
 # per-call switches are read on every op call, which for decode-size GEMMs is host-bound.
-# On POSIX, os.environ keeps its bytes dict in ``_data`` (updated by every assignment).
-_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+# On POSIX, CPython's os.environ keeps its bytes dict in ``_data`` (updated by every
+# assignment): read directly within the Python versions that fast path was run with
+# (_versions.FAST_PATHS["environ_data"]), else through os.environ.get.
+_ENV_DATA = getattr(os.environ, "_data", None) if fast_path("environ_data")[0] else None
 
 
 def env_get(name: str) -> str | None:

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ._versions import installed_version
@@ -53,6 +54,13 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
         switches.add_row(var, env_get(var) or "(unset)", effect, read)
     console.print(switches)
 
+    paths = Table(title="fast paths through private internals (on only where tested; else the public API)")
+    for col in ("fast path", "state", "why", "does"):
+        paths.add_column(col, overflow="fold")
+    for name, on, why, what in fast_path_rows():
+        paths.add_row(name, "[green]on[/]" if on else "[yellow]off[/]", escape(why), escape(what))
+    console.print(paths)
+
     device = torch.device(args.device or _default_device())
     ops = Table(title=f"backend per op on {device}")
     for col in ("op", "backends", "selected", "why"):
@@ -94,6 +102,32 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
         for key, ok in cublaslt.verification_report().items():
             console.print(f"  verified {key}: {'same bits as the Triton chain' if ok else 'DIFFERENT bits -> Triton only'}")
     return 0
+
+
+def fast_path_rows() -> list[tuple[str, bool, str, str]]:
+    """(name, on, why, what) for each gated fast path, as the modules that use it decided."""
+    import torch
+
+    from . import _env
+    from ._versions import FAST_PATHS, fast_path
+    from .gemm import cublaslt
+    from .runtime import launcher
+
+    state = {
+        "triton_launch": launcher.fast_launch_status(),
+        "torch_cuda_accessors": (launcher.current_device is not torch.cuda.current_device, None),
+        "torch_cublas_flags": (cublaslt.FLAGS.direct, None),
+        "environ_data": (_env._ENV_DATA is not None, None),
+    }
+    rows = []
+    for name, gate in FAST_PATHS.items():
+        on, why = state[name]
+        if why is None:
+            gated_on, why = fast_path(name)
+            if gated_on and not on:
+                why = f"this {gate.package} lacks the internals it uses"
+        rows.append((name, on, why, gate.what))
+    return rows
 
 
 def _op_dtypes(dtype: str | None, device: Any) -> tuple[Any, ...]:

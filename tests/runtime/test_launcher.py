@@ -314,7 +314,7 @@ def test_cached_launcher_compiles_once_per_key_then_calls_the_kernel_directly(mo
             return launch
 
     monkeypatch.setattr(_launch, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 4321, raising=False)
+    monkeypatch.setattr(_launch, "current_raw_stream", lambda device: 4321)
     monkeypatch.setattr(_launch, "launch_hooks_active", lambda: False)
     launcher = _launch.CachedLauncher(FakeJitFunction())
     launcher.enabled = True
@@ -381,3 +381,73 @@ def test_tma_launch_plans_give_the_full_paths_bits(monkeypatch):
                 plans = list(gemm._PLANS.values())
                 assert len(plans) == 1 and isinstance(plans[0], gemm_tma.TmaPlan)
     assert len(checked) >= 36
+
+
+# ---------------------------------------------------------------- constexprs by name
+
+def _production_launchers():
+    import importlib
+
+    found = []
+    for mod in ("ops.bmm", "ops.linear_logprob", "ops.lse_chain", "ops.linear_sample", "ops.attention", "ops.norms",
+                "gemm.triton", "gemm.tma", "gemm.grouped", "gemm.ktree"):
+        m = importlib.import_module(f"rlkernels.{mod}")
+        for name, value in vars(m).items():
+            for launcher in (value.values() if isinstance(value, dict) else (value,)):
+                if isinstance(launcher, _launch.CachedLauncher):
+                    found.append((f"{mod}.{name}", launcher))
+    return found
+
+
+def test_every_launcher_knows_its_kernels_constexpr_names():
+    launchers = _production_launchers()
+    assert len(launchers) >= 20
+    for name, launcher in launchers:
+        assert launcher.constexpr_names, name
+        # The interpreter's wrapper (no ``params``) gives the same names from the signature.
+        wrapped = type("Interpreted", (), {"fn": getattr(launcher.fn, "fn", launcher.fn)})()
+        assert _launch.constexpr_names(wrapped) == launcher.constexpr_names, name
+
+
+class _NamedKernel:
+    """A JITFunction stand-in: declared parameters, and kernel[grid](...) recorded."""
+
+    class _Param:
+        def __init__(self, name, is_constexpr):
+            self.name, self.is_constexpr = name, is_constexpr
+
+    __name__ = "named_kernel"
+
+    def __init__(self):
+        self.params = [self._Param(n, n.isupper()) for n in ("x_ptr", "n", "HAS_BIAS", "BLOCK", "IEEE")]
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.calls.append(args) or object()
+
+
+def test_constexprs_by_name_launch_in_declared_order():
+    fn = _NamedKernel()
+    launcher = _launch.CachedLauncher(fn)
+    assert launcher.constexpr_names == ("HAS_BIAS", "BLOCK", "IEEE")
+    launcher.enabled = False
+    x = torch.randn(4)
+    launcher((1,), (x, 3), dict(IEEE=False, HAS_BIAS=True, BLOCK=64), num_warps=4, num_stages=3)
+    launcher((1,), (x, 3), launcher.ordered(dict(BLOCK=64, IEEE=False, HAS_BIAS=True)), num_warps=4, num_stages=3)
+    assert [c[2:] for c in fn.calls] == [(True, 64, False)] * 2
+    one = _launch.CachedLauncher(type("K", (), {"params": fn.params[:3]})())
+    assert one.ordered({"HAS_BIAS": 1}) == (1,)
+
+
+@pytest.mark.parametrize("constexprs,missing,extra", [
+    (dict(HAS_BIAS=True, BLOCK=64), ["IEEE"], []),
+    (dict(HAS_BIAS=True, BLOCK=64, IEEE=False, EXTRA=1), [], ["EXTRA"]),
+    (dict(HAS_BIAS=True, BLOCK=64, IEE=False), ["IEEE"], ["IEE"]),
+])
+def test_wrong_constexpr_names_are_refused_by_name(constexprs, missing, extra):
+    launcher = _launch.CachedLauncher(_NamedKernel())
+    launcher.enabled = False
+    with pytest.raises(TypeError) as err:
+        launcher((1,), (torch.randn(4), 3), constexprs, num_warps=4, num_stages=3)
+    msg = str(err.value)
+    assert "named_kernel" in msg and f"missing {missing}" in msg and f"unexpected {extra}" in msg

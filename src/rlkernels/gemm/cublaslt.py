@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from .._versions import fast_path
 from ..runtime import mode_state as _mode_state
 from .triton import triton_gemm
 
@@ -40,8 +41,9 @@ class _FlagAccess:
     that bool back sets allow_splitk to True: a caller who had forbidden split-K
     would find it allowed again after any rlkernels call. The torch._C accessors carry
     the pair (torch >= 2.9) and skip the Python attribute dispatch and parsing, a
-    measurable part of a decode call's host time. Without them (another torch), the
-    public API stands in, the pair assembled from its two attributes.
+    measurable part of a decode call's host time. Without them, or with a torch outside
+    the releases they were run with (``_versions.FAST_PATHS["torch_cublas_flags"]``),
+    the public API stands in, the pair assembled from its two attributes.
     """
 
     _DIRECT = ("_get_cublas_allow_bf16_reduced_precision_reduction", "_set_cublas_allow_bf16_reduced_precision_reduction",
@@ -50,7 +52,7 @@ class _FlagAccess:
 
     def __init__(self) -> None:
         C = torch._C
-        self.direct = (all(hasattr(C, name) for name in self._DIRECT)
+        self.direct = (fast_path("torch_cublas_flags")[0] and all(hasattr(C, name) for name in self._DIRECT)
                        and isinstance(C._get_cublas_allow_bf16_reduced_precision_reduction(), tuple))
         if self.direct:
             self.get_library, self.set_library = C._get_blas_preferred_backend, C._set_blas_preferred_backend

@@ -84,16 +84,16 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, slot_end: torch.Tensor, slots
         return c, gu
     cfg = config or grouped_config(slots, a.dtype)
     grid = (max_row_tiles(slots, E, cfg.block_m) * cdiv(N, cfg.block_n),)
-    # Named order of the launch (the kernel's signature):
+    # Runtime arguments in the kernel's order:
     #   pointers  a, a_rows, b, c, c_rows, gu, slot_end
     #   integers  E, N, K, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
     #             stride_cm, stride_cn, stride_gm, stride_gn
-    #   constexprs GATHER_A, SCATTER_C, SILU_UP, STORE_GU, IEEE, EVEN_K,
-    #             BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E
     g_strides = gu.stride() if gu is not None else (0, 0)
     args = (a, c if a_rows is None else a_rows, b, c, c if c_rows is None else c_rows, c if gu is None else gu,
             slot_end, E, N, K, *a.stride(), *b.stride(), *c.stride(), *g_strides)
-    constexprs = (a_rows is not None, c_rows is not None, silu_up, gu is not None, a.dtype == torch.float32,
-                  K % cfg.block_k == 0, cfg.block_m, cfg.block_n, cfg.block_k, max(16, 1 << (E - 1).bit_length()))
+    constexprs = dict(GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, SILU_UP=silu_up,
+                      STORE_GU=gu is not None, IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      BLOCK_E=max(16, 1 << (E - 1).bit_length()))
     _launch_grouped(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return c, gu

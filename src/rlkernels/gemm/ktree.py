@@ -82,9 +82,8 @@ def ktree_gemm(x2: torch.Tensor, w_nk: torch.Tensor, seg: int, n_seg: int, bias:
         (tiles,),
         (a_desc, b_desc, out, bias.contiguous() if bias is not None else out, scratch, M, N, seg,
          out.stride(0), out.stride(1)),
-        # N_SEG, LEVELS, PAIRS, HAS_BIAS, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
-        (n_seg, levels, pairs, bias is not None, x2.dtype == torch.float32, cfg.block_m, cfg.block_n, cfg.block_k,
-         cfg.group_m),
+        dict(N_SEG=n_seg, LEVELS=levels, PAIRS=pairs, HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -143,8 +143,9 @@ def tma_gemm_planned(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, *, bias:
     grid = (min(sms, num_tiles),) if cfg.persistent else (num_tiles,)
     ints = (M, N, K, out.stride(0), out.stride(1))
     args = (*_descriptors(a, b, out, layouts, c_desc_ok, blocks), out, bias if bias is not None else out, *ints)
-    constexprs = (bias is not None, accumulate, c_desc_ok, a.dtype == torch.float32, a_kmajor, b_kmajor, *blocks,
-                  cfg.group_m, sms, cfg.persistent, cfg.warp_specialize)
+    constexprs = dict(HAS_BIAS=bias is not None, ACC_FROM_C=accumulate, C_DESC=c_desc_ok, IEEE=a.dtype == torch.float32,
+                      A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2],
+                      GROUP_M=cfg.group_m, NUM_SMS=sms, PERSISTENT=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize)
     _launch_tma(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan_b_as_kn is None:
         return out, None

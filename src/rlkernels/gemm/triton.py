@@ -24,7 +24,7 @@ import torch
 
 from ..kernels._triton import cdiv
 from ..runtime import l2_window
-from ..runtime.launcher import cached_launcher, current_device, kept_launch_key, launch_with_key
+from ..runtime.launcher import cached_launcher, current_device, current_raw_stream, kept_launch_key, launch_with_key
 from .tma import TmaPlan, tma_gemm_planned, tma_layouts
 from ..kernels.gemm import gemm_kernel
 from .table import GemmConfig, gemm_config, swappable
@@ -68,7 +68,7 @@ class LaunchPlan:
                  "window_span", "launch_key", "swap_block")
 
     def __init__(self, out_shape: tuple[int, int], out_dtype: torch.dtype, b_as_kn: bool, grid: tuple[int, int],
-                 ints: tuple, constexprs: tuple, cfg: GemmConfig, window_span: int | None,
+                 ints: tuple, constexprs: dict, cfg: GemmConfig, window_span: int | None,
                  launch_key: tuple | None) -> None:
         self.out_shape, self.out_dtype, self.b_as_kn = out_shape, out_dtype, b_as_kn
         self.grid, self.ints, self.constexprs = grid, ints, constexprs
@@ -118,13 +118,13 @@ def plan_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dt
             a.data_ptr() & 15 == 0, b.data_ptr() & 15 == 0, current_device() if a.is_cuda else -1)
 
 
-def _launch_pointer(grid: tuple[int, int], args: tuple, constexprs: tuple, num_warps: int, num_stages: int,
+def _launch_pointer(grid: tuple[int, int], args: tuple, constexprs: dict, num_warps: int, num_stages: int,
                     b: torch.Tensor, window_span: int | None, launch_key: tuple | None = None) -> None:
     """The pointer kernel's launch; ``window_span``: B's bytes, to stream through L2 during
     it (None: no window)."""
     stream = saved = None
     if window_span is not None:
-        stream = torch._C._cuda_getCurrentRawStream(current_device())  # the launch's stream
+        stream = current_raw_stream(current_device())  # the launch's stream
         saved = l2_window.set_streaming(b, stream, span=window_span)
     try:
         launch_with_key(_launch_gemm, launch_key, grid, args, constexprs, num_warps=num_warps, num_stages=num_stages,
@@ -245,8 +245,10 @@ def triton_gemm(
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), Bt)
     args = (a, b, out, bias if bias is not None else out, rowsum if rowsum is not None else out,
             M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn)
-    constexprs = (bias is not None, accumulate, rowsum is not None, a.dtype == torch.float32, K % cfg.block_k == 0,
-                  M < cfg.block_m, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.swap_ab)
+    constexprs = dict(HAS_BIAS=bias is not None, ACC_FROM_C=accumulate, ROWSUM=rowsum is not None,
+                      IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0, MASK_M=M < cfg.block_m,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      SWAPPED=cfg.swap_ab)
     # One row of tiles: each B element is read by one program, once (a decode weight).
     # B's span from the strides at hand (2-D here: no batch axis).
     window_span = (((K - 1) * sbk + (N - 1) * sbn + 1) * b.element_size()

@@ -461,9 +461,8 @@ def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         (ws_programs(tiles, q.device),),
         (qd, kd, vd, od, out, vd.base, lse, *bounds, out.stride(0), vd.strides[0], vd.strides[1], lse.stride(0), hq,
          hq // hkv, lq, lk, k.shape[1], qk_scale, *kxs, *vxs, num_m, tiles),
-        # CAUSAL, BLOCK_N, BLOCK_D, S_SPLIT, STAGES, REVERSE_M, DENSE, CONSUMERS, CONSUMER_REGS
-        (causal, chain.block_n, d, chain.split, WS_STAGES, causal, dense is not None, consumers,
-         consumer_registers(consumers)),
+        dict(CAUSAL=causal, BLOCK_N=chain.block_n, BLOCK_D=d, S_SPLIT=chain.split, STAGES=WS_STAGES, REVERSE_M=causal,
+             DENSE=dense is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_registers(consumers)),
         num_warps=4, num_stages=DEFAULT_NUM_STAGES)
     return True
 
@@ -667,8 +666,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
             (q, k, v, ws, out, lse, q_start, q_len, k_start, k_len,
              q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
              hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add, rows),
-            # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, FINISH
-            (causal, bm, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, finish_here),
+            dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
+                 EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, FINISH=finish_here),
             num_warps=cfg.split_warps, num_stages=cfg.split_stages)
         if not finish_here:
             # The combine's tile is launch detail (an elementwise merge per row and column):
@@ -680,7 +679,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
                 (ws, out, lse, q_start, q_len, k_start, k_len,
                  out.stride(0), out.stride(1), lse.stride(0),
                  hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, k_add),
-                (cm, bd, dc, even_d, is_dense, klen_ptr),  # BLOCK_M, BLOCK_D, BLOCK_DC, EVEN_D, DENSE, KLEN_PTR
+                dict(BLOCK_M=cm, BLOCK_D=bd, BLOCK_DC=dc, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr),
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
     # Not the dense form with per-sequence key counts (k_len + K_ADD, the KV-cache path's):
@@ -695,10 +694,10 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         (q, k, v, out, lse, *descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
          hq, g, d, qk_scale, lq_d, k_add, rows),
-        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, DENSE, KLEN_PTR, REVERSE_M, TMA, ONE_SPLIT
         # (max_k bounds every k_len, as the grid's max_q bounds every q_len)
-        (causal, cfg.block_m, chain.block_n, bd, chain.split, ieee, even_d, is_dense, klen_ptr, causal, tma,
-         max_k <= chain.split),
+        dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
+             EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, REVERSE_M=causal, TMA=tma,
+             ONE_SPLIT=max_k <= chain.split),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
@@ -742,7 +741,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (cdiv(max_q, bm0), nb * hq),
         (out, do, delta, q_start, q_len, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
          hq, d, lq_d),
-        (bm0, bd, d == bd, dense is not None),  # BLOCK_M, BLOCK_D, EVEN_D, DENSE
+        dict(BLOCK_M=bm0, BLOCK_D=bd, EVEN_D=d == bd, DENSE=dense is not None),
         num_warps=DELTA_WARPS, num_stages=DEFAULT_NUM_STAGES)
     lse = lse.contiguous()
     k_strides = _key_strides(k, v)
@@ -754,8 +753,8 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0),
          dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
          hkv, g, d, qk_scale, scale, lq_d, k_add, rows),
-        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, TMA, DENSE
-        (causal, cfg.dkdv_block_m, cfg.dkdv_block_n, bd, ieee, d == bd, q_tma, dense is not None),
+        dict(CAUSAL=causal, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
+             TMA=q_tma, DENSE=dense is not None),
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages)
     *k_descs, k_tma = _tma_descs(use_tma, k, v, cfg.dq_block_n, bd)
     _launch_bwd_dq(
@@ -763,8 +762,8 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (q, k, v, do, lse, delta, dq, *k_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
          hq, g, d, qk_scale, scale, lq_d, k_add, rows),
-        # CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, EVEN_D, REVERSE_M, TMA, DENSE
-        (causal, cfg.dq_block_m, cfg.dq_block_n, bd, ieee, d == bd, causal, k_tma, dense is not None),
+        dict(CAUSAL=causal, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
+             REVERSE_M=causal, TMA=k_tma, DENSE=dense is not None),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     return dq, dk, dv
 

@@ -196,13 +196,11 @@ def _launch_tiny(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TinyC
          a.stride(0), a.stride(1), a.stride(2),
          sbb, sbk, sbn,
          out.stride(0), out.stride(1), out.stride(2)),
-        (_pow2_divisor(M), _pow2_divisor(N), _pow2_divisor(K),  # M_DIV, N_DIV, K_DIV
-         _pow2_divisor(a.stride(1)), _pow2_divisor(a.stride(2)),  # AM_DIV, AK_DIV
-         _pow2_divisor(sbk), _pow2_divisor(sbn),  # BK_DIV, BN_DIV
-         _pow2_divisor(out.stride(1)), _pow2_divisor(out.stride(2)),  # CM_DIV, CN_DIV
-         cfg.group, bm, bn, bk,  # GROUP, BLOCK_M, BLOCK_N, BLOCK_K
-         cfg.use_dot, a.dtype == torch.float32,  # USE_DOT, IEEE
-         cfg.persistent, cfg.num_stages),  # PERSISTENT, STAGES
+        dict(M_DIV=_pow2_divisor(M), N_DIV=_pow2_divisor(N), K_DIV=_pow2_divisor(K),
+             AM_DIV=_pow2_divisor(a.stride(1)), AK_DIV=_pow2_divisor(a.stride(2)), BK_DIV=_pow2_divisor(sbk),
+             BN_DIV=_pow2_divisor(sbn), CM_DIV=_pow2_divisor(out.stride(1)), CN_DIV=_pow2_divisor(out.stride(2)),
+             GROUP=cfg.group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=cfg.use_dot, IEEE=a.dtype == torch.float32,
+             PERSISTENT=cfg.persistent, STAGES=cfg.num_stages),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -500,11 +500,10 @@ class TritonLinearLogprobBackend:
             (h_arg, w_arg, bias if bias is not None else h2, logits, tgt, m, s, u, zt, tile_m, tile_s,
              N, vocab, D, temp_arg,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), logits.stride(0)),
-            # HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, SPLIT_V, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M, STORE_TILES, ENTROPY,
-            # LOGITS
-            (bias is not None, temp_mode, h2.dtype == torch.float32, D % cfg.block_k == 0, tma,
-             cfg.split_v, block_m, cfg.block_v, cfg.block_k, group_m, pieces is not None, entropy,
-             logits is not m),
+            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
+                 EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=block_m, BLOCK_V=cfg.block_v,
+                 BLOCK_K=cfg.block_k, GROUP_M=group_m, STORE_TILES=pieces is not None, ENTROPY=entropy,
+                 LOGITS=logits is not m),
             num_warps=num_warps, num_stages=num_stages,
         )
         return m, s, u, zt
@@ -520,7 +519,7 @@ class TritonLinearLogprobBackend:
         lse = torch.empty_like(logp)
         if N:
             _launch_combine((cdiv(N, COMBINE_BLOCK),), (m, s, u, zt, tgt, logp, ent, lse, N, m.shape[0]),
-                            (COMBINE_BLOCK, entropy), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+                            dict(BLOCK=COMBINE_BLOCK, ENTROPY=entropy), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
         return logp, ent, lse
 
     def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
@@ -549,11 +548,9 @@ class TritonLinearLogprobBackend:
              g_ent if g_ent is not None else g_logp, g_arg,
              N, weight.shape[0], D, v0, v1, temp_arg,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1)),
-            # HAS_BIAS, TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
-            # PERSISTENT, NUM_SMS, G_DESC
-            (bias is not None, temp_mode, g_ent is not None, h2.dtype == torch.float32,
-             D % cfg.block_k == 0, tma, cfg.block_m, cfg.block_v, cfg.block_k, cfg.group_m,
-             cfg.persistent, sms, g_desc),
+            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, HAS_GE=g_ent is not None, IEEE=h2.dtype == torch.float32,
+                 EVEN_D=D % cfg.block_k == 0, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+                 GROUP_M=cfg.group_m, PERSISTENT=cfg.persistent, NUM_SMS=sms, G_DESC=g_desc),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -254,8 +254,8 @@ class TritonLinearSampleBackend:
         counters = (streams, positions) if not greedy else (token, token)  # unread without noise
         blocks = torch.empty(N, dtype=torch.int32, device=dev)
         _launch_block((N,), (*pieces, lse, *counters, blocks, N, vocab, n_tiles, *seeds),
-                      # TILE_V, SAMPLE_BLOCK, NOISE, BLOCK_B
-                      (cfg.block_v, SAMPLE_BLOCK, not greedy, SCAN_BLOCKS), num_warps=4,
+                      dict(TILE_V=cfg.block_v, SAMPLE_BLOCK=SAMPLE_BLOCK, NOISE=not greedy, BLOCK_B=SCAN_BLOCKS),
+                      num_warps=4,
                       num_stages=DEFAULT_NUM_STAGES)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
@@ -264,9 +264,9 @@ class TritonLinearSampleBackend:
             (h2, weight, bias if bias is not None else h2, blocks, *counters, token, zt,
              N, vocab, D, temp_arg, *seeds,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
-            # HAS_BIAS, TEMP, IEEE, EVEN_D, NOISE, BLOCK_M, BLOCK_V, BLOCK_K
-            (bias is not None, temp_mode, h2.dtype == torch.float32, D % cfg.block_k == 0, not greedy,
-             IN_BLOCK_LANES, SAMPLE_BLOCK, cfg.block_k),
+            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
+                 EVEN_D=D % cfg.block_k == 0, NOISE=not greedy, BLOCK_M=IN_BLOCK_LANES, BLOCK_V=SAMPLE_BLOCK,
+                 BLOCK_K=cfg.block_k),
             num_warps=4, num_stages=DEFAULT_NUM_STAGES,
         )
         logp, ent, _ = stats_backend.finish(m, s, u, zt, token, entropy)

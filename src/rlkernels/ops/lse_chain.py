@@ -101,10 +101,11 @@ def _triton_log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
     s_parts = torch.empty_like(m_parts)
     out = torch.empty_like(x)
     grid = (cdiv(M, LOG_SOFTMAX_ROWS), n_split)
-    _launch_partial(grid, (x, m_parts, s_parts, M, R, x.stride(0)), (LOG_SOFTMAX_ROWS, LSE_TILE, LSE_SPLIT),
+    _launch_partial(grid, (x, m_parts, s_parts, M, R, x.stride(0)),
+                    dict(ROWS=LOG_SOFTMAX_ROWS, TILE=LSE_TILE, SPLIT=LSE_SPLIT),
                     num_warps=4, num_stages=2)
     _launch_out(grid, (x, m_parts, s_parts, out, M, R, n_split, x.stride(0), out.stride(0)),
-                (LOG_SOFTMAX_ROWS, LSE_TILE, LSE_SPLIT), num_warps=4, num_stages=2)
+                dict(ROWS=LOG_SOFTMAX_ROWS, TILE=LSE_TILE, SPLIT=LSE_SPLIT), num_warps=4, num_stages=2)
     return out
 
 

@@ -125,7 +125,7 @@ class TritonReductionBackend:
         if R == 0:
             return out.zero_()
         bb = b if b is not None else a
-        _launch_row_dot((M,), (a, bb, out, R, a.stride(0), bb.stride(0)), (b is not None, ROW_BLOCK),
+        _launch_row_dot((M,), (a, bb, out, R, a.stride(0), bb.stride(0)), dict(HAS_B=b is not None, BLOCK=ROW_BLOCK),
                         num_warps=4, num_stages=NUM_STAGES)
         return out
 
@@ -167,8 +167,9 @@ def blocked_col_sum(a: torch.Tensor, out: torch.Tensor, x: torch.Tensor | None =
     xx = x if x is not None else a
     rs = rstd if rstd is not None else a
     _launch_col_partial((P, cdiv(N, COL_BLOCK)), (a, xx, rs, part, M, N, a.stride(0), xx.stride(0)),
-                        (norm, keep_fp32, ROWS_PER_BLOCK, SUM_UNROLL, COL_BLOCK), num_warps=4, num_stages=NUM_STAGES)
-    _launch_col_finish((cdiv(N, COL_BLOCK),), (part, out, P, N), (SUM_UNROLL, COL_BLOCK),
+                        dict(NORM=norm, KEEP_FP32=keep_fp32, ROWS=ROWS_PER_BLOCK, UNROLL=SUM_UNROLL,
+                             BLOCK_N=COL_BLOCK), num_warps=4, num_stages=NUM_STAGES)
+    _launch_col_finish((cdiv(N, COL_BLOCK),), (part, out, P, N), dict(UNROLL=SUM_UNROLL, BLOCK_N=COL_BLOCK),
                        num_warps=4, num_stages=NUM_STAGES)
 
 
@@ -191,7 +192,8 @@ def rms_norm_forward_fused(x2: torch.Tensor, weight: torch.Tensor | None, eps: f
         return y, rstd
     w = weight.contiguous() if weight is not None else x2
     _launch_rms_fwd((M,), (x2, w, y, rstd, N, x2.stride(0), y.stride(0), eps),
-                    (weight is not None, keep_fp32, ROW_BLOCK), num_warps=4, num_stages=NUM_STAGES)
+                    dict(HAS_W=weight is not None, KEEP_FP32=keep_fp32, BLOCK=ROW_BLOCK), num_warps=4,
+                    num_stages=NUM_STAGES)
     return y, rstd
 
 
@@ -210,7 +212,7 @@ def rms_norm_backward_fused(g2: torch.Tensor, x2: torch.Tensor, weight: torch.Te
         if M:
             w = weight.contiguous() if weight is not None else x2
             _launch_rms_bwd((M,), (g2, x2, w, rstd, grad_x, N, g2.stride(0), x2.stride(0), grad_x.stride(0)),
-                            (weight is not None, ROW_BLOCK), num_warps=4, num_stages=NUM_STAGES)
+                            dict(HAS_W=weight is not None, BLOCK=ROW_BLOCK), num_warps=4, num_stages=NUM_STAGES)
     if need_dw and weight is not None:
         grad_w = torch.empty(N, dtype=weight.dtype, device=weight.device)
         blocked_col_sum(g2, grad_w, x2, rstd, keep_fp32)

@@ -20,14 +20,22 @@ Triton specializes integers and pointers on (or, for launchers told which argume
 are tensors, each integer's value, which is finer still). Launch hooks (profilers such as
 proton) and ``RLKERNELS_FAST_LAUNCH=0`` (read when rlkernels is imported) take the
 normal path every time.
+
+Both the positional ``CompiledKernel.run`` call and the copy of Triton's specialization
+rules are private to Triton, so the cached launch is on only for the Triton releases it
+was tested with on a GPU (``_versions.FAST_PATHS["triton_launch"]``); with any other
+Triton every launch is ``kernel[grid](...)``, and ``rlkernels info`` says so.
 """
 from __future__ import annotations
 
+import inspect
+import operator
 from typing import Any
 
 import torch
 
 from .._env import switch_on, triton_interpret
+from .._versions import fast_path
 from ..kernels._triton import GluonTensorDescriptor, triton
 
 FAST_LAUNCH_ENV = "RLKERNELS_FAST_LAUNCH"
@@ -51,8 +59,19 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 DEFAULT_NUM_STAGES = 3
 
 
+def fast_launch_status() -> tuple[bool, str]:
+    """(on, why) for the cached launch: the one decision every CachedLauncher takes at birth."""
+    if _knobs is None:
+        return False, "Triton without triton.knobs (< 3.4 or absent): launch hooks can't be seen"
+    if not switch_on(FAST_LAUNCH_ENV):
+        return False, f"{FAST_LAUNCH_ENV}=0"
+    if triton_interpret():
+        return False, "TRITON_INTERPRET: the interpreter launches"
+    return fast_path("triton_launch")
+
+
 def fast_launch_enabled() -> bool:
-    return _knobs is not None and switch_on(FAST_LAUNCH_ENV) and not triton_interpret()
+    return fast_launch_status()[0]
 
 
 def _arg_key(arg: Any) -> Any:
@@ -93,16 +112,54 @@ def launch_hooks_active() -> bool:
 # shape); past it the dict starts over, and each key's first call takes Triton's path again.
 MAX_KEYS = 4096
 
-# The current device without torch.cuda.current_device()'s Python wrapper (1-2 us of host
-# time per call on the H100 hosts); only called once CUDA is initialized (a launch).
-current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+def _public_raw_stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# The current device and raw stream without torch.cuda's Python wrappers (1-2 us of host
+# time per call on the H100 hosts), within the torch releases that was run with
+# (_versions.FAST_PATHS["torch_cuda_accessors"]); only called once CUDA is initialized.
+if fast_path("torch_cuda_accessors")[0] and hasattr(torch._C, "_cuda_getDevice"):
+    current_device = torch._C._cuda_getDevice
+    current_raw_stream = torch._C._cuda_getCurrentRawStream
+else:
+    current_device = torch.cuda.current_device
+    current_raw_stream = _public_raw_stream
+
+
+def constexpr_names(fn: Any) -> tuple[str, ...] | None:
+    """The constexpr parameters ``fn`` declares, in order (None: not a Triton kernel)."""
+    params = getattr(fn, "params", None)  # JITFunction (and Gluon's)
+    if params is not None:
+        return tuple(p.name for p in params if p.is_constexpr)
+    py = getattr(fn, "fn", None)  # the interpreter's InterpretedFunction wraps the Python function
+    if py is None:
+        return None
+    names = []
+    for name, param in inspect.signature(py).parameters.items():
+        ann = param.annotation  # a string under ``from __future__ import annotations``
+        if (ann.rsplit(".", 1)[-1] if isinstance(ann, str) else getattr(ann, "__name__", None)) == "constexpr":
+            names.append(name)
+    return tuple(names)
+
+
+def _tuple_getter(names: tuple[str, ...]) -> Any:
+    """dict -> tuple of its values in ``names``' order (itemgetter: one C call)."""
+    if len(names) == 1:
+        name = names[0]
+        return lambda d: (d[name],)
+    return operator.itemgetter(*names) if names else (lambda d: ())
 
 
 class CachedLauncher:
-    """``launcher(grid, args, constexprs, num_warps=, num_stages=)`` == ``fn[grid](*args, *constexprs, ...)``.
+    """``launcher(grid, args, constexprs, num_warps=, num_stages=)`` == ``fn[grid](*args, **constexprs, ...)``.
 
-    ``args`` are the kernel's runtime parameters and ``constexprs`` the values of its
-    constexpr parameters, both in declaration order (runtime ones first).
+    ``args`` are the kernel's runtime parameters in declaration order; ``constexprs`` a
+    dict of its constexpr parameters by name (all of them, no others: a clear error
+    names the kernel and what is missing or extra). The launcher reads the declared
+    names once and turns the dict into a tuple in declared order with one C call, so
+    keys and launches stay positional. A tuple is taken as already in that order: what
+    :meth:`ordered` returns, kept by launch plans.
 
     ``leading_tensors=n``: the caller promises that the first n arguments are always
     tensors. The rest are then keyed by value -- finer than Triton's specialization on
@@ -119,6 +176,29 @@ class CachedLauncher:
         self.enabled = fast_launch_enabled()
         self.leading_tensors = leading_tensors
         self.options = dict(options or {})
+        self.constexpr_names = constexpr_names(fn)
+        self._getter = _tuple_getter(self.constexpr_names) if self.constexpr_names is not None else None
+
+    def ordered(self, constexprs: dict[str, Any] | tuple) -> tuple:
+        """The constexprs as a tuple in the kernel's declared order, the names checked."""
+        if type(constexprs) is not dict:
+            return constexprs
+        if self._getter is not None and len(constexprs) == len(self.constexpr_names):
+            try:
+                return self._getter(constexprs)
+            except KeyError:
+                pass
+        raise self._names_error(constexprs)
+
+    def _names_error(self, constexprs: dict[str, Any]) -> TypeError:
+        kernel = getattr(self.fn, "__name__", None) or getattr(getattr(self.fn, "fn", None), "__name__", repr(self.fn))
+        if self.constexpr_names is None:
+            return TypeError(f"{kernel}: constexprs by name need a Triton kernel, whose declared names are known")
+        declared = set(self.constexpr_names)
+        missing = [n for n in self.constexpr_names if n not in constexprs]
+        extra = [n for n in constexprs if n not in declared]
+        return TypeError(f"kernel {kernel}: constexprs missing {missing}, unexpected {extra}; "
+                         f"it declares {list(self.constexpr_names)}")
 
     def key(self, args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> tuple:
         n = self.leading_tensors
@@ -127,20 +207,24 @@ class CachedLauncher:
                     tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in args[:n]]))
         return (current_device(), num_warps, num_stages, constexprs, _args_key(args))
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, *, num_warps: int,
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any] | tuple, *, num_warps: int,
                  num_stages: int, stream: int | None = None) -> None:
         """``stream``: the current raw stream, where the caller already has it."""
+        if type(constexprs) is dict:
+            constexprs = self.ordered(constexprs)
         if not self.enabled or launch_hooks_active():
             self.fn[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages, **self.options)
             return
         self._launch(self.key(args, constexprs, num_warps, num_stages), grid, args, constexprs, num_warps,
                      num_stages, stream)
 
-    def launch_keyed(self, key: tuple, grid: tuple[int, ...], args: tuple, constexprs: tuple, *,
+    def launch_keyed(self, key: tuple, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any] | tuple, *,
                      num_warps: int, num_stages: int, stream: int | None = None) -> None:
         """The same launch, with ``key`` (:meth:`key` of these arguments) kept by the caller
         from an earlier call whose arguments differed at most in their tensors, with the
         same dtypes and 16-byte alignment (the launch plans of ``gemm.triton`` and ``gemm.tma``)."""
+        if type(constexprs) is dict:
+            constexprs = self.ordered(constexprs)
         if not self.enabled or launch_hooks_active():
             self(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages, stream=stream)
             return
@@ -156,7 +240,7 @@ class CachedLauncher:
                                               **self.options)
             return
         if stream is None:
-            stream = torch._C._cuda_getCurrentRawStream(key[0])
+            stream = current_raw_stream(key[0])
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                    kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
 
@@ -165,7 +249,7 @@ def kept_launch_key(launcher: Any, args: tuple, constexprs: tuple, num_warps: in
     """The key a launch plan keeps for :meth:`CachedLauncher.launch_keyed`, or None where
     ``launcher`` is not a live CachedLauncher (fast launch off, a benchmark's stand-in):
     :func:`launch_with_key` then calls it normally."""
-    return (launcher.key(args, constexprs, num_warps, num_stages)
+    return (launcher.key(args, launcher.ordered(constexprs), num_warps, num_stages)
             if isinstance(launcher, CachedLauncher) and launcher.enabled else None)
 
 
