@@ -405,12 +405,8 @@ class FusedConfig:
 
 # Checked in, never tuned at run time. The 16-bit entry matches the large-M tile of the
 # GEMM table (128x256x64, 8 warps, 3 stages): the fused kernels are GEMMs with an epilogue.
-# TMA operand loads: forward 16.6 -> 14.4 ms, and with the persistent g schedule the g
-# recompute 17.5 -> 14.9 ms (H100, N=8192 D=4096 V=151936, same bits;
-# docs/design/linear_logprob_schedule.md).
-# g stored by TMA: the pointer store's epilogue spilled 2 KB per thread (offline sm_90
-# build: 2080 bytes of stack, none with the TMA store); same bits, and the time did not
-# move (docs/design/linear_logprob_schedule.md).
+# Why TMA loads, the persistent g schedule and the TMA store of g (same bits, measured):
+# docs/design/linear_logprob_schedule.md.
 FUSED_16BIT = FusedConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True,
                           tma_store=True)
 FUSED_FP32 = FusedConfig(32, 256, 32, group_m=8, num_warps=8, num_stages=2)
