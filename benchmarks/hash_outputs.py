@@ -83,6 +83,19 @@ def cases(device: str) -> dict[str, str]:
             ls = rlkernels.log_softmax(x, -1)
             (y.float().sum() + s.float().square().sum() + ls.float().sum()).backward()
             out[f"norms {name} {rows}x{r}"] = _digest(y, s, ls, x.grad, wn.grad)
+        for tokens in (1, 257):
+            # The MoE block's op pair at a small Qwen3-MoE-like shape: routing, the grouped
+            # expert GEMMs, the fp32 combine, and every gradient.
+            from rlkernels.ops.moe import moe_experts, moe_topk
+            x = _rand(tokens, 512, dtype=dt, seed=tokens, grad=True, device=device)
+            router = _rand(32, 512, dtype=dt, seed=31, scale=512 ** -0.5, grad=True, device=device)
+            gate_up = _rand(32, 2 * 192, 512, dtype=dt, seed=32, scale=512 ** -0.5, grad=True, device=device)
+            down = _rand(32, 512, 192, dtype=dt, seed=33, scale=192 ** -0.5, grad=True, device=device)
+            weights, ids = moe_topk(rlkernels.linear(x, router), 4)
+            y = moe_experts(x, ids, weights, gate_up, down)
+            y.float().sum().backward()
+            out[f"moe {name} {tokens}x512 E32 k4 I192"] = _digest(y, ids, x.grad, router.grad, gate_up.grad,
+                                                                 down.grad)
         with rlkernels.set_batch_invariant_mode():
             x = _rand(13, 1000, dtype=dt, seed=7, grad=True, device=device)
             w = _rand(1000, 257, dtype=dt, seed=8, scale=0.03, grad=True, device=device)
