@@ -820,3 +820,12 @@ def test_small_batches_read_gemm_logits_with_the_fused_kernels_bits(dtype, gen):
         alone = linear_logprob(h[r:r + 1], w, t[r:r + 1], b, temperature=0.7, return_entropy=True,
                                backend="triton")
         assert all(torch.equal(a, x[r:r + 1]) for a, x in zip(alone, whole))
+
+
+def test_cuda_temperature_is_atens_reciprocal(gen):
+    # On CUDA ATen computes logits / T (a Python float) as logits * fl32(1 / fl32(T)).
+    from rlkernels.ops.linear_logprob import temperature_scaling
+
+    for t in [0.7, 0.3, 1.3, 1e-3, 977.0] + (torch.rand(200, generator=gen) * 4 + 0.01).tolist():
+        arg, _ = temperature_scaling(t, torch.device("cuda"))
+        assert arg == float(torch.tensor(1.0) / torch.tensor(t, dtype=torch.float32))

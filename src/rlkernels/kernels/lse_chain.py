@@ -23,8 +23,8 @@ from ._triton import tl, triton
 LSE_TILE = 256
 LSE_SPLIT = 2048
 # e in [-1, 1] is summed as integers of e * 2^52 (truncated toward 0): at most
-# LSE_TILE * 2^52 = 2^60 in magnitude per tile, below int64's 2^63. The truncation costs at most 2^-52 per element,
-# against a mass of at least 1 at the row's max.
+# LSE_TILE * 2^52 = 2^60 in magnitude per tile, below int64's 2^63. The truncation costs
+# at most 2^-52 per element, against a mass of at least 1 at the row's max.
 MASS_SCALE = 2.0 ** 52
 MASS_UNIT = 2.0 ** -52
 

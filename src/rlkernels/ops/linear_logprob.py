@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 
 import torch
 
@@ -243,9 +244,15 @@ def temperature_scaling(temperature: float, device: torch.device) -> tuple[float
     if temperature == 1.0:
         return 1.0, TEMP_NONE
     if device.type == "cuda":
-        t = torch.tensor(temperature, dtype=torch.float32)
-        return float(torch.tensor(1.0, dtype=torch.float32) / t), TEMP_RECIPROCAL
+        # In doubles, then rounded to fp32: the correctly rounded fp32 quotient (a double
+        # holds more than 2 * 24 + 2 bits, so the double rounding is innocuous), with no
+        # tensor made on the host per call (decode calls are host-bound).
+        return _to_fp32(1.0 / _to_fp32(temperature)), TEMP_RECIPROCAL
     return float(temperature), TEMP_DIVIDE
+
+
+def _to_fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
