@@ -383,8 +383,9 @@ def test_generate_and_backward_gpu_bf16(kind):
     full = torch.cat([mask, torch.ones(4, 6, dtype=mask.dtype, device="cuda")], dim=1)
     with torch.no_grad():
         assert torch.equal(logp, rlkernels.token_logprobs(model, seq, full)[:, ids.shape[1] - 1:])
-    with pytest.raises(ValueError, match="cuda_graph=True is not supported on a mixture-of-experts model"):
-        rlkernels.generate(model, ids, mask, max_new_tokens=2, cuda_graph=True)
+    graphed = rlkernels.generate(model, ids, mask, max_new_tokens=6, do_sample=True, seed=3, eos_token_id=[],
+                                 pad_token_id=0, cuda_graph=True)
+    assert torch.equal(graphed[0], seq) and torch.equal(graphed[1], logp)
     runs = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
@@ -413,3 +414,16 @@ def test_qwen3_30b_a3b_shaped_four_layers_gpu_bf16():
     full = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype, device="cuda")], dim=1)
     with torch.no_grad():
         assert torch.equal(logp, rlkernels.token_logprobs(model, seq, full)[:, ids.shape[1] - 1:])
+    graphed = rlkernels.generate(model, ids, mask, max_new_tokens=4, eos_token_id=[], pad_token_id=0,
+                                 cuda_graph=True)
+    assert torch.equal(graphed[0], seq) and torch.equal(graphed[1], logp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_graphed_decode_refuses_the_torch_backends_per_expert_loop_gpu(monkeypatch):
+    model = _gpu_patched("qwen3_moe")
+    ids, mask = _padded(_seqs(2, 2, 9, seed=1), left=True, device="cuda")
+    monkeypatch.setenv("RLKERNELS_BACKEND", "torch")
+    with pytest.raises(ValueError, match="needs the Triton backend"):
+        rlkernels.generate(model, ids, mask, max_new_tokens=2, cuda_graph=True, pad_token_id=0)

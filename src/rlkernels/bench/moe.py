@@ -23,8 +23,9 @@ Workloads:
   attention for stock): log-probs of 8 x 1024 right-padded tokens, and a policy-gradient
   forward + backward on 4 x 1024 (:mod:`.model`'s workloads and bitwise fractions).
 - ``decode``: ``generate`` of 16 new tokens after 16 and 64 left-padded prompts of up to 1024
-  tokens, eager (a MoE model's decode step is not CUDA-graphed yet: its per-expert GEMMs are
-  sized on the host); ms per new token.
+  tokens, eager, and on a GPU rlkernels' ``cuda_graph=True`` too (its grouped expert
+  launches read no count on the host, so the step captures); ms per new token;
+  ``rlkernels_graphed_ratio``: the graphed decode over that stock variant's eager one.
 
 Ratios are rlkernels' time over each stock variant's (below 1: faster).
 """
@@ -246,6 +247,10 @@ def _whole_model_rows(config: Any, device: torch.device, dtype: torch.dtype, onl
         mine = ours.get(r["workload"])
         r["rlkernels_ratio"] = (mine["time_ms"] / r["time_ms"] if r["side"] != "rlkernels" and mine
                                 and mine.get("time_ms") and r.get("time_ms") else None)
+        graphed = ours.get(f"{r['workload']} (graphed)")
+        if r["workload"].startswith("decode") and r["side"] != "rlkernels" and graphed and graphed.get("time_ms") \
+                and r.get("time_ms"):
+            r["rlkernels_graphed_ratio"] = graphed["time_ms"] / r["time_ms"]
     return rows
 
 
@@ -278,7 +283,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print_table(f"MoE model: {config.num_hidden_layers} layers of the layer above, vocab {config.vocab_size}; "
                     "ratio = rlkernels / that stock variant", model_rows,
                     ["workload", "side", "shape", "time_ms", "ms_per_token", "tok_s", "peak_gib", "rlkernels_ratio",
-                     "bitwise", "note"])
+                     "rlkernels_graphed_ratio", "bitwise", "note"])
     write_json(args.json, "moe", rows, {
         "model_config": config.to_dict(), "dtype": str(dtype), "bench_device": str(device), "reps": reps,
         "tokens": list(tokens), "workloads": list(args.only)})

@@ -460,10 +460,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     if cuda_graph and not is_patched(model):
         raise ValueError("rlkernels.generate: cuda_graph=True runs a patched model's decode step as a graph; "
                          "call rlkernels.patch_model(model) first")
-    if cuda_graph and hf_moe.has_moe_blocks(model):
-        raise ValueError("rlkernels.generate: cuda_graph=True is not supported on a mixture-of-experts model yet: "
-                         "its experts run one GEMM per expert that received tokens, sized on the host every "
-                         "step (a host sync a graph cannot capture); decode eagerly (cuda_graph=False)")
+    if cuda_graph and hf_moe.has_moe_blocks(model) and not hf_moe.experts_capture(input_ids.device):
+        raise ValueError("rlkernels.generate: cuda_graph=True on a mixture-of-experts model needs the Triton "
+                         "backend: the torch backend runs one GEMM per expert that received tokens, sized on the "
+                         "host every step (a host sync a graph cannot capture); decode eagerly (cuda_graph=False)")
     check_head("generate", model)
     _check_ids(model, input_ids)
     _check_prompt_mask(input_ids, attention_mask)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..nn import Linear, MoeExperts, MoeRouter, SiLU, SparseMoeBlock
+from ..ops.matmul import gemm_backend_for
 
 
 @dataclass(frozen=True)
@@ -183,3 +184,10 @@ def patch_moe_blocks(model: nn.Module) -> int:
 
 def has_moe_blocks(model: nn.Module) -> bool:
     return any(isinstance(m, SparseMoeBlock) for m in model.modules())
+
+
+def experts_capture(device: torch.device) -> bool:
+    """Whether the MoE blocks' forward on ``device`` captures into a CUDA graph: the Triton
+    backend's grouped launches read no expert count on the host; the torch backend's
+    per-expert GEMMs are sized from counts read back every step."""
+    return gemm_backend_for(device).name == "triton"
