@@ -1,6 +1,6 @@
 """Hash the outputs of every public op on fixed inputs, to prove a change moved no bit.
 
-    PYTHONPATH=<tree>/src python benchmarks/hash_outputs.py --json $OUT/hashes_<tree>.json
+    PYTHONPATH=<tree>/src python benchmarks/hash_outputs.py [--only dense,moe,attention] --json $OUT/hashes_<tree>.json
     python benchmarks/hash_outputs.py --compare a.json b.json
 
 Only the public API is called, so two trees with different internal layouts can be
@@ -35,74 +35,96 @@ def _rand(*shape, dtype, seed, scale=1.0, grad=False, device="cuda"):
     return t.requires_grad_(grad)
 
 
-def cases(device: str) -> dict[str, str]:
-    import rlkernels
+GROUPS = ("dense", "moe", "attention")
 
+
+def cases(device: str, groups: tuple[str, ...] = GROUPS) -> dict[str, str]:
+    """{case: sha256} of the groups asked for: ``dense`` (linear, matmul, bmm, the head ops,
+    norms, the mode), ``moe`` (the op pair), ``attention``."""
     out: dict[str, str] = {}
     dtypes = (torch.bfloat16, torch.float16, torch.float32) if device == "cuda" else (torch.float32,)
     for dt in dtypes:
-        name = str(dt).replace("torch.", "")
-        for m, k, n in [(1, 4096, 4096), (7, 4096, 12288), (16, 4096, 151936), (33, 12288, 4096), (64, 1024, 3001),
-                        (128, 4096, 4096), (300, 1000, 1032), (1031, 1024, 4096), (4099, 4096, 4096)]:
-            if dt == torch.float32 and n == 151936 and m > 16:
-                continue
-            x = _rand(m, k, dtype=dt, seed=m + k, grad=True, device=device)
-            w = _rand(n, k, dtype=dt, seed=n, scale=k ** -0.5, grad=True, device=device)
-            b = _rand(n, dtype=dt, seed=1, grad=True, device=device)
-            y = rlkernels.linear(x, w, b)
-            y.float().square().mean().backward()
-            out[f"linear {name} {m}x{k}x{n}"] = _digest(y, x.grad, w.grad, b.grad)
-            if m <= 64:
-                out[f"matmul [K,N] {name} {m}x{k}x{n}"] = _digest(rlkernels.matmul(x.detach(), w.detach().t().contiguous()))
-        for bt, m, k, n in [(1024, 12, 64, 12), (7, 17, 33, 5), (3, 129, 257, 65)]:
-            a = _rand(bt, m, k, dtype=dt, seed=bt, grad=True, device=device)
-            bb = _rand(bt, k, n, dtype=dt, seed=k, grad=True, device=device)
-            y = rlkernels.bmm(a, bb)
-            y.float().sum().backward()
-            out[f"bmm {name} {bt}x{m}x{k}x{n}"] = _digest(y, a.grad, bb.grad)
-        for nn_, d, v in [(1, 4096, 151936), (257, 1024, 32003), (2048, 4096, 151936)]:
-            if dt == torch.float32 and nn_ > 1:
-                continue
-            h = _rand(nn_, d, dtype=dt, seed=d, grad=True, device=device)
-            w = _rand(v, d, dtype=dt, seed=v, scale=d ** -0.5, grad=True, device=device)
-            t = torch.randint(0, v, (nn_,), generator=torch.Generator().manual_seed(3)).to(device)
-            lp, ent = rlkernels.linear_logprob(h, w, t, temperature=0.8, return_entropy=True)
-            (lp.sum() + 0.1 * ent.sum()).backward()
-            out[f"linear_logprob {name} {nn_}x{d}x{v}"] = _digest(lp, ent, h.grad, w.grad)
-            streams = torch.arange(nn_, device=device) * 7919 - 3
-            positions = torch.arange(nn_, device=device) % 4099
-            draws = rlkernels.linear_sample(h.detach(), w.detach() * 6, temperature=0.8, seed=11, streams=streams,
-                                            positions=positions, return_entropy=True)
-            greedy = rlkernels.linear_sample(h.detach(), w.detach() * 6, temperature=0.8, greedy=True)
-            out[f"linear_sample {name} {nn_}x{d}x{v}"] = _digest(*draws, *greedy)
-        for rows, r in [(7, 1000), (4096, 2048), (33, 16385)]:
-            x = _rand(rows, r, dtype=dt, seed=r, grad=True, device=device)
-            wn = _rand(r, dtype=dt, seed=5, grad=True, device=device)
-            y = rlkernels.rms_norm(x, wn)
-            s = rlkernels.softmax(x, -1)
-            ls = rlkernels.log_softmax(x, -1)
-            (y.float().sum() + s.float().square().sum() + ls.float().sum()).backward()
-            out[f"norms {name} {rows}x{r}"] = _digest(y, s, ls, x.grad, wn.grad)
-        for tokens in (1, 257):
-            # The MoE block's op pair at a small Qwen3-MoE-like shape: routing, the grouped
-            # expert GEMMs, the fp32 combine, and every gradient.
-            from rlkernels.ops.moe import moe_experts, moe_topk
-            x = _rand(tokens, 512, dtype=dt, seed=tokens, grad=True, device=device)
-            router = _rand(32, 512, dtype=dt, seed=31, scale=512 ** -0.5, grad=True, device=device)
-            gate_up = _rand(32, 2 * 192, 512, dtype=dt, seed=32, scale=512 ** -0.5, grad=True, device=device)
-            down = _rand(32, 512, 192, dtype=dt, seed=33, scale=192 ** -0.5, grad=True, device=device)
-            weights, ids = moe_topk(rlkernels.linear(x, router), 4)
-            y = moe_experts(x, ids, weights, gate_up, down)
-            y.float().sum().backward()
-            out[f"moe {name} {tokens}x512 E32 k4 I192"] = _digest(y, ids, x.grad, router.grad, gate_up.grad,
-                                                                 down.grad)
-        with rlkernels.set_batch_invariant_mode():
-            x = _rand(13, 1000, dtype=dt, seed=7, grad=True, device=device)
-            w = _rand(1000, 257, dtype=dt, seed=8, scale=0.03, grad=True, device=device)
-            y = torch.softmax(x @ w, -1).mean(-1)
-            y.float().sum().backward()
-            out[f"mode {name}"] = _digest(y, x.grad, w.grad)
-    out.update(attention_cases(device))
+        if "dense" in groups:
+            out.update(dense_cases(device, dt))
+        if "moe" in groups:
+            out.update(moe_cases(device, dt))
+    if "attention" in groups:
+        out.update(attention_cases(device))
+    return out
+
+
+def dense_cases(device: str, dt: torch.dtype) -> dict[str, str]:
+    import rlkernels
+
+    out: dict[str, str] = {}
+    name = str(dt).replace("torch.", "")
+    for m, k, n in [(1, 4096, 4096), (7, 4096, 12288), (16, 4096, 151936), (33, 12288, 4096), (64, 1024, 3001),
+                    (128, 4096, 4096), (300, 1000, 1032), (1031, 1024, 4096), (4099, 4096, 4096)]:
+        if dt == torch.float32 and n == 151936 and m > 16:
+            continue
+        x = _rand(m, k, dtype=dt, seed=m + k, grad=True, device=device)
+        w = _rand(n, k, dtype=dt, seed=n, scale=k ** -0.5, grad=True, device=device)
+        b = _rand(n, dtype=dt, seed=1, grad=True, device=device)
+        y = rlkernels.linear(x, w, b)
+        y.float().square().mean().backward()
+        out[f"linear {name} {m}x{k}x{n}"] = _digest(y, x.grad, w.grad, b.grad)
+        if m <= 64:
+            out[f"matmul [K,N] {name} {m}x{k}x{n}"] = _digest(rlkernels.matmul(x.detach(), w.detach().t().contiguous()))
+    for bt, m, k, n in [(1024, 12, 64, 12), (7, 17, 33, 5), (3, 129, 257, 65)]:
+        a = _rand(bt, m, k, dtype=dt, seed=bt, grad=True, device=device)
+        bb = _rand(bt, k, n, dtype=dt, seed=k, grad=True, device=device)
+        y = rlkernels.bmm(a, bb)
+        y.float().sum().backward()
+        out[f"bmm {name} {bt}x{m}x{k}x{n}"] = _digest(y, a.grad, bb.grad)
+    for nn_, d, v in [(1, 4096, 151936), (257, 1024, 32003), (2048, 4096, 151936)]:
+        if dt == torch.float32 and nn_ > 1:
+            continue
+        h = _rand(nn_, d, dtype=dt, seed=d, grad=True, device=device)
+        w = _rand(v, d, dtype=dt, seed=v, scale=d ** -0.5, grad=True, device=device)
+        t = torch.randint(0, v, (nn_,), generator=torch.Generator().manual_seed(3)).to(device)
+        lp, ent = rlkernels.linear_logprob(h, w, t, temperature=0.8, return_entropy=True)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        out[f"linear_logprob {name} {nn_}x{d}x{v}"] = _digest(lp, ent, h.grad, w.grad)
+        streams = torch.arange(nn_, device=device) * 7919 - 3
+        positions = torch.arange(nn_, device=device) % 4099
+        draws = rlkernels.linear_sample(h.detach(), w.detach() * 6, temperature=0.8, seed=11, streams=streams,
+                                        positions=positions, return_entropy=True)
+        greedy = rlkernels.linear_sample(h.detach(), w.detach() * 6, temperature=0.8, greedy=True)
+        out[f"linear_sample {name} {nn_}x{d}x{v}"] = _digest(*draws, *greedy)
+    for rows, r in [(7, 1000), (4096, 2048), (33, 16385)]:
+        x = _rand(rows, r, dtype=dt, seed=r, grad=True, device=device)
+        wn = _rand(r, dtype=dt, seed=5, grad=True, device=device)
+        y = rlkernels.rms_norm(x, wn)
+        s = rlkernels.softmax(x, -1)
+        ls = rlkernels.log_softmax(x, -1)
+        (y.float().sum() + s.float().square().sum() + ls.float().sum()).backward()
+        out[f"norms {name} {rows}x{r}"] = _digest(y, s, ls, x.grad, wn.grad)
+    with rlkernels.set_batch_invariant_mode():
+        x = _rand(13, 1000, dtype=dt, seed=7, grad=True, device=device)
+        w = _rand(1000, 257, dtype=dt, seed=8, scale=0.03, grad=True, device=device)
+        y = torch.softmax(x @ w, -1).mean(-1)
+        y.float().sum().backward()
+        out[f"mode {name}"] = _digest(y, x.grad, w.grad)
+    return out
+
+
+def moe_cases(device: str, dt: torch.dtype) -> dict[str, str]:
+    """The MoE block's op pair at a small Qwen3-MoE-like shape: routing, the grouped expert
+    GEMMs, the fp32 combine, and every gradient."""
+    import rlkernels
+    from rlkernels.ops.moe import moe_experts, moe_topk
+
+    out: dict[str, str] = {}
+    name = str(dt).replace("torch.", "")
+    for tokens in (1, 257):
+        x = _rand(tokens, 512, dtype=dt, seed=tokens, grad=True, device=device)
+        router = _rand(32, 512, dtype=dt, seed=31, scale=512 ** -0.5, grad=True, device=device)
+        gate_up = _rand(32, 2 * 192, 512, dtype=dt, seed=32, scale=512 ** -0.5, grad=True, device=device)
+        down = _rand(32, 512, 192, dtype=dt, seed=33, scale=192 ** -0.5, grad=True, device=device)
+        weights, ids = moe_topk(rlkernels.linear(x, router), 4)
+        y = moe_experts(x, ids, weights, gate_up, down)
+        y.float().sum().backward()
+        out[f"moe {name} {tokens}x512 E32 k4 I192"] = _digest(y, ids, x.grad, router.grad, gate_up.grad, down.grad)
     return out
 
 
@@ -160,7 +182,11 @@ def main() -> int:
     p.add_argument("--json")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--only", default=",".join(GROUPS), help=f"groups of cases, any of {','.join(GROUPS)}")
     args = p.parse_args()
+    groups = tuple(args.only.split(","))
+    if not set(groups) <= set(GROUPS):
+        p.error(f"--only: unknown group(s) {sorted(set(groups) - set(GROUPS))}; choose from {','.join(GROUPS)}")
     if args.compare:
         a, b = (json.load(open(f))["hashes"] for f in args.compare)
         differ = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
@@ -169,7 +195,7 @@ def main() -> int:
         for k in differ:
             print("DIFFERS", k)
         return 1 if differ or only else 0
-    hashes = cases(args.device)
+    hashes = cases(args.device, groups)
     for k, v in hashes.items():
         print(v[:16], k, flush=True)
     if args.json:
