@@ -1,7 +1,8 @@
 """The grouped GEMM over experts: every sorted slot's row has the bits of ``rlkernels.linear``
 on its token row alone with its expert's weight; the fused silu * up has the unfused
-path's bits; ``moe_experts`` on the grouped kernels equals the per-expert loop, forward and
-backward (dh and dX through the transposed weight views)."""
+path's bits; the grouped weight gradient has the per-expert dW calls' bits (rounded, and
+chained into main_grad); ``moe_experts`` on the grouped kernels equals the per-expert
+loop, forward and backward (dh and dX through the transposed weight views, dW grouped)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import rlkernels
-from rlkernels.gemm.grouped import grouped_gemm, max_row_tiles
+from rlkernels.gemm.grouped import grouped_gemm, grouped_wgrad, max_row_tiles
 from rlkernels.gemm.table import GemmConfig
 from rlkernels.ops import moe as moe_ops
 
@@ -136,6 +137,123 @@ def test_moe_experts_grouped_equals_the_per_expert_loop(dtype, keep):
     assert (gu is None) == (not keep) and (gu is None or torch.equal(gu, gu_loop))
 
 
+# ---------------------------------------------------------------- weight gradient (interpreter)
+
+
+def _per_expert_dw(a, b, slot_end, *, b_rows=None, out=None, out_dtype=None):
+    """What the per-expert loop computes (``ops.moe._weight_grad`` per expert with slots):
+    gemm(a[s0:s1]^T, b[s0:s1]) rounded into a zeroed [E, M, N], or chained into ``out``."""
+    from rlkernels.gemm.backends import TritonGemmBackend
+    rows = b if b_rows is None else b.index_select(0, b_rows)
+    ends = slot_end.tolist()
+    grad = None
+    if out is None:
+        grad = torch.zeros(len(ends), a.shape[1], b.shape[1], dtype=out_dtype or a.dtype, device=a.device)
+    for e, (s0, s1) in enumerate(zip([0] + ends[:-1], ends)):
+        if s1 > s0:
+            moe_ops._weight_grad(TritonGemmBackend(), a[s0:s1], rows[s0:s1], grad, out, e)
+    return out if grad is None else grad
+
+
+def _wgrad_case(counts, M, N, dtype, seed=0, tokens=None, device="cpu"):
+    """a [slots, M], b and b_rows (``tokens``: b is [tokens, N], each slot reading a random
+    token's row; else b is [slots, N], no b_rows), slot_end from the per-expert counts."""
+    g = torch.Generator().manual_seed(seed)
+    slots = sum(counts)
+    a = torch.randn(slots, M, generator=g).to(device, dtype)
+    b = torch.randn(tokens or slots, N, generator=g).to(device, dtype)
+    b_rows = torch.randint(0, tokens, (slots,), generator=g).to(device) if tokens else None
+    return a, b, b_rows, torch.tensor(counts).cumsum(0).to(device)
+
+
+WGRAD_COUNTS = [0, 1, 17, 33, 0, 16]  # empty experts first and inside; tails of 1 and 17 tokens
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", [None, GemmConfig(4, 16, 16, group_m=1, num_warps=4, num_stages=1)],
+                         ids=["interp_tile", "4x16x16"])
+@pytest.mark.parametrize("tokens", [None, 23], ids=["rows", "gathered"])
+def test_grouped_wgrad_is_the_per_expert_dw(dtype, config, tokens):
+    M, N = 13, 37  # primes: partial tiles in both dims
+    a, b, b_rows, slot_end = _wgrad_case(WGRAD_COUNTS, M, N, dtype, tokens=tokens)
+    want = _per_expert_dw(a, b, slot_end, b_rows=b_rows)
+    got = grouped_wgrad(a, b, slot_end, b_rows=b_rows, config=config)
+    assert got.shape == (6, M, N) and got.dtype == dtype and torch.equal(got, want)
+    assert not got[0].any() and not got[4].any()
+    # Into a given buffer (int32 ends): every expert written, the empty ones with zeros.
+    filled = torch.full((6, M, N), float("nan"), dtype=dtype)
+    grouped_wgrad(a, b, slot_end.to(torch.int32), b_rows=b_rows, out=filled, config=config)
+    assert torch.equal(filled, want)
+    # fp32 out: the chain before the rounding.
+    want32 = _per_expert_dw(a, b, slot_end, b_rows=b_rows, out_dtype=torch.float32)
+    got32 = grouped_wgrad(a, b, slot_end, b_rows=b_rows, out_dtype=torch.float32, config=config)
+    assert torch.equal(got32, want32) and (dtype == torch.float32 or not torch.equal(got32, got.float()))
+    # Chained into main_grad (through a strided view): the per-expert accumulate calls' bits;
+    # experts with no slot keep their values.
+    start = torch.randn(M, 6, N, generator=torch.Generator().manual_seed(1)).transpose(0, 1)
+    main = start.clone()
+    grouped_wgrad(a, b, slot_end, b_rows=b_rows, out=main, accumulate=True, config=config)
+    assert torch.equal(main, _per_expert_dw(a, b, slot_end, b_rows=b_rows, out=start.clone()))
+    assert torch.equal(main[0], start[0]) and torch.equal(main[4], start[4])
+    assert not torch.equal(main[1], start[1])
+
+
+@interpreter_only
+def test_grouped_wgrad_of_no_slots_and_bad_calls():
+    a, b, _, slot_end = _wgrad_case([0, 0, 0], 5, 7, torch.float32)
+    assert torch.equal(grouped_wgrad(a, b, slot_end, out=torch.ones(3, 5, 7)), torch.zeros(3, 5, 7))
+    start = torch.randn(3, 5, 7)
+    assert torch.equal(grouped_wgrad(a, b, slot_end, out=start.clone(), accumulate=True), start)
+    a, b, _, slot_end = _wgrad_case([2, 3], 5, 7, torch.float32)
+    with pytest.raises(ValueError, match="float32"):
+        grouped_wgrad(a, b, slot_end, out=torch.zeros(2, 5, 7, dtype=torch.float16), accumulate=True)
+    with pytest.raises(ValueError, match="accumulate needs out"):
+        grouped_wgrad(a, b, slot_end, accumulate=True)
+    with pytest.raises(ValueError, match="out must be"):
+        grouped_wgrad(a, b, slot_end, out=torch.zeros(2, 7, 5))
+    with pytest.raises(ValueError, match="rows for 5 slots"):
+        grouped_wgrad(a, b[:4], slot_end)
+
+
+def _split_slots(slot_end, first):
+    """Per expert e, its first ``first[e]`` sorted slots to micro-batch 1 and the rest to 2:
+    (slot indices, slot_end) of each."""
+    ends = slot_end.tolist()
+    parts = ([], []), ([], [])
+    for (s0, s1), n in zip(zip([0] + ends[:-1], ends), first):
+        for (idx, part_ends), (lo, hi) in zip(parts, ((s0, s0 + n), (s0 + n, s1))):
+            idx.extend(range(lo, hi))
+            part_ends.append(len(idx))
+    return [(torch.tensor(idx, dtype=torch.long, device=slot_end.device),
+             torch.tensor(part_ends, device=slot_end.device)) for idx, part_ends in parts]
+
+
+def _micro_batches_and_one(a, b, slot_end, first, start, b_rows=None):
+    """main_grad after the two micro-batches of :func:`_split_slots`, and after the one batch."""
+    split = start.clone()
+    for idx, ends in _split_slots(slot_end, first):
+        rows = None if b_rows is None else b_rows[idx]
+        grouped_wgrad(a[idx], b if b_rows is not None else b[idx], ends, b_rows=rows, out=split, accumulate=True)
+    one = grouped_wgrad(a, b, slot_end, b_rows=b_rows, out=start.clone(), accumulate=True)
+    return split, one
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_wgrad_micro_batches_chain_like_one_batch(dtype):
+    """main_grad continues each expert's chain: micro-batches that give every expert a
+    multiple of TOKEN_BLOCK tokens (all but the last) accumulate exactly like one batch,
+    the promise ``rlkernels.linear``'s dW makes for its token counts."""
+    tb = rlkernels.TOKEN_BLOCK
+    counts = [0, 1, 2 * tb + 1, 3 * tb, 0, tb + 5]
+    first = [0, 0, tb, 2 * tb, 0, tb]
+    a, b, b_rows, slot_end = _wgrad_case(counts, 7, 11, dtype, seed=2, tokens=29)
+    start = torch.randn(6, 7, 11, generator=torch.Generator().manual_seed(3))
+    split, one = _micro_batches_and_one(a, b, slot_end, first, start, b_rows)
+    assert torch.equal(split, one)
+
+
 # ---------------------------------------------------------------- backward (interpreter)
 
 
@@ -183,6 +301,35 @@ def test_grouped_backward_equals_the_per_expert_backward(dtype, T, E, k, H, I, c
             assert (a is None) == (b is None)
             if a is not None:
                 assert torch.equal(a, b) and torch.equal(a, ref)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T, E, k, H, I, crowd", BACKWARD_CASES)
+def test_grouped_backward_chains_main_grad_like_the_per_expert_backward(dtype, T, E, k, H, I, crowd):  # noqa: E741
+    """With ``main_grad`` on both weights the grouped weight gradients continue it with the
+    per-expert loop's bits (experts nobody chose keep theirs), and the grouped backward
+    reads no count on the host."""
+    from rlkernels.gemm.backends import TritonGemmBackend
+    x, weights, gate_up, down, index, _, gu_sorted, g = _backward_case(T, E, k, H, I, dtype, crowd=crowd)
+    gen = torch.Generator().manual_seed(21)
+    starts = [torch.randn(w.shape, generator=gen) for w in (gate_up, down)]
+    runs = []
+    for grouped in (True, False):
+        routing = moe_ops._Routing(index, E, "test")
+        gate_up.main_grad, down.main_grad = (s.clone() for s in starts)
+        got = moe_ops.experts_backward(TritonGemmBackend(), g, x, weights, gate_up, down, gu_sorted, routing,
+                                       (True, True, True), grouped=grouped)
+        assert got[1] is None and got[2] is None
+        if grouped:
+            assert routing._counts is None  # no count read on the host
+        runs.append((got[0], gate_up.main_grad, down.main_grad))
+    (dx, main_gu, main_down), (dx_loop, main_gu_loop, main_down_loop) = runs
+    assert torch.equal(dx, dx_loop) and torch.equal(main_gu, main_gu_loop) and torch.equal(main_down, main_down_loop)
+    counts = torch.bincount(index.reshape(-1), minlength=E)
+    for e in range(E):
+        unchanged = torch.equal(main_gu[e], starts[0][e]) and torch.equal(main_down[e], starts[1][e])
+        assert unchanged == bool(counts[e] == 0), e
 
 
 @interpreter_only
@@ -246,7 +393,8 @@ def test_moe_backward_of_no_tokens():
 QWEN3_30B_A3B = dict(H=2048, E=128, k=8, I=768)
 
 
-def _gpu_layer(T, dtype, seed=0):
+def _gpu_layer(T, dtype, seed=0, unused=0):
+    """``unused``: that many experts (the last ones) are never chosen."""
     H, E, k, I = QWEN3_30B_A3B["H"], QWEN3_30B_A3B["E"], QWEN3_30B_A3B["k"], QWEN3_30B_A3B["I"]  # noqa: E741
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to("cuda", dtype)
@@ -254,6 +402,7 @@ def _gpu_layer(T, dtype, seed=0):
     down = (torch.randn(E, H, I, generator=g) / I ** 0.5).to("cuda", dtype)
     # Skewed routing: a quarter of the experts take most tokens, some get none.
     logits = torch.randn(T, E, generator=g) + 3 * (torch.arange(E) < E // 4)
+    logits[:, E - unused:] = float("-inf")
     index = rlkernels.ops.moe.top_k_lowest_id(logits, k).to("cuda")
     weights = torch.softmax(torch.randn(T, k, generator=g), -1).to("cuda")
     return x, gate_up, down, index, weights
@@ -323,13 +472,44 @@ def test_grouped_forward_captures_into_a_cuda_graph_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T", [16, 4096])
+@pytest.mark.parametrize("T", [1, 16, 256, 4096])
+def test_grouped_wgrad_gpu(dtype, T):
+    """Both weight gradients of the 30B-A3B layer (skewed routing, 8 experts unused):
+    ``grouped_wgrad`` equals the per-expert dW calls bit for bit, rounded to the dtype and
+    chained into an fp32 main_grad; micro-batches giving each expert a multiple of
+    TOKEN_BLOCK tokens chain like one batch."""
+    x, gate_up, down, index, _ = _gpu_layer(T, dtype, unused=8)
+    E, k, H, I = gate_up.shape[0], index.shape[1], x.shape[1], down.shape[2]  # noqa: E741
+    routing = moe_ops._Routing(index, E, "test")
+    assert 0 in routing.counts
+    tokens = routing.order // k
+    g = torch.Generator().manual_seed(2)
+    dy = torch.randn(routing.slots, H, generator=g).to("cuda", dtype)
+    h = torch.randn(routing.slots, I, generator=g).to("cuda", dtype)
+    dgu = torch.randn(routing.slots, 2 * I, generator=g).to("cuda", dtype)
+    for a, b, b_rows in ((dy, h, None), (dgu, x, tokens)):  # d down, d gate_up
+        want = _per_expert_dw(a, b, routing.slot_end, b_rows=b_rows)
+        assert torch.equal(grouped_wgrad(a, b, routing.slot_end, b_rows=b_rows), want)
+        start = torch.randn(want.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+        main = grouped_wgrad(a, b, routing.slot_end, b_rows=b_rows, out=start.clone(), accumulate=True)
+        assert torch.equal(main, _per_expert_dw(a, b, routing.slot_end, b_rows=b_rows, out=start.clone()))
+        tb = rlkernels.TOKEN_BLOCK
+        first = [n // (2 * tb) * tb for n in routing.counts]
+        split, one = _micro_batches_and_one(a, b, routing.slot_end, first, start, b_rows)
+        assert torch.equal(split, one) and torch.equal(one, main)
+        del want, start, main, split, one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 16, 256, 4096])
 def test_grouped_moe_backward_gpu(dtype, T):
-    """The grouped backward's dX (and the weight gradients beside it) equal the per-expert
-    backward's bit for bit; dh's rows are ``rlkernels.matmul`` of each row alone; a token's
-    dX is the same alone and in the batch."""
+    """The grouped backward's dX and weight gradients (returned, and chained into main_grad)
+    equal the per-expert backward's bit for bit; dh's rows are ``rlkernels.matmul`` of each
+    row alone; a token's dX is the same alone and in the batch."""
     from rlkernels.gemm.backends import TritonGemmBackend
-    x, gate_up, down, index, weights = _gpu_layer(T, dtype)
+    x, gate_up, down, index, weights = _gpu_layer(T, dtype, unused=8)
     E, k = gate_up.shape[0], index.shape[1]
     routing = moe_ops._Routing(index, E, "test")
     _, gu_sorted = moe_ops.grouped_experts_forward(x, gate_up, down, routing, True)
@@ -343,6 +523,18 @@ def test_grouped_moe_backward_gpu(dtype, T):
     assert all(torch.equal(a, b) for a, b in zip(full, full_loop))
     assert torch.equal(runs[(True, False, False), True][0], full[0])
     assert torch.equal(runs[(True, False, False), False][0], full[0])
+    # main_grad on both weights: the same chains, continued from its values.
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    starts = [torch.randn(w.shape, device="cuda", generator=gen) for w in (gate_up, down)]
+    mains = []
+    for grouped in (True, False):
+        gate_up.main_grad, down.main_grad = (s.clone() for s in starts)
+        moe_ops.experts_backward(TritonGemmBackend(), g, x, weights, gate_up, down, gu_sorted, routing,
+                                 (False, True, True), grouped=grouped)
+        mains.append((gate_up.main_grad, down.main_grad))
+    del gate_up.main_grad, down.main_grad
+    assert torch.equal(mains[0][0], mains[1][0]) and torch.equal(mains[0][1], mains[1][1])
+    del mains, starts
     # dh through the transposed down view: each sampled slot's row is matmul of the row alone.
     acc = torch.float32
     dy_sorted = (weights[:, :, None] * g[:, None, :]).view(T * k, -1).index_select(0, routing.order).to(dtype)

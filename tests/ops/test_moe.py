@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkernels import reference
+from rlkernels import TOKEN_BLOCK, reference
 from rlkernels.ops.moe import moe_experts, moe_topk, top_k_lowest_id
 from rlkernels.registry import get_op, registered_ops
 
@@ -203,6 +203,39 @@ def test_weight_gradients_accumulate_into_main_grad_across_micro_batches():
         moe_experts(x[part], index[part], weights[part], gu, dn).backward(grad[part])
     assert gu.grad is None and dn.grad is None
     assert torch.equal(gu.main_grad, plain[2]) and torch.equal(dn.main_grad, plain[3])
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_main_grad_micro_batches_of_token_block_multiples_chain_like_one_batch(backend, dtype):
+    # Each expert's dW continues its chain in main_grad, so micro-batches that route a
+    # multiple of TOKEN_BLOCK tokens to every expert (all but the last micro-batch)
+    # accumulate exactly like one batch: the promise rlkernels.linear makes for its token
+    # counts, per expert (the torch backend's chain is exact at any split).
+    tb, experts, hidden = TOKEN_BLOCK, 8, 16
+    _, gate_up, down = _weights(dtype, experts=experts, hidden=hidden, inter=8)
+    g = torch.Generator().manual_seed(6)
+    # The first 2 * tb tokens: expert 0 gets 2 * tb of them, experts 1-3 and 5-7 tb each.
+    first = torch.tensor([[0, 1, 2, 3]] * tb + [[0, 5, 6, 7]] * tb)
+    rest = torch.stack([torch.randperm(experts, generator=g)[:K] for _ in range(13)])
+    index = torch.cat([first, rest])
+    n = index.shape[0]
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    weights = torch.softmax(torch.randn(n, K, generator=g), -1)
+    grad = torch.randn(n, hidden, generator=g).to(dtype)
+    starts = [torch.randn(w.shape, generator=g) for w in (gate_up, down)]
+
+    def main_grads(parts):
+        gu, dn = gate_up.clone().requires_grad_(), down.clone().requires_grad_()
+        gu.main_grad, dn.main_grad = (s.clone() for s in starts)
+        for part in parts:
+            moe_experts(x[part], index[part], weights[part], gu, dn, backend=backend).backward(grad[part])
+        assert gu.grad is None and dn.grad is None
+        return gu.main_grad, dn.main_grad
+
+    one = main_grads([slice(0, n)])
+    split = main_grads([slice(0, 2 * tb), slice(2 * tb, n)])
+    assert torch.equal(split[0], one[0]) and torch.equal(split[1], one[1])
+    assert not torch.equal(one[0], starts[0]) and not torch.equal(one[1], starts[1])
 
 
 def test_empty_batch():

@@ -1,19 +1,29 @@
-"""The grouped canonical K-chain GEMM: C[s] = A[row(s)] @ B[e(s)]^T for the slots s of every
-expert, in one launch. Host side: ``rlkernels.gemm.grouped``.
+"""The grouped canonical K-chain GEMMs over experts, one launch each. Host side:
+``rlkernels.gemm.grouped``.
+
+* ``grouped_gemm_kernel``: C[s] = A[row(s)] @ B[e(s)]^T for the slots s of every expert
+  (the forward, and the backward's dh and dX);
+* ``grouped_wgrad_kernel``: C[e] (+)= A[slots of e]^T @ B[slots of e] for every expert
+  (the backward's weight gradients: a reduction over each expert's tokens).
 
 The slots are sorted by expert; ``slot_end[e]`` (on the device) is the end of expert e's
-slots. Each program finds its (expert, row tile) from ``slot_end`` itself -- a prefix sum
-of the experts' tile counts over a [BLOCK_E] vector -- so the launch needs no count on the
-host: the grid is an upper bound on the tiles (a function of the slot count, E and
-BLOCK_M) and programs past the last real tile return at once. B is read through its
-strides alone, so one kernel serves both orientations: the forward's nn.Linear weights
-([N, K] per expert) and the backward's transposed views ([K, N] per expert, N contiguous).
+slots. Neither launch needs a count on the host. A ``grouped_gemm_kernel`` program finds
+its (expert, row tile) from ``slot_end`` itself -- a prefix sum of the experts' tile
+counts over a [BLOCK_E] vector -- under a grid that bounds the tiles (a function of the
+slot count, E and BLOCK_M); programs past the last real tile return at once. B is read
+through its strides alone, so one kernel serves both orientations: the forward's
+nn.Linear weights ([N, K] per expert) and the backward's transposed views ([K, N] per
+expert, N contiguous). A ``grouped_wgrad_kernel`` program owns one tile of one expert's
+[M, N] gradient (grid: E times the tiles) and reads that expert's two ends of
+``slot_end``: its reduction length is the expert's token count, found on the device.
 
 Every output element is the canonical chain of ``gemm_kernel``: one fp32 accumulator, one
 ascending pass over K in BLOCK_K steps, rounded once. A row's products are its own row's
 whatever the other rows of its tile are (rows past the expert's end are masked, never
 stored), so a slot's bits are those of ``rlkernels.linear`` on its token row alone with its
 expert's weight (the chain's bits do not follow the tile or M: docs/design/canonical_k_chain.md).
+In the weight gradient K is the expert's slots, s0 first: the K blocks and the chain of
+the per-expert dW call ``gemm(dY[s0:s1]^T, X[s0:s1])``, so the same bits.
 """
 from __future__ import annotations
 
@@ -136,5 +146,73 @@ if triton is not None:
         else:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
+    @triton.jit
+    def grouped_wgrad_kernel(
+        a_ptr, b_ptr, b_rows_ptr, c_ptr, slot_end_ptr,
+        M, N,
+        stride_as, stride_am,
+        stride_bs, stride_bn,
+        stride_ce, stride_cm, stride_cn,
+        GATHER_B: tl.constexpr, ACC_FROM_C: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """C[e] (+)= A[s0:s1]^T @ B[s0:s1], [s0, s1) expert e's sorted slots (from ``slot_end``):
+        A [slots, M], B [slots, N] (GATHER_B: B's row of slot s is ``b_rows[s]``), C [E, M, N].
+
+        One program per (expert, [BLOCK_M x BLOCK_N] tile of C[e]); the grid is E times the
+        tiles of one [M, N] gradient, known on the host without any count. The reduction
+        runs over the expert's slots -- its tokens, ascending -- in BLOCK_K steps from s0,
+        the K blocks of ``gemm_kernel`` on A = dY[s0:s1]^T, B = X[s0:s1] (what the per-expert
+        dW call runs), the tail masked to zeros; one fp32 accumulator, from C's value with
+        ACC_FROM_C (``main_grad`` continues its chain), stored once in C's dtype. An expert
+        with no slot gets zeros, or with ACC_FROM_C its C left as it is."""
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+        e = pid // tiles
+        tile = pid % tiles
+        pid_m = tile // tiles_n
+        pid_n = tile % tiles_n
+        s0 = tl.load(slot_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+        s1 = tl.load(slot_end_ptr + e).to(tl.int64)
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        c_mask = m_mask[:, None] & n_mask[None, :]
+        c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + offs_m[:, None].to(tl.int64) * stride_cm
+                  + offs_n[None, :].to(tl.int64) * stride_cn)
+        if ACC_FROM_C:
+            if s1 == s0:
+                return  # no token: the chain has nothing to add to main_grad
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+        # Rows and columns past M and N are masked, not wrapped as in gemm_kernel (a stored
+        # element's products are its own either way): unwrapped offsets keep A's and B's
+        # unit-stride dims contiguous to the compiler, so their loads stay vectorised.
+        offs_s = s0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_s[None, :] * stride_as
+        # The canonical chain: one ascending pass over the expert's slots, one fp32 accumulator.
+        for _ in range(0, tl.cdiv((s1 - s0).to(tl.int32), BLOCK_K)):
+            s_mask = offs_s < s1
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & s_mask[None, :], other=0.0)
+            if GATHER_B:
+                b_rows = tl.load(b_rows_ptr + offs_s, mask=s_mask, other=0).to(tl.int64)
+            else:
+                b_rows = offs_s
+            b = tl.load(b_ptr + b_rows[:, None] * stride_bs + offs_n[None, :].to(tl.int64) * stride_bn,
+                        mask=s_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            offs_s += BLOCK_K
+            a_ptrs += BLOCK_K * stride_as
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
 else:  # pragma: no cover - the torch backend still imports without Triton
     grouped_gemm_kernel = None
+    grouped_wgrad_kernel = None

@@ -30,10 +30,12 @@ Backend: on the Triton backend the forward is two grouped launches over all expe
 (``gemm.grouped``: tiles found on the device from the sorted expert ids, no count read on
 the host, silu * up fused into the gate/up launch on GPUs), so the forward captures into
 a CUDA graph; the backward's data gradients (dh = dY @ down_e, dX = d gate_up @
-gate_up_e) are two more grouped launches. The weight gradients, and every GEMM on the
-torch backend, run one call per expert that received tokens, with the per-expert counts
-read on the host (docs/design/moe.md). A slot's bits are the same on either path: each
-is the canonical K-chain of its row alone.
+gate_up_e) are two more grouped launches and each weight gradient one more (every
+expert's dW_e, a chain over its tokens ascending, the tiles of all experts in one grid),
+so the backward reads no count on the host either. The torch backend runs every GEMM as
+one call per expert that received tokens, with the per-expert counts read on the host
+(docs/design/moe.md). The bits are the same on either path: a slot's row is the
+canonical K-chain of its row alone, an expert's dW the chain over its tokens.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from .activations import silu_chain
 from .matmul import gemm_backend_for, linear, main_grad_target
 from .norms import TorchReductionBackend, TritonReductionBackend, softmax
 from ..gemm.chain import accumulator_dtype
-from ..gemm.grouped import grouped_config, grouped_gemm
+from ..gemm.grouped import grouped_config, grouped_gemm, grouped_wgrad
 from ..runtime.device import can_read_back
 from ..registry import OpImpl, register
 
@@ -147,8 +149,7 @@ class _Routing:
     token, within an expert); ``slot_end`` [E] on the device: where each expert's sorted
     slots end (a search in the sorted ids: no count is read on the host, so the grouped
     forward launches without a sync). ``counts`` and ``inverse`` are worked out when first
-    asked for: the per-expert loops (the torch backend, the backward) read the counts on
-    the host.
+    asked for: the per-expert loops (the torch backend) read the counts on the host.
 
     The expert ids are range-checked before any launch wherever they can be read back
     (one sync); during a CUDA-graph capture or a torch.compile trace they cannot, and are
@@ -271,14 +272,16 @@ def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     return y, gu_sorted
 
 
-def _expert_grads(gemm_backend, param: torch.Tensor, need: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(the .grad to return or None, the fp32 main_grad to accumulate into or None)."""
+def _expert_grads(param: torch.Tensor, need: bool, grouped: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the .grad to return or None, the fp32 main_grad to accumulate into or None). The
+    grouped weight gradient writes every expert's slice, zeros where no token came; the
+    per-expert loop writes only the experts that received tokens, so its .grad starts zeroed."""
     if not need:
         return None, None
     main = main_grad_target("moe_experts", param, tuple(param.shape), "expert weight")
     if main is not None:
         return None, main
-    return torch.zeros_like(param), None
+    return (torch.empty_like(param) if grouped else torch.zeros_like(param)), None
 
 
 def _weight_grad(gemm_backend, dy: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor | None,
@@ -311,11 +314,12 @@ def experts_backward(gemm_backend, g: torch.Tensor, x: torch.Tensor, weights: to
     ``needs``: (dX, d gate_up, d down). The weights' gradients are returned where the
     parameter has no ``main_grad``; with one they are accumulated into it (None returned).
 
-    ``grouped`` (the Triton backend): dh and dX each one grouped launch over all experts,
-    the silu backward elementwise over all slots at once, dX written straight to the
-    (token, rank) slots; no count is read on the host unless a weight gradient is asked
-    for. Else (:func:`per_expert_backward`) one GEMM per expert. A slot's dh and dX rows
-    are the same canonical chains on either path, so the bits are the same."""
+    ``grouped`` (the Triton backend, :func:`grouped_backward`): dh, dX and each weight
+    gradient one grouped launch over all experts, the silu backward elementwise over all
+    slots at once, dX written straight to the (token, rank) slots; no count is read on the
+    host. Else (:func:`per_expert_backward`) one GEMM per expert. A slot's dh and dX rows
+    and an expert's dW are the same canonical chains on either path, so the bits are the
+    same."""
     need_x, need_gu, need_down = needs
     T, H = x.shape
     k = routing.k
@@ -323,8 +327,8 @@ def experts_backward(gemm_backend, g: torch.Tensor, x: torch.Tensor, weights: to
     # d out / d y_{t,r} = w_{t,r} g_t, rounded to x's dtype as a linear's dY is.
     dy_slots = (weights.to(acc)[:, :, None] * g[:, None, :]).view(T * k, H)
     dy_sorted = dy_slots.index_select(0, routing.order).to(x.dtype)
-    grad_gu, main_gu = _expert_grads(gemm_backend, gate_up, need_gu)
-    grad_down, main_down = _expert_grads(gemm_backend, down, need_down)
+    grad_gu, main_gu = _expert_grads(gate_up, need_gu, grouped)
+    grad_down, main_down = _expert_grads(down, need_down, grouped)
     run = grouped_backward if grouped else per_expert_backward
     dx_slots = run(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routing, needs,
                    (grad_gu, main_gu, grad_down, main_down))
@@ -362,13 +366,17 @@ def per_expert_backward(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, ro
 
 
 def grouped_backward(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routing, needs, grads):
-    """:func:`per_expert_backward`'s results with dh and dX as one grouped launch each.
+    """:func:`per_expert_backward`'s results from one grouped launch per GEMM, no count read
+    on the host.
 
     The grouped kernel reads B through its strides, so the transposed views
     ``down.mT`` [E, I, H] and ``gate_up.mT`` [E, H, 2I] make it compute dY @ down_e and
     d gate_up @ gate_up_e -- the per-expert GEMMs' operands in the per-expert GEMMs'
     orientation, no copy of a weight. dX rows go straight to their (token, rank) slots.
-    The weight gradients stay per expert (they read the counts on the host)."""
+    The weight gradients (``gemm.grouped.grouped_wgrad``): d down_e = dY^T @ h and
+    d gate_up_e = dgu^T @ x over the expert's slots, x's rows read through the slots'
+    tokens in the kernel (no [T*k, H] gather): the per-expert loop's chains over each
+    expert's tokens ascending."""
     need_x, need_gu, need_down = needs
     grad_gu, main_gu, grad_down, main_down = grads
     k, slots = routing.k, routing.slots
@@ -379,20 +387,27 @@ def grouped_backward(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routi
     if need_x or need_gu:
         dh, _ = grouped_gemm(dy_sorted, down.mT, routing.slot_end, slots, out_dtype=acc, config=cfg)
         dgu, act = _silu_backward(dh, gu_sorted, inter, acc, x.dtype)
-    if need_gu or need_down:
+    if need_down:
         if act is None:
             act = _silu(gu_sorted[:, :inter])
-        h = act * gu_sorted[:, inter:]
-        rows = x.index_select(0, routing.order // k) if need_gu else None
-        for e, s0, s1 in routing.spans():
-            if need_down:
-                _weight_grad(gemm_backend, dy_sorted[s0:s1], h[s0:s1], grad_down, main_down, e)
-            if need_gu:
-                _weight_grad(gemm_backend, dgu[s0:s1], rows[s0:s1], grad_gu, main_gu, e)
+        _grouped_weight_grad(dy_sorted, act * gu_sorted[:, inter:], None, routing, grad_down, main_down)
+    if need_gu:
+        _grouped_weight_grad(dgu, x, routing.order // k, routing, grad_gu, main_gu)
     if not need_x:
         return None
     dx, _ = grouped_gemm(dgu, gate_up.mT, routing.slot_end, slots, c_rows=routing.order, out_dtype=acc, config=cfg)
     return dx
+
+
+def _grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor | None, routing: _Routing,
+                         grad: torch.Tensor | None, main: torch.Tensor | None) -> None:
+    """dW_e = a[slots of e]^T @ b[rows of those slots] for every expert in one launch: rounded
+    once into ``grad`` (zeros for an expert with no token) or continuing ``main``'s chain
+    (an expert with no token keeps its value), as :func:`_weight_grad` does per expert."""
+    if main is not None:
+        grouped_wgrad(a, b, routing.slot_end, b_rows=b_rows, out=main, accumulate=True)
+    else:
+        grouped_wgrad(a, b, routing.slot_end, b_rows=b_rows, out=grad)
 
 
 class _MoeExpertsFunction(torch.autograd.Function):
