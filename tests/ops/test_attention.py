@@ -16,8 +16,11 @@ import torch
 
 from rlkernels import contract, reference, testing
 from rlkernels.kernels import attention_ws as W
+from rlkernels.kernels._triton import GluonTensorDescriptor
 from rlkernels.ops import attention as A
+from rlkernels.ops.attention import layout, triton_host, ws_host
 from rlkernels.registry import get_op, registered_ops
+from rlkernels.runtime.device import capability
 
 from ..conftest import cpu_backend_cases, interpreter_only, randn
 
@@ -424,23 +427,23 @@ def _outputs_and_grads(lens, starts, slots, seqs, device, backend):
 
 def _check_tma_equals_pointers(lens, starts, slots, seqs, device, backend, monkeypatch):
     d = seqs[0][1].shape[-1]
-    monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call reads through TMA, however small
+    monkeypatch.setattr(layout, "TMA_MIN_FLOPS", 0)  # every call reads through TMA, however small
     # the Triton kernels' TMA and pointer loads (the warp-specialized forward has its own test)
     fwd = dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False)
-    monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", fwd)
+    monkeypatch.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", fwd)
     taken = []
-    descs = A._tma_descs
+    descs = triton_host._tma_descs
 
     def recording_descs(*args):
         found = descs(*args)
         taken.append(found[-1])
         return found
 
-    monkeypatch.setattr(A, "_tma_descs", recording_descs)
+    monkeypatch.setattr(triton_host, "_tma_descs", recording_descs)
     with_tma = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
     assert len(taken) == 6 and all(taken), "the TMA path must be taken (forward, dK/dV and dQ, twice)"
-    monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(fwd, tma=False))
-    monkeypatch.setattr(A, "BWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_bwd_launch(d), tma=False))
+    monkeypatch.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(fwd, tma=False))
+    monkeypatch.setattr(triton_host, "BWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_bwd_launch(d), tma=False))
     with_pointers = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
     names = ["out", "dq", "dk", "dv", "packed out", "packed dq", "packed dk", "packed dv"]
     for name, a, b in zip(names, with_tma, with_pointers):
@@ -458,14 +461,14 @@ def test_head_rows_desc_layouts():
     assert (head_rows, head_cols) == (40, 0) and desc.shape == [240, 16] and desc.strides == [16, 1]
     assert A.head_rows_desc(t, 16, 32) is None
     assert A.head_rows_desc(torch.zeros(2 * 40 * 3 * 16 + 1, dtype=torch.float16)[1:].view(2, 40, 3, 16), 16, 16) is None
-    assert A._tma_descs(True, t.float(), t.float(), 16, 16) == A._NO_DESCS
+    assert triton_host._tma_descs(True, t.float(), t.float(), 16, 16) == triton_host._NO_DESCS
 
 
 def test_ws_descriptor_layouts():
     """The warp-specialized kernel's TMA views: q/out rows [T, H * D]; keys with heads side
     by side (1, 0, D) or in Hugging Face's head planes read in place (H, 1, 0), a batch
     row's slots per plane, one packed run of rows (XB = 0); None where TMA can't."""
-    if A.GluonTensorDescriptor is None:
+    if GluonTensorDescriptor is None:
         pytest.skip("Triton without Gluon")
     rows = torch.zeros(80, 3, 16, dtype=torch.float16)
     desc = A.ws_rows_desc(rows)
@@ -826,9 +829,9 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
     and not, fp16, keys in Hugging Face's head planes and queries strided inside a fused
     QKV tensor; sequences by their bounds, packed and in a NaN-filled cache (left and right
     padding), also with the persistent kernel on 5 programs."""
-    if A.capability(torch.device("cuda")) != (9, 0) or A.attn_fwd_ws_kernel is None:
+    if capability(torch.device("cuda")) != (9, 0) or W.attn_fwd_ws_kernel is None:
         pytest.skip("the warp-specialized forward is for sm_90 with Gluon")
-    monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call takes it, however small
+    monkeypatch.setattr(layout, "TMA_MIN_FLOPS", 0)  # every call takes it, however small
     launched = []
 
     def recording(launch):
@@ -837,7 +840,7 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
             return launch(*args, **kwargs)
         return launch_and_record
 
-    monkeypatch.setattr(A, "_launch_fwd_ws", {c: recording(f) for c, f in A._launch_fwd_ws.items()})
+    monkeypatch.setattr(ws_host, "_launch_fwd_ws", {c: recording(f) for c, f in ws_host._launch_fwd_ws.items()})
     g = torch.Generator(device="cuda").manual_seed(11)
     hq, hkv = 16, 8
     cases = [(2, 1031, 1031, True, torch.bfloat16, "plain"), (3, 1, 1, True, torch.bfloat16, "plain"),
@@ -857,15 +860,15 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
         ws = A.flash_attn_func(q, k, v, causal=causal)
         assert len(launched) == n + 1, f"the warp-specialized kernel must run: {(b, lq, lk, layout)}"
         with monkeypatch.context() as m:
-            m.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
+            m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
             ref = A.flash_attn_func(q, k, v, causal=causal)
         assert len(launched) == n + 1
         assert bits_equal(ws, ref), (b, lq, lk, causal, dtype, layout)
-        lse_ws = A.triton_fwd(A._packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
+        lse_ws = A.triton_fwd(layout.packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
                               A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
         with monkeypatch.context() as m:
-            m.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
-            lse_ref = A.triton_fwd(A._packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
+            m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
+            lse_ref = A.triton_fwd(layout.packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
                                    A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
         assert bits_equal(lse_ws, lse_ref), ("lse", b, lq, lk, causal, dtype, layout)
     # sequences by their bounds: packed (the next sequence's keys follow), and in a NaN-filled
@@ -886,25 +889,25 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
         for b, (sq, s0) in enumerate(zip(seqs, starts)):
             buf[b, :, s0:s0 + lens[b]] = sq[i].transpose(0, 1)
         bufs.append(buf.transpose(1, 2))
-    ws_programs = A.ws_programs
+    ws_programs = ws_host.ws_programs
     cases = [(keys, k_start, programs) for keys, k_start in ((packed_kv, q_start), (bufs, torch.tensor(starts, **dev)))
              for programs in (None, 5)]
     for keys, k_start, programs in cases:
         # programs=5: each program takes many tiles of unequal lengths (the empty tiles of the
         # short sequences among them) in snake rounds, the last round short; stage and
         # barrier phases run on from tile to tile.
-        monkeypatch.setattr(A, "ws_programs", ws_programs if programs is None else
+        monkeypatch.setattr(ws_host, "ws_programs", ws_programs if programs is None else
                             (lambda tiles, device, p=programs: min(tiles, p)))
         n = len(launched)
         ws = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens), keys[0].shape[-3])
         assert len(launched) == n + 1, "the warp-specialized kernel must run"
         with monkeypatch.context() as m:
-            m.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False))
+            m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False))
             ref = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens),
                                         keys[0].shape[-3])
         assert len(launched) == n + 1
         assert not ws.isnan().any() and bits_equal(ws, ref), programs
-    monkeypatch.setattr(A, "ws_programs", ws_programs)
+    monkeypatch.setattr(ws_host, "ws_programs", ws_programs)
     n = len(launched)
     q, k, v = _gpu_qkv(2, 1031, hq, hkv, 80, torch.bfloat16)
     A.flash_attn_func(q, k, v)
