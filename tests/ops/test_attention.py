@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch._dynamo.backends.debugging import aot_eager
 
 from rlkernels import contract, reference, testing
 from rlkernels.kernels import attention_ws as W
@@ -387,14 +388,14 @@ def _check_padded_batch_grads_equal_bounds(q, k, v, do, backend):
         assert bits_equal(x, y), name
 
 
-@interpreter_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_padded_batch_grads_equal_index_tensors(dtype, gen, small_chain):
-    hq, hkv, d = sizes("triton")
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
+def test_padded_batch_grads_equal_index_tensors(backend, dtype, gen, small_chain):
+    """The two index forms (a padded batch's dense form, index tensors) give one result."""
+    hq, hkv, d = sizes(backend)
     for b, lq, lk in ((3, 37, 37), (2, 5, 40), (1, 1, 1)):
         q = randn(b, lq, hq, d, dtype=dtype, generator=gen)
         k, v = (randn(b, lk, hkv, d, dtype=dtype, generator=gen) for _ in range(2))
-        _check_padded_batch_grads_equal_bounds(q, k, v, randn(b, lq, hq, d, dtype=dtype, generator=gen), "triton")
+        _check_padded_batch_grads_equal_bounds(q, k, v, randn(b, lq, hq, d, dtype=dtype, generator=gen), backend)
 
 
 def test_gradcheck_float64_torch_backend(gen, small_chain):
@@ -592,6 +593,16 @@ def test_empty_batch_gives_empty_results(backend, dtype):
     for seqlens in (torch.zeros(0, dtype=torch.int32), 2):
         out = A.flash_attn_with_kvcache(q4[:, :1], kc, vc, kn, kn.clone(), seqlens, backend=backend)
         assert out.shape == (0, 1, hq, d) and out.dtype == dtype
+    # Sequences with no query rows (Lq = 0): the empty result too, with and without gradients.
+    q0 = torch.zeros(2, 0, hq, d, dtype=dtype, requires_grad=True)
+    k0 = torch.randn(2, 5, hkv, d).to(dtype).requires_grad_()
+    out = A.flash_attn_func(q0, k0, k0, backend=backend)
+    assert out.shape == (2, 0, hq, d)
+    out.sum().backward()
+    assert q0.grad.shape == q0.shape and torch.equal(k0.grad, torch.zeros_like(k0))
+    for seqlens in (torch.tensor([1, 3], dtype=torch.int32), 2, None):
+        out = A.flash_attn_with_kvcache(q0.detach(), k0.detach(), k0.detach(), cache_seqlens=seqlens, backend=backend)
+        assert out.shape == (2, 0, hq, d) and out.dtype == dtype
 
 
 def test_negative_cache_seqlens_is_named_as_such():
@@ -697,6 +708,70 @@ def test_registry_and_custom_op(gen, small_chain):
                           (qs.requires_grad_(), ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 0.35,
                            *SMALL_CHAIN, "torch", False),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
+def test_every_route_gives_one_result(backend, dtype, gen, small_chain):
+    """Each entry point's bits, gradients and cache writes are the same whichever route the
+    call takes: without autograd (the forward core alone), with autograd (the Function) and
+    traced by torch.compile (the custom ops, a padded batch's dense form as index tensors)."""
+    torch._dynamo.reset()
+    hq, hkv, d = sizes(backend)
+    b, lq, lk = 2, 21, 37
+    q = randn(b, lq, hq, d, dtype=dtype, generator=gen)
+    k, v = (randn(b, lk, hkv, d, dtype=dtype, generator=gen) for _ in range(2))
+    do = randn(b, lq, hq, d, dtype=dtype, generator=gen)
+    traced_ops = set()
+
+    def compiled(fn):
+        """fn through torch.compile (AOTAutograd, no codegen), noting the ops of its graphs."""
+        def recording(gm, example_inputs):
+            traced_ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return aot_eager(gm, example_inputs)
+        return torch.compile(fn, backend=recording)
+
+    def with_grads(fn, *inputs, dout):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, dout)]
+
+    def same(fn, *inputs, dout):
+        with torch.no_grad():
+            plain = fn(*inputs)
+        eager = with_grads(fn, *inputs, dout=dout)
+        traced_ops.clear()
+        traced = with_grads(compiled(fn), *inputs, dout=dout)
+        assert "rlkernels.flash_attn_fwd.default" in traced_ops, "the traced route must run"
+        assert bits_equal(plain, eager[0])
+        for name, x, y in zip(("out", "dq", "dk", "dv"), eager, traced):
+            assert bits_equal(x, y), name
+
+    same(lambda q, k, v: A.flash_attn_func(q, k, v, True, 0.3, backend=backend), q, k, v, dout=do)
+    same(lambda q, k, v: A.flash_attn_func(q, k, v, False, backend=backend), q, k, v, dout=do)
+    rows = q.reshape(b * lq, hq, d)
+    ar = torch.arange(b, dtype=torch.int32)
+    q_len, k_len = torch.full((b,), lq, dtype=torch.int32), torch.full((b,), lk, dtype=torch.int32)
+    same(lambda q, k, v: A.attention_by_bounds("test", q, k, v, ar * lq, q_len, ar * 0, k_len, lq, lk,
+                                               backend=backend), rows, k, v, dout=do.reshape(b * lq, hq, d))
+    cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32) for n in (lq, lk))
+    same(lambda q, k, v: A.flash_attn_varlen_func(q, k, v, cu_q, cu_k, lq, lk, backend=backend), rows,
+         k.reshape(b * lk, hkv, d), v.reshape(b * lk, hkv, d), dout=do.reshape(b * lq, hq, d))
+    # Decode steps appending to NaN-filled caches: one position for all, and one per sequence.
+    cap = 48
+    kn, vn = (randn(b, 1, hkv, d, dtype=dtype, generator=gen) for _ in range(2))
+    for seqlens in (lk, torch.tensor([lk, 5], dtype=torch.int32)):
+        traced_ops.clear()
+        results = []
+        for call in (A.flash_attn_with_kvcache, compiled(A.flash_attn_with_kvcache)):
+            kc, vc = nan_cache(b, cap, hkv, d, dtype)
+            kc[:, :lk], vc[:, :lk] = k, v
+            results.append([call(q[:, -1:], kc, vc, kn, vn, seqlens, backend=backend), kc, vc])
+        assert {"rlkernels.flash_attn_fwd.default", "rlkernels.flash_attn_kvcache_append.default"} <= traced_ops
+        (out, kc, vc), (out_traced, kc_traced, vc_traced) = results
+        assert bits_equal(out, out_traced), seqlens
+        for name, x, y in (("k_cache", kc, kc_traced), ("v_cache", vc, vc_traced)):  # NaN in the free slots
+            assert torch.equal(x.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                               y.view(torch.int16 if dtype == torch.float16 else torch.int32)), (name, seqlens)
 
 
 # ---------------------------------------------------------------- GPU
