@@ -31,6 +31,7 @@ import torch
 
 from rlkernels import contract, reference
 from rlkernels.ops import attention as A
+from rlkernels.ops.attention import triton_host
 
 HQ, HKV = 16, 8
 
@@ -63,12 +64,12 @@ def median_ms(fn) -> float:
 @contextlib.contextmanager
 def launch(fwd: A.FwdLaunch | None = None, bwd: A.BwdLaunch | None = None):
     """Run the block with these launch overrides (None: the defaults), then restore them."""
-    saved = A.FWD_LAUNCH_OVERRIDE, A.BWD_LAUNCH_OVERRIDE
-    A.FWD_LAUNCH_OVERRIDE, A.BWD_LAUNCH_OVERRIDE = fwd, bwd
+    saved = triton_host.FWD_LAUNCH_OVERRIDE, triton_host.BWD_LAUNCH_OVERRIDE
+    triton_host.FWD_LAUNCH_OVERRIDE, triton_host.BWD_LAUNCH_OVERRIDE = fwd, bwd
     try:
         yield
     finally:
-        A.FWD_LAUNCH_OVERRIDE, A.BWD_LAUNCH_OVERRIDE = saved
+        triton_host.FWD_LAUNCH_OVERRIDE, triton_host.BWD_LAUNCH_OVERRIDE = saved
 
 
 def check(name: str, fn, results: dict) -> None:

@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 from rlkernels.kernels import attention as K
 from rlkernels.kernels import attention_ws as W
 from rlkernels.ops import attention as A
+from rlkernels.ops.attention import triton_host
 
 try:
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -120,7 +121,7 @@ def main() -> int:
     fwd_opts = {"enable_fp_fusion": False}
     print(f"Triton {triton.__version__}, sm_90")
     for d in (int(x) for x in args.head_dims.split(",")):
-        bd = A._pow2(d)
+        bd = triton_host._pow2(d)
         chain = A.DEFAULT_CHAIN
         fl, bl = A.default_fwd_launch(d, S), A.default_bwd_launch(d)
         ints = dict(stride_qt=HQ * d, stride_qh=d, stride_kt=HKV * d, stride_kh=d, stride_vt=HKV * d, stride_vh=d,

@@ -19,8 +19,7 @@ from typing import Callable
 import torch
 
 import rlkernels
-from rlkernels.ops import attention as A
-from rlkernels.ops.attention import attention_by_bounds
+from rlkernels.ops.attention import attention_by_bounds, layout, ws_host
 
 CASES: dict[str, Callable[[torch.dtype], None]] = {}
 
@@ -122,11 +121,11 @@ def _attention(dtype):
     if not hasattr(rlkernels, "flash_attn_func"):
         print("  (no attention op)")
         return
-    # Small calls keep pointer loads (A.tma_pays): once as the library runs them, once with
+    # Small calls keep pointer loads (layout.tma_pays): once as the library runs them, once with
     # every unmasked block read through TMA.
     # The second pass also sends every head_dim-64 and -128 forward through the warp-specialized
     # kernel (counted below, so the run shows it was exercised).
-    saved, launch = A.TMA_MIN_FLOPS, A._launch_fwd_ws
+    saved, launch = layout.TMA_MIN_FLOPS, ws_host._launch_fwd_ws
     launched = []
 
     def counting(f):
@@ -136,12 +135,12 @@ def _attention(dtype):
         return launch_and_count
 
     for tma_min in (saved, 0):
-        A.TMA_MIN_FLOPS = tma_min
-        A._launch_fwd_ws = {c: counting(f) for c, f in launch.items()}
+        layout.TMA_MIN_FLOPS = tma_min
+        ws_host._launch_fwd_ws = {c: counting(f) for c, f in launch.items()}
         try:
             _attention_cases(dtype)
         finally:
-            A.TMA_MIN_FLOPS, A._launch_fwd_ws = saved, launch
+            layout.TMA_MIN_FLOPS, ws_host._launch_fwd_ws = saved, launch
         print(f"  TMA_MIN_FLOPS={tma_min:g}: {len(launched)} warp-specialized forward launches")
         launched.clear()
 

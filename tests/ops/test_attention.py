@@ -13,11 +13,15 @@ import dataclasses
 
 import pytest
 import torch
+from torch._dynamo.backends.debugging import aot_eager
 
 from rlkernels import contract, reference, testing
 from rlkernels.kernels import attention_ws as W
+from rlkernels.kernels._triton import GluonTensorDescriptor
 from rlkernels.ops import attention as A
+from rlkernels.ops.attention import layout, triton_host, ws_host
 from rlkernels.registry import get_op, registered_ops
+from rlkernels.runtime.device import capability
 
 from ..conftest import cpu_backend_cases, interpreter_only, randn
 
@@ -384,14 +388,14 @@ def _check_padded_batch_grads_equal_bounds(q, k, v, do, backend):
         assert bits_equal(x, y), name
 
 
-@interpreter_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_padded_batch_grads_equal_index_tensors(dtype, gen, small_chain):
-    hq, hkv, d = sizes("triton")
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
+def test_padded_batch_grads_equal_index_tensors(backend, dtype, gen, small_chain):
+    """The two index forms (a padded batch's dense form, index tensors) give one result."""
+    hq, hkv, d = sizes(backend)
     for b, lq, lk in ((3, 37, 37), (2, 5, 40), (1, 1, 1)):
         q = randn(b, lq, hq, d, dtype=dtype, generator=gen)
         k, v = (randn(b, lk, hkv, d, dtype=dtype, generator=gen) for _ in range(2))
-        _check_padded_batch_grads_equal_bounds(q, k, v, randn(b, lq, hq, d, dtype=dtype, generator=gen), "triton")
+        _check_padded_batch_grads_equal_bounds(q, k, v, randn(b, lq, hq, d, dtype=dtype, generator=gen), backend)
 
 
 def test_gradcheck_float64_torch_backend(gen, small_chain):
@@ -424,23 +428,23 @@ def _outputs_and_grads(lens, starts, slots, seqs, device, backend):
 
 def _check_tma_equals_pointers(lens, starts, slots, seqs, device, backend, monkeypatch):
     d = seqs[0][1].shape[-1]
-    monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call reads through TMA, however small
+    monkeypatch.setattr(layout, "TMA_MIN_FLOPS", 0)  # every call reads through TMA, however small
     # the Triton kernels' TMA and pointer loads (the warp-specialized forward has its own test)
     fwd = dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False)
-    monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", fwd)
+    monkeypatch.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", fwd)
     taken = []
-    descs = A._tma_descs
+    descs = triton_host._tma_descs
 
     def recording_descs(*args):
         found = descs(*args)
         taken.append(found[-1])
         return found
 
-    monkeypatch.setattr(A, "_tma_descs", recording_descs)
+    monkeypatch.setattr(triton_host, "_tma_descs", recording_descs)
     with_tma = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
     assert len(taken) == 6 and all(taken), "the TMA path must be taken (forward, dK/dV and dQ, twice)"
-    monkeypatch.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(fwd, tma=False))
-    monkeypatch.setattr(A, "BWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_bwd_launch(d), tma=False))
+    monkeypatch.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(fwd, tma=False))
+    monkeypatch.setattr(triton_host, "BWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_bwd_launch(d), tma=False))
     with_pointers = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
     names = ["out", "dq", "dk", "dv", "packed out", "packed dq", "packed dk", "packed dv"]
     for name, a, b in zip(names, with_tma, with_pointers):
@@ -458,14 +462,14 @@ def test_head_rows_desc_layouts():
     assert (head_rows, head_cols) == (40, 0) and desc.shape == [240, 16] and desc.strides == [16, 1]
     assert A.head_rows_desc(t, 16, 32) is None
     assert A.head_rows_desc(torch.zeros(2 * 40 * 3 * 16 + 1, dtype=torch.float16)[1:].view(2, 40, 3, 16), 16, 16) is None
-    assert A._tma_descs(True, t.float(), t.float(), 16, 16) == A._NO_DESCS
+    assert triton_host._tma_descs(True, t.float(), t.float(), 16, 16) == triton_host._NO_DESCS
 
 
 def test_ws_descriptor_layouts():
     """The warp-specialized kernel's TMA views: q/out rows [T, H * D]; keys with heads side
     by side (1, 0, D) or in Hugging Face's head planes read in place (H, 1, 0), a batch
     row's slots per plane, one packed run of rows (XB = 0); None where TMA can't."""
-    if A.GluonTensorDescriptor is None:
+    if GluonTensorDescriptor is None:
         pytest.skip("Triton without Gluon")
     rows = torch.zeros(80, 3, 16, dtype=torch.float16)
     desc = A.ws_rows_desc(rows)
@@ -589,6 +593,16 @@ def test_empty_batch_gives_empty_results(backend, dtype):
     for seqlens in (torch.zeros(0, dtype=torch.int32), 2):
         out = A.flash_attn_with_kvcache(q4[:, :1], kc, vc, kn, kn.clone(), seqlens, backend=backend)
         assert out.shape == (0, 1, hq, d) and out.dtype == dtype
+    # Sequences with no query rows (Lq = 0): the empty result too, with and without gradients.
+    q0 = torch.zeros(2, 0, hq, d, dtype=dtype, requires_grad=True)
+    k0 = torch.randn(2, 5, hkv, d).to(dtype).requires_grad_()
+    out = A.flash_attn_func(q0, k0, k0, backend=backend)
+    assert out.shape == (2, 0, hq, d)
+    out.sum().backward()
+    assert q0.grad.shape == q0.shape and torch.equal(k0.grad, torch.zeros_like(k0))
+    for seqlens in (torch.tensor([1, 3], dtype=torch.int32), 2, None):
+        out = A.flash_attn_with_kvcache(q0.detach(), k0.detach(), k0.detach(), cache_seqlens=seqlens, backend=backend)
+        assert out.shape == (2, 0, hq, d) and out.dtype == dtype
 
 
 def test_negative_cache_seqlens_is_named_as_such():
@@ -694,6 +708,70 @@ def test_registry_and_custom_op(gen, small_chain):
                           (qs.requires_grad_(), ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 0.35,
                            *SMALL_CHAIN, "torch", False),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
+def test_every_route_gives_one_result(backend, dtype, gen, small_chain):
+    """Each entry point's bits, gradients and cache writes are the same whichever route the
+    call takes: without autograd (the forward core alone), with autograd (the Function) and
+    traced by torch.compile (the custom ops, a padded batch's dense form as index tensors)."""
+    torch._dynamo.reset()
+    hq, hkv, d = sizes(backend)
+    b, lq, lk = 2, 21, 37
+    q = randn(b, lq, hq, d, dtype=dtype, generator=gen)
+    k, v = (randn(b, lk, hkv, d, dtype=dtype, generator=gen) for _ in range(2))
+    do = randn(b, lq, hq, d, dtype=dtype, generator=gen)
+    traced_ops = set()
+
+    def compiled(fn):
+        """fn through torch.compile (AOTAutograd, no codegen), noting the ops of its graphs."""
+        def recording(gm, example_inputs):
+            traced_ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return aot_eager(gm, example_inputs)
+        return torch.compile(fn, backend=recording)
+
+    def with_grads(fn, *inputs, dout):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, dout)]
+
+    def same(fn, *inputs, dout):
+        with torch.no_grad():
+            plain = fn(*inputs)
+        eager = with_grads(fn, *inputs, dout=dout)
+        traced_ops.clear()
+        traced = with_grads(compiled(fn), *inputs, dout=dout)
+        assert "rlkernels.flash_attn_fwd.default" in traced_ops, "the traced route must run"
+        assert bits_equal(plain, eager[0])
+        for name, x, y in zip(("out", "dq", "dk", "dv"), eager, traced):
+            assert bits_equal(x, y), name
+
+    same(lambda q, k, v: A.flash_attn_func(q, k, v, True, 0.3, backend=backend), q, k, v, dout=do)
+    same(lambda q, k, v: A.flash_attn_func(q, k, v, False, backend=backend), q, k, v, dout=do)
+    rows = q.reshape(b * lq, hq, d)
+    ar = torch.arange(b, dtype=torch.int32)
+    q_len, k_len = torch.full((b,), lq, dtype=torch.int32), torch.full((b,), lk, dtype=torch.int32)
+    same(lambda q, k, v: A.attention_by_bounds("test", q, k, v, ar * lq, q_len, ar * 0, k_len, lq, lk,
+                                               backend=backend), rows, k, v, dout=do.reshape(b * lq, hq, d))
+    cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32) for n in (lq, lk))
+    same(lambda q, k, v: A.flash_attn_varlen_func(q, k, v, cu_q, cu_k, lq, lk, backend=backend), rows,
+         k.reshape(b * lk, hkv, d), v.reshape(b * lk, hkv, d), dout=do.reshape(b * lq, hq, d))
+    # Decode steps appending to NaN-filled caches: one position for all, and one per sequence.
+    cap = 48
+    kn, vn = (randn(b, 1, hkv, d, dtype=dtype, generator=gen) for _ in range(2))
+    for seqlens in (lk, torch.tensor([lk, 5], dtype=torch.int32)):
+        traced_ops.clear()
+        results = []
+        for call in (A.flash_attn_with_kvcache, compiled(A.flash_attn_with_kvcache)):
+            kc, vc = nan_cache(b, cap, hkv, d, dtype)
+            kc[:, :lk], vc[:, :lk] = k, v
+            results.append([call(q[:, -1:], kc, vc, kn, vn, seqlens, backend=backend), kc, vc])
+        assert {"rlkernels.flash_attn_fwd.default", "rlkernels.flash_attn_kvcache_append.default"} <= traced_ops
+        (out, kc, vc), (out_traced, kc_traced, vc_traced) = results
+        assert bits_equal(out, out_traced), seqlens
+        for name, x, y in (("k_cache", kc, kc_traced), ("v_cache", vc, vc_traced)):  # NaN in the free slots
+            assert torch.equal(x.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                               y.view(torch.int16 if dtype == torch.float16 else torch.int32)), (name, seqlens)
 
 
 # ---------------------------------------------------------------- GPU
@@ -826,9 +904,9 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
     and not, fp16, keys in Hugging Face's head planes and queries strided inside a fused
     QKV tensor; sequences by their bounds, packed and in a NaN-filled cache (left and right
     padding), also with the persistent kernel on 5 programs."""
-    if A.capability(torch.device("cuda")) != (9, 0) or A.attn_fwd_ws_kernel is None:
+    if capability(torch.device("cuda")) != (9, 0) or W.attn_fwd_ws_kernel is None:
         pytest.skip("the warp-specialized forward is for sm_90 with Gluon")
-    monkeypatch.setattr(A, "TMA_MIN_FLOPS", 0)  # every call takes it, however small
+    monkeypatch.setattr(layout, "TMA_MIN_FLOPS", 0)  # every call takes it, however small
     launched = []
 
     def recording(launch):
@@ -837,7 +915,7 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
             return launch(*args, **kwargs)
         return launch_and_record
 
-    monkeypatch.setattr(A, "_launch_fwd_ws", {c: recording(f) for c, f in A._launch_fwd_ws.items()})
+    monkeypatch.setattr(ws_host, "_launch_fwd_ws", {c: recording(f) for c, f in ws_host._launch_fwd_ws.items()})
     g = torch.Generator(device="cuda").manual_seed(11)
     hq, hkv = 16, 8
     cases = [(2, 1031, 1031, True, torch.bfloat16, "plain"), (3, 1, 1, True, torch.bfloat16, "plain"),
@@ -857,15 +935,15 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
         ws = A.flash_attn_func(q, k, v, causal=causal)
         assert len(launched) == n + 1, f"the warp-specialized kernel must run: {(b, lq, lk, layout)}"
         with monkeypatch.context() as m:
-            m.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
+            m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
             ref = A.flash_attn_func(q, k, v, causal=causal)
         assert len(launched) == n + 1
         assert bits_equal(ws, ref), (b, lq, lk, causal, dtype, layout)
-        lse_ws = A.triton_fwd(A._packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
+        lse_ws = A.triton_fwd(layout.packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
                               A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
         with monkeypatch.context() as m:
-            m.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
-            lse_ref = A.triton_fwd(A._packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
+            m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
+            lse_ref = A.triton_fwd(layout.packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
                                    A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
         assert bits_equal(lse_ws, lse_ref), ("lse", b, lq, lk, causal, dtype, layout)
     # sequences by their bounds: packed (the next sequence's keys follow), and in a NaN-filled
@@ -886,25 +964,25 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
         for b, (sq, s0) in enumerate(zip(seqs, starts)):
             buf[b, :, s0:s0 + lens[b]] = sq[i].transpose(0, 1)
         bufs.append(buf.transpose(1, 2))
-    ws_programs = A.ws_programs
+    ws_programs = ws_host.ws_programs
     cases = [(keys, k_start, programs) for keys, k_start in ((packed_kv, q_start), (bufs, torch.tensor(starts, **dev)))
              for programs in (None, 5)]
     for keys, k_start, programs in cases:
         # programs=5: each program takes many tiles of unequal lengths (the empty tiles of the
         # short sequences among them) in snake rounds, the last round short; stage and
         # barrier phases run on from tile to tile.
-        monkeypatch.setattr(A, "ws_programs", ws_programs if programs is None else
+        monkeypatch.setattr(ws_host, "ws_programs", ws_programs if programs is None else
                             (lambda tiles, device, p=programs: min(tiles, p)))
         n = len(launched)
         ws = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens), keys[0].shape[-3])
         assert len(launched) == n + 1, "the warp-specialized kernel must run"
         with monkeypatch.context() as m:
-            m.setattr(A, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False))
+            m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False))
             ref = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens),
                                         keys[0].shape[-3])
         assert len(launched) == n + 1
         assert not ws.isnan().any() and bits_equal(ws, ref), programs
-    monkeypatch.setattr(A, "ws_programs", ws_programs)
+    monkeypatch.setattr(ws_host, "ws_programs", ws_programs)
     n = len(launched)
     q, k, v = _gpu_qkv(2, 1031, hq, hkv, 80, torch.bfloat16)
     A.flash_attn_func(q, k, v)

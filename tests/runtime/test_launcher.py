@@ -207,6 +207,7 @@ _ATTN_LAUNCHERS = {"_launch_fwd": False, "_launch_split": False, "_launch_combin
 @pytest.mark.gpu
 def test_cached_attention_launches_are_tritons_kernels_and_give_the_same_bits(monkeypatch):
     from rlkernels.ops import attention as A
+    from rlkernels.ops.attention import triton_host
 
     rnd = _gpu_randn(seed=7)
     cases = []
@@ -227,16 +228,16 @@ def test_cached_attention_launches_are_tritons_kernels_and_give_the_same_bits(mo
         out.backward(torch.ones_like(out))
         return [out, q.grad, k.grad, v.grad]
 
-    production = {name: getattr(A, name) for name in _ATTN_LAUNCHERS}
+    production = {name: getattr(triton_host, name) for name in _ATTN_LAUNCHERS}
     for name, prod in production.items():  # the reference: Triton's own launch path every time
         normal = _launch.CachedLauncher(prod.fn, options=prod.options)
         normal.enabled = False
-        monkeypatch.setattr(A, name, normal)
+        monkeypatch.setattr(triton_host, name, normal)
     want = [run(c) for c in cases]
     checked = []
     launchers = {name: _CheckingLauncher(prod.fn, checked, options=prod.options) for name, prod in production.items()}
     for name, launcher in launchers.items():
-        monkeypatch.setattr(A, name, launcher)
+        monkeypatch.setattr(triton_host, name, launcher)
     for _ in range(2):  # the first call compiles through Triton, the second is the cached launch
         for case, w in zip(cases, want):
             assert all(torch.equal(a, b) for a, b in zip(run(case), w)), case[0]
@@ -389,7 +390,8 @@ def _production_launchers():
     import importlib
 
     found = []
-    for mod in ("ops.bmm", "ops.linear_logprob", "ops.lse_chain", "ops.linear_sample", "ops.attention", "ops.norms",
+    for mod in ("ops.bmm", "ops.linear_logprob", "ops.lse_chain", "ops.linear_sample", "ops.attention.triton_host",
+                "ops.attention.ws_host", "ops.norms",
                 "gemm.triton", "gemm.tma", "gemm.grouped", "gemm.ktree"):
         m = importlib.import_module(f"rlkernels.{mod}")
         for name, value in vars(m).items():

@@ -1,4 +1,4 @@
-"""Triton kernels of the batch-invariant attention (host code: ``rlkernels.ops.attention``).
+"""Triton kernels of the batch-invariant attention (host code: ``rlkernels.ops.attention.triton_host``).
 
 The chain every forward kernel computes for a query row (see docs/operators/attention.md):
 keys in blocks of BLOCK_N aligned to key 0, ascending; blocks grouped in splits of

@@ -1,5 +1,5 @@
 """Warp-specialized Hopper forward of the batch-invariant attention (Gluon; host code:
-``rlkernels.ops.attention``).
+``rlkernels.ops.attention.ws_host``).
 
 It computes ``kernels.attention``'s chain for every row -- key blocks of BLOCK_N from key
 0 ascending, splits of S_SPLIT keys each from the empty state, merged in ascending order

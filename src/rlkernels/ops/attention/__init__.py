@@ -1,0 +1,66 @@
+"""Batch-invariant fused attention with FlashAttention's API: prefill == decode bit for bit.
+
+    flash_attn_func(q, k, v, causal=True, softmax_scale=None)            q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]
+    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+                                                                          q [Tq, Hq, D], k/v [Tk, Hkv, D]
+    flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, ...)
+                                                                          q [B, Lq, Hq, D], caches [B, S, Hkv, D]
+
+The chain (one per query row, whatever the entry point, batch, padding or packing):
+keys in blocks of ``BLOCK_N`` aligned to the sequence's key 0, ascending; the blocks
+grouped into splits of ``S_SPLIT`` keys aligned to key 0; each split's online-softmax
+state (m, l, acc) in fp32 starts from scratch and is updated per block with
+``m' = max(m, rowmax(s))``, ``alpha = exp2(m - m')``, ``p = exp2(s - m')`` (p rounded
+to the input dtype), ``l' = l * alpha + rowsum(p)``, ``acc' = acc * alpha + p @ v``;
+the splits are merged in ascending order from the empty state with one formula; out =
+acc / l. Causal masking is bottom-right aligned (query i of Lq sits at key position
+Lk - Lq + i). Masked and out-of-range keys contribute exact zeros (their K/V loads are
+masked to 0 and their scores are -inf), which is why a tile's extra rows or blocks
+never change a row's bits. Every index is a function of the sequence alone.
+
+Backends: ``triton`` (kernels in ``rlkernels.kernels.attention``: a full kernel that
+keeps the merged and the current split state, and for decode a split-KV kernel plus a
+combine kernel that compute the same chain) and ``torch`` (the same chain from
+elementwise ops and ``gemm.chain``'s ascending chains, in natural-log units with
+``exp``; any device, fp64 too). The two backends each keep the contract; their bits
+differ from each other (FMA vs separately rounded steps, tensor-core vs elementwise dots).
+
+Backward (flash_attn_func / varlen): delta = rowsum(dO * O) in fp32; dK/dV per key
+block over the GQA group's query heads in order and query blocks ascending; dQ per
+query block over key blocks ascending, recomputing P from the saved LSE; no atomics.
+
+Modules, lowest first: ``chain`` (the chain constants and setting), ``layout`` (key
+rows, TMA descriptors), ``launch`` (launch parameters), ``ws_host`` (the warp-specialized
+Hopper forward), ``triton_host`` (the Triton launches), ``torch_ref`` (the torch
+backend), ``autograd`` (the forward and backward cores, the autograd Function, the custom
+ops, the route a call takes), ``validate`` and ``api`` (the entry points, the registry).
+
+The names tests and tuning scripts rebind live in their modules only, where the code
+reads them (a copy bound here would change nothing): ``triton_host.FWD_LAUNCH_OVERRIDE``
+/ ``BWD_LAUNCH_OVERRIDE``, ``layout.TMA_MIN_FLOPS``, and the launchers
+``triton_host._launch_*`` and ``ws_host._launch_fwd_ws``.
+"""
+from __future__ import annotations
+
+from .api import (OP, SPLIT_KV_MAX_ROWS, FlashAttnTorch, FlashAttnTriton, attention_by_bounds, flash_attn_func,
+                  flash_attn_varlen_func, flash_attn_with_kvcache)
+from .autograd import AttnFunction, attend, flash_attn_bwd_op, flash_attn_fwd_op, kvcache_append_op
+from .chain import DEFAULT_CHAIN, Chain, chain_settings, current_chain
+from .launch import (COMBINE_BLOCK_D, COMBINE_STAGES, COMBINE_WARPS, DELTA_WARPS, BwdLaunch, FwdLaunch,
+                     default_bwd_launch, default_fwd_launch)
+from .layout import TMA_DTYPES, head_rows_desc, key_rows, kv_rows, tma_pays
+from .torch_ref import torch_bwd, torch_fwd
+from .triton_host import LOG2E, triton_bwd, triton_fwd
+from .validate import CHECK_ENV, MAX_HEAD_DIM
+from .ws_host import (WS_BLOCK_N, WS_CONSUMERS, WS_ENV, WS_MAX_TILES, WS_STAGES, ws_fwd, ws_keys_desc, ws_layout,
+                      ws_rows_desc)
+
+__all__ = [
+    "CHECK_ENV", "COMBINE_BLOCK_D", "COMBINE_STAGES", "COMBINE_WARPS", "DEFAULT_CHAIN", "DELTA_WARPS", "LOG2E",
+    "MAX_HEAD_DIM", "OP", "SPLIT_KV_MAX_ROWS", "TMA_DTYPES", "WS_BLOCK_N", "WS_CONSUMERS", "WS_ENV", "WS_MAX_TILES",
+    "WS_STAGES", "AttnFunction", "BwdLaunch", "Chain", "FlashAttnTorch", "FlashAttnTriton", "FwdLaunch", "attend",
+    "attention_by_bounds", "chain_settings", "current_chain", "default_bwd_launch", "default_fwd_launch",
+    "flash_attn_bwd_op", "flash_attn_func", "flash_attn_fwd_op", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+    "head_rows_desc", "key_rows", "kv_rows", "kvcache_append_op", "tma_pays", "torch_bwd", "torch_fwd", "triton_bwd",
+    "triton_fwd", "ws_fwd", "ws_keys_desc", "ws_layout", "ws_rows_desc",
+]

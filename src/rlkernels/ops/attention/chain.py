@@ -1,0 +1,46 @@
+"""The chain-defining constants of the attention op and the setting every call reads."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """The chain-defining constants: key block and split size, both in keys from key 0.
+
+    Everything else (query tiles, warps, stages, which kernel) is launch detail that
+    leaves a row's bits unchanged; these two change them.
+    """
+
+    block_n: int = 64
+    split: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"rlkernels.attention: block_n must be a power of two >= 16, got {self.block_n}")
+        if self.split < self.block_n or self.split % self.block_n:
+            raise ValueError(f"rlkernels.attention: split ({self.split}) must be a positive multiple of "
+                             f"block_n ({self.block_n})")
+
+
+DEFAULT_CHAIN = Chain()
+_chain = DEFAULT_CHAIN
+
+
+def current_chain() -> Chain:
+    """The chain every entry point runs now: :data:`DEFAULT_CHAIN` outside :func:`chain_settings`."""
+    return _chain
+
+
+@contextlib.contextmanager
+def chain_settings(block_n: int, split: int) -> Iterator[Chain]:
+    """Use another (block_n, split) chain inside the block: for tests on the slow
+    interpreter only. Results under different settings are different chains."""
+    global _chain
+    saved, _chain = _chain, Chain(block_n, split)
+    try:
+        yield _chain
+    finally:
+        _chain = saved

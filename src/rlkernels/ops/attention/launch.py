@@ -1,0 +1,82 @@
+"""Launch parameters of the attention kernels: tiles, warps, stages, compile options.
+
+None of them changes a row's bits (the chain is :class:`~.chain.Chain`'s); they change
+how fast the kernels compute it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..._env import triton_interpret
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdLaunch:
+    """Launch parameters of the forward kernels (no effect on the bits). ``tma``: the
+    full kernel reads whole in-range K/V blocks through TMA descriptors where it can
+    (:func:`~.layout.head_rows_desc`) and the call is large enough to pay for them
+    (:func:`~.layout.tma_pays`). ``ws``: the full forward takes the warp-specialized
+    Hopper kernel where it applies (:func:`~.ws_host.ws_fwd`)."""
+
+    block_m: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    split_block_m: int = 16
+    split_warps: int = 4
+    split_stages: int = 3
+    tma: bool = True
+    ws: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdLaunch:
+    """Launch parameters of the backward kernels: the dK/dV kernel's tile, warps and
+    stages, then the dQ kernel's; ``tma`` as in :class:`FwdLaunch` (dQ: K/V blocks,
+    dK/dV: q and dO blocks)."""
+
+    dkdv_block_m: int = 64
+    dkdv_block_n: int = 64
+    dkdv_warps: int = 4
+    dkdv_stages: int = 2
+    dq_block_m: int = 64
+    dq_block_n: int = 64
+    dq_warps: int = 4
+    dq_stages: int = 2
+    tma: bool = True
+
+
+def default_fwd_launch(head_dim: int, max_q: int = 0) -> FwdLaunch:
+    """Measured on an H100 (bf16, causal, B * L = 16384; benchmarks/results/attention_h100.json):
+    D = 128: 128 rows / 8 warps / 3 stages beat 2 and 4 stages and 64-row tiles at every L;
+    the decode kernel's 8 warps beat 2 and 4 (4 at D = 64). D = 64: 64 rows / 4 warps at
+    L <= 2048 (190 vs 167 TFLOP/s for 128 / 8 at L = 1024), 128 rows / 4 warps beyond."""
+    if triton_interpret():
+        return FwdLaunch(16, 1, 1, 16, 1, 1)
+    if head_dim <= 64:
+        return FwdLaunch(64, 4, 3) if max_q <= 2048 else FwdLaunch(128, 4, 3)
+    if head_dim <= 128:
+        return FwdLaunch(128, 8, 3, 16, 8, 3)
+    return FwdLaunch(64, 4, 2)
+
+
+def default_bwd_launch(head_dim: int) -> BwdLaunch:
+    """Measured on an H100 (bf16, causal, B * L = 16384): with the query-major dK/dV step,
+    64 x 64 tiles / 4 warps / 2 stages for both kernels beat 128-row or 128-key tiles,
+    8 warps and 3 stages at D = 128 and D = 64 (larger tiles spill the two accumulators)."""
+    if triton_interpret():
+        return BwdLaunch(16, 16, 1, 1, 16, 16, 1, 1)
+    if head_dim <= 128:
+        return BwdLaunch(64, 64, 4, 2, 64, 64, 4, 2)
+    return BwdLaunch(32, 64, 4, 1, 64, 32, 4, 1)
+
+
+# The forward kernels compile without mul+add contraction: the chain's FMAs are written out
+# (tl.fma) and nothing else is fused, so the masked and unmasked block steps round alike
+# (the interpreter has no such option and ignores it).
+FWD_OPTIONS = {} if triton_interpret() else {"enable_fp_fusion": False}
+# The split-KV combine: columns per program, warps, stages (launch detail, no effect on the bits).
+COMBINE_BLOCK_D = 32
+COMBINE_WARPS = 1
+COMBINE_STAGES = 4
+# Triton's num_warps where a launch names none: the delta kernel is a light row sum that needs no more.
+DELTA_WARPS = 4
