@@ -922,14 +922,14 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
              (1, 4099, 4099, True, torch.bfloat16, "plain"), (2, 131, 2053, True, torch.float16, "plain"),
              (1, 2053, 131, False, torch.bfloat16, "plain"), (2, 509, 509, False, torch.float16, "plain"),
              (2, 1031, 1031, True, torch.bfloat16, "hf"), (2, 1031, 1031, True, torch.bfloat16, "fused")]
-    for b, lq, lk, causal, dtype, layout in cases:
-        if layout == "fused":  # q, k, v columns of one [B, L, (Hq + 2 Hkv) * D] projection
+    for b, lq, lk, causal, dtype, form in cases:
+        if form == "fused":  # q, k, v columns of one [B, L, (Hq + 2 Hkv) * D] projection
             qkv_t = torch.randn(b, lq, (hq + 2 * hkv) * d, device="cuda", generator=g).to(dtype)
             q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv_t.split([hq * d, hkv * d, hkv * d], -1))
         else:
             q = torch.randn(b, lq, hq, d, device="cuda", generator=g).to(dtype)
             k, v = (torch.randn(b, lk, hkv, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-            if layout == "hf":  # [B, Hkv, S, D] read in place
+            if form == "hf":  # [B, Hkv, S, D] read in place
                 k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
         n = len(launched)
         ws = A.flash_attn_func(q, k, v, causal=causal)
