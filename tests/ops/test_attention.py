@@ -933,19 +933,19 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
                 k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
         n = len(launched)
         ws = A.flash_attn_func(q, k, v, causal=causal)
-        assert len(launched) == n + 1, f"the warp-specialized kernel must run: {(b, lq, lk, layout)}"
+        assert len(launched) == n + 1, f"the warp-specialized kernel must run: {(b, lq, lk, form)}"
         with monkeypatch.context() as m:
             m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
             ref = A.flash_attn_func(q, k, v, causal=causal)
         assert len(launched) == n + 1
-        assert bits_equal(ws, ref), (b, lq, lk, causal, dtype, layout)
+        assert bits_equal(ws, ref), (b, lq, lk, causal, dtype, form)
         lse_ws = A.triton_fwd(layout.packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
                               A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
         with monkeypatch.context() as m:
             m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
             lse_ref = A.triton_fwd(layout.packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
                                    A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
-        assert bits_equal(lse_ws, lse_ref), ("lse", b, lq, lk, causal, dtype, layout)
+        assert bits_equal(lse_ws, lse_ref), ("lse", b, lq, lk, causal, dtype, form)
     # sequences by their bounds: packed (the next sequence's keys follow), and in a NaN-filled
     # [B, Hkv, S, D] cache read in place, left- and right-padded (the last value block of a
     # right-padded sequence runs into free slots: it must read zeros, not NaN)
