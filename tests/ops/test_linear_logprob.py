@@ -15,6 +15,7 @@ from rlkernels import contract
 from rlkernels.ops.linear_logprob import (
     FUSED_16BIT, TorchLinearLogprobBackend, TritonLinearLogprobBackend, backward_chunk, linear_logprob,
 )
+from rlkernels.ops import linear_logprob_schedule as schedule_mod
 from rlkernels.reference import linear_logprob_ref
 from rlkernels.registry import get_op, registered_ops
 from rlkernels._env import triton_interpret
@@ -390,7 +391,7 @@ def test_dh_accumulator_in_dw_tail_keeps_the_bits(backend, dtype, n, v, cv, main
     separate = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP)
     monkeypatch.undo()
     monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: cv)
-    monkeypatch.setattr(mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
+    monkeypatch.setattr(schedule_mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
     monkeypatch.setattr(mod, "main_loop_chunk", lambda cv_, dim: main_chunks * cv_)
     tail = mod.dw_tail_rows(n, d, v, cv, torch.float32, torch.empty(v, d, dtype=dtype))
     assert tail is not None and tail % cv != 0
@@ -411,9 +412,9 @@ def test_g_in_dw_free_rows_keeps_the_bits(backend, dtype, gen, monkeypatch):
     gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     # Splits of the dH chain at multiples of 16: the interpreter GEMM's K step (the torch
     # chain splits anywhere), so the small shape can hold a chunk wider than the buffer.
-    monkeypatch.setattr(mod, "BWD_CHUNK_ALIGN", 16)
+    monkeypatch.setattr(schedule_mod, "BWD_CHUNK_ALIGN", 16)
     monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: cv)
-    monkeypatch.setattr(mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
+    monkeypatch.setattr(schedule_mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
     tail = mod.dw_tail_rows(n, d, v, cv, F32, torch.empty(v, d, dtype=dtype))
     schedule = mod.main_loop_schedule(mod.last_chunk_start(v, cv), mod.main_loop_chunk(cv, d), tail, n, d, 2)
     assert [off is None for _, _, off in schedule] == [False, True], schedule
@@ -436,7 +437,7 @@ def test_dh_accumulator_in_dw_tail_with_odd_v_times_d(gen, monkeypatch):
     h, w, b, t = _data(n, d, v, BF16, gen)
     gl, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     monkeypatch.setattr(mod, "backward_chunk", lambda n_rows, vocab, elem: 32)
-    monkeypatch.setattr(mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
+    monkeypatch.setattr(schedule_mod, "ACC_IN_DW_MAX_RECOMPUTE", 1.0)
     assert mod.dw_tail_rows(n, d, v, 32, torch.float32, torch.empty(v, d, dtype=BF16)) is not None
     in_tail = _grads(h, w, b, t, "torch", gl, ge, temperature=TEMP)
     monkeypatch.setattr(mod, "dw_tail_rows", lambda *args: None)

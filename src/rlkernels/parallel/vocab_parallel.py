@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..ops import _validate as V
-from ..ops.linear_logprob import _INT_DTYPES, backends_for, backward_chunk, validate as validate_logprob
+from ..ops.linear_logprob import _INT_DTYPES, backends_for, validate as validate_logprob
+from ..ops.linear_logprob_schedule import backward_chunk
 from .tree import combine_across_ranks, leaf_width, process_group_world, stack_tree
 
 # Default number of vocabulary shards (TP up to 8; V = 151936 gives shards of 18992 rows).
