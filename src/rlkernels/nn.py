@@ -123,8 +123,9 @@ class MoeExperts(nn.Module):
         self.num_experts = gate_up_proj.shape[0]
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, out_dtype=out_dtype)
+                out_dtype: torch.dtype | None = None, check_ids: bool = True) -> torch.Tensor:
+        return moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, out_dtype=out_dtype,
+                           check_ids=check_ids)
 
     def extra_repr(self) -> str:
         E, two_i, H = self.gate_up_proj.shape
@@ -162,7 +163,8 @@ class SparseMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, index = self.gate(x)
         acc = accumulator_dtype(x.dtype)
-        out = self.experts(x, index, weights, out_dtype=acc)
+        # The router's ids are in [0, E) by construction: no range check, no read back per layer.
+        out = self.experts(x, index, weights, out_dtype=acc, check_ids=False)
         if self.shared_expert is not None:
             shared = self.shared_expert(x).to(acc)
             if self.shared_expert_gate is not None:

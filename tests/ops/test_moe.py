@@ -263,6 +263,21 @@ def test_bad_input_is_refused(change, match):
         moe_experts(args["x"], args["index"], args["weights"], args["gate_up"], args["down"])
 
 
+def test_the_id_check_reads_back_only_where_asked(monkeypatch):
+    """moe_experts range-checks the ids (one read back); check_ids=False, which the block
+    passes for its router's ids, skips it: no sync per layer."""
+    from rlkernels.ops import moe as moe_ops
+
+    _, gate_up, down = _weights(torch.float32)
+    x, index, weights = torch.randn(3, H), torch.tensor([[0, 1], [2, 3], [1, 5]]), torch.rand(3, 2)
+    reads = []
+    monkeypatch.setattr(moe_ops, "can_read_back", lambda t: reads.append(t) or False)
+    checked = moe_experts(x, index, weights, gate_up, down)
+    assert len(reads) == 1
+    unchecked = moe_experts(x, index, weights, gate_up, down, check_ids=False)
+    assert len(reads) == 1 and torch.equal(checked, unchecked)
+
+
 @pytest.mark.parametrize("top_k", [0, E + 1, 2.0, True])
 def test_bad_top_k_is_refused(top_k):
     with pytest.raises(ValueError, match="top_k must be an int"):

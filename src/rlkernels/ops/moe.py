@@ -156,9 +156,9 @@ class _Routing:
     not checked (an id outside [0, E) then gives that slot garbage, never an access
     outside the tensors)."""
 
-    def __init__(self, index: torch.Tensor, num_experts: int, op: str) -> None:
+    def __init__(self, index: torch.Tensor, num_experts: int, op: str, check: bool = True) -> None:
         flat = index.reshape(-1)
-        if can_read_back(flat):
+        if check and can_read_back(flat):
             bad = (flat < 0) | (flat >= num_experts)
             if bool(bad.any()):
                 i = int(bad.nonzero()[0])
@@ -412,8 +412,7 @@ def _grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor 
 
 class _MoeExpertsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, gate_up, down, index, gemm_backend, out_dtype):  # type: ignore[override]
-        routing = _Routing(index, gate_up.shape[0], "moe_experts")
+    def forward(ctx, x, weights, gate_up, down, routing, gemm_backend, out_dtype):  # type: ignore[override]
         out, (gu_sorted, y) = experts_forward(gemm_backend, x, weights, gate_up, down, routing, keep=True)
         ctx.save_for_backward(x, weights, gate_up, down, gu_sorted, y)
         ctx.routing, ctx.gemm_backend = routing, gemm_backend
@@ -476,7 +475,7 @@ def validate_moe_experts(op: str, x, index, weights, gate_up, down) -> None:
 
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-                backend: str | None = None) -> torch.Tensor:
+                check_ids: bool = True, backend: str | None = None) -> torch.Tensor:
     """sum_r w[t, r] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, r]: [T, H].
 
     hidden_states [T, H] (bf16/fp16/fp32; fp64 on the torch backend); top_k_index [T, k]
@@ -487,6 +486,9 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     hidden_states' dtype; fp32 keeps it unrounded so a block can add a shared expert
     first). A token's output is a function of its own row, ids and weights alone.
     Autograd to hidden_states, top_k_weights and both weights (``main_grad`` honoured).
+    ``check_ids``: range-check the ids before any launch (one read back from the device);
+    False where they come from :func:`moe_topk`, which only gives ids in [0, E) -- an id
+    outside it then gives its slot garbage, never an access outside the tensors.
     """
     op = "moe_experts"
     validate_moe_experts(op, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
@@ -502,13 +504,12 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     if T == 0:
         zero = (hidden_states.sum() + top_k_weights.sum() + gate_up_proj.sum() + down_proj.sum()) * 0
         return zero.to(out_dtype).expand(0, H).clone()
-    index = top_k_index.long()
+    routing = _Routing(top_k_index.long(), gate_up_proj.shape[0], op, check=check_ids)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, gate_up_proj,
                                                                   down_proj)):
-        return _MoeExpertsFunction.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, index,
+        return _MoeExpertsFunction.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, routing,
                                          gemm_backend, out_dtype)
     # Inference (scoring, decode): the Function's forward without keeping what the backward reads.
-    routing = _Routing(index, gate_up_proj.shape[0], op)
     out, _ = experts_forward(gemm_backend, hidden_states, top_k_weights, gate_up_proj, down_proj, routing, keep=False)
     return out.to(out_dtype)
 
