@@ -164,7 +164,9 @@ class SparseMoeBlock(nn.Module):
         _, weights, index = self.gate(x)
         acc = accumulator_dtype(x.dtype)
         # The router's ids are in [0, E) by construction: no range check, no read back per layer.
-        out = self.experts(x, index, weights, out_dtype=acc, check_ids=False)
+        # With a shared expert the routed sum stays fp32 until the shared term is added.
+        out = self.experts(x, index, weights, out_dtype=acc if self.shared_expert is not None else x.dtype,
+                           check_ids=False)
         if self.shared_expert is not None:
             shared = self.shared_expert(x).to(acc)
             if self.shared_expert_gate is not None:

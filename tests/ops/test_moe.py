@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from rlkernels import TOKEN_BLOCK, reference
-from rlkernels.ops.moe import moe_experts, moe_topk, top_k_lowest_id
+import rlkernels.ops.moe as moe_mod
+from rlkernels.ops.moe import moe_experts, moe_topk, sum_ranks, top_k_lowest_id
 from rlkernels.registry import get_op, registered_ops
 
-from ..conftest import HAS_CUDA, cpu_backend_cases
+from ..conftest import HAS_CUDA, cpu_backend_cases, interpreter_only
 
 H, INTER, E, K = 64, 32, 16, 4
 
@@ -113,6 +114,64 @@ def test_routing_is_the_stock_routers_math(normalize, dtype):
     assert torch.equal(index[distinct], ids[distinct])
     assert weights.dtype == torch.float32
     assert (weights - top.to(dtype).float()).abs().max() <= (2e-7 if dtype == torch.float32 else 4e-3)
+
+
+def _route_probs(rows: int, experts: int, seed: int, device="cpu") -> torch.Tensor:
+    """Routing probabilities with ties (whole rows equal, runs of equal values) and NaN rows."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(rows, experts, generator=g), -1)
+    probs[1] = 1.0 / experts                                  # every expert ties
+    probs[2, ::3] = probs[2].max()                            # a run of equal maxima
+    probs[3, experts // 2:] = 0.0                             # equal zeros past the largest
+    probs[4, 1] = float("nan")                                # torch.sort puts NaN first
+    probs[5] = float("nan")
+    return probs.to(device)
+
+
+def _torch_route(probs, k, normalize):
+    return moe_mod._TopKWeightsFunction.apply(probs, k, normalize, False)
+
+
+def _fused_route(probs, k, normalize):
+    return moe_mod._TopKWeightsFunction.apply(probs, k, normalize, True)
+
+
+@interpreter_only
+@pytest.mark.parametrize("experts, k", [(16, 4), (13, 1), (60, 4), (128, 8), (7, 7)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_fused_top_k_gives_the_sort_gather_and_sum_bits(experts, k, normalize):
+    probs = _route_probs(37, experts, seed=experts + k)
+    w_ref, i_ref = _torch_route(probs, k, normalize)
+    w, i = _fused_route(probs, k, normalize)
+    assert torch.equal(i, i_ref)
+    assert torch.equal(w.view(torch.int32), w_ref.view(torch.int32))  # NaN rows too: bit patterns
+    assert i[1].tolist() == list(range(k)) and i[4, 0] == 1
+
+
+@interpreter_only
+def test_fused_top_k_backward_is_the_torch_paths():
+    probs = _route_probs(29, 16, seed=5)[6:].requires_grad_()
+    grad = torch.randn(23, K, generator=torch.Generator().manual_seed(6))
+    ref = torch.autograd.grad(_torch_route(probs, K, True)[0], probs, grad)[0]
+    fused = torch.autograd.grad(_fused_route(probs, K, True)[0], probs, grad)[0]
+    assert torch.equal(fused, ref)
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape", [(1, 1, 1), (5, 3, 1031), (17, 8, 64), (2, 4, 2048)])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])  # bf16 stores: GPU test (interpreter limit)
+def test_fused_rank_sum_gives_the_elementwise_ops_bits(shape, weighted, out_dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    T, k, H = shape
+    slots = torch.randn(T, k, H, generator=g) * 30
+    weights = torch.rand(T, k, generator=g).to(torch.bfloat16) if weighted else None
+    ref = sum_ranks(slots, weights, out_dtype, fused=False)
+    out = sum_ranks(slots, weights, out_dtype, fused=True)
+    assert out.dtype == out_dtype and torch.equal(out, ref)
+    # Strided slots (a [T, k, H] view of a wider buffer) read through their strides.
+    wide = torch.randn(T, k, H + 3, generator=g)[:, :, :H]
+    assert torch.equal(sum_ranks(wide, weights, out_dtype, fused=True), sum_ranks(wide, weights, out_dtype, fused=False))
 
 
 def test_routing_gradient_is_deterministic_and_correct():
@@ -305,3 +364,23 @@ def test_crowded_batch_bitwise_and_deterministic_backward_gpu_bf16():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     alone = _grads(x[:1], index[:1], weights[:1], gate_up, down, grad[:1], backend=None)
     assert torch.equal(alone[0][0], first[0][0]) and torch.equal(alone[1][0], first[1][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_fused_route_and_combine_give_the_elementwise_bits_gpu():
+    """The one-launch top-k and combine equal the torch ops on the GPU: no FMA contraction,
+    IEEE division (the kernels run with enable_fp_fusion off and div_rn)."""
+    for experts, k in ((128, 8), (60, 4), (8, 2)):
+        probs = _route_probs(4096, experts, seed=experts, device="cuda")
+        for normalize in (True, False):
+            w_ref, i_ref = _torch_route(probs, k, normalize)
+            w, i = _fused_route(probs, k, normalize)
+            assert torch.equal(i, i_ref) and torch.equal(w.view(torch.int32), w_ref.view(torch.int32))
+    g = torch.Generator().manual_seed(7)
+    for T, k, H in ((1, 8, 2048), (256, 8, 2048), (4099, 4, 1031)):
+        slots = (torch.randn(T, k, H, generator=g) * 30).cuda()
+        weights = torch.rand(T, k, generator=g).cuda()
+        for w in (weights, None):
+            for dt in (torch.float32, torch.bfloat16):
+                assert torch.equal(sum_ranks(slots, w, dt, fused=True), sum_ranks(slots, w, dt, fused=False))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._env import triton_interpret
-from ..kernels._triton import cdiv
+from ..kernels._triton import cdiv, pow2_at_least
 from ..kernels.grouped_gemm import grouped_gemm_kernel, grouped_wgrad_kernel
 from ..runtime.launcher import cached_launcher
 from .table import GEMM_INTERPRETER_CONFIG, GemmConfig
@@ -97,7 +97,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, slot_end: torch.Tensor, slots
     constexprs = dict(GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, SILU_UP=silu_up,
                       STORE_GU=gu is not None, IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      BLOCK_E=max(16, 1 << (E - 1).bit_length()))
+                      BLOCK_E=pow2_at_least(E, 16))
     _launch_grouped(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return c, gu
 

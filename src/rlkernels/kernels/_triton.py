@@ -41,4 +41,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["DOT_ANY_M", "GluonTensorDescriptor", "cdiv", "gl", "gluon", "triton", "tl"]
+def pow2_at_least(x: int, floor: int = 1) -> int:
+    """The smallest power of two >= max(x, floor), for tile widths on the host (plain
+    Python for the reason :func:`cdiv` is)."""
+    return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+__all__ = ["DOT_ANY_M", "GluonTensorDescriptor", "cdiv", "gl", "gluon", "pow2_at_least", "triton", "tl"]

@@ -44,7 +44,7 @@ from .._env import switch_on
 from ..registry import OpImpl, register, select_backend
 from ..gemm.chain import accumulator_dtype, chain_matmul
 
-from ..kernels._triton import DOT_ANY_M, cdiv
+from ..kernels._triton import DOT_ANY_M, cdiv, pow2_at_least
 from ..kernels.bmm import bmm_tiny_kernel
 from ..gemm.triton import triton_gemm
 from ..runtime.device import sm_count
@@ -88,9 +88,6 @@ class TinyConfig:
         return f"{base}/p{self.programs_per_sm}s{self.num_stages}" if self.persistent else base
 
 
-def _pow2(x: int, floor: int) -> int:
-    return max(floor, 1 << max(0, (x - 1).bit_length()))
-
 
 def _pow2_floor(x: int) -> int:
     """The largest power of two <= x (x >= 1)."""
@@ -104,9 +101,9 @@ def tiny_blocks(m: int, n: int, k: int, cfg: TinyConfig, dtype: torch.dtype) -> 
         # and fp32's FMA lowering then does no work for rows that do not exist (16-bit
         # tensor-core dots pad them again inside, so they keep 16).
         m_floor = 1 if dtype == torch.float32 and DOT_ANY_M else 16
-        return _pow2(m, m_floor), _pow2(n, 16), _pow2(k, 16)
+        return pow2_at_least(m, m_floor), pow2_at_least(n, 16), pow2_at_least(k, 16)
     # The FMA loop is unrolled over exactly k steps: BLOCK_K is k itself (no arange over it).
-    return _pow2(m, 1), _pow2(n, 1), k
+    return pow2_at_least(m, 1), pow2_at_least(n, 1), k
 
 
 _F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16

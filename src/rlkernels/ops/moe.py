@@ -45,39 +45,59 @@ import torch.nn.functional as F
 from . import _validate as V
 from .activations import silu_chain
 from .matmul import gemm_backend_for, linear, main_grad_target
-from .norms import TorchReductionBackend, TritonReductionBackend, softmax
+from .norms import TorchReductionBackend, TritonReductionBackend, reduction_backend_for, softmax
+from .._env import triton_interpret
 from ..gemm.chain import accumulator_dtype
 from ..gemm.grouped import grouped_config, grouped_gemm, grouped_wgrad
+from ..kernels._triton import cdiv, pow2_at_least
+from ..kernels.moe import rank_sum_kernel, top_k_route_kernel
 from ..runtime.device import can_read_back
+from ..runtime.launcher import cached_launcher
 from ..registry import OpImpl, register
 
 _REDUCTIONS = {"torch": TorchReductionBackend(), "triton": TritonReductionBackend()}
+
+# A multiply then an add must stay two roundings (the elementwise ops' bits), never one FMA.
+_NO_FMA = {} if triton_interpret() else {"enable_fp_fusion": False}
+_launch_top_k = cached_launcher(top_k_route_kernel, leading_tensors=4, options=_NO_FMA)
+_launch_rank_sum = cached_launcher(rank_sum_kernel, leading_tensors=3, options=_NO_FMA)
+ROUTE_MAX_EXPERTS = 1024  # one [BLOCK_E] tile of probabilities per token
+RANK_SUM_BLOCK_H = 1024
 
 
 # ---------------------------------------------------------------- routing
 
 
 class _TopKWeightsFunction(torch.autograd.Function):
-    """w [T, k] = probs[t, index[t, j]] (/ their sum over j, ascending j, with ``normalize``).
+    """(w [T, k], index [T, k]): index the k largest probs per row (:func:`top_k_lowest_id`'s
+    order), w = probs[t, index[t, j]] (/ their sum over j, ascending j, with ``normalize``).
+    ``fused``: one Triton launch (:func:`_top_k_route`), else the sort, gather, adds and
+    division as torch ops; the same IEEE operations in the same order, so the same bits.
 
     Backward: with g the gradient wrt w, dp_j = (g_j - sum_i g_i w_i) / s (normalized) or
     g_j, the sum over i ascending; scattered back to the selected columns (each written
     once: a token's k experts are distinct), zeros elsewhere."""
 
     @staticmethod
-    def forward(ctx, probs, index, normalize: bool):  # type: ignore[override]
-        top = probs.gather(-1, index)
-        if normalize:
+    def forward(ctx, probs, top_k: int, normalize: bool, fused: bool):  # type: ignore[override]
+        if fused:
+            index, top, total = _top_k_route(probs, top_k, normalize)
+        else:
+            index = top_k_lowest_id(probs, top_k)
+            top = probs.gather(-1, index)
             total = _sum_columns(top)
-            top = top / total[:, None]
+            if normalize:
+                top = top / total[:, None]
+        if normalize:
             ctx.save_for_backward(index, top, total)
         else:
             ctx.save_for_backward(index)
+        ctx.mark_non_differentiable(index)
         ctx.normalize, ctx.shape = normalize, probs.shape
-        return top
+        return top, index
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad, _grad_index):  # type: ignore[override]
         if ctx.normalize:
             index, w, total = ctx.saved_tensors
             dot = _sum_columns(grad * w)
@@ -86,7 +106,7 @@ class _TopKWeightsFunction(torch.autograd.Function):
             (index,) = ctx.saved_tensors
             dtop = grad
         dprobs = torch.zeros(ctx.shape, dtype=dtop.dtype, device=dtop.device)
-        return dprobs.scatter_(-1, index, dtop), None, None
+        return dprobs.scatter_(-1, index, dtop), None, None, None
 
 
 def _sum_columns(x: torch.Tensor) -> torch.Tensor:
@@ -103,6 +123,26 @@ def top_k_lowest_id(scores: torch.Tensor, k: int) -> torch.Tensor:
     ascending index order. ``torch.topk`` promises no order among equal values; a stable
     descending sort keeps equal values in index order."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _top_k_route(probs: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, ...]:
+    """(index [T, k] int64, w [T, k] fp32, total [T] fp32) of fp32 probs [T, E] in one launch."""
+    T, E = probs.shape
+    probs = probs.contiguous()
+    index = torch.empty(T, top_k, dtype=torch.int64, device=probs.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=probs.device)
+    total = torch.empty(T, dtype=torch.float32, device=probs.device)
+    if T:
+        _launch_top_k((T,), (probs, index, weights, total, E, probs.stride(0), index.stride(0), weights.stride(0)),
+                      dict(K=top_k, NORMALIZE=normalize, BLOCK_E=pow2_at_least(E, 16)), num_warps=4,
+                      num_stages=1)
+    return index, weights, total
+
+
+def _fuses_route(probs: torch.Tensor, backend_name: str) -> bool:
+    """Whether the routing's top-k runs as one Triton launch (fp32 probs, E within one tile)."""
+    return (backend_name == "triton" and _launch_top_k is not None and probs.dtype == torch.float32
+            and probs.shape[1] <= ROUTE_MAX_EXPERTS)
 
 
 def moe_topk(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
@@ -125,9 +165,9 @@ def moe_topk(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"rlkernels.{op}: top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
     acc = accumulator_dtype(logits.dtype)
-    probs = softmax(logits, -1, dtype=acc, backend=backend)
-    index = top_k_lowest_id(probs.detach(), top_k)
-    weights = _TopKWeightsFunction.apply(probs, index, bool(normalize))
+    reductions = reduction_backend_for("softmax", logits.device, backend)
+    probs = softmax(logits, -1, dtype=acc, backend=reductions.name)
+    weights, index = _TopKWeightsFunction.apply(probs, top_k, bool(normalize), _fuses_route(probs, reductions.name))
     if round_weights_to is not None:
         weights = weights.to(round_weights_to).to(acc)
     return weights, index
@@ -198,18 +238,38 @@ class _Routing:
             start += n
 
 
-def _sum_ranks(slots: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_r (weights[:, r] *) slots[:, r] over [T, k, H], fp32, r ascending, elementwise."""
+def sum_ranks(slots: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype,
+              fused: bool) -> torch.Tensor:
+    """sum_r (weights[:, r] *) slots[:, r] over [T, k, H], in slots' dtype (fp32; fp64 for
+    fp64), r ascending, rounded once to ``out_dtype``: [T, H].
+
+    ``fused`` (the Triton backend): one launch (``kernels.moe.rank_sum_kernel``); else k
+    multiplies and k - 1 adds as elementwise torch ops. The same roundings in the same
+    order, so the same bits."""
+    T, k, H = slots.shape
+    # The interpreter stores bf16 by truncation, not round-to-nearest-even as a GPU does.
+    if fused and slots.dtype == torch.float32 and T and H and not (triton_interpret() and out_dtype == torch.bfloat16):
+        slots = slots if slots.stride(2) == 1 else slots.contiguous()
+        out = torch.empty(T, H, dtype=out_dtype, device=slots.device)
+        w = weights if weights is not None else slots  # unread without WEIGHTED
+        block_h = min(RANK_SUM_BLOCK_H, pow2_at_least(H, 16))
+        _launch_rank_sum((T, cdiv(H, block_h)), (slots, w, out, H, slots.stride(0), slots.stride(1),
+                                                 w.stride(0), out.stride(0)),
+                         dict(K=k, WEIGHTED=weights is not None, BLOCK_H=block_h), num_warps=4, num_stages=1)
+        return out
+    if weights is not None:
+        weights = weights.to(slots.dtype)
     out = slots[:, 0] * weights[:, 0, None] if weights is not None else slots[:, 0].clone()
-    for r in range(1, slots.shape[1]):
+    for r in range(1, k):
         out = out + (slots[:, r] * weights[:, r, None] if weights is not None else slots[:, r])
-    return out
+    return out.to(out_dtype)
 
 
 def experts_forward(gemm_backend, x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, routing: _Routing, keep: bool):
-    """The combined fp32 output [T, H] and, with ``keep``, what the backward reads:
-    (gate_up outputs in sorted slot order [T*k, 2I] in x's dtype, y in slot order [T*k, H] fp32).
+                    down: torch.Tensor, routing: _Routing, keep: bool, out_dtype: torch.dtype):
+    """The output [T, H] (the fp32 combine, rounded once to ``out_dtype``) and, with
+    ``keep``, what the backward reads: (gate_up outputs in sorted slot order [T*k, 2I] in
+    x's dtype, y in slot order [T*k, H] fp32).
 
     The Triton backend runs each projection as one grouped launch over all experts
     (:func:`grouped_experts_forward`), the torch backend one GEMM per expert
@@ -219,7 +279,7 @@ def experts_forward(gemm_backend, x: torch.Tensor, weights: torch.Tensor, gate_u
     else:
         y, gu_sorted = per_expert_forward(gemm_backend, x, gate_up, down, routing, keep)
     T, H = x.shape
-    out = _sum_ranks(y.view(T, routing.k, H), weights.to(y.dtype))
+    out = sum_ranks(y.view(T, routing.k, H), weights, out_dtype, fused=gemm_backend.name == "triton")
     return out, (gu_sorted, y if keep else None)
 
 
@@ -332,7 +392,7 @@ def experts_backward(gemm_backend, g: torch.Tensor, x: torch.Tensor, weights: to
     run = grouped_backward if grouped else per_expert_backward
     dx_slots = run(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routing, needs,
                    (grad_gu, main_gu, grad_down, main_down))
-    grad_x = _sum_ranks(dx_slots.view(T, k, H)).to(x.dtype) if need_x else None
+    grad_x = sum_ranks(dx_slots.view(T, k, H), None, x.dtype, fused=grouped) if need_x else None
     return grad_x, grad_gu, grad_down
 
 
@@ -413,10 +473,11 @@ def _grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor 
 class _MoeExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, routing, gemm_backend, out_dtype):  # type: ignore[override]
-        out, (gu_sorted, y) = experts_forward(gemm_backend, x, weights, gate_up, down, routing, keep=True)
+        out, (gu_sorted, y) = experts_forward(gemm_backend, x, weights, gate_up, down, routing, keep=True,
+                                              out_dtype=out_dtype)
         ctx.save_for_backward(x, weights, gate_up, down, gu_sorted, y)
         ctx.routing, ctx.gemm_backend = routing, gemm_backend
-        return out.to(out_dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
@@ -510,8 +571,9 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
         return _MoeExpertsFunction.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, routing,
                                          gemm_backend, out_dtype)
     # Inference (scoring, decode): the Function's forward without keeping what the backward reads.
-    out, _ = experts_forward(gemm_backend, hidden_states, top_k_weights, gate_up_proj, down_proj, routing, keep=False)
-    return out.to(out_dtype)
+    out, _ = experts_forward(gemm_backend, hidden_states, top_k_weights, gate_up_proj, down_proj, routing, keep=False,
+                             out_dtype=out_dtype)
+    return out
 
 
 # ---------------------------------------------------------------- registry entries
