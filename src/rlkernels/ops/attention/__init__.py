@@ -30,10 +30,11 @@ block over the GQA group's query heads in order and query blocks ascending; dQ p
 query block over key blocks ascending, recomputing P from the saved LSE; no atomics.
 
 Modules, lowest first: ``chain`` (the chain constants), ``layout`` (key rows, TMA
-descriptors), ``launch`` (launch parameters, :class:`AttnTuning`), ``ws_host`` (the warp-specialized
-Hopper forward), ``triton_host`` (the Triton launches), ``torch_ref`` (the torch
-backend), ``autograd`` (the forward and backward cores, the autograd Function, the custom
-ops, the route a call takes), ``validate`` and ``api`` (the entry points, the registry).
+descriptors), ``launch`` (launch parameters, :class:`AttnTuning`), ``ws_host`` (the
+warp-specialized Hopper forward), ``triton_host`` (the Triton launches), ``torch_ref``
+(the torch backend), ``autograd`` (the forward and backward cores, the autograd Function,
+the custom ops, the route a call takes), ``validate`` and ``api`` (the entry points, the
+registry).
 
 The chain and the launch choices are arguments, not module state: :class:`AttnTuning`
 (chain, forward and backward launch, TMA size threshold) travels from each entry point's
@@ -53,7 +54,7 @@ from .autograd import AttnFunction, attend, flash_attn_bwd_op, flash_attn_fwd_op
 from .chain import DEFAULT_CHAIN, Chain
 from .launch import (COMBINE_BLOCK_D, COMBINE_STAGES, COMBINE_WARPS, DEFAULT_TUNING, DELTA_WARPS, AttnTuning,
                      BwdLaunch, FwdLaunch, default_bwd_launch, default_fwd_launch)
-from .layout import TMA_DTYPES, TMA_MIN_FLOPS, head_rows_desc, key_rows, kv_rows, tma_pays
+from .layout import TMA_DTYPES, head_rows_desc, key_rows, kv_rows, tma_pays
 from .torch_ref import torch_bwd, torch_fwd
 from .triton_host import LOG2E, triton_bwd, triton_fwd
 from .validate import CHECK_ENV, MAX_HEAD_DIM
@@ -62,9 +63,9 @@ from .ws_host import (WS_BLOCK_N, WS_CONSUMERS, WS_ENV, WS_MAX_TILES, WS_STAGES,
 
 __all__ = [
     "CHECK_ENV", "COMBINE_BLOCK_D", "COMBINE_STAGES", "COMBINE_WARPS", "DEFAULT_CHAIN", "DEFAULT_TUNING", "DELTA_WARPS",
-    "LOG2E", "MAX_HEAD_DIM", "OP", "SPLIT_KV_MAX_ROWS", "TMA_DTYPES", "TMA_MIN_FLOPS", "WS_BLOCK_N", "WS_CONSUMERS",
-    "WS_ENV", "WS_MAX_TILES", "WS_STAGES", "AttnFunction", "AttnTuning", "BwdLaunch", "Chain", "FlashAttnTorch",
-    "FlashAttnTriton", "FwdLaunch", "attend", "attention_by_bounds", "default_bwd_launch", "default_fwd_launch",
+    "LOG2E", "MAX_HEAD_DIM", "OP", "SPLIT_KV_MAX_ROWS", "TMA_DTYPES", "WS_BLOCK_N", "WS_CONSUMERS", "WS_ENV",
+    "WS_MAX_TILES", "WS_STAGES", "AttnFunction", "AttnTuning", "BwdLaunch", "Chain", "FlashAttnTorch", "FlashAttnTriton",
+    "FwdLaunch", "attend", "attention_by_bounds", "default_bwd_launch", "default_fwd_launch",
     "flash_attn_bwd_op", "flash_attn_func", "flash_attn_fwd_op", "flash_attn_varlen_func", "flash_attn_with_kvcache",
     "head_rows_desc", "key_rows", "kv_rows", "kvcache_append_op", "tma_pays", "torch_bwd", "torch_fwd", "triton_bwd",
     "triton_fwd", "ws_fwd", "ws_keys_desc", "ws_layout", "ws_rows_desc",
