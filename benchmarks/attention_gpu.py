@@ -11,8 +11,8 @@
    which the default takes where it applies, is turned off for these candidates), the
    split-KV decode kernel (query tile, warps, stages) and the backward (dK/dV and dQ
    tiles, warps, stages). The chain constants (BLOCK_N, S_SPLIT) are the library's for
-   every candidate; each candidate's bits are compared with the default's. The library's
-   launch overrides are restored after every candidate.
+   every candidate; each candidate's bits are compared with the default's. A candidate's
+   launch goes to its own calls only, as their ``_tuning`` argument (``AttnTuning``).
 
 Every step is wrapped in try/except and prints as it goes; a failing candidate is
 reported and skipped.
@@ -20,7 +20,6 @@ reported and skipped.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import sys
@@ -31,7 +30,6 @@ import torch
 
 from rlkernels import contract, reference
 from rlkernels.ops import attention as A
-from rlkernels.ops.attention import triton_host
 
 HQ, HKV = 16, 8
 
@@ -59,17 +57,6 @@ def median_ms(fn) -> float:
         fn()
     torch.cuda.synchronize()
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-@contextlib.contextmanager
-def launch(fwd: A.FwdLaunch | None = None, bwd: A.BwdLaunch | None = None):
-    """Run the block with these launch overrides (None: the defaults), then restore them."""
-    saved = triton_host.FWD_LAUNCH_OVERRIDE, triton_host.BWD_LAUNCH_OVERRIDE
-    triton_host.FWD_LAUNCH_OVERRIDE, triton_host.BWD_LAUNCH_OVERRIDE = fwd, bwd
-    try:
-        yield
-    finally:
-        triton_host.FWD_LAUNCH_OVERRIDE, triton_host.BWD_LAUNCH_OVERRIDE = saved
 
 
 def check(name: str, fn, results: dict) -> None:
@@ -181,8 +168,7 @@ def tune_forward(d: int, L: int, quick: bool) -> list[dict]:
     q = rand((b, L, HQ, d), torch.bfloat16, 7)
     k = rand((b, L, HKV, d), torch.bfloat16, 8)
     v = rand((b, L, HKV, d), torch.bfloat16, 9)
-    with launch():
-        want = A.flash_attn_func(q, k, v)
+    want = A.flash_attn_func(q, k, v)
     flops = 2.0 * b * HQ * L * L * d
     rows = []
     cands = list(itertools.product((64, 128), (4, 8), (2, 3, 4)))
@@ -191,9 +177,9 @@ def tune_forward(d: int, L: int, quick: bool) -> list[dict]:
     for bm, w, s in cands:
         try:
             # ws=False: the settings are the Triton kernel's; the warp-specialized one ignores them.
-            with launch(fwd=A.FwdLaunch(bm, w, s, ws=False)):
-                same = bits_equal(A.flash_attn_func(q, k, v), want)
-                ms = median_ms(lambda: A.flash_attn_func(q, k, v))
+            tuning = A.AttnTuning(fwd=A.FwdLaunch(bm, w, s, ws=False))
+            same = bits_equal(A.flash_attn_func(q, k, v, _tuning=tuning), want)
+            ms = median_ms(lambda: A.flash_attn_func(q, k, v, _tuning=tuning))
             rows.append({"kernel": "fwd", "D": d, "L": L, "block_m": bm, "warps": w, "stages": s,
                          "ms": ms, "tflops": flops / ms / 1e9, "same_bits": same})
         except Exception as exc:  # noqa: BLE001
@@ -210,14 +196,13 @@ def tune_decode(d: int, quick: bool) -> list[dict]:
         q = rand((b, 1, HQ, d), torch.bfloat16, 11)
         kc = rand((b, s, HKV, d), torch.bfloat16, 12)
         vc = rand((b, s, HKV, d), torch.bfloat16, 13)
-        with launch():
-            want = A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s)
+        want = A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s)
         base = A.default_fwd_launch(d)
         for bm, w, st in itertools.product((16, 32), (2, 4, 8), (2, 3, 4)):
             try:
-                with launch(fwd=A.FwdLaunch(base.block_m, base.num_warps, base.num_stages, bm, w, st)):
-                    same = bits_equal(A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s), want)
-                    ms = median_ms(lambda: A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s))
+                tuning = A.AttnTuning(fwd=A.FwdLaunch(base.block_m, base.num_warps, base.num_stages, bm, w, st))
+                same = bits_equal(A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s, _tuning=tuning), want)
+                ms = median_ms(lambda: A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s, _tuning=tuning))
                 rows.append({"kernel": "decode", "D": d, "B": b, "S": s, "block_m": bm, "warps": w, "stages": st,
                              "us": ms * 1e3, "TB/s": 2 * b * s * HKV * d * 2 / ms / 1e9, "same_bits": same})
             except Exception as exc:  # noqa: BLE001
@@ -233,12 +218,13 @@ def tune_backward(d: int, L: int, quick: bool) -> list[dict]:
     k = rand((b, L, HKV, d), torch.bfloat16, 22).requires_grad_()
     v = rand((b, L, HKV, d), torch.bfloat16, 23).requires_grad_()
     do = rand((b, L, HQ, d), torch.bfloat16, 24)
-    out = A.flash_attn_func(q, k, v)
 
-    def bwd():
-        return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-    with launch():
-        want = bwd()
+    def backward_with(tuning: A.AttnTuning):
+        """The backward of a forward run with ``tuning`` (its autograd node keeps the
+        tuning), repeatable: what each candidate times."""
+        out = A.flash_attn_func(q, k, v, _tuning=tuning)
+        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    want = backward_with(A.DEFAULT_TUNING)()
     flops = 2.5 * 2.0 * b * HQ * L * L * d
     rows = []
     # (dK/dV tile, warps, stages, dQ tile, warps, stages): BwdLaunch's field order.
@@ -250,10 +236,10 @@ def tune_backward(d: int, L: int, quick: bool) -> list[dict]:
         row = {"kernel": "bwd", "D": d, "L": L, "dkdv": f"{c[0]}x{c[1]}", "dq": f"{c[4]}x{c[5]}", "warps": c[2],
                "stages": c[3]}
         try:
-            with launch(bwd=A.BwdLaunch(*c)):
-                got = bwd()
-                row["same_bits"] = all(bits_equal(a, b_) for a, b_ in zip(got, want))
-                ms = median_ms(bwd)
+            bwd = backward_with(A.AttnTuning(bwd=A.BwdLaunch(*c)))
+            got = bwd()
+            row["same_bits"] = all(bits_equal(a, b_) for a, b_ in zip(got, want))
+            ms = median_ms(bwd)
             row.update(ms=ms, tflops=flops / ms / 1e9)
         except Exception as exc:  # noqa: BLE001
             row["error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
@@ -284,7 +270,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         say("needs a CUDA GPU")
         return 2
-    say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, chain {A.current_chain()}")
+    say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, chain {A.DEFAULT_CHAIN}")
     results: dict = {}
     if not args.skip_checks:
         for dtype in (torch.bfloat16, torch.float16):

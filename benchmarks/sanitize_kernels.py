@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 import rlkernels
-from rlkernels.ops.attention import attention_by_bounds, layout, ws_host
+from rlkernels.ops.attention import DEFAULT_TUNING, AttnTuning, attention_by_bounds, ws_host
 
 CASES: dict[str, Callable[[torch.dtype], None]] = {}
 
@@ -122,10 +122,10 @@ def _attention(dtype):
         print("  (no attention op)")
         return
     # Small calls keep pointer loads (layout.tma_pays): once as the library runs them, once with
-    # every unmasked block read through TMA.
+    # every unmasked block read through TMA (tma_min_flops 0, passed to each call).
     # The second pass also sends every head_dim-64 and -128 forward through the warp-specialized
-    # kernel (counted below, so the run shows it was exercised).
-    saved, launch = layout.TMA_MIN_FLOPS, ws_host._launch_fwd_ws
+    # kernel (its launches counted below, so the run shows it was exercised).
+    launch = ws_host._launch_fwd_ws
     launched = []
 
     def counting(f):
@@ -134,32 +134,31 @@ def _attention(dtype):
             return f(*args, **kwargs)
         return launch_and_count
 
-    for tma_min in (saved, 0):
-        layout.TMA_MIN_FLOPS = tma_min
+    for tuning in (DEFAULT_TUNING, AttnTuning(tma_min_flops=0)):
         ws_host._launch_fwd_ws = {c: counting(f) for c, f in launch.items()}
         try:
-            _attention_cases(dtype)
+            _attention_cases(dtype, tuning)
         finally:
-            layout.TMA_MIN_FLOPS, ws_host._launch_fwd_ws = saved, launch
-        print(f"  TMA_MIN_FLOPS={tma_min:g}: {len(launched)} warp-specialized forward launches")
+            ws_host._launch_fwd_ws = launch
+        print(f"  tma_min_flops={tuning.tma_min_flops:g}: {len(launched)} warp-specialized forward launches")
         launched.clear()
 
 
-def _attention_cases(dtype):
+def _attention_cases(dtype, tuning: AttnTuning):
     for b, lq, hq, hk, d in [(1, 1, 2, 1, 64), (2, 131, 4, 2, 128), (3, 1031, 16, 8, 128), (1, 257, 8, 8, 64),
                              (2, 67, 4, 2, 80)]:
         q, k, v = (_r(b, lq, h, d, dtype=dtype, grad=True) for h in (hq, hk, hk))
-        o = rlkernels.flash_attn_func(q, k, v, causal=True)
+        o = rlkernels.flash_attn_func(q, k, v, causal=True, _tuning=tuning)
         o.float().sum().backward()
         _finite(o, q.grad, k.grad, v.grad)
         with torch.no_grad():  # inference: the dense form (no index tensors)
-            _finite(rlkernels.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True))
+            _finite(rlkernels.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True, _tuning=tuning))
     # Packed sequences of odd lengths (one-split and several-split rows, TMA and masked blocks).
     lens_p = [1, 131, 1031, 2053]
     cu = torch.tensor([0] + [sum(lens_p[:i + 1]) for i in range(len(lens_p))], device="cuda", dtype=torch.int32)
     for d in (64, 128):
         q, k, v = (_r(cu[-1].item(), h, d, dtype=dtype, grad=True) for h in (16, 8, 8))
-        o = rlkernels.flash_attn_varlen_func(q, k, v, cu, cu, max(lens_p), max(lens_p), causal=True)
+        o = rlkernels.flash_attn_varlen_func(q, k, v, cu, cu, max(lens_p), max(lens_p), causal=True, _tuning=tuning)
         o.float().sum().backward()
         _finite(o, q.grad, k.grad, v.grad)
     # Decode over a cache whose unused slots hold NaN.
@@ -171,18 +170,19 @@ def _attention_cases(dtype):
         kc[i, :n] = _r(n, hk, d, dtype=dtype)
         vc[i, :n] = _r(n, hk, d, dtype=dtype)
     q = _r(b, 1, hq, d, dtype=dtype)
-    _finite(rlkernels.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True))
+    _finite(rlkernels.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, _tuning=tuning))
     kn, vn = _r(b, 1, hk, d, dtype=dtype), _r(b, 1, hk, d, dtype=dtype)
-    _finite(rlkernels.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, causal=True))
+    _finite(rlkernels.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, causal=True,
+                                              _tuning=tuning))
     # Keys read in place from Hugging Face's [B, Hkv, S, D] layout, left-padded (NaN before
     # each sequence) and right-padded (NaN after it: the last value block runs into free
     # slots), through the op's bounds entry: prefill with its backward, then a decode-like
     # step (the split-KV kernels over several splits).
     for starts in ([4098, 3069, 2], [0, 0, 0]):
-        _hf_layout_case(torch.tensor(starts, device="cuda", dtype=torch.int32), lens, q, s_max, dtype)
+        _hf_layout_case(torch.tensor(starts, device="cuda", dtype=torch.int32), lens, q, s_max, dtype, tuning)
 
 
-def _hf_layout_case(starts, lens, q, s_max, dtype):
+def _hf_layout_case(starts, lens, q, s_max, dtype, tuning: AttnTuning):
     b, hq, hk, d = q.shape[0], q.shape[2], 8, q.shape[3]
     kh = torch.full((b, hk, s_max, d), float("nan"), device="cuda", dtype=dtype)
     vh = torch.full_like(kh, float("nan"))
@@ -195,13 +195,13 @@ def _hf_layout_case(starts, lens, q, s_max, dtype):
     q_start = torch.arange(b, device="cuda", dtype=torch.int32) * lq
     kg, vg = kh.transpose(1, 2).detach().requires_grad_(), vh.transpose(1, 2).detach().requires_grad_()
     # Each sequence's last q_len keys are its queries' (bottom-right causal).
-    o = attention_by_bounds("sanitize", q_rows, kg, vg, q_start, q_len, starts, lens, lq, s_max)
+    o = attention_by_bounds("sanitize", q_rows, kg, vg, q_start, q_len, starts, lens, lq, s_max, _tuning=tuning)
     rows = torch.cat([o[i * lq:i * lq + n] for i, n in enumerate(q_len.tolist())])
     rows.float().sum().backward()
     _finite(rows)
     step = attention_by_bounds("sanitize", q[:, 0], kg.detach(), vg.detach(), torch.arange(b, device="cuda",
                                dtype=torch.int32), torch.ones(b, device="cuda", dtype=torch.int32), starts, lens, 1,
-                               s_max)
+                               s_max, _tuning=tuning)
     _finite(step)
 
 

@@ -5,11 +5,14 @@ same as a full causal forward, as decode steps over a KV cache whose unused slot
 NaN, as chunked prefill, alone, inside a padded batch at any position and packed. The
 interpreter runs a small chain (block 16, split 32) to stay fast; the torch backend
 runs it too, and once at the library's default chain. The same chain is used by every
-entry point under one setting.
+entry point: the small chain travels as each call's private ``_tuning`` argument
+(:func:`entry_points`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 
 import pytest
 import torch
@@ -19,12 +22,20 @@ from rlkernels import contract, reference, testing
 from rlkernels.kernels import attention_ws as W
 from rlkernels.kernels._triton import GluonTensorDescriptor
 from rlkernels.ops import attention as A
-from rlkernels.ops.attention import layout, triton_host
+from rlkernels.ops.attention import triton_host
 from rlkernels.registry import get_op, registered_ops
 
 from ..conftest import cpu_backend_cases, interpreter_only, randn
 
 SMALL_CHAIN = (16, 32)
+ENTRY_POINTS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "attention_by_bounds")
+
+
+def entry_points(tuning: A.AttnTuning) -> types.SimpleNamespace:
+    """The public entry points, each call under ``tuning`` (their private ``_tuning``
+    keyword). The module ``A`` itself is the same namespace under the library's defaults."""
+    return types.SimpleNamespace(**{name: functools.partial(getattr(A, name), _tuning=tuning)
+                                    for name in ENTRY_POINTS})
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -52,55 +63,55 @@ def nan_cache(batch: int, cap: int, hkv: int, d: int, dtype) -> tuple[torch.Tens
             torch.full((batch, cap, hkv, d), float("nan"), dtype=dtype))
 
 
-def decode_row(q, k, v, p: int, backend: str, cap: int) -> torch.Tensor:
+def decode_row(attn, q, k, v, p: int, backend: str, cap: int) -> torch.Tensor:
     """Query p as a decode step: cache holds keys [0, p) and NaN beyond; key p appended."""
     kc, vc = nan_cache(1, cap, k.shape[2], k.shape[3], k.dtype)
     kc[:, :p], vc[:, :p] = k[:, :p], v[:, :p]
     seqlens = torch.tensor([p], dtype=torch.int32)
-    out = A.flash_attn_with_kvcache(q[:, p:p + 1], kc, vc, k[:, p:p + 1], v[:, p:p + 1], seqlens, backend=backend)
+    out = attn.flash_attn_with_kvcache(q[:, p:p + 1], kc, vc, k[:, p:p + 1], v[:, p:p + 1], seqlens, backend=backend)
     assert torch.equal(kc[:, p], k[:, p]) and torch.isnan(kc[:, p + 1:]).all()  # appended in place, nothing else
     return out[0, 0]
 
 
-def chunked(q, k, v, chunks: list[int], backend: str, cap: int) -> torch.Tensor:
+def chunked(attn, q, k, v, chunks: list[int], backend: str, cap: int) -> torch.Tensor:
     """Chunked prefill over a NaN-filled cache, chunk sizes cycling through ``chunks``."""
     L = q.shape[1]
     kc, vc = nan_cache(1, cap, k.shape[2], k.shape[3], k.dtype)
     outs, pos, i = [], 0, 0
     while pos < L:
         n = min(chunks[i % len(chunks)], L - pos)
-        outs.append(A.flash_attn_with_kvcache(q[:, pos:pos + n], kc, vc, k[:, pos:pos + n], v[:, pos:pos + n],
-                                              torch.tensor([pos], dtype=torch.int32), backend=backend))
+        outs.append(attn.flash_attn_with_kvcache(q[:, pos:pos + n], kc, vc, k[:, pos:pos + n], v[:, pos:pos + n],
+                                                 torch.tensor([pos], dtype=torch.int32), backend=backend))
         pos, i = pos + n, i + 1
     return torch.cat(outs, 1)
 
 
-def packed(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], backend: str) -> list[torch.Tensor]:
+def packed(attn, seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], backend: str) -> list[torch.Tensor]:
     """Sequences (q [n, Hq, D], k, v [n, Hkv, D]) packed into one varlen call; per-sequence outputs."""
     lens = [s[0].shape[0] for s in seqs]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     q, k, v = (torch.cat([s[i] for s in seqs]) for i in range(3))
-    out = A.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), backend=backend)
+    out = attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), backend=backend)
     return [out[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
 
 
 @pytest.fixture
-def small_chain():
-    with A.chain_settings(*SMALL_CHAIN) as c:
-        yield c
+def attn() -> types.SimpleNamespace:
+    """The entry points on the small chain (the interpreter's speed)."""
+    return entry_points(A.AttnTuning(A.Chain(*SMALL_CHAIN)))
 
 
 # ---------------------------------------------------------------- forward invariance
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases())
-def test_prefill_rows_equal_every_other_way(backend, dtype, gen, small_chain):
+def test_prefill_rows_equal_every_other_way(backend, dtype, gen, attn):
     """Full causal rows == alone == in a padded batch at any position == right-padded ==
     packed == decode steps == chunked prefill; lengths 1, primes, several splits."""
     hq, hkv, d = sizes(backend)
     L = 71 if backend == "triton" else 131  # > 2 splits of 32 (4 of 32 on the torch side)
     q, k, v = qkv(L, hq, hkv, d, dtype, gen)
-    full = A.flash_attn_func(q, k, v, backend=backend)[0]
+    full = attn.flash_attn_func(q, k, v, backend=backend)[0]
     assert full.dtype == dtype and torch.isfinite(full).all()
     # Inside a batch with other sequences, at position 0 and 2; a right-padded copy.
     other = qkv(L, hq, hkv, d, dtype, gen, batch=2)
@@ -108,34 +119,34 @@ def test_prefill_rows_equal_every_other_way(backend, dtype, gen, small_chain):
         parts = [list(t.unbind(0)) for t in other]
         for p, t in zip(parts, (q, k, v)):
             p.insert(at, t[0])
-        batch = A.flash_attn_func(*(torch.stack(p) for p in parts), backend=backend)
+        batch = attn.flash_attn_func(*(torch.stack(p) for p in parts), backend=backend)
         assert bits_equal(batch[at], full)
     pad = 5
     padded = [torch.cat([t, randn(1, pad, *t.shape[2:], dtype=dtype, generator=gen)], 1) for t in (q, k, v)]
-    assert bits_equal(A.flash_attn_func(*padded, backend=backend)[0, :L], full)
+    assert bits_equal(attn.flash_attn_func(*padded, backend=backend)[0, :L], full)
     # Prefixes are sequences too: rows of a shorter sequence == the first rows of the long one.
     for n in (1, 17, 32, 33, 53):
-        assert bits_equal(A.flash_attn_func(q[:, :n], k[:, :n], v[:, :n], backend=backend)[0], full[:n])
+        assert bits_equal(attn.flash_attn_func(q[:, :n], k[:, :n], v[:, :n], backend=backend)[0], full[:n])
     # Packed with sequences of length 1, a prime and more splits.
     seqs = [tuple(t[0] for t in qkv(n, hq, hkv, d, dtype, gen)) for n in (1, 37)]
     seqs.insert(1, (q[0], k[0], v[0]))
-    outs = packed(seqs, backend)
+    outs = packed(attn, seqs, backend)
     assert bits_equal(outs[1], full)
     for i in (0, 2):
-        assert bits_equal(outs[i], A.flash_attn_func(*(t[None] for t in seqs[i]), backend=backend)[0])
+        assert bits_equal(outs[i], attn.flash_attn_func(*(t[None] for t in seqs[i]), backend=backend)[0])
     # Decode steps at split and block boundaries, the first and the last position.
     cap = L + 9
     for p in (0, 1, 15, 16, 31, 32, 33, 64, L - 1):
-        assert bits_equal(decode_row(q, k, v, p, backend, cap), full[p]), f"decode row {p}"
+        assert bits_equal(decode_row(attn, q, k, v, p, backend, cap), full[p]), f"decode row {p}"
     # Chunked prefill (chunk sizes scaled to the chain: 1, 7, 2 blocks, 3 blocks + 4).
     for chunks in ([1, 7, 32, 52], [7], [32, 1]):
         if backend == "triton" and chunks == [7]:
             continue  # the interpreter is slow; [1, 7, 32, 52] covers 7
-        assert bits_equal(chunked(q, k, v, chunks, backend, cap)[0], full), f"chunks {chunks}"
+        assert bits_equal(chunked(attn, q, k, v, chunks, backend, cap)[0], full), f"chunks {chunks}"
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
-def test_decode_batch_of_ragged_caches(backend, dtype, gen, small_chain):
+def test_decode_batch_of_ragged_caches(backend, dtype, gen, attn):
     """One decode step for a batch of caches of different lengths (NaN past each) == each
     sequence's prefill row; the batch's lengths and positions change nothing."""
     hq, hkv, d = sizes(backend)
@@ -148,37 +159,37 @@ def test_decode_batch_of_ragged_caches(backend, dtype, gen, small_chain):
     qs = torch.cat([s[0][:, -1:] for s in seqs])
     kn = torch.cat([s[1][:, -1:] for s in seqs])
     vn = torch.cat([s[2][:, -1:] for s in seqs])
-    out = A.flash_attn_with_kvcache(qs, kc, vc, kn, vn, torch.tensor([n - 1 for n in lens], dtype=torch.int32),
-                                    backend=backend)
+    out = attn.flash_attn_with_kvcache(qs, kc, vc, kn, vn, torch.tensor([n - 1 for n in lens], dtype=torch.int32),
+                                       backend=backend)
     for i, (q, k, v) in enumerate(seqs):
-        assert bits_equal(out[i, 0], A.flash_attn_func(q, k, v, backend=backend)[0, -1]), f"sequence {i}"
+        assert bits_equal(out[i, 0], attn.flash_attn_func(q, k, v, backend=backend)[0, -1]), f"sequence {i}"
 
 
 def test_default_chain_torch_backend(gen):
     """The library's chain (block 64, split 1024) on the torch backend: rows past the first
     split boundary equal decode steps and a packed batch."""
-    assert A.current_chain() == A.Chain(64, 1024)
+    assert A.DEFAULT_TUNING.chain == A.DEFAULT_CHAIN == A.Chain(64, 1024)
     L, hq, hkv, d = 1100, 2, 1, 8
     q, k, v = qkv(L, hq, hkv, d, torch.float32, gen)
     full = A.flash_attn_func(q, k, v, backend="torch")[0]
     for p in (0, 63, 64, 1023, 1024, 1099):
-        assert bits_equal(decode_row(q, k, v, p, "torch", L + 3), full[p]), f"decode row {p}"
-    outs = packed([tuple(t[0, :n] for t in qkv(n, hq, hkv, d, torch.float32, gen)) for n in (5,)]
+        assert bits_equal(decode_row(A, q, k, v, p, "torch", L + 3), full[p]), f"decode row {p}"
+    outs = packed(A, [tuple(t[0, :n] for t in qkv(n, hq, hkv, d, torch.float32, gen)) for n in (5,)]
                   + [(q[0], k[0], v[0])], "torch")
     assert bits_equal(outs[1], full)
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
-def test_tile_rows_past_their_keys(backend, dtype, gen, small_chain):
+def test_tile_rows_past_their_keys(backend, dtype, gen, attn):
     """Rows of one query tile whose later key blocks (and splits) are fully masked give the
     rows' own bits: bottom-right causal chunks put a tile's rows at unaligned positions."""
     hq, hkv, d = sizes(backend)
     L = 50
     q, k, v = qkv(L, hq, hkv, d, dtype, gen)
-    full = A.flash_attn_func(q, k, v, backend=backend)[0]
+    full = attn.flash_attn_func(q, k, v, backend=backend)[0]
     # Lq != Lk: queries are the last rows, positions L - Lq + i (not block aligned).
     for lq in (1, 3, 19, 30):
-        out = A.flash_attn_func(q[:, L - lq:], k, v, backend=backend)[0]
+        out = attn.flash_attn_func(q[:, L - lq:], k, v, backend=backend)[0]
         assert bits_equal(out, full[L - lq:]), f"Lq = {lq}"
 
 
@@ -193,15 +204,15 @@ def test_stock_sdpa_is_not_invariant(gen):
     assert differ > L // 2
 
 
-def test_nan_in_unused_cache_slots_does_not_leak(gen, small_chain):
+def test_nan_in_unused_cache_slots_does_not_leak(gen, attn):
     hq, hkv, d = sizes("torch")
     q, k, v = qkv(20, hq, hkv, d, torch.float32, gen)
     kc, vc = nan_cache(1, 64, hkv, d, torch.float32)
     kc[:, :20], vc[:, :20] = k, v
-    out = A.flash_attn_with_kvcache(q[:, -1:], kc, vc, cache_seqlens=torch.tensor([20], dtype=torch.int32),
-                                    backend="torch")
+    out = attn.flash_attn_with_kvcache(q[:, -1:], kc, vc, cache_seqlens=torch.tensor([20], dtype=torch.int32),
+                                       backend="torch")
     assert torch.isfinite(out).all()
-    assert bits_equal(out[:, 0], A.flash_attn_func(q, k, v, backend="torch")[:, -1])
+    assert bits_equal(out[:, 0], attn.flash_attn_func(q, k, v, backend="torch")[:, -1])
 
 
 def _hf_layout(rows: list[torch.Tensor], starts: list[int], slots: int) -> torch.Tensor:
@@ -215,14 +226,14 @@ def _hf_layout(rows: list[torch.Tensor], starts: list[int], slots: int) -> torch
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
-def test_keys_read_in_place_in_a_batched_layout(backend, dtype, gen, small_chain):
+def test_keys_read_in_place_in_a_batched_layout(backend, dtype, gen, attn):
     """Keys as batch rows of a [B, Hkv, S, D] buffer (transposed, NaN in the free slots, each
     sequence starting anywhere): prefill, decode-like steps (the split-KV path) and the
     gradients are the bits of each sequence alone; the grads' free slots are zeros."""
     hq, hkv, d = sizes(backend)
     lens, starts, slots = [23, 1, 40], [5, 0, 2], 48
     seqs = [qkv(n, hq, hkv, d, dtype, gen) for n in lens]
-    alone = [A.flash_attn_func(q, k, v, backend=backend)[0] for q, k, v in seqs]
+    alone = [attn.flash_attn_func(q, k, v, backend=backend)[0] for q, k, v in seqs]
     kb = _hf_layout([s[1][0] for s in seqs], starts, slots)
     vb = _hf_layout([s[2][0] for s in seqs], starts, slots)
     assert kb.stride(1) == d and kb.stride(2) == slots * d  # token-major per head, as Hugging Face keeps it
@@ -232,13 +243,13 @@ def test_keys_read_in_place_in_a_batched_layout(backend, dtype, gen, small_chain
     q_start = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()[:-1], dtype=torch.int32)
     q_rows.requires_grad_()
     kg, vg = kb.detach().clone().requires_grad_(), vb.detach().clone().requires_grad_()
-    out = A.attention_by_bounds("test", q_rows, kg, vg, q_start, kl, ks, kl, max(lens), slots, backend=backend)
+    out = attn.attention_by_bounds("test", q_rows, kg, vg, q_start, kl, ks, kl, max(lens), slots, backend=backend)
     for b, n in enumerate(lens):
         assert bits_equal(out[int(q_start[b]):int(q_start[b]) + n], alone[b]), f"prefill of sequence {b}"
     # Decode-like: each sequence's last query alone over its keys in place.
     last = torch.cat([s[0][0, -1:] for s in seqs])
-    step = A.attention_by_bounds("test", last, kb, vb, torch.arange(3, dtype=torch.int32),
-                                 torch.ones(3, dtype=torch.int32), ks, kl, 1, slots, backend=backend)
+    step = attn.attention_by_bounds("test", last, kb, vb, torch.arange(3, dtype=torch.int32),
+                                    torch.ones(3, dtype=torch.int32), ks, kl, 1, slots, backend=backend)
     for b in range(3):
         assert bits_equal(step[b], alone[b][-1]), f"decode step of sequence {b}"
     # Gradients: the same bits as each sequence's own backward, zeros in the free slots.
@@ -248,7 +259,7 @@ def test_keys_read_in_place_in_a_batched_layout(backend, dtype, gen, small_chain
     for b, ((q, k, v), n, s0) in enumerate(zip(seqs, lens, starts)):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
         a = int(q_start[b])
-        ref = torch.autograd.grad(A.flash_attn_func(q, k, v, backend=backend), (q, k, v), do[a:a + n][None])
+        ref = torch.autograd.grad(attn.flash_attn_func(q, k, v, backend=backend), (q, k, v), do[a:a + n][None])
         assert bits_equal(dq[a:a + n], ref[0][0]) and bits_equal(dk[b, s0:s0 + n], ref[1][0])
         assert bits_equal(dv[b, s0:s0 + n], ref[2][0])
         free = torch.ones(slots, dtype=torch.bool)
@@ -257,7 +268,7 @@ def test_keys_read_in_place_in_a_batched_layout(backend, dtype, gen, small_chain
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
-def test_keys_whose_batch_rows_are_not_whole_token_strides_apart(backend, dtype, gen, small_chain):
+def test_keys_whose_batch_rows_are_not_whole_token_strides_apart(backend, dtype, gen, attn):
     """Keys whose batch stride is no whole number of token strides, and k and v in
     different layouts: read from copies, the same bits and gradients as contiguous keys."""
     hq, hkv, d = sizes(backend)
@@ -273,8 +284,8 @@ def test_keys_whose_batch_rows_are_not_whole_token_strides_apart(backend, dtype,
     def run(kk, vv):
         qq = q.reshape(b * n, hq, d).clone().requires_grad_()
         kk, vv = kk.detach().requires_grad_(), vv.detach().requires_grad_()
-        out = A.attention_by_bounds("test", qq, kk, vv, rows[::n].contiguous(), lens, starts, lens, n, n,
-                                    backend=backend)
+        out = attn.attention_by_bounds("test", qq, kk, vv, rows[::n].contiguous(), lens, starts, lens, n, n,
+                                       backend=backend)
         do = torch.ones_like(out)
         return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
     want = run(k, v)
@@ -283,7 +294,7 @@ def test_keys_whose_batch_rows_are_not_whole_token_strides_apart(backend, dtype,
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
-def test_kvcache_in_hugging_face_layout(backend, dtype, gen, small_chain):
+def test_kvcache_in_hugging_face_layout(backend, dtype, gen, attn):
     """flash_attn_with_kvcache over caches given as [B, Hkv, S, D].transpose(1, 2): the
     append lands in the caller's buffer and the rows are the contiguous cache's bits."""
     hq, hkv, d = sizes(backend)
@@ -297,11 +308,11 @@ def test_kvcache_in_hugging_face_layout(backend, dtype, gen, small_chain):
             c[b, :lens[b] - 1] = src[0, :-1]
     seqlens = torch.tensor([n - 1 for n in lens], dtype=torch.int32)
     args = [torch.cat([s[i][:, -1:] for s in seqs]) for i in range(3)]
-    want = A.flash_attn_with_kvcache(args[0], kc, vc, args[1], args[2], seqlens, backend=backend)
-    got = A.flash_attn_with_kvcache(args[0], kt, vt, args[1], args[2], seqlens, backend=backend)
+    want = attn.flash_attn_with_kvcache(args[0], kc, vc, args[1], args[2], seqlens, backend=backend)
+    got = attn.flash_attn_with_kvcache(args[0], kt, vt, args[1], args[2], seqlens, backend=backend)
     assert bits_equal(got, want) and torch.equal(kt[:, :max(lens)].isnan(), kc[:, :max(lens)].isnan())
     for b, n in enumerate(lens):
-        assert bits_equal(kt[b, n - 1], seqs[b][1][0, -1]) and bits_equal(got[b, 0], A.flash_attn_func(
+        assert bits_equal(kt[b, n - 1], seqs[b][1][0, -1]) and bits_equal(got[b, 0], attn.flash_attn_func(
             *seqs[b], backend=backend)[0, -1])
 
 
@@ -315,29 +326,28 @@ def _tol(dtype):
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16, torch.bfloat16,
                                                               torch.float64)))
 @pytest.mark.parametrize("causal", [True, False])
-def test_accuracy_vs_float64(backend, dtype, causal, gen):
+def test_accuracy_vs_float64(backend, dtype, causal, gen, attn):
     if backend == "triton" and dtype == torch.float64:
         pytest.skip("float64 runs on the torch backend")
     hq, hkv, d = (4, 2, 24) if backend == "torch" else (2, 1, 24)  # 24: a head_dim padded to 32 in the kernel
-    with A.chain_settings(*SMALL_CHAIN):
-        for lq, lk in ((45, 45), (9, 45)):
-            q = randn(2, lq, hq, d, dtype=dtype, generator=gen)
-            k = randn(2, lk, hkv, d, dtype=dtype, generator=gen)
-            v = randn(2, lk, hkv, d, dtype=dtype, generator=gen)
-            out = A.flash_attn_func(q, k, v, causal, 0.3, backend=backend)
-            err = contract.check("attention", dtype, out, reference.attention_ref(q, k, v, causal, 0.3))
-            print(f"[contract] attention {backend} {dtype} causal={causal} {lq}x{lk}: rel {err:.2e}")
+    for lq, lk in ((45, 45), (9, 45)):
+        q = randn(2, lq, hq, d, dtype=dtype, generator=gen)
+        k = randn(2, lk, hkv, d, dtype=dtype, generator=gen)
+        v = randn(2, lk, hkv, d, dtype=dtype, generator=gen)
+        out = attn.flash_attn_func(q, k, v, causal, 0.3, backend=backend)
+        err = contract.check("attention", dtype, out, reference.attention_ref(q, k, v, causal, 0.3))
+        print(f"[contract] attention {backend} {dtype} causal={causal} {lq}x{lk}: rel {err:.2e}")
 
 
-def _check_packed_backward(seqs, lens, dtype, backend):
+def _check_packed_backward(attn, seqs, lens, dtype, backend):
     """Output and dQ/dK/dV of packed sequences: run to run equal, each sequence's rows
     equal to it alone, the middle sequence's grads within the contract of float64 autograd.
-    seqs: per sequence [q, k, v, dout] rows."""
+    attn: the entry points (:func:`entry_points`, or ``A``); seqs: per sequence [q, k, v, dout] rows."""
     device = seqs[0][0].device
 
     def grads(q, k, v, do, cu, mx):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        o = A.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, backend=backend)
+        o = attn.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, backend=backend)
         return (o,) + torch.autograd.grad(o, (q, k, v), do)
 
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -357,30 +367,30 @@ def _check_packed_backward(seqs, lens, dtype, backend):
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
-def test_backward_accuracy_and_invariance(backend, dtype, gen, small_chain):
+def test_backward_accuracy_and_invariance(backend, dtype, gen, attn):
     """dQ/dK/dV vs float64 autograd; a sequence's grads alone == inside a packed batch;
     run to run equal."""
     hq, hkv, d = sizes(backend)
     lens = [1, 37, 29] if backend == "triton" else [1, 70, 41]
 
     seqs = [[randn(n, h, d, dtype=dtype, generator=gen) for h in (hq, hkv, hkv, hq)] for n in lens]
-    _check_packed_backward(seqs, lens, dtype, backend)
+    _check_packed_backward(attn, seqs, lens, dtype, backend)
 
 
-def _check_padded_batch_grads_equal_bounds(q, k, v, do, backend):
+def _check_padded_batch_grads_equal_bounds(attn, q, k, v, do, backend):
     """flash_attn_func on a padded batch (the kernels' dense form: no index tensors) ==
     the same sequences through index tensors (attention_by_bounds), out and dQ/dK/dV bit
     for bit; Lq <= Lk is bottom-right causal, keys of sequence b in batch row b."""
     b, lq, hq, d = q.shape
     lk = k.shape[1]
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = A.flash_attn_func(*leaves, backend=backend)
+    out = attn.flash_attn_func(*leaves, backend=backend)
     dense = [out, *torch.autograd.grad(out, leaves, do)]
     dev = dict(dtype=torch.int32, device=q.device)
     leaves = [q.reshape(b * lq, hq, d).clone().requires_grad_(), k.clone().requires_grad_(),
               v.clone().requires_grad_()]
-    out = A.attention_by_bounds("test", *leaves, torch.arange(b, **dev) * lq, torch.full((b,), lq, **dev),
-                                torch.zeros(b, **dev), torch.full((b,), lk, **dev), lq, lk, backend=backend)
+    out = attn.attention_by_bounds("test", *leaves, torch.arange(b, **dev) * lq, torch.full((b,), lq, **dev),
+                                   torch.zeros(b, **dev), torch.full((b,), lk, **dev), lq, lk, backend=backend)
     grads = torch.autograd.grad(out, leaves, do.reshape(b * lq, hq, d))
     bounds = [out.view(b, lq, hq, d), grads[0].view(b, lq, hq, d), grads[1], grads[2]]
     for name, x, y in zip(("out", "dq", "dk", "dv"), dense, bounds):
@@ -388,26 +398,27 @@ def _check_padded_batch_grads_equal_bounds(q, k, v, do, backend):
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
-def test_padded_batch_grads_equal_index_tensors(backend, dtype, gen, small_chain):
+def test_padded_batch_grads_equal_index_tensors(backend, dtype, gen, attn):
     """The two index forms (a padded batch's dense form, index tensors) give one result."""
     hq, hkv, d = sizes(backend)
     for b, lq, lk in ((3, 37, 37), (2, 5, 40), (1, 1, 1)):
         q = randn(b, lq, hq, d, dtype=dtype, generator=gen)
         k, v = (randn(b, lk, hkv, d, dtype=dtype, generator=gen) for _ in range(2))
-        _check_padded_batch_grads_equal_bounds(q, k, v, randn(b, lq, hq, d, dtype=dtype, generator=gen), backend)
+        _check_padded_batch_grads_equal_bounds(attn, q, k, v, randn(b, lq, hq, d, dtype=dtype, generator=gen),
+                                               backend)
 
 
-def test_gradcheck_float64_torch_backend(gen, small_chain):
+def test_gradcheck_float64_torch_backend(gen, attn):
     q = randn(1, 20, 2, 8, dtype=torch.float64, generator=gen).requires_grad_()
     k = randn(1, 20, 1, 8, dtype=torch.float64, generator=gen).requires_grad_()
     v = randn(1, 20, 1, 8, dtype=torch.float64, generator=gen).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b, c: A.flash_attn_func(a, b, c, backend="torch"), (q, k, v))
+    assert torch.autograd.gradcheck(lambda a, b, c: attn.flash_attn_func(a, b, c, backend="torch"), (q, k, v))
 
 
 # ---------------------------------------------------------------- TMA and pointer loads
 
 
-def _outputs_and_grads(lens, starts, slots, seqs, device, backend):
+def _outputs_and_grads(attn, lens, starts, slots, seqs, device, backend):
     """Packed queries over keys in a NaN-padded [B, Hkv, S, D] buffer read in place (the
     left-padded Hugging Face layout), and over contiguous packed keys: outputs and grads."""
     dev = dict(dtype=torch.int32, device=device)
@@ -416,21 +427,23 @@ def _outputs_and_grads(lens, starts, slots, seqs, device, backend):
     do = torch.cat([sq[3] for sq in seqs])
     q_start = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()[:-1], **dev)
     kl = torch.tensor(lens, **dev)
-    out = A.attention_by_bounds("test", q, *bufs, q_start, kl, torch.tensor(starts, **dev), kl, max(lens), slots,
-                                backend=backend)
+    out = attn.attention_by_bounds("test", q, *bufs, q_start, kl, torch.tensor(starts, **dev), kl, max(lens), slots,
+                                   backend=backend)
     results = [out, *torch.autograd.grad(out, (q, *bufs), do)]
     k, v = (torch.cat([sq[i] for sq in seqs]).requires_grad_() for i in (1, 2))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), **dev)
-    packed_out = A.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), backend=backend)
+    packed_out = attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), backend=backend)
     return results + [packed_out, *torch.autograd.grad(packed_out, (q, k, v), do)]
 
 
-def _check_tma_equals_pointers(lens, starts, slots, seqs, device, backend, monkeypatch):
+def _check_tma_equals_pointers(chain, lens, starts, slots, seqs, device, backend, monkeypatch):
+    """With ``chain``: every call reading through TMA (tma_min_flops 0, however small) ==
+    pointer loads, the Triton kernels' (the warp-specialized forward has its own test)."""
     d = seqs[0][1].shape[-1]
-    monkeypatch.setattr(layout, "TMA_MIN_FLOPS", 0)  # every call reads through TMA, however small
-    # the Triton kernels' TMA and pointer loads (the warp-specialized forward has its own test)
     fwd = dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False)
-    monkeypatch.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", fwd)
+    with_tma = A.AttnTuning(chain, fwd=fwd, tma_min_flops=0)
+    with_pointers = A.AttnTuning(chain, fwd=dataclasses.replace(fwd, tma=False),
+                                 bwd=dataclasses.replace(A.default_bwd_launch(d), tma=False), tma_min_flops=0)
     taken = []
     descs = triton_host._tma_descs
 
@@ -440,13 +453,11 @@ def _check_tma_equals_pointers(lens, starts, slots, seqs, device, backend, monke
         return found
 
     monkeypatch.setattr(triton_host, "_tma_descs", recording_descs)
-    with_tma = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
+    tma_results = _outputs_and_grads(entry_points(with_tma), lens, starts, slots, seqs, device, backend)
     assert len(taken) == 6 and all(taken), "the TMA path must be taken (forward, dK/dV and dQ, twice)"
-    monkeypatch.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(fwd, tma=False))
-    monkeypatch.setattr(triton_host, "BWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_bwd_launch(d), tma=False))
-    with_pointers = _outputs_and_grads(lens, starts, slots, seqs, device, backend)
+    pointer_results = _outputs_and_grads(entry_points(with_pointers), lens, starts, slots, seqs, device, backend)
     names = ["out", "dq", "dk", "dv", "packed out", "packed dq", "packed dk", "packed dv"]
-    for name, a, b in zip(names, with_tma, with_pointers):
+    for name, a, b in zip(names, tma_results, pointer_results):
         assert bits_equal(a, b), name
 
 
@@ -492,7 +503,7 @@ def test_ws_descriptor_layouts():
     assert A.ws_keys_desc(torch.zeros(1, 40, 3, 16, dtype=torch.float16).expand(2, 40, 3, 16)) is None  # stride 0
     out = torch.zeros(80, 3, 16, dtype=torch.float16)
     assert not A.ws_fwd(rows, t, t, out, torch.zeros(3, 80), (None,) * 4, 2, 40, 40, (40, 40), True, 1.0,
-                        A.DEFAULT_CHAIN)  # CPU: not launched
+                        A.DEFAULT_TUNING)  # CPU: not launched
 
 
 def test_ws_register_split_fits_the_register_file():
@@ -518,14 +529,14 @@ def test_tma_only_where_the_call_is_large():
 
 
 @interpreter_only
-def test_tma_reads_give_the_pointer_loads_bits(gen, small_chain, monkeypatch):
+def test_tma_reads_give_the_pointer_loads_bits(gen, monkeypatch):
     """Outputs and dQ/dK/dV with K/V (forward, dQ) and q/dO (dK/dV) blocks read through TMA
     descriptors == with pointer loads, bit for bit: keys in place in a NaN-padded
     [B, Hkv, S, D] buffer and packed; lengths 1, a prime, several splits."""
     hq, hkv, d = sizes("triton")
     lens, starts, slots = [37, 1, 70], [5, 0, 2], 80
     seqs = [[randn(n, h, d, dtype=torch.float16, generator=gen) for h in (hq, hkv, hkv, hq)] for n in lens]
-    _check_tma_equals_pointers(lens, starts, slots, seqs, "cpu", "triton", monkeypatch)
+    _check_tma_equals_pointers(A.Chain(*SMALL_CHAIN), lens, starts, slots, seqs, "cpu", "triton", monkeypatch)
 
 
 # ---------------------------------------------------------------- errors, registry, custom op
@@ -688,7 +699,7 @@ def test_triton_refuses_bf16_on_the_interpreter(monkeypatch):
         A.flash_attn_func(x.double(), x.double(), x.double(), backend="triton")
 
 
-def test_registry_and_custom_op(gen, small_chain):
+def test_registry_and_custom_op(gen, attn):
     assert registered_ops()["flash_attn"] == ("torch", "triton")
     q, k, v = qkv(9, 2, 1, 8, torch.float32, gen, batch=2)
     op = get_op("flash_attn", "torch")
@@ -702,7 +713,7 @@ def test_registry_and_custom_op(gen, small_chain):
     lens = torch.full((2,), 9, dtype=torch.int32)
     out, lse = torch.ops.rlkernels.flash_attn_fwd(qs, ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 0.35,
                                                   *SMALL_CHAIN, "torch", False)
-    assert bits_equal(out.view(2, 9, 2, 8), A.flash_attn_func(q, k, v, softmax_scale=0.35, backend="torch"))
+    assert bits_equal(out.view(2, 9, 2, 8), attn.flash_attn_func(q, k, v, softmax_scale=0.35, backend="torch"))
     torch.library.opcheck(torch.ops.rlkernels.flash_attn_fwd.default,
                           (qs.requires_grad_(), ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 0.35,
                            *SMALL_CHAIN, "torch", False),
@@ -710,7 +721,7 @@ def test_registry_and_custom_op(gen, small_chain):
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
-def test_every_route_gives_one_result(backend, dtype, gen, small_chain):
+def test_every_route_gives_one_result(backend, dtype, gen, attn):
     """Each entry point's bits, gradients and cache writes are the same whichever route the
     call takes: without autograd (the forward core alone), with autograd (the Function) and
     traced by torch.compile (the custom ops, a padded batch's dense form as index tensors)."""
@@ -745,15 +756,15 @@ def test_every_route_gives_one_result(backend, dtype, gen, small_chain):
         for name, x, y in zip(("out", "dq", "dk", "dv"), eager, traced):
             assert bits_equal(x, y), name
 
-    same(lambda q, k, v: A.flash_attn_func(q, k, v, True, 0.3, backend=backend), q, k, v, dout=do)
-    same(lambda q, k, v: A.flash_attn_func(q, k, v, False, backend=backend), q, k, v, dout=do)
+    same(lambda q, k, v: attn.flash_attn_func(q, k, v, True, 0.3, backend=backend), q, k, v, dout=do)
+    same(lambda q, k, v: attn.flash_attn_func(q, k, v, False, backend=backend), q, k, v, dout=do)
     rows = q.reshape(b * lq, hq, d)
     ar = torch.arange(b, dtype=torch.int32)
     q_len, k_len = torch.full((b,), lq, dtype=torch.int32), torch.full((b,), lk, dtype=torch.int32)
-    same(lambda q, k, v: A.attention_by_bounds("test", q, k, v, ar * lq, q_len, ar * 0, k_len, lq, lk,
-                                               backend=backend), rows, k, v, dout=do.reshape(b * lq, hq, d))
+    same(lambda q, k, v: attn.attention_by_bounds("test", q, k, v, ar * lq, q_len, ar * 0, k_len, lq, lk,
+                                                  backend=backend), rows, k, v, dout=do.reshape(b * lq, hq, d))
     cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32) for n in (lq, lk))
-    same(lambda q, k, v: A.flash_attn_varlen_func(q, k, v, cu_q, cu_k, lq, lk, backend=backend), rows,
+    same(lambda q, k, v: attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, lq, lk, backend=backend), rows,
          k.reshape(b * lk, hkv, d), v.reshape(b * lk, hkv, d), dout=do.reshape(b * lq, hq, d))
     # Decode steps appending to NaN-filled caches: one position for all, and one per sequence.
     cap = 48
@@ -761,7 +772,7 @@ def test_every_route_gives_one_result(backend, dtype, gen, small_chain):
     for seqlens in (lk, torch.tensor([lk, 5], dtype=torch.int32)):
         traced_ops.clear()
         results = []
-        for call in (A.flash_attn_with_kvcache, compiled(A.flash_attn_with_kvcache)):
+        for call in (attn.flash_attn_with_kvcache, compiled(attn.flash_attn_with_kvcache)):
             kc, vc = nan_cache(b, cap, hkv, d, dtype)
             kc[:, :lk], vc[:, :lk] = k, v
             results.append([call(q[:, -1:], kc, vc, kn, vn, seqlens, backend=backend), kc, vc])

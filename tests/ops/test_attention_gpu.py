@@ -12,7 +12,7 @@ import torch
 from rlkernels import contract, reference
 from rlkernels.kernels import attention_ws as W
 from rlkernels.ops import attention as A
-from rlkernels.ops.attention import layout, triton_host, ws_host
+from rlkernels.ops.attention import layout, ws_host
 from rlkernels.runtime.device import capability
 
 from .test_attention import (_check_packed_backward, _check_padded_batch_grads_equal_bounds,
@@ -77,7 +77,7 @@ def test_gpu_backward_invariant_and_deterministic(dtype, d):
     lens = [1, 1031, 2048, 509]
     g = torch.Generator(device="cuda").manual_seed(3)
     seqs = [[torch.randn(n, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv, hq)] for n in lens]
-    _check_packed_backward(seqs, lens, dtype, None)
+    _check_packed_backward(A, seqs, lens, dtype, None)
 
 
 @pytest.mark.gpu
@@ -87,7 +87,7 @@ def test_gpu_padded_batch_grads_equal_index_tensors(dtype, d):
     for b, lq, lk in ((3, 1031, 1031), (2, 67, 2053)):
         q, do = (torch.randn(b, lq, 16, d, device="cuda", generator=g).to(dtype) for _ in range(2))
         k, v = (torch.randn(b, lk, 8, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-        _check_padded_batch_grads_equal_bounds(q, k, v, do, None)
+        _check_padded_batch_grads_equal_bounds(A, q, k, v, do, None)
 
 
 @pytest.mark.gpu
@@ -134,7 +134,8 @@ def test_gpu_tma_reads_give_the_pointer_loads_bits(d, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(7)
     seqs = [[torch.randn(n, h, d, device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv, hq)]
             for n in lens]
-    _check_tma_equals_pointers(lens, [slots - n for n in lens], slots, seqs, "cuda", None, monkeypatch)
+    _check_tma_equals_pointers(A.DEFAULT_CHAIN, lens, [slots - n for n in lens], slots, seqs, "cuda", None,
+                               monkeypatch)
 
 
 @pytest.mark.gpu
@@ -148,7 +149,12 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
     padding), also with the persistent kernel on 5 programs."""
     if capability(torch.device("cuda")) != (9, 0) or W.attn_fwd_ws_kernel is None:
         pytest.skip("the warp-specialized forward is for sm_90 with Gluon")
-    monkeypatch.setattr(layout, "TMA_MIN_FLOPS", 0)  # every call takes it, however small
+    # Every call takes it, however small (tma_min_flops 0); the reference is the Triton kernel's.
+    with_ws = A.AttnTuning(tma_min_flops=0)
+
+    def triton_only(max_q: int) -> A.AttnTuning:
+        return A.AttnTuning(fwd=dataclasses.replace(A.default_fwd_launch(d, max_q), ws=False), tma_min_flops=0)
+
     launched = []
 
     def recording(launch):
@@ -174,19 +180,15 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
             if form == "hf":  # [B, Hkv, S, D] read in place
                 k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
         n = len(launched)
-        ws = A.flash_attn_func(q, k, v, causal=causal)
+        ws = A.flash_attn_func(q, k, v, causal=causal, _tuning=with_ws)
         assert len(launched) == n + 1, f"the warp-specialized kernel must run: {(b, lq, lk, form)}"
-        with monkeypatch.context() as m:
-            m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
-            ref = A.flash_attn_func(q, k, v, causal=causal)
+        ref = A.flash_attn_func(q, k, v, causal=causal, _tuning=triton_only(lq))
         assert len(launched) == n + 1
         assert bits_equal(ws, ref), (b, lq, lk, causal, dtype, form)
         lse_ws = A.triton_fwd(layout.packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
-                              A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
-        with monkeypatch.context() as m:
-            m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, lq), ws=False))
-            lse_ref = A.triton_fwd(layout.packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
-                                   A.DEFAULT_CHAIN, False, dense=(lq, lk))[1]
+                              with_ws, False, dense=(lq, lk))[1]
+        lse_ref = A.triton_fwd(layout.packed(q), k, v, None, None, None, None, lq, lk, causal, d ** -0.5,
+                               triton_only(lq), False, dense=(lq, lk))[1]
         assert bits_equal(lse_ws, lse_ref), ("lse", b, lq, lk, causal, dtype, form)
     # sequences by their bounds: packed (the next sequence's keys follow), and in a NaN-filled
     # [B, Hkv, S, D] cache read in place, left- and right-padded (the last value block of a
@@ -216,22 +218,21 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
         monkeypatch.setattr(ws_host, "ws_programs", ws_programs if programs is None else
                             (lambda tiles, device, p=programs: min(tiles, p)))
         n = len(launched)
-        ws = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens), keys[0].shape[-3])
+        ws = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens), keys[0].shape[-3],
+                                   _tuning=with_ws)
         assert len(launched) == n + 1, "the warp-specialized kernel must run"
-        with monkeypatch.context() as m:
-            m.setattr(triton_host, "FWD_LAUNCH_OVERRIDE", dataclasses.replace(A.default_fwd_launch(d, max(lens)), ws=False))
-            ref = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens),
-                                        keys[0].shape[-3])
+        ref = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens), keys[0].shape[-3],
+                                    _tuning=triton_only(max(lens)))
         assert len(launched) == n + 1
         assert not ws.isnan().any() and bits_equal(ws, ref), programs
     monkeypatch.setattr(ws_host, "ws_programs", ws_programs)
     n = len(launched)
     q, k, v = _gpu_qkv(2, 1031, hq, hkv, 80, torch.bfloat16)
-    A.flash_attn_func(q, k, v)
+    A.flash_attn_func(q, k, v, _tuning=with_ws)
     assert len(launched) == n, "head_dim 80 stays on the Triton kernel"
     monkeypatch.setenv("RLKERNELS_ATTN_WS", "0")
     q, k, v = _gpu_qkv(2, 1031, hq, hkv, d, torch.bfloat16)
-    A.flash_attn_func(q, k, v)
+    A.flash_attn_func(q, k, v, _tuning=with_ws)
     assert len(launched) == n, "RLKERNELS_ATTN_WS=0 keeps the Triton kernel"
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from .._env import switch_on
 from ..runtime.device import can_read_back
-from ..ops.attention import attention_by_bounds
+from ..ops.attention import CHECK_ENV, attention_by_bounds
 
 NAME = "rlkernels"
 
@@ -75,7 +75,7 @@ def _interval(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _may_read(t: torch.Tensor) -> bool:
     if t.device.type == "cpu":
         return True
-    return switch_on("RLKERNELS_ATTN_CHECK_INDICES") and can_read_back(t)
+    return switch_on(CHECK_ENV) and can_read_back(t)
 
 
 # Every layer of one forward gets the same mask object: its bounds are worked out once

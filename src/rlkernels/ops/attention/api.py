@@ -4,6 +4,10 @@ Each entry point validates its inputs, picks the backend and puts its sequences 
 the two index forms (``autograd``): a padded batch in the dense form, packed or bounded
 sequences in the bounds form. :func:`~.autograd.attend` then takes the route for the
 call's context; flash_attn_with_kvcache, forward only, calls the forward core directly.
+
+Each entry point takes a private keyword ``_tuning`` (:class:`~.launch.AttnTuning`), for
+tests and tuning scripts only: another chain, or forced launch parameters, for that call
+alone. Callers leave it out.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 from ...registry import OpImpl, register, select_backend
 from .. import _validate as V
 from .autograd import append_to_cache, attend, forward, kvcache_append_op, traced
-from .chain import current_chain
+from .launch import DEFAULT_TUNING, AttnTuning
 from .layout import last_dim_unit, packed
 from .validate import (check_backend, check_cache_seqlens, check_cu, check_index, check_qkv, check_scale,
                        read_indices)
@@ -29,7 +33,8 @@ def _takes_split_kv(backend: str, max_q: int, group: int) -> bool:
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    softmax_scale: float | None = None, *, backend: str | None = None) -> torch.Tensor:
+                    softmax_scale: float | None = None, *, backend: str | None = None,
+                    _tuning: AttnTuning = DEFAULT_TUNING) -> torch.Tensor:
     """Batch-invariant attention over a padded batch (FlashAttention's ``flash_attn_func``).
 
     q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] with Hq a multiple of Hkv (GQA/MQA);
@@ -48,12 +53,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = check_scale(op, softmax_scale, d)
     # The dense form: sequence b is batch row b, Lq queries over its Lk keys.
     return attend(q, last_dim_unit(k), last_dim_unit(v), None, None, None, None, (lq, lk), lq, lk, bool(causal),
-                  scale, name, False)
+                  scale, _tuning, name, False)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
-                           softmax_scale: float | None = None, *, backend: str | None = None) -> torch.Tensor:
+                           softmax_scale: float | None = None, *, backend: str | None = None,
+                           _tuning: AttnTuning = DEFAULT_TUNING) -> torch.Tensor:
     """Batch-invariant attention over packed sequences (FlashAttention's ``flash_attn_varlen_func``).
 
     q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; cu_seqlens_q/k: int32 [B + 1], starting at 0,
@@ -79,13 +85,13 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     q_len = cu_seqlens_q[1:] - q_start
     k_len = cu_seqlens_k[1:] - k_start
     return attend(last_dim_unit(q), last_dim_unit(k)[None], last_dim_unit(v)[None], q_start, q_len, k_start, k_len,
-                  None, max_q, max_k, bool(causal), scale, name, False)
+                  None, max_q, max_k, bool(causal), scale, _tuning, name, False)
 
 
 def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
                         q_len: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, max_q: int, max_k: int, *,
                         causal: bool = True, scale: float | None = None,
-                        backend: str | None = None) -> torch.Tensor:
+                        backend: str | None = None, _tuning: AttnTuning = DEFAULT_TUNING) -> torch.Tensor:
     """The op over sequences given by their bounds, for integrations that hold padded rows.
 
     q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] (one packed run of key rows) or [B, S, Hkv, D] (any
@@ -115,13 +121,14 @@ def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     max_q, max_k = int(max_q), int(max_k)
     split_kv = _takes_split_kv(name, max_q, q.shape[1] // k.shape[-2])
     return attend(last_dim_unit(q), k, v, q_start, q_len, k_start, k_len, None, max_q, max_k, bool(causal), scale,
-                  name, split_kv)
+                  _tuning, name, split_kv)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                             cache_seqlens: torch.Tensor | int | None = None, causal: bool = True,
-                            softmax_scale: float | None = None, *, backend: str | None = None) -> torch.Tensor:
+                            softmax_scale: float | None = None, *, backend: str | None = None,
+                            _tuning: AttnTuning = DEFAULT_TUNING) -> torch.Tensor:
     """Decode / chunked prefill over a KV cache (FlashAttention's ``flash_attn_with_kvcache``).
 
     q: [B, Lq, Hq, D]; k_cache, v_cache: [B, S, Hkv, D] with a unit last stride (any batch,
@@ -191,7 +198,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             kvcache_append_op(k_cache, v_cache, k, v, cache_seqlens)
         with torch.no_grad():
             return traced(q, k_cache, v_cache, None, None, None, k_len, dense, lq, s_cap, bool(causal), scale,
-                          current_chain(), name, split_kv)
+                          _tuning.chain, name, split_kv)
     if lnew:
         if seqlen_int is not None:
             k_cache[:, seqlen_int:seqlen_int + lnew] = k
@@ -200,7 +207,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             append_to_cache(k_cache, v_cache, k, v, cache_seqlens)
     # Forward only: no autograd route to pick, the core alone (a decode step is launch-bound).
     out, _ = forward(packed(q), k_cache, v_cache, None, None, None, k_len, dense, lq, s_cap, bool(causal), scale,
-                     current_chain(), name, split_kv)
+                     _tuning, name, split_kv)
     return out.view_as(q)
 
 

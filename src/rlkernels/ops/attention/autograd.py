@@ -14,31 +14,43 @@ by one of two forms:
 
 Both forms give a row the same bits; the custom ops' schema takes the bounds form, so a
 traced call turns a dense form into index tensors (:func:`padded_bounds`).
+
+The chain and launch choices travel as an argument (:class:`~.launch.AttnTuning`) from
+:func:`attend` to the backends; the custom ops take the chain as plain ints and launch
+with the defaults.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .chain import Chain, current_chain
+from .chain import Chain
+from .launch import DEFAULT_TUNING, AttnTuning
 from .layout import packed
 from .torch_ref import lse_dtype, torch_bwd, torch_fwd
 from .triton_host import triton_bwd, triton_fwd
 
 
 def forward(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, scale: float,
-            chain: Chain, backend: str, split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            tuning: AttnTuning, backend: str, split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward core: q rows [Tq, Hq, D], k/v [NB, S, Hkv, D] (unit last strides), either
-    index form -> (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32, fp64 for fp64)."""
+    index form -> (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32, fp64 for fp64).
+    ``tuning``: the chain (both backends) and the Triton launch."""
     if backend == "triton":
-        return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, chain, split_kv, dense)
-    return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, chain, dense)
+        return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, tuning, split_kv,
+                          dense)
+    return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, tuning.chain, dense)
 
 
 def backward(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool,
-             scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward core: (dq, dk, dv) for dO [Tq, Hq, D] and :func:`forward`'s inputs and results."""
+             scale: float, tuning: AttnTuning, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward core: (dq, dk, dv) for dO [Tq, Hq, D] and :func:`forward`'s inputs and
+    results; ``tuning``: the Triton launch (the backward recomputes P from the saved LSE,
+    so the chain plays no part)."""
     if backend == "triton":
-        return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, dense)
+        return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, tuning,
+                          dense)
     return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale, dense)
 
 
@@ -64,10 +76,18 @@ class AttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, *bounds = ctx.saved_tensors
-        dense, max_q, max_k, causal, scale, _, backend, _ = ctx.call
+        dense, max_q, max_k, causal, scale, tuning, backend, _ = ctx.call
         dq, dk, dv = backward(_rows(dout), _rows(q), k, v, out, lse, *bounds, dense, max_q, max_k, causal, scale,
-                              backend)
+                              tuning, backend)
         return dq if q.dim() == 3 else dq.view_as(q), dk, dv, None, None
+
+
+@functools.cache
+def chain_tuning(block_n: int, split: int) -> AttnTuning:
+    """The tuning of a custom-op call: the chain its ints name, the default launch (one
+    object per chain, so a traced decode step builds none)."""
+    chain = Chain(block_n, split)
+    return DEFAULT_TUNING if chain == DEFAULT_TUNING.chain else AttnTuning(chain)
 
 
 @torch.library.custom_op("rlkernels::flash_attn_fwd", mutates_args=())
@@ -75,9 +95,10 @@ def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start
                       q_len: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, max_q: int, max_k: int,
                       causal: bool, scale: float, block_n: int, split: int, backend: str,
                       split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward core as an opaque op for torch.compile (bounds form; same backends, same bits)."""
-    return forward(q, k, v, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, scale, Chain(block_n, split),
-                   backend, split_kv)
+    """The forward core as an opaque op for torch.compile (bounds form; same backends, same
+    bits): the chain (block_n, split) with the default launch."""
+    return forward(q, k, v, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, scale,
+                   chain_tuning(block_n, split), backend, split_kv)
 
 
 @flash_attn_fwd_op.register_fake
@@ -90,8 +111,9 @@ def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                       lse: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, k_start: torch.Tensor,
                       k_len: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float,
                       backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward core as an opaque op for torch.compile (bounds form)."""
-    return backward(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, scale, backend)
+    """The backward core as an opaque op for torch.compile (bounds form, the default launch)."""
+    return backward(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, scale,
+                    DEFAULT_TUNING, backend)
 
 
 @flash_attn_bwd_op.register_fake
@@ -156,8 +178,9 @@ def padded_bounds(nb: int, dense: tuple[int, int], k_len: torch.Tensor | None, d
 def traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, scale: float,
            chain: Chain, backend: str, split_kv: bool) -> torch.Tensor:
     """The op under torch.compile: the forward custom op (its autograd registered above) on
-    the bounds form; out in q's shape. The launch sizes are specialized to ints (shapes may
-    be symbolic here): they pick the kernels' grids and constexprs."""
+    the bounds form with ``chain`` and the default launch; out in q's shape. The launch
+    sizes are specialized to ints (shapes may be symbolic here): they pick the kernels'
+    grids and constexprs."""
     if dense is not None:
         q_start, q_len, k_start, k_len = padded_bounds(q.shape[0], dense, k_len, q.device)
     out, _ = flash_attn_fwd_op(_rows(q), k, v, q_start, q_len, k_start, k_len, int(max_q), int(max_k), bool(causal),
@@ -166,19 +189,19 @@ def traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: in
 
 
 def attend(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, scale: float,
-           backend: str, split_kv: bool) -> torch.Tensor:
+           tuning: AttnTuning, backend: str, split_kv: bool) -> torch.Tensor:
     """The op on validated inputs, by the one route for the call's context: traced by
-    torch.compile (:func:`traced`), with autograd (:class:`AttnFunction`), or without (the
+    torch.compile (:func:`traced`: ``tuning``'s chain, the default launch), with autograd
+    (:class:`AttnFunction`, which keeps ``tuning`` for the backward), or without (the
     forward core alone: no autograd node's host time). q rows [Tq, Hq, D] (bounds form) or a
     padded batch [B, Lq, Hq, D] (dense form); k, v [NB, S, Hkv, D] with unit last strides;
     out in q's shape and dtype."""
-    chain = current_chain()
     if torch.compiler.is_compiling():
-        return traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, scale, chain, backend,
-                      split_kv)
+        return traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, scale, tuning.chain,
+                      backend, split_kv)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return AttnFunction.apply(q, k, v, (q_start, q_len, k_start, k_len),
-                                  (dense, max_q, max_k, causal, scale, chain, backend, split_kv))
-    out, _ = forward(_rows(q), k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, scale, chain,
+                                  (dense, max_q, max_k, causal, scale, tuning, backend, split_kv))
+    out, _ = forward(_rows(q), k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, scale, tuning,
                      backend, split_kv)
     return out if q.dim() == 3 else out.view_as(q)

@@ -1,9 +1,7 @@
-"""The chain-defining constants of the attention op and the setting every call reads."""
+"""The chain-defining constants of the attention op."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,21 +24,3 @@ class Chain:
 
 
 DEFAULT_CHAIN = Chain()
-_chain = DEFAULT_CHAIN
-
-
-def current_chain() -> Chain:
-    """The chain every entry point runs now: :data:`DEFAULT_CHAIN` outside :func:`chain_settings`."""
-    return _chain
-
-
-@contextlib.contextmanager
-def chain_settings(block_n: int, split: int) -> Iterator[Chain]:
-    """Use another (block_n, split) chain inside the block: for tests on the slow
-    interpreter only. Results under different settings are different chains."""
-    global _chain
-    saved, _chain = _chain, Chain(block_n, split)
-    try:
-        yield _chain
-    finally:
-        _chain = saved

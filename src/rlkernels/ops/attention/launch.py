@@ -1,13 +1,16 @@
-"""Launch parameters of the attention kernels: tiles, warps, stages, compile options.
+"""Launch parameters of the attention kernels: tiles, warps, stages, compile options, and
+:class:`AttnTuning`, the chain and launch choices a call runs with.
 
-None of them changes a row's bits (the chain is :class:`~.chain.Chain`'s); they change
-how fast the kernels compute it.
+None of the launch parameters changes a row's bits (the chain is :class:`~.chain.Chain`'s);
+they change how fast the kernels compute it.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from ..._env import triton_interpret
+from .chain import DEFAULT_CHAIN, Chain
+from .layout import TMA_MIN_FLOPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,30 @@ def default_bwd_launch(head_dim: int) -> BwdLaunch:
     if head_dim <= 128:
         return BwdLaunch(64, 64, 4, 2, 64, 64, 4, 2)
     return BwdLaunch(32, 64, 4, 1, 64, 32, 4, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnTuning:
+    """The chain and the launch choices a call runs with, passed as an argument down every
+    route (the entry points' private ``_tuning``, for tests and tuning scripts only), so a
+    call's choices are its own and no other call or thread sees them.
+
+    ``chain``: the chain-defining constants; another chain gives other bits (the tests run
+    a small one on the interpreter). ``fwd`` / ``bwd``: launch parameters, None for
+    :func:`default_fwd_launch` / :func:`default_bwd_launch` of the call's shape.
+    ``tma_min_flops``: the call size from which the kernels read through TMA
+    (:func:`~.layout.tma_pays`; 0: every call that can). ``fwd``, ``bwd`` and
+    ``tma_min_flops`` never change a row's bits. Under torch.compile the custom ops take
+    the chain alone (plain ints in their schema) and launch with the defaults.
+    """
+
+    chain: Chain = DEFAULT_CHAIN
+    fwd: FwdLaunch | None = None
+    bwd: BwdLaunch | None = None
+    tma_min_flops: float = TMA_MIN_FLOPS
+
+
+DEFAULT_TUNING = AttnTuning()
 
 
 # The forward kernels compile without mul+add contraction: the chain's FMAs are written out

@@ -82,12 +82,14 @@ def head_rows_desc(t: torch.Tensor, rows: int, block_d: int) -> tuple[object, in
 # host time per launch (descriptor objects and Triton's argument wrapper): below about 200
 # us of GPU work the call is host-bound on the hosts measured, and pointer loads (the same
 # bits) finish sooner. The estimate is the call's forward FLOPs (x 2.5 for the backward).
-# Tests and benchmarks/sanitize_kernels.py set it here (0: every call reads through TMA).
+# The default of ``AttnTuning.tma_min_flops``; tests and benchmarks/sanitize_kernels.py pass 0
+# there (every call that can reads through TMA).
 TMA_MIN_FLOPS = 50e9
 
 
-def tma_pays(nb: int, heads: int, max_q: int, max_k: int, d: int, causal: bool, factor: float = 1.0) -> bool:
+def tma_pays(nb: int, heads: int, max_q: int, max_k: int, d: int, causal: bool, factor: float = 1.0,
+             min_flops: float = TMA_MIN_FLOPS) -> bool:
     """Whether a call of nb sequences x heads query heads (up to max_q x max_k scores each,
-    head_dim d) is large enough for TMA reads (``TMA_MIN_FLOPS``); launch detail only."""
+    head_dim d) is large enough for TMA reads (``min_flops``); launch detail only."""
     flops = 4.0 * nb * heads * max_q * max_k * d * (0.5 if causal else 1.0) * factor
-    return flops >= TMA_MIN_FLOPS
+    return flops >= min_flops

@@ -11,17 +11,12 @@ from ...kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, a
                                   attn_fwd_kernel, attn_split_kernel)
 from ...runtime.device import capability
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
-from .chain import Chain
-from .launch import (COMBINE_BLOCK_D, COMBINE_STAGES, COMBINE_WARPS, DELTA_WARPS, FWD_OPTIONS, BwdLaunch, FwdLaunch,
+from .launch import (COMBINE_BLOCK_D, COMBINE_STAGES, COMBINE_WARPS, DELTA_WARPS, FWD_OPTIONS, AttnTuning,
                      default_bwd_launch, default_fwd_launch)
 from .layout import TMA_DTYPES, head_rows_desc, kv_rows, rows_per_batch, tma_pays
 from .ws_host import ws_fwd
 
 LOG2E = 1.4426950408889634
-
-# Overrides for the tuning script (benchmarks/attention_gpu.py) and tests; None = the defaults.
-FWD_LAUNCH_OVERRIDE: FwdLaunch | None = None
-BWD_LAUNCH_OVERRIDE: BwdLaunch | None = None
 
 # Decode steps are host-bound: later launches skip Triton's binder (runtime.launcher).
 _launch_fwd = cached_launcher(attn_fwd_kernel, options=FWD_OPTIONS) if attn_fwd_kernel is not None else None
@@ -59,7 +54,7 @@ def _pow2(x: int, floor: int = 16) -> int:
 
 
 def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool, scale: float,
-               chain: Chain, split_kv: bool, dense: tuple[int, int] | None = None
+               tuning: AttnTuning, split_kv: bool, dense: tuple[int, int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernels (full kernel, or split-KV + combine); no host sync.
 
@@ -67,8 +62,9 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     batch (sequence b's queries at rows b * Lq, its keys from row 0 of batch row b,
     k_len[b] = k_len[b] + k_add, or k_add where k_len is None), the index tensors
     q_start/q_len/k_start are then unused and may be None: a decode step builds no index
-    tensors on the host. Same bits either way. Returns (out [Tq, Hq, D] in q's dtype,
-    lse [Hq, Tq] fp32); rows outside every sequence are not written.
+    tensors on the host. Same bits either way. ``tuning``: the chain, and the launch
+    (``tuning.fwd``, None for :func:`~.launch.default_fwd_launch`). Returns (out
+    [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32); rows outside every sequence are not written.
     """
     tq, hq, d = q.shape
     out = torch.empty_like(q)
@@ -91,7 +87,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         klen_ptr = True
     k, v, rows = kv_rows(k, v)
     k_strides = _key_strides(k, v)
-    cfg = FWD_LAUNCH_OVERRIDE or default_fwd_launch(d, max_q)
+    chain = tuning.chain
+    cfg = tuning.fwd or default_fwd_launch(d, max_q)
     bd = _pow2(d)
     ieee = q.dtype == torch.float32
     qk_scale = scale * LOG2E
@@ -129,9 +126,10 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     # the warp-specialized kernel reads a padded batch's key count from Lk alone.
     if (cfg.ws and not (is_dense and klen_ptr)
             and ws_fwd(q, k, v, out, lse, (q_start, q_len, k_start, k_len), nb, max_q, max_k,
-                       (lq_d, k_add) if is_dense else None, causal, qk_scale, chain)):
+                       (lq_d, k_add) if is_dense else None, causal, qk_scale, tuning)):
         return out, lse
-    *descs, tma = _tma_descs(cfg.tma and tma_pays(nb, hq, max_q, max_k, d, causal), k, v, chain.block_n, bd)
+    use_tma = cfg.tma and tma_pays(nb, hq, max_q, max_k, d, causal, min_flops=tuning.tma_min_flops)
+    *descs, tma = _tma_descs(use_tma, k, v, chain.block_n, bd)
     _launch_fwd(
         (cdiv(max_q, cfg.block_m), nb * hq),
         (q, k, v, out, lse, *descs, q_start, q_len, k_start, k_len,
@@ -146,11 +144,13 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
 
 
 def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool,
-               scale: float, dense: tuple[int, int] | None = None
+               scale: float, tuning: AttnTuning, dense: tuple[int, int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels (delta, dK/dV, dQ); no host sync. Shapes and bounds as
-    :func:`triton_fwd` (``dense`` with k_len None: every key of a batch row). Returns
-    (dq, dk, dv) in q's, k's and v's shapes; rows outside every sequence get zeros."""
+    :func:`triton_fwd` (``dense`` with k_len None: every key of a batch row); the launch
+    is ``tuning.bwd`` (None for :func:`~.launch.default_bwd_launch`), the chain plays no
+    part (P is recomputed from the saved LSE). Returns (dq, dk, dv) in q's, k's and v's
+    shapes; rows outside every sequence get zeros."""
     tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -176,7 +176,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
     else:
         nb = q_start.shape[0]
         lq_d = k_add = 0
-    cfg = BWD_LAUNCH_OVERRIDE or default_bwd_launch(d)
+    cfg = tuning.bwd or default_bwd_launch(d)
     bd = _pow2(d)
     ieee = q.dtype == torch.float32
     qk_scale = scale * LOG2E
@@ -191,7 +191,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         num_warps=DELTA_WARPS, num_stages=DEFAULT_NUM_STAGES)
     lse = lse.contiguous()
     k_strides = _key_strides(k, v)
-    use_tma = cfg.tma and tma_pays(nb, hq, max_q, max_k, d, causal, 2.5)
+    use_tma = cfg.tma and tma_pays(nb, hq, max_q, max_k, d, causal, 2.5, tuning.tma_min_flops)
     *q_descs, q_tma = _tma_descs(use_tma, q, do, cfg.dkdv_block_m, bd)
     _launch_bwd_dkdv(
         (cdiv(max_k, cfg.dkdv_block_n), nb * hkv),

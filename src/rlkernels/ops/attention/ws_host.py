@@ -16,8 +16,7 @@ from ...kernels._triton import GluonTensorDescriptor, cdiv, gl
 from ...kernels.attention_ws import WG_ROWS, attn_fwd_ws_kernel, consumer_registers, launch_registers
 from ...runtime.device import capability, sm_count
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
-from .chain import Chain
-from .launch import FWD_OPTIONS
+from .launch import FWD_OPTIONS, AttnTuning
 from .layout import TMA_DTYPES, tma_pays
 
 WS_CONSUMERS = {64: 3, 128: 2}
@@ -97,17 +96,19 @@ def ws_programs(tiles: int, device: torch.device) -> int:
 
 def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
            bounds: tuple, nb: int, max_q: int, max_k: int, dense: tuple[int, int] | None, causal: bool,
-           qk_scale: float, chain: Chain) -> bool:
+           qk_scale: float, tuning: AttnTuning) -> bool:
     """The forward through the warp-specialized kernel, where it applies: q/out [Tq, Hq, D]
     rows, k/v [NB, S, Hkv, D]; ``bounds`` (q_start, q_len, k_start, k_len) or ``dense``
     (Lq, Lk: every sequence's Lk keys from slot 0 of its batch row) as
-    :func:`~.triton_host.triton_fwd`. Returns False (nothing launched) where it does not
+    :func:`~.triton_host.triton_fwd`; ``tuning``: the chain and the TMA size threshold
+    (its own launch is fixed). Returns False (nothing launched) where it does not
     apply; the Triton kernel then computes the same bits."""
     d, hq = q.shape[2], q.shape[1]
     consumers = WS_CONSUMERS.get(d)
+    chain = tuning.chain
     if (not _launch_fwd_ws or consumers is None or chain.block_n != WS_BLOCK_N or not switch_on(WS_ENV)
             or q.dtype not in TMA_DTYPES or not q.is_cuda or capability(q.device) != (9, 0)
-            or not tma_pays(nb, hq, max_q, max_k, d, causal)):
+            or not tma_pays(nb, hq, max_q, max_k, d, causal, min_flops=tuning.tma_min_flops)):
         return False
     hkv = k.shape[2]
     qd, od = ws_rows_desc(q), ws_rows_desc(out)
