@@ -9,7 +9,7 @@ import importlib
 from types import ModuleType
 
 from .integrations.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
-from .integrations.hf import generate, is_patched, patch_model, token_logprobs
+from .integrations.hf import generate, is_patched, patch_model, release_decode_graphs, token_logprobs
 from .nn import Linear, RMSNorm
 from .ops.attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops.bmm import bmm
@@ -41,6 +41,7 @@ __all__ = [
     "matmul",
     "patch_model",
     "registered_ops",
+    "release_decode_graphs",
     "rms_norm",
     "select_backend",
     "set_batch_invariant_mode",

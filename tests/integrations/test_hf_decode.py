@@ -1,5 +1,9 @@
-"""The static-cache decode loop (``generate(..., cuda_graph=True)``): the eager loop's bits."""
+"""The static-cache decode loop (``generate(..., cuda_graph=True)``): the eager loop's bits,
+and a kept decode state (cache, buffers, captured step) reused across calls with a fresh call's bits."""
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -15,8 +19,12 @@ from .test_hf_attention import _model, _pad, _prompts  # noqa: E402
 
 
 def _static(model, ids, mask, **kw):
-    return hf_decode.static_generate(model, decoder_of(model), ids, mask, cuda_graph=False,
-                                     cache_kwargs=cache_kwargs, **kw)
+    kw.setdefault("cuda_graph", False)
+    return hf_decode.static_generate(model, decoder_of(model), ids, mask, cache_kwargs=cache_kwargs, **kw)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -128,3 +136,330 @@ def test_graphed_decode_is_the_eager_decode_bit_for_bit_gpu(sample):
         row = seq[i][torch.cat([mask[i].bool(), torch.ones(24, dtype=torch.bool, device="cuda")])]
         assert torch.equal(token_logprobs(model, row[None], temperature=0.9)[0, -24:], lp[i]), i
     assert seq.shape == (ids.shape[0], width + 24)
+
+
+# ------------------------------------------------------------------ a kept decode state
+# On the CPU the kept state's eager step stands where a graph replays on CUDA: the cache
+# rewind, the buffer refills and the seed tensor are the same code either way.
+
+
+def _batches(device="cpu"):
+    """Two left-padded batches of 4 prompts, the second shorter (L 14 vs 9), so that the
+    second call's cache holds slots the first wrote past its own prompts."""
+    ids1, mask1 = _pad(_prompts((14, 3, 9, 6), seed=1), left=True)
+    ids2, mask2 = _pad(_prompts((2, 9, 5, 1), seed=2), left=True)
+    return (ids1.to(device), mask1.to(device)), (ids2.to(device), mask2.to(device))
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_kept_state_is_reused_with_another_prompt_length_seed_and_streams_bitwise(sample):
+    model = _model("qwen3")
+    hf_decode.release_decode_graphs(model)
+    (ids1, mask1), (ids2, mask2) = _batches()
+    total = 20
+    kw = dict(greedy=not sample, temperature=0.8)
+    call1 = dict(max_new_tokens=total - ids1.shape[1], seed=3, streams=torch.tensor([4, 8, 1 << 40, 2]), **kw)
+    call2 = dict(max_new_tokens=total - ids2.shape[1], seed=11, streams=torch.tensor([7, 0, 5, 1 << 33]), **kw)
+    first = _static(model, ids1, mask1, keep=True, **call1)
+    state = hf_decode.decode_graph(model)
+    assert state is not None and state.calls == 1 and state.warm and state.graph is None
+    keys = state.cache.layers[0].keys
+    second = _static(model, ids2, mask2, keep=True, **call2)
+    assert hf_decode.decode_graph(model) is state and state.calls == 2 and state.cache.layers[0].keys is keys
+    # Each equals a call with a state of its own, bit for bit.
+    assert _same(first, _static(model, ids1, mask1, **call1))
+    assert _same(second, _static(model, ids2, mask2, **call2))
+    assert first[0].shape == (4, total) and second[0].shape == (4, total)
+    if sample:  # the seed and streams were read from the refilled buffers, not the first call's
+        assert not _same(second, _static(model, ids2, mask2, **dict(call2, seed=3)))
+    # Back to the first call's prompts on the state the second one left: the first call's bits.
+    assert _same(first, _static(model, ids1, mask1, keep=True, **call1)) and hf_decode.decode_graph(model) is state
+    hf_decode.release_decode_graphs(model)
+    assert hf_decode.decode_graph(model) is None
+
+
+class _RecordedStep:
+    """A CUDA graph's stand-in on the CPU: "capture" keeps the step closure of the call that
+    recorded it (running nothing, as a capture runs nothing), and a replay runs that
+    closure -- with its tensors and the Python values it closed over -- writing into fixed
+    outputs. A step that read anything of a later call's other than the kept buffers and
+    cache (its streams, its seed, its prompt length) would replay the recording call's."""
+
+    def __init__(self, step, batch):
+        self.step = step
+        self.out = (torch.zeros(batch, dtype=torch.long), torch.zeros(batch), torch.zeros(batch))
+        self.replays = 0
+
+    def replay(self):
+        for kept, new in zip(self.out, self.step()):
+            kept.copy_(new)
+        self.replays += 1
+
+
+@pytest.fixture
+def recorded_steps(monkeypatch):
+    def capture(state, step):
+        state.graph = _RecordedStep(step, state.buffers.ids.shape[0])
+        state.graph_out = state.graph.out
+        state.captures += 1
+
+    monkeypatch.setattr(hf_decode.DecodeGraph, "capture", capture)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_step_recorded_by_an_earlier_call_replays_with_a_fresh_calls_bits(sample, recorded_steps):
+    model = _model("qwen3")
+    (ids1, mask1), (ids2, mask2) = _batches()
+    total = 20
+    kw = dict(greedy=not sample, temperature=0.8, cuda_graph=True)
+    call1 = dict(max_new_tokens=total - ids1.shape[1], seed=3, streams=torch.tensor([4, 8, 1 << 40, 2]), **kw)
+    call2 = dict(max_new_tokens=total - ids2.shape[1], seed=11, streams=torch.tensor([7, 0, 5, 1 << 33]), **kw)
+    first = _static(model, ids1, mask1, **call1)
+    state = hf_decode.decode_graph(model)
+    recorded = state.graph
+    # The first call: prefill, an eager step, then the recorded step for tokens 2.. .
+    assert state.captures == 1 and recorded.replays == call1["max_new_tokens"] - 2
+    second = _static(model, ids2, mask2, **call2)
+    # The second call replays the first call's recording from its first decode step.
+    assert hf_decode.decode_graph(model) is state and state.graph is recorded and state.captures == 1
+    assert recorded.replays == call1["max_new_tokens"] - 2 + call2["max_new_tokens"] - 1
+    eager = dict(cuda_graph=False, keep=False)
+    assert _same(first, _static(model, ids1, mask1, **dict(call1, **eager)))
+    assert _same(second, _static(model, ids2, mask2, **dict(call2, **eager)))
+    hf_decode.release_decode_graphs(model)
+
+
+def test_stale_and_nan_cache_slots_change_no_bit():
+    # Slots a previous call wrote are not cleared on reuse: the attention masks them out of
+    # the chain (K and V loads masked to 0), so even NaN there changes nothing.
+    model = _model("llama")
+    (ids1, mask1), (ids2, mask2) = _batches()
+    kw = dict(greedy=False, temperature=0.7, seed=5)
+    _static(model, ids1, mask1, keep=True, max_new_tokens=6, **kw)
+    state = hf_decode.decode_graph(model)
+    for layer in state.cache.layers:
+        layer.keys.fill_(float("nan"))
+        layer.values.fill_(float("nan"))
+    got = _static(model, ids2, mask2, keep=True, max_new_tokens=11, **kw)
+    assert hf_decode.decode_graph(model) is state
+    assert _same(got, _static(model, ids2, mask2, max_new_tokens=11, **kw))
+    assert not torch.isnan(got[1]).any()
+    hf_decode.release_decode_graphs(model)
+
+
+def test_the_key_replaces_the_models_one_entry():
+    model = _model("qwen3")
+    (ids1, mask1), (ids2, mask2) = _batches()
+    kw = dict(greedy=False, temperature=0.8, seed=1)
+    _static(model, ids1, mask1, keep=True, max_new_tokens=4, **kw)
+    state = hf_decode.decode_graph(model)
+    # Same B and cache length, another prompt length: the same entry.
+    _static(model, ids2, mask2, keep=True, max_new_tokens=9, **kw)
+    assert hf_decode.decode_graph(model) is state
+    changes = [dict(max_new_tokens=5),                                      # the cache length
+               dict(max_new_tokens=9, temperature=0.9),                     # T, a kernel argument
+               dict(max_new_tokens=9, greedy=True)]                         # greedy vs sampled
+    for change in changes:
+        got = _static(model, ids2, mask2, keep=True, **dict(kw, **change))
+        now = hf_decode.decode_graph(model)
+        assert now is not state and now.calls == 1, change  # one entry per model: the newest key
+        assert _same(got, _static(model, ids2, mask2, **dict(kw, **change)))
+        state = now
+    # Another batch size.
+    _static(model, ids2[:3], mask2[:3], keep=True, max_new_tokens=9, streams=torch.arange(3), **kw)
+    assert hf_decode.decode_graph(model) is not state and hf_decode.decode_graph(model).key[0] == 3
+
+
+def test_weights_written_in_place_keep_the_entry_and_new_tensors_replace_it():
+    model = _model("qwen3")
+    (ids1, mask1), _ = _batches()
+    kw = dict(greedy=True, max_new_tokens=6)
+    _static(model, ids1, mask1, keep=True, **kw)
+    state = hf_decode.decode_graph(model)
+    with torch.no_grad():  # an optimizer step: the same tensors, new values
+        for p in model.parameters():
+            p.mul_(1.25)
+    got = _static(model, ids1, mask1, keep=True, **kw)
+    assert hf_decode.decode_graph(model) is state
+    assert _same(got, _static(model, ids1, mask1, **kw))
+    # A new Parameter object (new memory): the entry is replaced, not replayed.
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().clone() * 2)
+    got = _static(model, ids1, mask1, keep=True, **kw)
+    assert hf_decode.decode_graph(model) is not state
+    assert _same(got, _static(model, ids1, mask1, **kw))
+    # A swapped module (the same parameters, a new object): replaced too.
+    state = hf_decode.decode_graph(model)
+    norm = decoder_of(model).norm
+    decoder_of(model).norm = type(norm).from_module(norm)
+    _static(model, ids1, mask1, keep=True, **kw)
+    assert hf_decode.decode_graph(model) is not state
+
+
+def test_the_entry_goes_with_the_model_and_generate_keeps_nothing_eagerly():
+    model = _model("qwen3")
+    (ids1, mask1), _ = _batches()
+    rlkernels.generate(model, ids1, mask1, max_new_tokens=3)  # cuda_graph=False: nothing kept
+    assert hf_decode.decode_graph(model) is None
+    _static(model, ids1, mask1, keep=True, max_new_tokens=3)
+    state = weakref.ref(hf_decode.decode_graph(model))
+    del model
+    gc.collect()
+    assert state() is None
+
+
+def test_a_state_in_use_is_not_shared_and_a_failed_call_drops_its_state():
+    model = _model("qwen3")
+    (ids1, mask1), _ = _batches()
+    kw = dict(greedy=False, seed=2, max_new_tokens=5)
+    want = _static(model, ids1, mask1, **kw)
+    _static(model, ids1, mask1, keep=True, **kw)
+    state = hf_decode.decode_graph(model)
+    state.in_use = True  # as while another thread decodes with it
+    calls = state.calls
+    assert _same(_static(model, ids1, mask1, keep=True, **kw), want)
+    assert hf_decode.decode_graph(model) is state and state.calls == calls and state.in_use
+    state.in_use = False
+    # A call that raises part-way (here: NaN logits, refused by the draw) keeps nothing.
+    with torch.no_grad():
+        model.get_output_embeddings().weight[3, 0] = float("nan")
+    with pytest.raises(ValueError, match="not a distribution"):
+        _static(model, ids1, mask1, keep=True, **kw)
+    assert hf_decode.decode_graph(model) is None
+
+
+def test_the_seed_and_streams_are_checked_before_they_fill_the_buffers():
+    model = _model("qwen3")
+    (ids1, mask1), _ = _batches()
+    kw = dict(greedy=False, max_new_tokens=2, keep=True)
+    for streams, what in ((torch.arange(4, dtype=torch.int32), "torch.int32"), (torch.arange(1), r"\(1,\)"),
+                          (torch.arange(8).reshape(4, 2), r"\(4, 2\)")):
+        with pytest.raises(ValueError, match=rf"rlkernels.generate: streams must be an int64 tensor of shape "
+                                             rf"\(4,\) on cpu, got .*{what}"):
+            _static(model, ids1, mask1, seed=1, streams=streams, **kw)
+    with pytest.raises(ValueError, match=r"rlkernels.linear_sample: seed must be in \[0, 2\^63\), got -1"):
+        _static(model, ids1, mask1, seed=-1, **kw)
+    with pytest.raises(ValueError, match=r"rlkernels.linear_sample: seed must be in \[0, 2\^63\)"):
+        rlkernels.generate(model, ids1, mask1, max_new_tokens=2, do_sample=True, seed=1 << 63)
+    assert hf_decode.decode_graph(model) is None
+
+
+# ------------------------------------------------------------------ GPU: the graph kept across calls
+
+
+def _gpu_model(dtype):
+    model = _tiny("qwen3", dtype=dtype, device="cuda", hidden_size=512, intermediate_size=1408,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=4099)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return rlkernels.patch_model(model)
+
+
+def _graphed(model, ids, mask, **kw):
+    return hf_decode.static_generate(model, decoder_of(model), ids, mask, cuda_graph=True,
+                                     cache_kwargs=cache_kwargs, **kw)
+
+
+@pytest.fixture
+def count_captures(monkeypatch):
+    """How many times ``torch.cuda.graph`` records (every capture goes through it)."""
+    count = [0]
+    real = torch.cuda.graph
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "graph", counting)
+    return count
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_gpu_a_reused_graph_gives_a_fresh_calls_and_the_eager_loops_bits(dtype, sample, count_captures):
+    model = _gpu_model(dtype)
+    hf_decode.release_decode_graphs(model)
+    (ids1, mask1), (ids2, mask2) = _batches("cuda")
+    total = 40
+    kw = dict(greedy=not sample, temperature=0.9)
+    call1 = dict(max_new_tokens=total - ids1.shape[1], seed=3, streams=torch.tensor([4, 8, 1 << 40, 2], device="cuda"),
+                 **kw)
+    call2 = dict(max_new_tokens=total - ids2.shape[1], seed=(1 << 62) + 11,
+                 streams=torch.tensor([7, 0, 5, 1 << 33], device="cuda"), **kw)
+    first = _graphed(model, ids1, mask1, **call1)
+    state = hf_decode.decode_graph(model)
+    graph = state.graph
+    assert graph is not None and state.captures == 1 and count_captures[0] == 1
+    second = _graphed(model, ids2, mask2, **call2)
+    # The second call replayed the first call's graph from its first decode step.
+    assert hf_decode.decode_graph(model) is state and state.graph is graph and state.captures == 1
+    assert count_captures[0] == 1 and state.calls == 2
+    for (ids, mask, call), got in (((ids1, mask1, call1), first), ((ids2, mask2, call2), second)):
+        eager = _static(model, ids, mask, **call)
+        assert _same(got, eager)
+        hf_decode.release_decode_graphs(model)  # a fresh state: eager first step, then a capture
+        assert _same(got, _graphed(model, ids, mask, **call))
+    # rlkernels.generate keeps and reuses the same way.
+    hf_decode.release_decode_graphs(model)
+    seq1, lp1 = rlkernels.generate(model, ids1, mask1, cuda_graph=True, max_new_tokens=call1["max_new_tokens"],
+                                   do_sample=sample, temperature=0.9, seed=3, streams=call1["streams"])
+    seq2, lp2 = rlkernels.generate(model, ids2, mask2, cuda_graph=True, max_new_tokens=call2["max_new_tokens"],
+                                   do_sample=sample, temperature=0.9, seed=call2["seed"], streams=call2["streams"])
+    assert torch.equal(seq1, first[0]) and torch.equal(lp1, first[1])
+    assert torch.equal(seq2, second[0]) and torch.equal(lp2, second[1])
+    assert hf_decode.decode_graph(model).captures == 1
+    for i in range(ids2.shape[0]):  # the trainer's log-probs of the second call's rows
+        row = seq2[i][torch.cat([mask2[i].bool(), torch.ones(call2["max_new_tokens"], dtype=torch.bool,
+                                                             device="cuda")])]
+        assert torch.equal(token_logprobs(model, row[None], temperature=0.9)[0, -call2["max_new_tokens"]:], lp2[i])
+
+
+@pytest.mark.gpu
+def test_gpu_another_cache_length_or_batch_captures_again(count_captures):
+    model = _gpu_model(torch.bfloat16)
+    hf_decode.release_decode_graphs(model)
+    (ids1, mask1), (ids2, mask2) = _batches("cuda")
+    kw = dict(greedy=False, temperature=0.9, seed=5)
+    _graphed(model, ids1, mask1, max_new_tokens=12, **kw)
+    state = hf_decode.decode_graph(model)
+    for ids, mask, new, streams in ((ids1, mask1, 13, None), (ids2[:3], mask2[:3], 17, None),
+                                    (ids2, mask2, 16, torch.arange(4, device="cuda"))):
+        before = count_captures[0]
+        got = _graphed(model, ids, mask, max_new_tokens=new, streams=streams, **kw)
+        now = hf_decode.decode_graph(model)
+        assert now is not state and now.captures == 1 and count_captures[0] == before + 1
+        assert _same(got, _static(model, ids, mask, max_new_tokens=new, streams=streams, **kw))
+        state = now
+    # ids2 with 16 new tokens is ids1's cache length (9 + 16 = 14 + 11): back to replaying.
+    before = count_captures[0]
+    got = _graphed(model, ids1, mask1, max_new_tokens=11, **kw)
+    assert hf_decode.decode_graph(model) is state and count_captures[0] == before
+    assert _same(got, _static(model, ids1, mask1, max_new_tokens=11, **kw))
+
+
+@pytest.mark.gpu
+def test_gpu_a_new_parameter_object_captures_again_instead_of_replaying_stale_pointers(count_captures):
+    model = _gpu_model(torch.bfloat16)
+    hf_decode.release_decode_graphs(model)
+    (ids1, mask1), _ = _batches("cuda")
+    kw = dict(greedy=False, temperature=0.9, seed=7, max_new_tokens=10)
+    _graphed(model, ids1, mask1, **kw)
+    state = hf_decode.decode_graph(model)
+    head = model.get_output_embeddings()
+    old = head.weight  # kept alive: a replay through its pointer would read the old values
+    head.weight = torch.nn.Parameter(old.detach().clone().mul_(3))
+    before = count_captures[0]
+    got = _graphed(model, ids1, mask1, **kw)
+    assert hf_decode.decode_graph(model) is not state and count_captures[0] == before + 1
+    assert _same(got, _static(model, ids1, mask1, **kw))
+    # Written in place (an optimizer step): the graph stays and reads the new values.
+    state = hf_decode.decode_graph(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    before = count_captures[0]
+    got = _graphed(model, ids1, mask1, **kw)
+    assert hf_decode.decode_graph(model) is state and count_captures[0] == before
+    assert _same(got, _static(model, ids1, mask1, **kw))
+    del old

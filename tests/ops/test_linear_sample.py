@@ -91,6 +91,30 @@ def test_the_backends_draw_the_same_tokens(greedy, gen):
     assert torch.equal(tok_torch, tok_triton)
 
 
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
+def test_a_seed_tensor_draws_the_int_seeds_bits(backend, dtype, gen):
+    """A one-element int64 seed tensor keys the generator with its int64's two 32-bit
+    words: the same tokens, log-probs and entropies as the int, for seeds whose words
+    have their top bits set too."""
+    n, d, v = 9, 24, 700
+    h, w, b = _head(n, d, v, dtype, gen)
+    streams, positions = _counters(n, gen)
+    kw = dict(temperature=0.9, streams=streams, positions=positions, return_entropy=True, backend=backend)
+    draws = set()
+    for seed in (0, SEED, 0xFFFF_FFFF, 0x8000_0000, (1 << 63) - 1, 0x7FFF_FFFF_8000_0001):
+        want = linear_sample(h, w, b, seed=seed, **kw)
+        for tensor in (torch.tensor(seed), torch.tensor([seed]), torch.tensor([[7, seed]])[:, 1]):
+            got = linear_sample(h, w, b, seed=tensor, **kw)
+            assert torch.equal(got[0], want[0]) and torch.equal(_bits(got[1]), _bits(want[1])) \
+                and torch.equal(_bits(got[2]), _bits(want[2])), (seed, tensor.shape)
+        draws.add(tuple(want[0].tolist()))
+    assert len(draws) == 6  # every seed draws its own tokens
+    # Greedy reads no seed: a tensor is accepted and changes nothing.
+    greedy = linear_sample(h, w, b, temperature=0.9, greedy=True, backend=backend)
+    assert torch.equal(linear_sample(h, w, b, temperature=0.9, greedy=True, seed=torch.tensor(5),
+                                     backend=backend)[0], greedy[0])
+
+
 def test_noise_is_gumbel_with_both_tails():
     x = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF], dtype=torch.int64)
     g = gumbel_from_words(x).double()
@@ -236,8 +260,13 @@ def test_a_row_with_nan_logits_is_refused(backend, dtype, gen):
 @pytest.mark.parametrize("kwargs, err, match", [
     (dict(seed=-1), ValueError, r"seed must be in \[0, 2\^63\), got -1"),
     (dict(seed=1 << 63), ValueError, r"seed must be in \[0, 2\^63\)"),
-    (dict(seed=True), TypeError, r"seed must be a Python int, got bool"),
-    (dict(seed=None), TypeError, r"seed must be a Python int, got NoneType"),
+    (dict(seed=True), TypeError, r"seed must be a Python int or a one-element int64 tensor, got bool"),
+    (dict(seed=None), TypeError, r"seed must be a Python int or a one-element int64 tensor, got NoneType"),
+    (dict(seed=1.0), TypeError, r"seed must be a Python int or a one-element int64 tensor, got float"),
+    (dict(seed=torch.tensor(1, dtype=torch.int32)), ValueError, r"a seed tensor must be int64, got torch.int32"),
+    (dict(seed=torch.tensor([1, 2])), ValueError, r"a seed tensor must hold one element, got shape \(2,\)"),
+    (dict(seed=torch.tensor(1, device="meta")), ValueError, r"the seed tensor is on meta, hidden on cpu"),
+    (dict(seed=torch.tensor([-3])), ValueError, r"seed must be in \[0, 2\^63\), got -3"),
     (dict(streams=torch.arange(4, dtype=torch.int32)), ValueError, r"streams must be int64, got torch.int32"),
     (dict(streams=torch.arange(3)), ValueError, r"streams shape \(3,\) must equal hidden's leading shape \(4,\)"),
     (dict(streams=None), TypeError, r"streams must be an int64 tensor, got NoneType"),
@@ -286,6 +315,33 @@ def test_gpu_logp_is_linear_logprobs_bits_and_rows_are_invariant(dtype, n, d, v,
                              streams=streams.cpu(), positions=positions.cpu(), backend="torch")
     if dtype == F32:
         assert (t_cpu == tok.cpu()).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n, d, v", [(1, 2048, 151936), (16, 1024, 32003)])
+def test_gpu_a_seed_tensor_draws_the_int_seeds_bits_eager_and_in_a_graph(dtype, n, d, v, gen):
+    h, w, b = _head(n, d, v, dtype, gen, device="cuda")
+    streams, positions = _counters(n, gen, device="cuda")
+    kw = dict(temperature=0.7, streams=streams, positions=positions, return_entropy=True)
+    seeds = (SEED, 0xFFFF_FFFF, (1 << 63) - 1)
+    wants = [linear_sample(h, w, b, seed=seed, **kw) for seed in seeds]
+    for seed, want in zip(seeds, wants):
+        got = linear_sample(h, w, b, seed=torch.tensor(seed, device="cuda"), **kw)
+        assert all(torch.equal(_bits(x) if x.is_floating_point() else x, _bits(y) if y.is_floating_point() else y)
+                   for x, y in zip(got, want)), seed
+    # Captured once with a seed tensor, the graph draws with the tensor's value at each replay.
+    seed_buffer = torch.tensor(seeds[0], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_sample(h, w, b, seed=seed_buffer, **kw)
+    for seed, want in reversed(list(zip(seeds, wants))):
+        seed_buffer.fill_(seed)
+        graph.replay()
+        assert torch.equal(out[0], want[0]) and torch.equal(_bits(out[1]), _bits(want[1])) \
+            and torch.equal(_bits(out[2]), _bits(want[2])), seed
+    if n > 1:  # the seeds draw apart, so a replay that kept the captured seed would be seen
+        assert len({tuple(want[0].tolist()) for want in wants}) == len(seeds)
 
 
 @pytest.mark.gpu

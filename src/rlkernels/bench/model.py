@@ -50,7 +50,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..integrations.hf import generate as rlk_generate, patch_model, token_logprobs
+from ..integrations.hf import generate as rlk_generate, patch_model, release_decode_graphs, token_logprobs
 from .common import fixed_call_times_ms, only_arg, print_table, write_json
 
 NEEDS_CUDA = False  # `--device cpu --config tiny` runs anywhere; the CUDA default is checked at parse time
@@ -250,6 +250,9 @@ class Bench:
 
 
 def _free(device: torch.device) -> None:
+    # The graphed generate keeps its cache and graph per model between calls; each
+    # workload's peak is measured without the previous one's.
+    release_decode_graphs()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

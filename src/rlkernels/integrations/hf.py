@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs: ``patch_model`` and ``token_logprobs``.
+"""Hugging Face causal LMs: ``patch_model``, ``token_logprobs`` and ``generate``.
 
 ``patch_model`` swaps every ``nn.Linear`` for :class:`rlkernels.Linear` and every
 ``*RMSNorm`` module (Llama, Qwen2, Qwen3, Mistral, ... -- anything with ``weight``
@@ -32,6 +32,7 @@ from torch import nn
 
 from . import fsdp, hf_attention, hf_coverage, hf_decode, hf_moe
 from .batch_invariant import set_batch_invariant_mode
+from .hf_decode import release_decode_graphs  # noqa: F401  (generate's kept decode state; public)
 from ..nn import Linear
 from ..nn import LMHead
 from ..nn import RMSNorm
@@ -440,8 +441,14 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     ``generator`` are refused, naming why; beam search and any other option are refused
     too. The decode loop keeps a ``StaticCache`` (:mod:`rlkernels.integrations.hf_decode`);
     ``cuda_graph=True`` (a patched model on CUDA) replays each step, the draw included,
-    from one captured CUDA graph, with the eager loop's bits. ``batch_invariant`` as in
-    :func:`token_logprobs`: a patched model runs without the mode.
+    from one captured CUDA graph, with the eager loop's bits. The cache, the step's
+    buffers and the graph are kept for the model (one entry per model, for the newest
+    batch size, ``L + max_new_tokens``, T, greedy vs sampled and weights' memory), so a
+    later call with the same ones -- whatever its prompts, seed and streams -- replays the
+    graph from its first decode step, with a fresh call's bits; the entry holds the
+    cache's memory until the model goes or :func:`release_decode_graphs` drops it.
+    ``cuda_graph=False`` keeps nothing. ``batch_invariant`` as in :func:`token_logprobs`:
+    a patched model runs without the mode.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("rlkernels.generate: input_ids must be a [B, L] tensor")

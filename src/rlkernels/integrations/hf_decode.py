@@ -3,52 +3,252 @@
 Rollout engines decode through CUDA graphs: one decode step is dozens of small
 kernels per layer, and launching them from Python costs more than running them.
 This loop keeps every input of a decode step in a fixed buffer (token ids, position
-ids, the padding mask over the whole cache, a ``StaticCache`` whose write position
-is a device counter), so the step -- decoder, final norm and LM head -- can be
-captured once with ``torch.cuda.graph`` and replayed for every new token.
+ids, the padding mask over the whole cache, the draw's seed and streams, a
+``StaticCache`` whose write position is a device counter), so the step -- decoder,
+final norm, LM head and draw -- can be captured once with ``torch.cuda.graph`` and
+replayed for every new token.
 
 Replaying changes no bit: a graph replays the launches it recorded, and the patched
 model's step is the same computation whatever the key length (a ``StaticCache``
 hands the attention all ``L + max_new_tokens`` slots; the slots past a row's end are
 masked out of the fixed chain, so the eager step and the replayed one agree). The
 draw is in the graph too: :func:`rlkernels.linear_sample` keys its noise by the seed,
-the row's stream and the token's position, which live in fixed buffers. The prompt
-is prefilled eagerly, and the first decode step runs eagerly too: it compiles every
-kernel and does every one-time host query before the capture.
+the row's stream and the token's position, which live in fixed buffers (the seed as
+an int64 tensor the kernels read). The prompt is prefilled eagerly; the first decode
+step on a new :class:`DecodeGraph` runs eagerly too (it compiles every kernel and does
+every one-time host query), and the next one is captured.
+
+Reuse across calls
+------------------
+With ``cuda_graph=True`` the cache, the buffers and the captured step are kept, one
+:class:`DecodeGraph` per model (a ``weakref.WeakKeyDictionary``: it goes when the model
+goes), and a later call whose step would launch the same kernels on the same memory
+replays it from its first decode step: no eager step, no capture. The step bakes in
+what :func:`decode_key` lists -- the batch size and the cache length ``L +
+max_new_tokens`` (the buffers' and the cache's shapes), the device, T and greedy vs
+sampled (kernel arguments), the attention implementation, the batch-invariant mode,
+autocast, training mode, the ``RLKERNELS_*`` switches, and every parameter's and
+buffer's address, dtype, shape and strides plus every module's identity (the
+addresses the launches read). The prompt length L is not in it: transformers 5.x's
+``StaticLayer`` counts its writes in a device tensor (``cumulative_length``), which the
+cache update and the attention's query offset read on the device, and 4.x writes at
+the slots a ``cache_position`` buffer names; neither is a host value the graph bakes.
+The seed and the streams are copied into their buffers, so they are not in it either.
+A call with another key replaces the model's entry (the old cache and graph are freed
+with it): the entry keeps only the most recent key.
+
+Each reused call rewinds the cache (each layer's write counter to 0, one launch; with
+transformers 4.x, whose static layers keep no counter, transformers' own ``reset()``,
+which zeroes the keys and values) and refills the mask (0, then the prompt's), the seed
+and the streams. Slots a previous call wrote are not cleared: every slot the attention
+reads in this call is written in this call first (the prompt's by the prefill, slot
+``L + t`` by step t), and the rest are masked out of the chain, their K and V loads
+masked to 0 (``docs/operators/attention.md``), so stale or even NaN values there change
+no bit. An optimizer step or ``load_state_dict`` writes the weights in place and keeps
+the graph valid; a new Parameter object, ``model.to(...)`` or a swapped module changes
+the key and the next call captures again. What the key cannot see -- a hook added to
+a module, a config field the forward reads on the host -- needs
+:func:`release_decode_graphs` after the change.
+
+Memory: the entry holds the ``StaticCache`` (B x (L + max_new_tokens) slots of keys and
+values per layer) and the graph's private pool (one step's activations) after the call
+returns, until the model goes, a call with another key replaces it, or
+:func:`release_decode_graphs` drops it. ``cuda_graph=False`` keeps nothing.
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import threading
+import weakref
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..ops.linear_sample import linear_sample
+from .._env import SWITCHES, env_get
+from ..ops.linear_sample import linear_sample, validate_seed
+from .batch_invariant import is_batch_invariant_mode_enabled
 
 OP = "generate"
 
 # What the loop knows how to do; anything else in generate_kwargs is refused.
 SUPPORTED_OPTIONS = frozenset({"max_new_tokens", "do_sample", "pad_token_id", "eos_token_id"})
 
+# One step's draw: (token [B] int64, logp [B] fp32, entropy [B] fp32).
+Drawn = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 class _StepBuffers:
     """The fixed inputs of one decode step (B rows; the mask spans the whole cache)."""
 
-    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> None:
-        self.ids = ids              # [B, 1] long: the token fed to this step
-        self.mask = mask            # [B, L + T] long: 1 for every real key written so far
-        self.positions = positions  # [B, 1] long: the position of the fed token
+    def __init__(self, batch: int, total: int, device: torch.device, cache_position: bool) -> None:
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
+        self.ids = zeros(batch, 1)          # [B, 1] long: the token fed to this step
+        self.mask = zeros(batch, total)     # [B, L + T] long: 1 for every real key written so far
+        self.positions = zeros(batch, 1)    # [B, 1] long: the position of the fed token
+        self.seed = zeros()                 # [] int64: the draw's seed, read by the kernels
+        self.streams = zeros(batch)         # [B] int64: each row's stream
+        # [1] long: the slot the step writes (transformers 4.x); None where the cache counts.
+        self.cache_position = zeros(1) if cache_position else None
+
+
+class DecodeGraph:
+    """One model's decode state for one :func:`decode_key`: the ``StaticCache``, the step's
+    buffers and, once captured, the step's CUDA graph with its outputs.
+
+    ``captures`` counts the graphs captured into it (at most 1), ``calls`` the decode
+    calls that used it; ``warm`` is True once an eager decode step ran on it (kernels
+    compiled, one-time host queries made), after which a step may be captured.
+    """
+
+    def __init__(self, key: tuple | None, cache: Any, buffers: _StepBuffers) -> None:
+        self.key = key
+        self.cache = cache
+        self.buffers = buffers
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_out: Drawn | None = None
+        self.warm = False
+        self.captures = 0
+        self.calls = 0
+        self.in_use = False
+
+    def capture(self, step: Callable[[], Drawn]) -> None:
+        """Record ``step`` (recording runs nothing: the cache's write counter advances only
+        when the graph replays)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        self.graph, self.graph_out = graph, out
+        self.captures += 1
+
+
+# One DecodeGraph per model, kept while the model lives (the entry holds no reference
+# to the model: the cache, buffers and graph only).
+_GRAPHS: "weakref.WeakKeyDictionary[nn.Module, DecodeGraph]" = weakref.WeakKeyDictionary()
+_GRAPHS_LOCK = threading.Lock()
+
+
+def decode_graph(model: nn.Module) -> DecodeGraph | None:
+    """The :class:`DecodeGraph` kept for ``model``, or None."""
+    with _GRAPHS_LOCK:
+        return _GRAPHS.get(model)
+
+
+def release_decode_graphs(model: nn.Module | None = None) -> None:
+    """Drop the decode state ``generate(..., cuda_graph=True)`` keeps for ``model`` (None:
+    for every model): its ``StaticCache`` and captured graph are freed once no call uses
+    them (to torch's caching allocator; ``torch.cuda.empty_cache()`` hands them back to
+    the device). The next graphed call captures again."""
+    with _GRAPHS_LOCK:
+        if model is None:
+            _GRAPHS.clear()
+        else:
+            _GRAPHS.pop(model, None)
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    try:
+        return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+    except (TypeError, AttributeError):  # torch < 2.4's autocast queries take no device type
+        return (torch.is_autocast_enabled(),)
+
+
+def _memory_fingerprint(model: nn.Module) -> tuple:
+    """Every module's identity and type, each followed by its own parameters' and buffers'
+    (address, dtype, shape, strides): which code recorded the launches and what memory
+    they read. One walk over the modules (a few hundred microseconds for a 28-layer model;
+    ``parameters()`` and ``buffers()`` would walk them twice more)."""
+    parts: list = []
+    for module in model.modules():
+        parts.append((id(module), type(module)))
+        for tensors in (module._parameters, module._buffers):
+            for t in tensors.values():
+                if t is not None:
+                    parts.append((t.data_ptr(), t.dtype, t.shape, t.stride()))
+    return tuple(parts)
+
+
+def decode_key(model: nn.Module, batch: int, total: int, device: torch.device, temperature: float,
+               greedy: bool) -> tuple:
+    """Everything a captured decode step bakes in, for :class:`DecodeGraph` reuse: shapes
+    (B, cache length), device, T, greedy vs sampled, the model's attention implementation,
+    the batch-invariant mode, autocast, training mode, the ``RLKERNELS_*`` / Triton
+    switches, and :func:`_memory_fingerprint`. Not the prompt length, seed or streams
+    (read from buffers at replay)."""
+    return (batch, total, device, float(temperature), bool(greedy),
+            getattr(getattr(model, "config", None), "_attn_implementation", None),
+            is_batch_invariant_mode_enabled(), model.training, _autocast_state(device),
+            tuple([env_get(name) for name in SWITCHES]), _memory_fingerprint(model))
 
 
 def _takes_cache_position(decoder: nn.Module) -> bool:
     return "cache_position" in inspect.signature(type(decoder).forward).parameters
 
 
+def _rewind(cache: Any) -> None:
+    """Put ``cache``'s write position back at slot 0 for a new prefill.
+
+    transformers 5.x's ``StaticLayer`` keeps it in a device tensor, zeroed in place (the
+    graph reads that tensor). Any other layer (4.x's, which keep none, or a kind with host
+    state) gets transformers' own ``reset()``. The slots are not cleared: see the module
+    docstring for why stale slots change no bit."""
+    try:
+        from transformers.cache_utils import StaticLayer
+    except ImportError:  # a transformers without per-layer caches: its own reset
+        StaticLayer = None
+    if StaticLayer is None or not hasattr(cache, "layers"):
+        cache.reset()
+        return
+    counters = []
+    for layer in cache.layers:
+        counter = getattr(layer, "cumulative_length", None)
+        if type(layer) is StaticLayer and isinstance(counter, torch.Tensor):
+            counters.append(counter)
+        else:
+            layer.reset()
+    if counters:
+        torch._foreach_zero_(counters)
+
+
+def _check_streams(streams: object, batch: int, device: torch.device) -> torch.Tensor:
+    """The caller's streams, checked before they are copied into the step's buffer (a copy
+    would broadcast a wrong shape or convert a wrong dtype silently)."""
+    if not isinstance(streams, torch.Tensor) or streams.dtype != torch.int64 or tuple(streams.shape) != (batch,) \
+            or streams.device != device:
+        what = (f"{streams.dtype} {tuple(streams.shape)} on {streams.device}" if isinstance(streams, torch.Tensor)
+                else type(streams).__name__)
+        raise ValueError(f"rlkernels.{OP}: streams must be an int64 tensor of shape ({batch},) on {device}, "
+                         f"got {what}")
+    return streams
+
+
+def _acquire(model: nn.Module, key: tuple, make: Callable[[], DecodeGraph]) -> tuple[DecodeGraph, bool]:
+    """(the model's DecodeGraph for ``key``, whether it is the kept one), marked in use.
+
+    A kept entry with another key is replaced. While a call (another thread's, or one
+    this call runs inside) uses the model's entry, this call decodes with a state of its
+    own, not kept."""
+    with _GRAPHS_LOCK:
+        state = _GRAPHS.get(model)
+        if state is not None and state.in_use:
+            state = make()
+            kept = False
+        else:
+            if state is None or state.key != key:
+                _GRAPHS.pop(model, None)  # the old cache and graph go before the new cache fills
+                state = _GRAPHS[model] = make()
+            kept = True
+        state.in_use = True
+        return state, kept
+
+
 def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                     max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, seed: int = 0,
                     streams: torch.Tensor | None = None, pad_token_id: int | None = None,
                     eos_token_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
+                    keep: bool | None = None,
                     cache_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to ``max_new_tokens`` tokens after left-padded prompts with a ``StaticCache``.
 
@@ -57,42 +257,85 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     the cache keyword its forward takes. Each token is :func:`rlkernels.linear_sample` of the
     final hidden state that precedes it: the argmax of the fp32 logits / T (``greedy``), or a
     draw keyed by (``seed``, the row's stream, the token's position counted from the row's
-    first real token), so left padding and batch-mates change nothing. ``streams``: int64
-    [B] (None: ``arange(B)``). Returns ``(sequences [B, L + T], logp [B, T], entropy [B, T])``:
-    the prompts followed by the new tokens (``pad_token_id`` after a row's EOS, with log-prob
-    and entropy 0), and each new token's log-prob and entropy at T, bitwise
-    ``linear_logprob``'s. T < ``max_new_tokens`` only where every row has ended.
-    ``cuda_graph``: replay steps 2.. from one captured graph (CUDA only); False runs every
-    step eagerly (the same loop, for CPUs and for comparison).
+    first real token), so left padding and batch-mates change nothing. ``seed``: a Python
+    int in [0, 2^63); ``streams``: int64 [B] (None: ``arange(B)``). Returns ``(sequences
+    [B, L + T], logp [B, T], entropy [B, T])``: the prompts followed by the new tokens
+    (``pad_token_id`` after a row's EOS, with log-prob and entropy 0), and each new
+    token's log-prob and entropy at T, bitwise ``linear_logprob``'s. T < ``max_new_tokens``
+    only where every row has ended.
+
+    ``cuda_graph``: replay decode steps from one captured graph (CUDA only); False runs
+    every step eagerly (the same loop, for CPUs and for comparison). ``keep`` (None: as
+    ``cuda_graph``): use and keep the model's :class:`DecodeGraph` across calls (module
+    docstring); a kept state that already holds a graph replays it from the first decode
+    step. With ``keep`` and ``cuda_graph=False`` the same reuse runs with an eager step
+    where the graph would replay.
     """
     from transformers import StaticCache  # transformers is the optional "hf" extra
 
     B, L = input_ids.shape
     dev = input_ids.device
-    head = model.get_output_embeddings()
-    streams = torch.arange(B, device=dev) if streams is None else streams
-    mask_long = attention_mask.long()
+    keep = cuda_graph if keep is None else keep
     total = L + max_new_tokens
-    cache = StaticCache(config=model.config, max_cache_len=total)
-    buffers = _StepBuffers(ids=torch.zeros(B, 1, dtype=torch.long, device=dev),
-                           mask=torch.zeros(B, total, dtype=torch.long, device=dev),
-                           positions=torch.zeros(B, 1, dtype=torch.long, device=dev))
+    if not greedy:
+        validate_seed(seed, dev)
+        streams = torch.arange(B, device=dev) if streams is None else _check_streams(streams, B, dev)
+    takes_cache_position = _takes_cache_position(decoder)
+    key = decode_key(model, B, total, dev, temperature, greedy) if keep else None
+
+    def make() -> DecodeGraph:
+        return DecodeGraph(key, StaticCache(config=model.config, max_cache_len=total),
+                           _StepBuffers(B, total, dev, takes_cache_position))
+
+    state, kept = _acquire(model, key, make) if keep else (make(), False)
+    try:
+        return _decode(state, model, decoder, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                       greedy=greedy, temperature=temperature, seed=seed, streams=streams,
+                       pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, cuda_graph=cuda_graph,
+                       cache_kwargs=cache_kwargs)
+    except BaseException:
+        if kept:  # a call that failed part-way (a capture, a refusal) leaves nothing to reuse
+            with _GRAPHS_LOCK:
+                if _GRAPHS.get(model) is state:
+                    del _GRAPHS[model]
+        raise
+    finally:
+        state.in_use = False
+
+
+def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids: torch.Tensor,
+            attention_mask: torch.Tensor, *, max_new_tokens: int, greedy: bool, temperature: float, seed: int,
+            streams: torch.Tensor | None, pad_token_id: int | None, eos_token_ids: list[int] | tuple[int, ...],
+            cuda_graph: bool, cache_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loop of :func:`static_generate` on ``state``'s cache and buffers."""
+    B, L = input_ids.shape
+    dev = input_ids.device
+    head = model.get_output_embeddings()
+    buffers, cache = state.buffers, state.cache
+    mask_long = attention_mask.long()
+    if state.calls:
+        _rewind(cache)
+        buffers.mask.zero_()
+    state.calls += 1
     buffers.mask[:, :L] = mask_long
+    if not greedy:
+        buffers.seed.fill_(seed)
+        buffers.streams.copy_(streams)
 
     # transformers 4.x writes a static cache at the slots ``cache_position`` names; 5.x
     # counts the writes on the device itself and takes no such argument.
-    slots = {"cache_position": torch.arange(L, device=dev)} if _takes_cache_position(decoder) else {}
+    slots = {"cache_position": torch.arange(L, device=dev)} if buffers.cache_position is not None else {}
 
-    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Drawn:
         out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                       **cache_kwargs(decoder, cache), **slots)
         hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
         # The token drawn here is the row's next one: its position follows the last fed token's.
         return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
-                             seed=seed, streams=streams, positions=positions[:, -1] + 1, greedy=greedy,
-                             return_entropy=True)
+                             seed=buffers.seed, streams=buffers.streams, positions=positions[:, -1] + 1,
+                             greedy=greedy, return_entropy=True)
 
-    def step():
+    def step() -> Drawn:
         return forward(buffers.ids, buffers.mask, buffers.positions)
 
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev) if eos_token_ids else None
@@ -103,8 +346,6 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     with torch.no_grad():
         # Prefill: the prompt's keys fill slots [0, L); the mask's later slots are still 0.
         drawn = forward(input_ids, buffers.mask, (mask_long.cumsum(-1) - 1).clamp(min=0))
-        graph: torch.cuda.CUDAGraph | None = None
-        graph_out = None
         new_tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
         entropies: list[torch.Tensor] = []
@@ -124,23 +365,19 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
             buffers.ids.copy_(new_tokens[-1][:, None])
             buffers.positions.copy_(next_position)
             buffers.mask[:, L + t] = 1
-            if slots:
-                if t == 0:  # from here on one fixed buffer, the slot the step writes
-                    slots["cache_position"] = torch.full((1,), L, dtype=torch.long, device=dev)
-                else:
-                    slots["cache_position"].fill_(L + t)
+            if buffers.cache_position is not None:  # from here on one fixed buffer, the slot the step writes
+                buffers.cache_position.fill_(L + t)
+                slots["cache_position"] = buffers.cache_position
             next_position += 1
-            if graph is not None:
-                graph.replay()
-                drawn = tuple(x.clone() for x in graph_out)
+            if cuda_graph and state.graph is None and state.warm:
+                # An eager step on these shapes compiled every kernel and made every one-time
+                # host query: record this one, then replay it.
+                state.capture(step)
+            if cuda_graph and state.graph is not None:
+                state.graph.replay()
+                drawn = tuple(x.clone() for x in state.graph_out)
             else:
                 drawn = step()
-                if cuda_graph and t + 2 < max_new_tokens:
-                    # The eager step compiled every kernel and made every one-time host query;
-                    # record the next one (recording runs nothing: the cache's write counter
-                    # advances only when the graph replays).
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        graph_out = step()
+                state.warm = True
     sequences = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
     return sequences, torch.stack(logps, dim=1), torch.stack(entropies, dim=1)

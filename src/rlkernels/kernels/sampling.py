@@ -5,7 +5,10 @@ records each vocabulary tile's mass beside the softmax statistics; a first draw 
 block of 256 ids with probability proportional to its mass (:func:`sample_block_kernel`);
 the block's logits are recomputed by the same chain and a Gumbel-max picks the token
 inside it (:func:`sample_in_block_kernel`). Every random number comes from Philox keyed by
-(seed, stream, position): what the row is, never where it sits.
+(seed, stream, position): what the row is, never where it sits. The seed is two int32
+scalars (a Python int seed) or, with ``SEED_IN_MEMORY``, the int64 at ``seed_ptr`` (a seed
+tensor): the same key words either way, and a captured CUDA graph reads the tensor anew
+at each replay instead of keeping the scalars it recorded.
 """
 from __future__ import annotations
 
@@ -51,13 +54,26 @@ if triton is not None:
         return ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64) + 0.5) * 1.1102230246251565e-16
 
     @triton.jit
-    def _row_keys(stream_ptr, pos_ptr, rows, ok, seed_lo, seed_hi):
+    def _seed_words(seed_ptr, seed_lo, seed_hi, SEED_IN_MEMORY: tl.constexpr):
+        """The Philox key (seed mod 2^32, seed >> 32) as uint32 words: from the int64 at
+        ``seed_ptr`` (a seed tensor, which a CUDA graph reads anew at every replay), or from
+        the two int32 scalars holding the same bits (a Python int seed)."""
+        if SEED_IN_MEMORY:
+            seed = tl.load(seed_ptr)
+            key_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+            key_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        else:
+            key_lo = seed_lo.to(tl.uint32, bitcast=True)
+            key_hi = seed_hi.to(tl.uint32, bitcast=True)
+        return key_lo, key_hi
+
+    @triton.jit
+    def _row_keys(stream_ptr, pos_ptr, rows, ok):
         stream = tl.load(stream_ptr + rows, mask=ok, other=0)
         stream_lo = (stream & 0xFFFFFFFF).to(tl.uint32)
         stream_hi = ((stream >> 32) & 0xFFFFFFFF).to(tl.uint32)
         position = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.uint32)
-        return seed_lo.to(tl.uint32, bitcast=True), seed_hi.to(tl.uint32, bitcast=True), stream_lo, stream_hi, \
-            position
+        return stream_lo, stream_hi, position
 
     @triton.jit
     def _block_masses(tile_m_ptr, tile_s_ptr, row, blocks, ref, V, n_tiles,
@@ -76,12 +92,13 @@ if triton is not None:
         return mass, top
 
     @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
-    def sample_block_kernel(tile_m_ptr, tile_s_ptr, lse_ptr, stream_ptr, pos_ptr, block_ptr, N, V, n_tiles,
-                            seed_lo, seed_hi, TILE_V: tl.constexpr, SAMPLE_BLOCK: tl.constexpr,
-                            NOISE: tl.constexpr, BLOCK_B: tl.constexpr):
+    def sample_block_kernel(tile_m_ptr, tile_s_ptr, lse_ptr, stream_ptr, pos_ptr, seed_ptr, block_ptr, N, V,
+                            n_tiles, seed_lo, seed_hi, TILE_V: tl.constexpr, SAMPLE_BLOCK: tl.constexpr,
+                            NOISE: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, BLOCK_B: tl.constexpr):
         """One row per program: its sample block, drawn with probability mass / total (the
         first block whose running fp64 sum exceeds u * total), or without NOISE the first
-        block holding a tile whose running max is the row's max (the first maximal logit)."""
+        block holding a tile whose running max is the row's max (the first maximal logit).
+        The seed: ``seed_ptr``'s int64 with SEED_IN_MEMORY, else (seed_lo, seed_hi)."""
         row = tl.program_id(0).to(tl.int64)
         ref = tl.load(lse_ptr + row).to(tl.float64)
         n_blocks = tl.cdiv(V, SAMPLE_BLOCK)
@@ -95,8 +112,8 @@ if triton is not None:
             best = tl.maximum(best, tl.max(top, axis=0))
         if NOISE:
             one = tl.zeros((1,), tl.int64) + row
-            key_lo, key_hi, stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, one, one >= 0,
-                                                                      seed_lo, seed_hi)
+            key_lo, key_hi = _seed_words(seed_ptr, seed_lo, seed_hi, SEED_IN_MEMORY)
+            stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, one, one >= 0)
             target = tile_uniform(key_lo, key_hi, stream_lo, stream_hi, position) * total
         chosen = tl.full((1,), -1, tl.int32)
         last = tl.zeros((1,), tl.int32)
@@ -119,11 +136,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
     def sample_in_block_kernel(
-        h_ptr, w_ptr, b_ptr, block_ptr, stream_ptr, pos_ptr, token_ptr, zt_ptr,
+        h_ptr, w_ptr, b_ptr, block_ptr, stream_ptr, pos_ptr, seed_ptr, token_ptr, zt_ptr,
         N, V, D, temperature, seed_lo, seed_hi,
         stride_hn, stride_hd, stride_wv, stride_wd,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-        NOISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        NOISE: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         """One row per program: its sample block's BLOCK_V logits by the same chain (the row in
         all BLOCK_M lanes of the dot), then the Gumbel-max (or the argmax) inside the block,
@@ -139,8 +157,8 @@ if triton is not None:
                         HAS_BIAS, TEMP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
         col_ok = offs_v < V
         if NOISE:
-            key_lo, key_hi, stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, rm, rm >= 0,
-                                                                      seed_lo, seed_hi)
+            key_lo, key_hi = _seed_words(seed_ptr, seed_lo, seed_hi, SEED_IN_MEMORY)
+            stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, rm, rm >= 0)
             key = z + exponential_noise(v_lo, key_lo, key_hi, stream_lo, stream_hi, position, BLOCK_M, BLOCK_V)
         else:
             key = z

@@ -61,6 +61,30 @@ def _check_counter(name: str, t: object, lead: tuple[int, ...], device: torch.de
     return t
 
 
+def validate_seed(seed: object, device: torch.device) -> None:
+    """Raise TypeError/ValueError naming the op unless ``seed`` is a Python int in [0, 2^63)
+    or a one-element int64 tensor on ``device`` (hidden's).
+
+    A tensor's value is checked where reading it costs no device sync (a CPU tensor). A
+    device tensor is read by the kernels as the two 32-bit words of its int64, unchecked:
+    a negative value keys the generator as its two's-complement bits, value + 2^64."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64:
+            raise ValueError(f"rlkernels.{OP}: a seed tensor must be int64, got {seed.dtype}")
+        if seed.numel() != 1:
+            raise ValueError(f"rlkernels.{OP}: a seed tensor must hold one element, got shape {tuple(seed.shape)}")
+        if seed.device != device:
+            raise ValueError(f"rlkernels.{OP}: the seed tensor is on {seed.device}, hidden on {device}")
+        if seed.device.type == "cpu" and int(seed.reshape(())) < 0:
+            raise ValueError(f"rlkernels.{OP}: seed must be in [0, 2^63), got {int(seed.reshape(()))}")
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"rlkernels.{OP}: seed must be a Python int or a one-element int64 tensor, "
+                        f"got {type(seed).__name__}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"rlkernels.{OP}: seed must be in [0, 2^63), got {seed}")
+
+
 def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
              seed: object, streams: object, positions: object, greedy: bool) -> None:
     """Raise ValueError/TypeError naming the op on any bad input, before any launch."""
@@ -69,10 +93,7 @@ def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     lead = tuple(hidden.shape[:-1])
     if greedy:
         return
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"rlkernels.{OP}: seed must be a Python int, got {type(seed).__name__}")
-    if not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"rlkernels.{OP}: seed must be in [0, 2^63), got {seed}")
+    validate_seed(seed, hidden.device)
     _check_counter("streams", streams, lead, hidden.device)
     if positions is not None:
         pos = _check_counter("positions", positions, lead, hidden.device)
@@ -102,9 +123,11 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (hi + (lo >> 16)) >> 16, (((hi & 0xFFFF) << 16) + lo) & _U32
 
 
-def philox4x32(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, k0: int, k1: int,
+def philox4x32(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,
+               k0: int | torch.Tensor, k1: int | torch.Tensor,
                rounds: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Philox4x32 (Salmon et al., 2011) on uint32 words held in int64 tensors; Triton's rounds."""
+    """Philox4x32 (Salmon et al., 2011) on uint32 words held in int64 tensors; Triton's rounds.
+    The key words are Python ints or 0-dim int64 tensors (uint32 values either way)."""
     for _ in range(rounds):
         hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
@@ -113,7 +136,17 @@ def philox4x32(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.T
     return c0, c1, c2, c3
 
 
-def noise_words(seed: int, streams: torch.Tensor, positions: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+def seed_words(seed: int | torch.Tensor) -> tuple[int, int] | tuple[torch.Tensor, torch.Tensor]:
+    """The Philox key (seed mod 2^32, seed >> 32): Python ints for an int seed, 0-dim int64
+    tensors for a seed tensor (its int64's two 32-bit words, computed on its device: no sync)."""
+    if isinstance(seed, torch.Tensor):
+        value = seed.reshape(())
+        return value & _U32, (value >> 32) & _U32
+    return seed & _U32, (seed >> 32) & _U32
+
+
+def noise_words(seed: int | torch.Tensor, streams: torch.Tensor, positions: torch.Tensor, v0: int,
+                v1: int) -> torch.Tensor:
     """The generator's uint32 word x (in int64) for rows [R] and vocabulary ids [v0, v1): [R, v1 - v0]."""
     q0, q1 = v0 // 4, cdiv(v1, 4)
     dev = streams.device
@@ -121,7 +154,7 @@ def noise_words(seed: int, streams: torch.Tensor, positions: torch.Tensor, v0: i
     shape = (streams.shape[0], q1 - q0)
     words = philox4x32(quad.expand(shape), (positions & _U32)[:, None].expand(shape),
                        (streams & _U32)[:, None].expand(shape), ((streams >> 32) & _U32)[:, None].expand(shape),
-                       seed & _U32, (seed >> 32) & _U32)
+                       *seed_words(seed))
     # Word k of counter q belongs to id 4q + k.
     x = torch.stack(words, dim=-1).reshape(shape[0], 4 * (q1 - q0))
     return x[:, v0 - 4 * q0:v1 - 4 * q0]
@@ -142,12 +175,12 @@ def gumbel_from_words(x: torch.Tensor) -> torch.Tensor:
 # Backends. Each returns (token [N] int64, logp, entropy) with linear_logprob's bits.
 # ---------------------------------------------------------------------------------------
 
-def tile_uniform(seed: int, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def tile_uniform(seed: int | torch.Tensor, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The first level's uniform in (0, 1) per row, fp64 with 53 bits (Philox counter
     (2^32 - 1, position, stream mod 2^32, stream >> 32), words 0 and 1)."""
     shape = streams.shape
     r0, r1, _, _ = philox4x32(torch.full(shape, _U32, dtype=torch.int64, device=streams.device), positions & _U32,
-                              streams & _U32, (streams >> 32) & _U32, seed & _U32, (seed >> 32) & _U32)
+                              streams & _U32, (streams >> 32) & _U32, *seed_words(seed))
     return ((r0 >> 5).double() * 67108864.0 + (r1 >> 6).double() + 0.5) * 1.1102230246251565e-16
 
 
@@ -185,7 +218,7 @@ class TorchLinearSampleBackend:
     name = "torch"
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
-               seed: int, streams: torch.Tensor | None, positions: torch.Tensor | None,
+               seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
                greedy: bool, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         stats_backend = TorchLinearLogprobBackend()
         N, vocab = h2.shape[0], weight.shape[0]
@@ -233,7 +266,7 @@ class TritonLinearSampleBackend:
     name = "triton"
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
-               seed: int, streams: torch.Tensor | None, positions: torch.Tensor | None,
+               seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
                greedy: bool, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         stats_backend = TritonLinearLogprobBackend()
         N, D = h2.shape
@@ -250,23 +283,28 @@ class TritonLinearSampleBackend:
         no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
         m, s, u, zt = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces, entropy=entropy)
         _, _, lse = stats_backend.finish(m, s, u, zt, no_target, entropy=False)
-        seeds = (_signed32(seed & 0xFFFFFFFF), _signed32(seed >> 32))
+        # A seed tensor is read by the kernels (a CUDA graph replays with its current value);
+        # an int seed goes in as two int32 scalars of the same bits, and the pointer is unread.
+        seed_in_memory = isinstance(seed, torch.Tensor)
+        seed_ptr = seed if seed_in_memory else token
+        seeds = (0, 0) if seed_in_memory else (_signed32(seed & 0xFFFFFFFF), _signed32(seed >> 32))
         counters = (streams, positions) if not greedy else (token, token)  # unread without noise
         blocks = torch.empty(N, dtype=torch.int32, device=dev)
-        _launch_block((N,), (*pieces, lse, *counters, blocks, N, vocab, n_tiles, *seeds),
-                      dict(TILE_V=cfg.block_v, SAMPLE_BLOCK=SAMPLE_BLOCK, NOISE=not greedy, BLOCK_B=SCAN_BLOCKS),
+        _launch_block((N,), (*pieces, lse, *counters, seed_ptr, blocks, N, vocab, n_tiles, *seeds),
+                      dict(TILE_V=cfg.block_v, SAMPLE_BLOCK=SAMPLE_BLOCK, NOISE=not greedy,
+                           SEED_IN_MEMORY=seed_in_memory, BLOCK_B=SCAN_BLOCKS),
                       num_warps=4,
                       num_stages=DEFAULT_NUM_STAGES)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
         _launch_in_block(
             (N,),
-            (h2, weight, bias if bias is not None else h2, blocks, *counters, token, zt,
+            (h2, weight, bias if bias is not None else h2, blocks, *counters, seed_ptr, token, zt,
              N, vocab, D, temp_arg, *seeds,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
             dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
-                 EVEN_D=D % cfg.block_k == 0, NOISE=not greedy, BLOCK_M=IN_BLOCK_LANES, BLOCK_V=SAMPLE_BLOCK,
-                 BLOCK_K=cfg.block_k),
+                 EVEN_D=D % cfg.block_k == 0, NOISE=not greedy, SEED_IN_MEMORY=seed_in_memory,
+                 BLOCK_M=IN_BLOCK_LANES, BLOCK_V=SAMPLE_BLOCK, BLOCK_K=cfg.block_k),
             num_warps=4, num_stages=DEFAULT_NUM_STAGES,
         )
         logp, ent, _ = stats_backend.finish(m, s, u, zt, token, entropy)
@@ -282,8 +320,9 @@ class _LinearSampleBase(OpImpl):
     backend_impl: TorchLinearSampleBackend | TritonLinearSampleBackend
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                temperature: float = 1.0, seed: int | None = None, streams: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, return_entropy: bool = False, greedy: bool = False):
+                temperature: float = 1.0, seed: int | torch.Tensor | None = None,
+                streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                return_entropy: bool = False, greedy: bool = False):
         return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy,
                     self.backend)
 
@@ -346,16 +385,20 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
 
 @torch.compiler.disable
 def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  temperature: float = 1.0, seed: int | None = None, streams: torch.Tensor | None = None,
-                  positions: torch.Tensor | None = None, return_entropy: bool = False, greedy: bool = False,
-                  backend: str | None = None):
+                  temperature: float = 1.0, seed: int | torch.Tensor | None = None,
+                  streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                  return_entropy: bool = False, greedy: bool = False, backend: str | None = None):
     """One token per row drawn exactly from ``softmax((hidden @ weight.T + bias) / T)`` in fp32.
 
     hidden: [..., D] bf16/fp16/fp32 (fp64 on the torch backend); weight: [V, D] (lm_head
-    layout); bias: [V] or None. ``seed``: a Python int in [0, 2^63); ``streams``: int64
-    [...] (one per row, any value: which sequence a row is); ``positions``: int64 [...]
-    in [0, 2^32) (which token of that sequence is drawn; None: 0). ``greedy=True`` takes
-    the argmax instead and needs no seed or streams.
+    layout); bias: [V] or None. ``seed``: a Python int in [0, 2^63), or a one-element
+    int64 tensor on hidden's device holding one (read by the kernels, so a CUDA graph that
+    captured the call draws with the tensor's value at each replay; the same value draws
+    the same bits as the int). A CPU seed tensor's value is checked; a device one is read
+    as the two 32-bit words of its int64 (no host sync). ``streams``: int64 [...] (one per
+    row, any value: which sequence a row is); ``positions``: int64 [...] in [0, 2^32)
+    (which token of that sequence is drawn; None: 0). ``greedy=True`` takes the argmax
+    instead and needs no seed or streams.
 
     Returns ``(token [...] int64, logp [...] fp32)`` (and ``entropy`` with
     ``return_entropy``), with no autograd graph. ``logp`` and ``entropy`` are bitwise
