@@ -377,7 +377,26 @@ def test_fused_route_and_combine_give_the_elementwise_bits_gpu():
             w_ref, i_ref = _torch_route(probs, k, normalize)
             w, i = _fused_route(probs, k, normalize)
             assert torch.equal(i, i_ref) and torch.equal(w.view(torch.int32), w_ref.view(torch.int32))
+    # Inference routes from the logits in one launch (softmax included): the bits of the
+    # autograd path, which runs rlkernels.softmax and the top-k Function.
     g = torch.Generator().manual_seed(7)
+    for experts, k in ((128, 8), (60, 4), (8, 2), (1024, 8)):
+        for dtype in (torch.bfloat16, torch.float32):
+            logits = (torch.randn(3000, experts, generator=g) * 6).to(dtype)
+            logits[1] = 0.5                      # ties everywhere
+            logits[2, : experts // 2] = float("-inf")
+            logits[3] = float("-inf")            # an all -inf row: NaN weights, as stock
+            logits[4, 3] = float("nan")
+            logits[5, 0] = float("inf")
+            logits = logits.cuda()
+            for normalize in (True, False):
+                for rounding in (None, dtype):
+                    with torch.no_grad():
+                        w, i = moe_topk(logits, k, normalize=normalize, round_weights_to=rounding)
+                    w_ref, i_ref = moe_topk(logits.detach().requires_grad_(), k, normalize=normalize,
+                                            round_weights_to=rounding)
+                    assert torch.equal(i, i_ref), (experts, dtype, normalize, rounding)
+                    assert torch.equal(w.view(torch.int32), w_ref.detach().view(torch.int32)), (experts, dtype)
     for T, k, H in ((1, 8, 2048), (256, 8, 2048), (4099, 4, 1031)):
         slots = (torch.randn(T, k, H, generator=g) * 30).cuda()
         weights = torch.rand(T, k, generator=g).cuda()

@@ -27,21 +27,10 @@ the per-expert dW call ``gemm(dY[s0:s1]^T, X[s0:s1])``, so the same bits.
 """
 from __future__ import annotations
 
-from .._env import triton_interpret
 from ._triton import tl, triton
+from .cuda_math import expf
 
 if triton is not None:
-    from triton.language.extra import libdevice
-
-    if triton_interpret():
-        @triton.jit
-        def _expf(x):
-            return tl.exp(x)  # the interpreter runs no libdevice: numpy's exp
-    else:
-        @triton.jit
-        def _expf(x):
-            # CUDA's expf, as ATen's silu calls it; tl.exp is an approximate exp2 on NVIDIA GPUs.
-            return libdevice.exp(x)
 
     @triton.jit
     def grouped_gemm_kernel(
@@ -141,7 +130,7 @@ if triton is not None:
             # rounded to the dtype; then the product in fp32 rounded once (exact before the
             # rounding for 16-bit operands), as ATen's mul.
             gf = g.to(tl.float32)
-            s = tl.math.div_rn(gf, 1.0 + _expf(-gf)).to(out_ty)
+            s = tl.math.div_rn(gf, 1.0 + expf(-gf)).to(out_ty)
             tl.store(c_ptrs, (s.to(tl.float32) * u.to(tl.float32)).to(out_ty), mask=c_mask)
         else:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)

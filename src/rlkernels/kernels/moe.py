@@ -3,7 +3,8 @@
 
 * ``top_k_route_kernel``: a token's k largest routing probabilities, largest first, equal
   ones to the lowest expert id, and their renormalisation -- what a stable descending
-  sort, a gather, k - 1 elementwise adds in rank order and a division give;
+  sort, a gather, k - 1 elementwise adds in rank order and a division give -- from the
+  probabilities, or from the logits with the softmax of ``ops.norms`` in the same launch;
 * ``rank_sum_kernel``: the combine ``((w_0 y_0 + w_1 y_1) + ...) + w_{k-1} y_{k-1}`` of a
   token's k expert outputs in fp32, rank ascending, rounded once to the output dtype --
   what k multiplies and k - 1 adds as separate elementwise ops give.
@@ -17,20 +18,38 @@ off: a multiply followed by an add must stay two roundings, never one FMA.
 from __future__ import annotations
 
 from ._triton import tl, triton
+from .cuda_math import expf
+from .norms import pairwise_sum_1024
 
 if triton is not None:
     @triton.jit
-    def top_k_route_kernel(probs_ptr, index_ptr, weights_ptr, total_ptr, E, stride_p, stride_i, stride_w,
-                           K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-        """probs [T, E] fp32 -> index [T, K] int64, weights [T, K] fp32 (probs / their sum with
+    def top_k_route_kernel(src_ptr, index_ptr, weights_ptr, total_ptr, E, stride_s, stride_i, stride_w,
+                           K: tl.constexpr, NORMALIZE: tl.constexpr, SOFTMAX: tl.constexpr, ROUND: tl.constexpr,
+                           BLOCK_E: tl.constexpr):
+        """src [T, E] -> index [T, K] int64, weights [T, K] fp32 (probs / their sum with
         NORMALIZE, else the probs), total [T] fp32 (the sum, rank ascending).
+
+        src holds the fp32 probabilities, or with SOFTMAX the logits (any float dtype),
+        turned into probabilities as ``ops.norms.softmax_forward`` does: the max (NaN if any
+        entry is NaN, 0 for an all -inf row), exp of the shifted row (CUDA's expf), the sum
+        over 1024 lanes in ``pairwise_sum_1024``'s tree (``row_dot_kernel``'s order; BLOCK_E
+        is then 1024) and an IEEE division. ROUND: 1 / 2 round the weights to bf16 / fp16
+        and back (the routers that cast them to the logits' dtype).
 
         The order is a stable descending sort's: NaN before every number (as torch.sort puts
         it), then the largest; among equal keys the lowest expert id."""
         t = tl.program_id(0).to(tl.int64)
         ids = tl.arange(0, BLOCK_E)
         valid = ids < E
-        p = tl.load(probs_ptr + t * stride_p + ids, mask=valid, other=0.0)
+        if SOFTMAX:
+            x = tl.load(src_ptr + t * stride_s + ids, mask=valid, other=float("-inf")).to(tl.float32)
+            m = tl.max(x, 0)
+            m = tl.where(tl.sum((x != x).to(tl.int32), 0) > 0, float("nan"), m)  # torch.amax propagates NaN
+            m = tl.where(m == float("-inf"), 0.0, m)
+            e = expf(x - m)
+            p = tl.math.div_rn(e, pairwise_sum_1024(e))
+        else:
+            p = tl.load(src_ptr + t * stride_s + ids, mask=valid, other=0.0)
         # Probabilities lie in [0, 1]: 2 ranks NaN first, -1 puts the padding last, -2 marks a
         # taken expert; none of the keys is ever a probability.
         key = tl.where(p != p, 2.0, p)
@@ -39,15 +58,20 @@ if triton is not None:
         for j in tl.static_range(K):
             best = tl.max(key, 0)
             pick = tl.min(tl.where(key == best, ids, BLOCK_E), 0)
-            chosen = tl.load(probs_ptr + t * stride_p + pick)
+            chosen = tl.sum(tl.where(ids == pick, p, 0.0), 0)  # p[pick] plus exact zeros
             tl.store(index_ptr + t * stride_i + j, pick.to(tl.int64))
             tl.store(weights_ptr + t * stride_w + j, chosen)
             total = total + chosen  # 0 + p_0 = p_0 exactly: the chain starts at p_0
             key = tl.where(ids == pick, -2.0, key)
-        if NORMALIZE:
-            for j in tl.static_range(K):
-                w = tl.load(weights_ptr + t * stride_w + j)
-                tl.store(weights_ptr + t * stride_w + j, tl.math.div_rn(w, total))
+        for j in tl.static_range(K):
+            w = tl.load(weights_ptr + t * stride_w + j)
+            if NORMALIZE:
+                w = tl.math.div_rn(w, total)
+            if ROUND == 1:
+                w = w.to(tl.bfloat16).to(tl.float32)
+            elif ROUND == 2:
+                w = w.to(tl.float16).to(tl.float32)
+            tl.store(weights_ptr + t * stride_w + j, w)
         tl.store(total_ptr + t, total)
 
     @triton.jit

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from . import _validate as V
 from .activations import silu_chain
 from .matmul import gemm_backend_for, linear, main_grad_target
-from .norms import TorchReductionBackend, TritonReductionBackend, reduction_backend_for, softmax
+from .norms import ROW_BLOCK, TorchReductionBackend, TritonReductionBackend, reduction_backend_for, softmax
 from .._env import triton_interpret
 from ..gemm.chain import accumulator_dtype
 from ..gemm.grouped import grouped_config, grouped_gemm, grouped_wgrad
@@ -62,6 +62,7 @@ _NO_FMA = {} if triton_interpret() else {"enable_fp_fusion": False}
 _launch_top_k = cached_launcher(top_k_route_kernel, leading_tensors=4, options=_NO_FMA)
 _launch_rank_sum = cached_launcher(rank_sum_kernel, leading_tensors=3, options=_NO_FMA)
 ROUTE_MAX_EXPERTS = 1024  # one [BLOCK_E] tile of probabilities per token
+_ROUND_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 RANK_SUM_BLOCK_H = 1024
 
 
@@ -125,17 +126,22 @@ def top_k_lowest_id(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def _top_k_route(probs: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, ...]:
-    """(index [T, k] int64, w [T, k] fp32, total [T] fp32) of fp32 probs [T, E] in one launch."""
-    T, E = probs.shape
-    probs = probs.contiguous()
-    index = torch.empty(T, top_k, dtype=torch.int64, device=probs.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=probs.device)
-    total = torch.empty(T, dtype=torch.float32, device=probs.device)
+def _top_k_route(src: torch.Tensor, top_k: int, normalize: bool, *, from_logits: bool = False,
+                 round_weights_to: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """(index [T, k] int64, w [T, k] fp32, total [T] fp32) in one launch, from fp32 probs
+    [T, E], or with ``from_logits`` from logits [T, E] through ``softmax_forward``'s chain
+    (E <= 1024, the lanes of its row sum; the weights then rounded to ``round_weights_to``
+    and back, as :func:`moe_topk` does after the Function)."""
+    T, E = src.shape
+    src = src.contiguous()
+    index = torch.empty(T, top_k, dtype=torch.int64, device=src.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=src.device)
+    total = torch.empty(T, dtype=torch.float32, device=src.device)
     if T:
-        _launch_top_k((T,), (probs, index, weights, total, E, probs.stride(0), index.stride(0), weights.stride(0)),
-                      dict(K=top_k, NORMALIZE=normalize, BLOCK_E=pow2_at_least(E, 16)), num_warps=4,
-                      num_stages=1)
+        block_e = ROW_BLOCK if from_logits else pow2_at_least(E, 16)
+        _launch_top_k((T,), (src, index, weights, total, E, src.stride(0), index.stride(0), weights.stride(0)),
+                      dict(K=top_k, NORMALIZE=normalize, SOFTMAX=from_logits, ROUND=_ROUND_CODES[round_weights_to],
+                           BLOCK_E=block_e), num_warps=4, num_stages=1)
     return index, weights, total
 
 
@@ -143,6 +149,15 @@ def _fuses_route(probs: torch.Tensor, backend_name: str) -> bool:
     """Whether the routing's top-k runs as one Triton launch (fp32 probs, E within one tile)."""
     return (backend_name == "triton" and _launch_top_k is not None and probs.dtype == torch.float32
             and probs.shape[1] <= ROUTE_MAX_EXPERTS)
+
+
+def _fuses_softmax_route(logits: torch.Tensor, backend_name: str, round_weights_to: torch.dtype | None) -> bool:
+    """Whether softmax, top-k and weights come from one launch: no autograd, a GPU (the
+    kernel's expf is CUDA's, the interpreter's is numpy's), 16/32-bit logits, E within the
+    1024 lanes of the softmax's row sum."""
+    return (backend_name == "triton" and _launch_top_k is not None and logits.is_cuda
+            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16) and logits.shape[1] <= ROW_BLOCK
+            and round_weights_to in _ROUND_CODES and not (torch.is_grad_enabled() and logits.requires_grad))
 
 
 def moe_topk(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
@@ -166,6 +181,10 @@ def moe_topk(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
         raise ValueError(f"rlkernels.{op}: top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
     acc = accumulator_dtype(logits.dtype)
     reductions = reduction_backend_for("softmax", logits.device, backend)
+    if _fuses_softmax_route(logits, reductions.name, round_weights_to):
+        index, weights, _ = _top_k_route(logits, top_k, bool(normalize), from_logits=True,
+                                         round_weights_to=round_weights_to)
+        return weights, index
     probs = softmax(logits, -1, dtype=acc, backend=reductions.name)
     weights, index = _TopKWeightsFunction.apply(probs, top_k, bool(normalize), _fuses_route(probs, reductions.name))
     if round_weights_to is not None:
