@@ -368,38 +368,53 @@ def test_crowded_batch_bitwise_and_deterministic_backward_gpu_bf16():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_fused_route_and_combine_give_the_elementwise_bits_gpu():
-    """The one-launch top-k and combine equal the torch ops on the GPU: no FMA contraction,
-    IEEE division (the kernels run with enable_fp_fusion off and div_rn)."""
-    for experts, k in ((128, 8), (60, 4), (8, 2)):
-        probs = _route_probs(4096, experts, seed=experts, device="cuda")
-        for normalize in (True, False):
-            w_ref, i_ref = _torch_route(probs, k, normalize)
-            w, i = _fused_route(probs, k, normalize)
-            assert torch.equal(i, i_ref) and torch.equal(w.view(torch.int32), w_ref.view(torch.int32))
-    # Inference routes from the logits in one launch (softmax included): the bits of the
-    # autograd path, which runs rlkernels.softmax and the top-k Function.
+@pytest.mark.parametrize("experts, k", [(128, 8), (60, 4), (8, 2)])
+def test_fused_top_k_gives_the_sort_gather_and_sum_bits_gpu(experts, k):
+    """The one-launch top-k equals the torch ops on the GPU (IEEE division, no FMA)."""
+    probs = _route_probs(4096, experts, seed=experts, device="cuda")
+    for normalize in (True, False):
+        w_ref, i_ref = _torch_route(probs, k, normalize)
+        w, i = _fused_route(probs, k, normalize)
+        bad = (i != i_ref).any(-1) | (w.view(torch.int32) != w_ref.view(torch.int32)).any(-1)
+        assert not bad.any(), (normalize, bad.nonzero()[:4].flatten().tolist(), i[bad][:2], i_ref[bad][:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("experts, k", [(128, 8), (60, 4), (8, 2), (1024, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_inference_routing_in_one_launch_gives_the_autograd_paths_bits_gpu(experts, k, dtype):
+    """Without autograd the routing (softmax included) is one launch: the bits of the path
+    autograd runs (rlkernels.softmax, then the top-k Function)."""
+    g = torch.Generator().manual_seed(experts)
+    logits = (torch.randn(3000, experts, generator=g) * 6).to(dtype)
+    logits[1] = 0.5                      # ties everywhere
+    logits[2, : experts // 2] = float("-inf")
+    logits[3] = float("-inf")            # an all -inf row: NaN weights, as stock
+    logits[4, 3] = float("nan")
+    logits[5, 0] = float("inf")
+    logits = logits.cuda()
+    for normalize in (True, False):
+        for rounding in (None, dtype):
+            with torch.no_grad():
+                w, i = moe_topk(logits, k, normalize=normalize, round_weights_to=rounding)
+            w_ref, i_ref = moe_topk(logits.detach().requires_grad_(), k, normalize=normalize,
+                                    round_weights_to=rounding)
+            w_ref = w_ref.detach()
+            bad = (i != i_ref).any(-1) | (w.view(torch.int32) != w_ref.view(torch.int32)).any(-1)
+            assert not bad.any(), (normalize, rounding, bad.sum().item(), bad.nonzero()[:4].flatten().tolist(),
+                                   (w - w_ref)[bad][:2].tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_fused_rank_sum_gives_the_elementwise_ops_bits_gpu():
+    """The one-launch combine equals k multiplies and k - 1 adds on the GPU: no FMA."""
     g = torch.Generator().manual_seed(7)
-    for experts, k in ((128, 8), (60, 4), (8, 2), (1024, 8)):
-        for dtype in (torch.bfloat16, torch.float32):
-            logits = (torch.randn(3000, experts, generator=g) * 6).to(dtype)
-            logits[1] = 0.5                      # ties everywhere
-            logits[2, : experts // 2] = float("-inf")
-            logits[3] = float("-inf")            # an all -inf row: NaN weights, as stock
-            logits[4, 3] = float("nan")
-            logits[5, 0] = float("inf")
-            logits = logits.cuda()
-            for normalize in (True, False):
-                for rounding in (None, dtype):
-                    with torch.no_grad():
-                        w, i = moe_topk(logits, k, normalize=normalize, round_weights_to=rounding)
-                    w_ref, i_ref = moe_topk(logits.detach().requires_grad_(), k, normalize=normalize,
-                                            round_weights_to=rounding)
-                    assert torch.equal(i, i_ref), (experts, dtype, normalize, rounding)
-                    assert torch.equal(w.view(torch.int32), w_ref.detach().view(torch.int32)), (experts, dtype)
     for T, k, H in ((1, 8, 2048), (256, 8, 2048), (4099, 4, 1031)):
         slots = (torch.randn(T, k, H, generator=g) * 30).cuda()
         weights = torch.rand(T, k, generator=g).cuda()
         for w in (weights, None):
             for dt in (torch.float32, torch.bfloat16):
-                assert torch.equal(sum_ranks(slots, w, dt, fused=True), sum_ranks(slots, w, dt, fused=False))
+                out, ref = sum_ranks(slots, w, dt, fused=True), sum_ranks(slots, w, dt, fused=False)
+                assert torch.equal(out, ref), (T, k, H, w is None, dt, (out != ref).sum().item())

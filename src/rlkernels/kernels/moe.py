@@ -58,7 +58,10 @@ if triton is not None:
         for j in tl.static_range(K):
             best = tl.max(key, 0)
             pick = tl.min(tl.where(key == best, ids, BLOCK_E), 0)
-            chosen = tl.sum(tl.where(ids == pick, p, 0.0), 0)  # p[pick] plus exact zeros
+            if SOFTMAX:
+                chosen = tl.sum(tl.where(ids == pick, p, 0.0), 0)  # p[pick] plus exact zeros
+            else:
+                chosen = tl.load(src_ptr + t * stride_s + pick)  # a gather: even a NaN keeps its bits
             tl.store(index_ptr + t * stride_i + j, pick.to(tl.int64))
             tl.store(weights_ptr + t * stride_w + j, chosen)
             total = total + chosen  # 0 + p_0 = p_0 exactly: the chain starts at p_0
