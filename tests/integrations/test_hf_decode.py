@@ -229,14 +229,19 @@ def test_a_step_recorded_by_an_earlier_call_replays_with_a_fresh_calls_bits(samp
     hf_decode.release_decode_graphs(model)
 
 
+def _kept_first_call(family: str, max_new_tokens: int, **kw):
+    """(model, its kept DecodeGraph, the second batch) after one kept call on the first batch."""
+    model = _model(family)
+    (ids1, mask1), second = _batches()
+    _static(model, ids1, mask1, keep=True, max_new_tokens=max_new_tokens, **kw)
+    return model, hf_decode.decode_graph(model), second
+
+
 def test_stale_and_nan_cache_slots_change_no_bit():
     # Slots a previous call wrote are not cleared on reuse: the attention masks them out of
     # the chain (K and V loads masked to 0), so even NaN there changes nothing.
-    model = _model("llama")
-    (ids1, mask1), (ids2, mask2) = _batches()
     kw = dict(greedy=False, temperature=0.7, seed=5)
-    _static(model, ids1, mask1, keep=True, max_new_tokens=6, **kw)
-    state = hf_decode.decode_graph(model)
+    model, state, (ids2, mask2) = _kept_first_call("llama", 6, **kw)
     for layer in state.cache.layers:
         layer.keys.fill_(float("nan"))
         layer.values.fill_(float("nan"))
@@ -248,11 +253,8 @@ def test_stale_and_nan_cache_slots_change_no_bit():
 
 
 def test_the_key_replaces_the_models_one_entry():
-    model = _model("qwen3")
-    (ids1, mask1), (ids2, mask2) = _batches()
     kw = dict(greedy=False, temperature=0.8, seed=1)
-    _static(model, ids1, mask1, keep=True, max_new_tokens=4, **kw)
-    state = hf_decode.decode_graph(model)
+    model, state, (ids2, mask2) = _kept_first_call("qwen3", 4, **kw)
     # Same B and cache length, another prompt length: the same entry.
     _static(model, ids2, mask2, keep=True, max_new_tokens=9, **kw)
     assert hf_decode.decode_graph(model) is state
