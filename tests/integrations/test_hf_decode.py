@@ -178,6 +178,36 @@ def test_a_kept_state_is_reused_with_another_prompt_length_seed_and_streams_bitw
     assert hf_decode.decode_graph(model) is None
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_pinned_cache_length_changes_no_bit_and_keeps_one_state_across_prompt_lengths(sample):
+    # The slots past a row's keys are masked out of the attention's chain: a longer cache
+    # gives the same tokens and log-probs, and with the length pinned, calls whose
+    # L + max_new_tokens differ share the model's one kept state.
+    model = _model("llama")
+    hf_decode.release_decode_graphs(model)
+    (ids1, mask1), (ids2, mask2) = _batches()
+    kw = dict(greedy=not sample, temperature=0.8, seed=9)
+    unpinned = [_static(model, ids1, mask1, max_new_tokens=6, **kw),
+                _static(model, ids2, mask2, max_new_tokens=11, **kw)]
+    cache_len = ids1.shape[1] + 13
+    first = _static(model, ids1, mask1, max_new_tokens=6, keep=True, cache_len=cache_len, **kw)
+    state = hf_decode.decode_graph(model)
+    second = _static(model, ids2, mask2, max_new_tokens=11, keep=True, cache_len=cache_len, **kw)
+    assert hf_decode.decode_graph(model) is state and state.calls == 2 and state.key[1] == cache_len
+    assert _same(first, unpinned[0]) and _same(second, unpinned[1])
+    hf_decode.release_decode_graphs(model)
+
+
+def test_a_cache_length_shorter_than_the_decode_is_refused():
+    model = _model("qwen3")
+    ids, mask = _pad(_prompts((4, 6)), left=True)
+    with pytest.raises(ValueError, match=r"rlkernels.generate: cache_len must be at least .*\(6 \+ 5\), got 10"):
+        _static(model, ids, mask, max_new_tokens=5, cache_len=10)
+    for bad in (10, 11.0, True):
+        with pytest.raises(ValueError, match=r"rlkernels.generate: cache_len must be an int >= .*\(6 \+ 5\)"):
+            rlkernels.generate(model, ids, mask, max_new_tokens=5, cache_len=bad)
+
+
 class _RecordedStep:
     """A CUDA graph's stand-in on the CPU: "capture" keeps the step closure of the call that
     recorded it (running nothing, as a capture runs nothing), and a replay runs that
@@ -438,6 +468,20 @@ def test_gpu_another_cache_length_or_batch_captures_again(count_captures):
     got = _graphed(model, ids1, mask1, max_new_tokens=11, **kw)
     assert hf_decode.decode_graph(model) is state and count_captures[0] == before
     assert _same(got, _static(model, ids1, mask1, max_new_tokens=11, **kw))
+
+
+@pytest.mark.gpu
+def test_gpu_a_pinned_cache_length_replays_one_graph_across_prompt_lengths(count_captures):
+    model = _gpu_model(torch.bfloat16)
+    hf_decode.release_decode_graphs(model)
+    (ids1, mask1), (ids2, mask2) = _batches("cuda")
+    kw = dict(greedy=False, temperature=0.9, seed=5, cache_len=40)
+    calls = [(ids1, mask1, 12), (ids2, mask2, 20), (ids2[:, 3:], mask2[:, 3:], 7)]
+    got = [_graphed(model, ids, mask, max_new_tokens=new, **kw) for ids, mask, new in calls]
+    assert count_captures[0] == 1 and hf_decode.decode_graph(model).calls == 3
+    for out, (ids, mask, new) in zip(got, calls):  # an unpinned eager call's bits
+        assert _same(out, _static(model, ids, mask, max_new_tokens=new, greedy=False, temperature=0.9, seed=5))
+    hf_decode.release_decode_graphs(model)
 
 
 @pytest.mark.gpu

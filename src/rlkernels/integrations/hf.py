@@ -413,7 +413,7 @@ def _check_prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              temperature: float = 1.0, return_entropy: bool = False, batch_invariant: bool | None = None,
              cuda_graph: bool = False, seed: int | None = None, streams: torch.Tensor | None = None,
-             **generate_kwargs: Any):
+             cache_len: int | None = None, **generate_kwargs: Any):
     """Decode left-padded prompts, drawing every token from the distribution the trainer scores.
 
     Returns ``(sequences, logprobs)`` (and ``entropy`` with ``return_entropy``):
@@ -447,8 +447,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     later call with the same ones -- whatever its prompts, seed and streams -- replays the
     graph from its first decode step, with a fresh call's bits; the entry holds the
     cache's memory until the model goes or :func:`release_decode_graphs` drops it.
-    ``cuda_graph=False`` keeps nothing. ``batch_invariant`` as in :func:`token_logprobs`:
-    a patched model runs without the mode.
+    ``cuda_graph=False`` keeps nothing. ``cache_len``: the static cache's length (None:
+    ``L + max_new_tokens``, at least that otherwise). The tokens and log-probs do not
+    depend on it (the slots past a row's keys are masked out of the attention's fixed
+    chain); pinning it lets calls whose prompt lengths differ replay one kept graph.
+    ``batch_invariant`` as in :func:`token_logprobs`: a patched model runs without the mode.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("rlkernels.generate: input_ids must be a [B, L] tensor")
@@ -483,6 +486,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                          "max_new_tokens nor max_length)")
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise ValueError(f"rlkernels.generate: max_new_tokens must be an int >= 0, got {max_new!r}")
+    if cache_len is not None and (isinstance(cache_len, bool) or not isinstance(cache_len, int)
+                                  or cache_len < input_ids.shape[1] + max_new):
+        raise ValueError(f"rlkernels.generate: cache_len must be an int >= the prompt length plus max_new_tokens "
+                         f"({input_ids.shape[1]} + {max_new}), got {cache_len!r}")
     do_sample = bool(generate_kwargs.get("do_sample", getattr(config, "do_sample", False)))
     B = input_ids.shape[0]
     if do_sample:
@@ -499,7 +506,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
             model, _decode, model, input_ids, mask, batch_invariant,
             dict(max_new_tokens=max_new, greedy=not do_sample, temperature=temperature, seed=seed or 0,
                  streams=streams, pad_token_id=pad, eos_token_ids=_eos_ids(model, generate_kwargs),
-                 cuda_graph=cuda_graph, cache_kwargs=cache_kwargs))
+                 cuda_graph=cuda_graph, cache_len=cache_len, cache_kwargs=cache_kwargs))
     sequences, logp, ent = out
     return (sequences, logp, ent) if return_entropy else (sequences, logp)
 

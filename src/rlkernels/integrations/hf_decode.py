@@ -10,8 +10,9 @@ replayed for every new token.
 
 Replaying changes no bit: a graph replays the launches it recorded, and the patched
 model's step is the same computation whatever the key length (a ``StaticCache``
-hands the attention all ``L + max_new_tokens`` slots; the slots past a row's end are
-masked out of the fixed chain, so the eager step and the replayed one agree). The
+hands the attention all its slots, ``L + max_new_tokens`` or the caller's ``cache_len``;
+the slots past a row's end are masked out of the fixed chain, so the eager step and the
+replayed one agree, and the cache's length changes no bit). The
 draw is in the graph too: :func:`rlkernels.linear_sample` keys its noise by the seed,
 the row's stream and the token's position, which live in fixed buffers (the seed as
 an int64 tensor the kernels read). The prompt is prefilled eagerly; the first decode
@@ -24,8 +25,9 @@ With ``cuda_graph=True`` the cache, the buffers and the captured step are kept, 
 :class:`DecodeGraph` per model (a ``weakref.WeakKeyDictionary``: it goes when the model
 goes), and a later call whose step would launch the same kernels on the same memory
 replays it from its first decode step: no eager step, no capture. The step bakes in
-what :func:`decode_key` lists -- the batch size and the cache length ``L +
-max_new_tokens`` (the buffers' and the cache's shapes), the device, T and greedy vs
+what :func:`decode_key` lists -- the batch size and the cache length (``L +
+max_new_tokens``, or ``cache_len`` where the caller pins it: the buffers' and the
+cache's shapes), the device, T and greedy vs
 sampled (kernel arguments), the attention implementation, the batch-invariant mode,
 autocast, training mode, the ``RLKERNELS_*`` switches, and every parameter's and
 buffer's address, dtype, shape and strides plus every module's identity (the
@@ -35,7 +37,8 @@ cache update and the attention's query offset read on the device, and 4.x writes
 the slots a ``cache_position`` buffer names; neither is a host value the graph bakes.
 The seed and the streams are copied into their buffers, so they are not in it either.
 A call with another key replaces the model's entry (the old cache and graph are freed
-with it): the entry keeps only the most recent key.
+with it): the entry keeps only the most recent key. A loop whose prompt lengths vary
+pins ``cache_len`` (its longest prompt plus ``max_new_tokens``) to keep one key.
 
 Each reused call rewinds the cache (each layer's write counter to 0, one launch; with
 transformers 4.x, whose static layers keep no counter, transformers' own ``reset()``,
@@ -50,8 +53,8 @@ the key and the next call captures again. What the key cannot see -- a hook adde
 a module, a config field the forward reads on the host -- needs
 :func:`release_decode_graphs` after the change.
 
-Memory: the entry holds the ``StaticCache`` (B x (L + max_new_tokens) slots of keys and
-values per layer) and the graph's private pool (one step's activations) after the call
+Memory: the entry holds the ``StaticCache`` (B x cache length slots of keys and values
+per layer) and the graph's private pool (one step's activations) after the call
 returns, until the model goes, a call with another key replaces it, or
 :func:`release_decode_graphs` drops it. ``cuda_graph=False`` keeps nothing.
 """
@@ -248,7 +251,7 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
                     max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, seed: int = 0,
                     streams: torch.Tensor | None = None, pad_token_id: int | None = None,
                     eos_token_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
-                    keep: bool | None = None,
+                    keep: bool | None = None, cache_len: int | None = None,
                     cache_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to ``max_new_tokens`` tokens after left-padded prompts with a ``StaticCache``.
 
@@ -269,14 +272,20 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     ``cuda_graph``): use and keep the model's :class:`DecodeGraph` across calls (module
     docstring); a kept state that already holds a graph replays it from the first decode
     step. With ``keep`` and ``cuda_graph=False`` the same reuse runs with an eager step
-    where the graph would replay.
+    where the graph would replay. ``cache_len``: the ``StaticCache``'s length (None:
+    ``L + max_new_tokens``; at least that): the slots past a row's keys are masked out of
+    the attention's chain, so it changes no bit, and a pinned length lets calls with other
+    prompt lengths share one kept state.
     """
     from transformers import StaticCache  # transformers is the optional "hf" extra
 
     B, L = input_ids.shape
     dev = input_ids.device
     keep = cuda_graph if keep is None else keep
-    total = L + max_new_tokens
+    total = L + max_new_tokens if cache_len is None else cache_len
+    if total < L + max_new_tokens:
+        raise ValueError(f"rlkernels.{OP}: cache_len must be at least the prompt length plus max_new_tokens "
+                         f"({L} + {max_new_tokens}), got {cache_len}")
     if not greedy:
         validate_seed(seed, dev)
         streams = torch.arange(B, device=dev) if streams is None else _check_streams(streams, B, dev)
