@@ -43,7 +43,7 @@ pins ``cache_len`` (its longest prompt plus ``max_new_tokens``) to keep one key.
 Each reused call rewinds the cache (each layer's write counter to 0, one launch; with
 transformers 4.x, whose static layers keep no counter, transformers' own ``reset()``,
 which zeroes the keys and values) and refills the mask (0, then the prompt's), the seed
-and the streams. Slots a previous call wrote are not cleared: every slot the attention
+and the streams. Slots written by another call are not cleared: every slot the attention
 reads in this call is written in this call first (the prompt's by the prefill, slot
 ``L + t`` by step t), and the rest are masked out of the chain, their K and V loads
 masked to 0 (``docs/operators/attention.md``), so stale or even NaN values there change
