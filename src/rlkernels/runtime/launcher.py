@@ -54,6 +54,10 @@ _DESCRIPTOR_TYPES = tuple(t for t in (_TensorDescriptor, GluonTensorDescriptor) 
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
+# Compile options for kernels that reproduce separately rounded operations: no mul+add
+# contraction into an FMA (the interpreter has no such option and never contracts).
+NO_FP_FUSION: dict[str, Any] = {} if triton_interpret() else {"enable_fp_fusion": False}
+
 # Triton's num_stages on CUDA where ``kernel[grid](...)`` names none; a launcher takes it
 # explicitly, and kernels tuned without one keep the binary they were measured with.
 DEFAULT_NUM_STAGES = 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..._env import triton_interpret
+from ...runtime.launcher import NO_FP_FUSION
 from .chain import DEFAULT_CHAIN, Chain
 from .layout import TMA_MIN_FLOPS
 
@@ -98,9 +99,8 @@ DEFAULT_TUNING = AttnTuning()
 
 
 # The forward kernels compile without mul+add contraction: the chain's FMAs are written out
-# (tl.fma) and nothing else is fused, so the masked and unmasked block steps round alike
-# (the interpreter has no such option and ignores it).
-FWD_OPTIONS = {} if triton_interpret() else {"enable_fp_fusion": False}
+# (tl.fma) and nothing else is fused, so the masked and unmasked block steps round alike.
+FWD_OPTIONS = NO_FP_FUSION
 # The split-KV combine: columns per program, warps, stages (launch detail, no effect on the bits).
 COMBINE_BLOCK_D = 32
 COMBINE_WARPS = 1
