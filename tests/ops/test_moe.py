@@ -172,6 +172,9 @@ def test_fused_rank_sum_gives_the_elementwise_ops_bits(shape, weighted, out_dtyp
     # Strided slots (a [T, k, H] view of a wider buffer) read through their strides.
     wide = torch.randn(T, k, H + 3, generator=g)[:, :, :H]
     assert torch.equal(sum_ranks(wide, weights, out_dtype, fused=True), sum_ranks(wide, weights, out_dtype, fused=False))
+    if weighted:  # weights whose ranks are not adjacent in memory
+        cols = weights.t().contiguous().t()
+        assert torch.equal(sum_ranks(slots, cols, out_dtype, fused=True), ref)
 
 
 def test_routing_gradient_is_deterministic_and_correct():

@@ -52,15 +52,14 @@ from ..gemm.grouped import grouped_config, grouped_gemm, grouped_wgrad
 from ..kernels._triton import cdiv, pow2_at_least
 from ..kernels.moe import rank_sum_kernel, top_k_route_kernel
 from ..runtime.device import can_read_back
-from ..runtime.launcher import cached_launcher
+from ..runtime.launcher import NO_FP_FUSION, cached_launcher
 from ..registry import OpImpl, register
 
 _REDUCTIONS = {"torch": TorchReductionBackend(), "triton": TritonReductionBackend()}
 
 # A multiply then an add must stay two roundings (the elementwise ops' bits), never one FMA.
-_NO_FMA = {} if triton_interpret() else {"enable_fp_fusion": False}
-_launch_top_k = cached_launcher(top_k_route_kernel, leading_tensors=4, options=_NO_FMA)
-_launch_rank_sum = cached_launcher(rank_sum_kernel, leading_tensors=3, options=_NO_FMA)
+_launch_top_k = cached_launcher(top_k_route_kernel, leading_tensors=4, options=NO_FP_FUSION)
+_launch_rank_sum = cached_launcher(rank_sum_kernel, leading_tensors=3, options=NO_FP_FUSION)
 ROUTE_MAX_EXPERTS = 1024  # one [BLOCK_E] tile of probabilities per token
 _ROUND_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 RANK_SUM_BLOCK_H = 1024
@@ -269,6 +268,8 @@ def sum_ranks(slots: torch.Tensor, weights: torch.Tensor | None, out_dtype: torc
     # The interpreter stores bf16 by truncation, not round-to-nearest-even as a GPU does.
     if fused and slots.dtype == torch.float32 and T and H and not (triton_interpret() and out_dtype == torch.bfloat16):
         slots = slots if slots.stride(2) == 1 else slots.contiguous()
+        if weights is not None and weights.stride(1) != 1:  # the kernel steps over ranks with unit stride
+            weights = weights.contiguous()
         out = torch.empty(T, H, dtype=out_dtype, device=slots.device)
         w = weights if weights is not None else slots  # unread without WEIGHTED
         block_h = min(RANK_SUM_BLOCK_H, pow2_at_least(H, 16))
