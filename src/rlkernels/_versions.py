@@ -68,6 +68,11 @@ FAST_PATHS: dict[str, FastPath] = {
     # pair from torch 2.9 on (gemm/cublaslt.py); GPU-run with 2.11, CPU with 2.13.
     "torch_cublas_flags": FastPath("torch", (2, 9), (2, 14),
                                    "torch._C cuBLAS flag pairs; else torch.backends.cuda.matmul"),
+    # torch._assert_async(tensor, msg): the asynchronous device-side check torch.multinomial
+    # makes on CUDA; linear_sample refuses a bad row with it instead of a host sync
+    # (ops/linear_sample.py). Run on the GPU with torch 2.11.
+    "torch_assert_async": FastPath("torch", (2, 4), (2, 14),
+                                   "torch._assert_async on CUDA; else the status is read back"),
     # CPython's os.environ keeps its bytes dict in _data, updated by every assignment
     # (_env.py); unchanged in os.py from 3.10 (requires-python) through 3.14; run with 3.11.
     "environ_data": FastPath("python", (3, 10), (3, 15),

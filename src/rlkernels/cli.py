@@ -111,12 +111,14 @@ def fast_path_rows() -> list[tuple[str, bool, str, str]]:
     from . import _env
     from ._versions import FAST_PATHS, fast_path
     from .gemm import cublaslt
+    from .ops.linear_sample import ASYNC_ASSERT
     from .runtime import launcher
 
     state = {
         "triton_launch": launcher.fast_launch_status(),
         "torch_cuda_accessors": (launcher.current_device is not torch.cuda.current_device, None),
         "torch_cublas_flags": (cublaslt.FLAGS.direct, None),
+        "torch_assert_async": (ASYNC_ASSERT is not None, None),
         "environ_data": (_env._ENV_DATA is not None, None),
     }
     rows = []

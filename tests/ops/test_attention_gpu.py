@@ -208,24 +208,20 @@ def test_gpu_warp_specialized_forward_gives_the_triton_kernels_bits(d, monkeypat
         for b, (sq, s0) in enumerate(zip(seqs, starts)):
             buf[b, :, s0:s0 + lens[b]] = sq[i].transpose(0, 1)
         bufs.append(buf.transpose(1, 2))
-    ws_programs = ws_host.ws_programs
     cases = [(keys, k_start, programs) for keys, k_start in ((packed_kv, q_start), (bufs, torch.tensor(starts, **dev)))
              for programs in (None, 5)]
     for keys, k_start, programs in cases:
         # programs=5: each program takes many tiles of unequal lengths (the empty tiles of the
         # short sequences among them) in snake rounds, the last round short; stage and
         # barrier phases run on from tile to tile.
-        monkeypatch.setattr(ws_host, "ws_programs", ws_programs if programs is None else
-                            (lambda tiles, device, p=programs: min(tiles, p)))
         n = len(launched)
         ws = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens), keys[0].shape[-3],
-                                   _tuning=with_ws)
+                                   _tuning=dataclasses.replace(with_ws, ws_programs=programs))
         assert len(launched) == n + 1, "the warp-specialized kernel must run"
         ref = A.attention_by_bounds("test", q_rows, *keys, q_start, kl, k_start, kl, max(lens), keys[0].shape[-3],
                                     _tuning=triton_only(max(lens)))
         assert len(launched) == n + 1
         assert not ws.isnan().any() and bits_equal(ws, ref), programs
-    monkeypatch.setattr(ws_host, "ws_programs", ws_programs)
     n = len(launched)
     q, k, v = _gpu_qkv(2, 1031, hq, hkv, 80, torch.bfloat16)
     A.flash_attn_func(q, k, v, _tuning=with_ws)

@@ -181,6 +181,7 @@ def test_the_key_decides_the_draw(backend, dtype, gen):
     assert not torch.equal(base, draw(SEED, streams + (1 << 32), positions))  # a stream's high word too
     same_pos = draw(SEED, torch.arange(n), torch.zeros(n, dtype=torch.int64))
     assert len(set(same_pos.tolist())) > 8                              # streams draw apart
+    assert torch.equal(same_pos, draw(SEED, torch.arange(n), None))     # no positions: position 0
 
 
 @pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
@@ -255,6 +256,27 @@ def test_a_row_with_nan_logits_is_refused(backend, dtype, gen):
         linear_sample(h, w, b, seed=1, streams=torch.arange(4), backend=backend)
     with pytest.raises(RuntimeError):  # stock refuses the same row
         torch.multinomial(torch.softmax(h @ w.T + b, -1), 1)
+
+
+@pytest.mark.skipif(not triton_interpret(), reason="needs TRITON_INTERPRET=1")
+def test_the_kernels_flag_a_call_with_a_refused_row(gen):
+    """The one-element flag the CUDA check asserts on: 1 where every row is fine, else 0."""
+    from rlkernels.ops.linear_sample import STATUS_BAD_POSITION, STATUS_NOT_A_DISTRIBUTION, TritonLinearSampleBackend
+
+    h, w, b = _head(5, 8, 40, F32, gen)
+    streams, positions = torch.arange(5), torch.arange(5)
+    draw = TritonLinearSampleBackend().sample
+    fine = draw(h, w, b, 1.0, 1, streams, positions, False)
+    assert fine.ok.tolist() == [1] and fine.status.tolist() == [0] * 5
+    bad = positions.clone()
+    bad[3] = 1 << 32
+    flagged = draw(h, w, b, 1.0, 1, streams, bad, False)
+    assert flagged.ok.tolist() == [0] and flagged.status.tolist() == [0, 0, 0, STATUS_BAD_POSITION, 0]
+    assert torch.equal(flagged.token[:3], fine.token[:3])
+    h[1, 2] = float("nan")
+    for greedy in (False, True):
+        nan = draw(h, w, b, 1.0, 1, streams, positions, greedy)
+        assert nan.ok.tolist() == [0] and nan.status.tolist() == [0, STATUS_NOT_A_DISTRIBUTION, 0, 0, 0]
 
 
 @pytest.mark.parametrize("kwargs, err, match", [
@@ -366,3 +388,58 @@ def test_gpu_draws_follow_the_fp32_distribution_and_not_the_bf16_rounded_one():
     assert stat < critical, (stat, critical)
     stat, critical = chi2(rounded)
     assert stat > critical, (stat, critical)
+
+
+_REFUSAL_SCRIPT = """
+import sys, torch
+from rlkernels import linear_sample
+case, n = sys.argv[1], int(sys.argv[2])
+g = torch.Generator(device="cuda").manual_seed(0)
+h = torch.randn(n, 64, device="cuda", generator=g).bfloat16()
+w = (torch.randn(1031, 64, device="cuda", generator=g) * 0.75).bfloat16()
+streams = torch.arange(n, device="cuda")
+positions = torch.arange(n, device="cuda")
+if case == "position":
+    positions[n // 2] = -1
+if case == "position_high":
+    positions[n // 2] = 1 << 32
+if case in ("nan", "nan_greedy", "stock"):
+    h[n - 1, 3] = float("nan")
+if case == "stock":
+    torch.multinomial(torch.softmax((h @ w.T).float(), -1), 1)
+elif case == "graph":  # captured with good positions, replayed with a bad one
+    graph = torch.cuda.CUDAGraph()
+    linear_sample(h, w, seed=1, streams=streams, positions=positions)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        linear_sample(h, w, seed=1, streams=streams, positions=positions)
+    positions[n // 2] = 1 << 40
+    graph.replay()
+else:
+    linear_sample(h, w, seed=1, streams=streams, positions=positions, greedy=case == "nan_greedy")
+torch.cuda.synchronize()
+print("finished")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_bad_positions_and_nan_rows_are_refused_as_multinomial_refuses():
+    """On CUDA a bad row is refused as torch.multinomial refuses one there: a device-side
+    assert (no host sync), raised by the next synchronizing call. A CUDA context does not
+    survive it, so each case runs in its own process."""
+    import subprocess
+    import sys
+
+    def run(case, n=37):
+        return subprocess.run([sys.executable, "-c", _REFUSAL_SCRIPT, case, str(n)], capture_output=True, text=True,
+                              timeout=300)
+
+    fine = run("fine")
+    assert fine.returncode == 0 and "finished" in fine.stdout, fine.stderr[-2000:]
+    stock = run("stock")  # the control: stock refuses the NaN row the same way
+    assert stock.returncode != 0 and "finished" not in stock.stdout
+    # (the kernels' flag for each kind of bad row: test_the_kernels_flag_a_call_with_a_refused_row)
+    for case, n in (("position", 37), ("nan_greedy", 1), ("graph", 37)):
+        out = run(case, n)
+        assert out.returncode != 0 and "finished" not in out.stdout, (case, out.stdout, out.stderr[-2000:])
+        assert "rlkernels.linear_sample: a row's logits are not a distribution" in out.stderr, (case, out.stderr[-2000:])

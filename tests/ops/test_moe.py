@@ -417,7 +417,8 @@ def test_fused_rank_sum_gives_the_elementwise_ops_bits_gpu():
     for T, k, H in ((1, 8, 2048), (256, 8, 2048), (4099, 4, 1031)):
         slots = (torch.randn(T, k, H, generator=g) * 30).cuda()
         weights = torch.rand(T, k, generator=g).cuda()
-        for w in (weights, None):
+        # None, rank-adjacent weights, and weights whose ranks are not adjacent in memory
+        for w in (weights, None, weights.t().contiguous().t()):
             for dt in (torch.float32, torch.bfloat16):
                 out, ref = sum_ranks(slots, w, dt, fused=True), sum_ranks(slots, w, dt, fused=False)
                 assert torch.equal(out, ref), (T, k, H, w is None, dt, (out != ref).sum().item())

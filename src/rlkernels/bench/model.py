@@ -16,9 +16,8 @@ Workloads: ``scoring`` (right-padded batch, no grad), ``training`` (forward + ba
 a per-token policy-gradient loss), ``generate`` (left-padded prompts, greedy, a fixed
 number of new tokens; on a GPU also ``rlkernels.generate(..., cuda_graph=True)``;
 ``--graphed`` adds transformers' compiled static-cache generate), ``rollout`` (the same
-with long prompts, where a decode step's time is the attention reading the KV cache: stock
-eager ``generate`` against ``rlkernels.generate``, graphed on a GPU) and ``long`` (one long
-sequence per length). Per workload and side: median ms of the
+rows with long prompts, where a decode step's time is the attention reading the KV cache)
+and ``long`` (one long sequence per length). Per workload and side: median ms of the
 timed calls (CUDA events on a GPU, wall clock on the CPU), tokens/s, peak allocated GiB
 (less the other side's weights, which share the device), the time ratio
 rlkernels / stock, and the bitwise fraction:
@@ -350,11 +349,11 @@ def generate(b: Bench, graphed: bool) -> list[dict[str, Any]]:
                           graphed, eager_rlkernels=True)
 
 
-def rollout(b: Bench) -> list[dict[str, Any]]:
-    """Long prompts: stock eager generate against rlkernels' graphed one (its eager loop on the CPU)."""
+def rollout(b: Bench, graphed: bool) -> list[dict[str, Any]]:
+    """Long prompts, where a decode step reads a long KV cache: the generate rows at that shape."""
     s = b.sizes
     return _generate_rows(b, "rollout", Prompts(s.roll_prompts, s.roll_prompt_min, s.roll_prompt_width, s.roll_new),
-                          graphed=False, eager_rlkernels=b.device.type != "cuda")
+                          graphed, eager_rlkernels=True)
 
 
 def _generate_rows(b: Bench, name: str, prompts: Prompts, graphed: bool,
@@ -469,7 +468,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for workload in WORKLOADS:
         if workload in args.only:
-            rows += generate(b, args.graphed) if workload == "generate" else globals()[workload](b)
+            rows += (globals()[workload](b, args.graphed) if workload in ("generate", "rollout")
+                     else globals()[workload](b))
     _with_ratios(rows)
     title = (f"model bench: {name}, {config.num_hidden_layers} layers, {str(dtype).removeprefix('torch.')}, "
              f"{device.type}; time ratio = rlkernels / stock")

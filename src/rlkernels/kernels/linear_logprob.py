@@ -85,7 +85,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_TILES: tl.constexpr, ENTROPY: tl.constexpr,
-        LOGITS: tl.constexpr,
+        LOGITS: tl.constexpr, TARGET: tl.constexpr,
     ):
         """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target.
 
@@ -94,14 +94,18 @@ if triton is not None:
         here; every step after them is the same code, so the same bits.
         Without ENTROPY, u is not computed (stored as 0): (m, s) are the same chain.
         STORE_TILES: every tile's running max after it and its own sum of e^(z - that max)
-        too, at [row, split * SPLIT_V / BLOCK_V + tile] (the sampler's first level)."""
+        too, at [row, split * SPLIT_V / BLOCK_V + tile] (the sampler's first level).
+        Without TARGET (the sampler, which has none yet), ``t_ptr`` and ``zt_ptr`` are unused."""
         # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
         pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N
         rm = (offs_m % N).to(tl.int64)  # rows past N re-read valid rows; never stored
-        tgt = tl.load(t_ptr + rm).to(tl.int32)  # ids < V < 2^31; 32-bit compares are cheaper
+        if TARGET:
+            tgt = tl.load(t_ptr + rm).to(tl.int32)  # ids < V < 2^31; 32-bit compares are cheaper
+        else:
+            tgt = tl.full((BLOCK_M,), -1, tl.int32)
         v_start = pid_s * SPLIT_V
         n_tiles = tl.cdiv(tl.minimum(V - v_start, SPLIT_V), BLOCK_V)
 
@@ -123,7 +127,8 @@ if triton is not None:
                                 HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
             # At most one column matches: the sum is that logit exactly. Taken first so
             # z's registers can be reused by the statistics below.
-            zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+            if TARGET:
+                zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
             z = tl.where(col_ok[None, :], z, float("-inf"))
             if ENTROPY:
                 m_i, s_i, u_i, tile_sum = online_stats(m_i, s_i, u_i, z, col_ok)
@@ -138,8 +143,51 @@ if triton is not None:
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(s_ptr + part, s_i, mask=row_ok)
         tl.store(u_ptr + part, u_i, mask=row_ok)
-        in_split = row_ok & (tgt >= v_start) & (tgt < v_start + SPLIT_V)
-        tl.store(zt_ptr + offs_m, zt, mask=in_split)
+        if TARGET:
+            in_split = row_ok & (tgt >= v_start) & (tgt < v_start + SPLIT_V)
+            tl.store(zt_ptr + offs_m, zt, mask=in_split)
+
+    @triton.jit
+    def merge_splits(m_ptr, s_ptr, u_ptr, rows, ok, N, n_split, ENTROPY: tl.constexpr):
+        """(max, s, u) of ``rows`` (int64, any shape) over their per-split statistics
+        ([n_split, N] each), merged in ascending split order: the LSE chain's merge, one
+        definition for every kernel that finishes the forward's statistics. Without
+        ENTROPY, u is 0 and ``u_ptr`` unread."""
+        mx = tl.full(rows.shape, float("-inf"), tl.float32)
+        # Pointers advance by N per split: 64-bit pointer arithmetic, no int32 k * N product.
+        m_ptrs = m_ptr + rows
+        for k in range(0, n_split):
+            mx = tl.maximum(mx, tl.load(m_ptrs, mask=ok, other=0.0))
+            m_ptrs += N
+        s = tl.zeros(rows.shape, tl.float32)
+        u = tl.zeros(rows.shape, tl.float32)
+        m_ptrs = m_ptr + rows
+        s_ptrs = s_ptr + rows
+        u_ptrs = u_ptr + rows
+        for k in range(0, n_split):
+            mk = tl.load(m_ptrs, mask=ok, other=0.0)
+            sk = tl.load(s_ptrs, mask=ok, other=1.0)
+            a = tl.exp(mk - mx)
+            if ENTROPY:
+                uk = tl.load(u_ptrs, mask=ok, other=0.0)
+                u += a * (uk + (mk - mx) * sk)
+            s = merge_mass(s, a, sk)
+            m_ptrs += N
+            s_ptrs += N
+            u_ptrs += N
+        return mx, s, u
+
+    @triton.jit
+    def finish_row(mx, s, u, zt, valid, ENTROPY: tl.constexpr):
+        """(logp, entropy, lse) from the merged statistics: logp = (zt - max) - log s,
+        entropy = log s - u / s (NaN without ENTROPY); 0 where not ``valid``."""
+        log_s = tl.log(s)
+        logp = tl.where(valid, (zt - mx) - log_s, 0.0)
+        if ENTROPY:
+            ent = tl.where(valid, log_s - u / s, 0.0)
+        else:
+            ent = tl.full(mx.shape, float("nan"), tl.float32)
+        return logp, ent, mx + log_s
 
     @triton.jit
     def logprob_combine_kernel(m_ptr, s_ptr, u_ptr, zt_ptr, t_ptr, logp_ptr, ent_ptr, lse_ptr, N, n_split,
@@ -149,37 +197,13 @@ if triton is not None:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < N
         rows = offs.to(tl.int64)
-        mx = tl.full((BLOCK,), float("-inf"), tl.float32)
-        # Pointers advance by N per split: 64-bit pointer arithmetic, no int32 k * N product.
-        m_ptrs = m_ptr + rows
-        for k in range(0, n_split):
-            mx = tl.maximum(mx, tl.load(m_ptrs, mask=ok, other=0.0))
-            m_ptrs += N
-        s = tl.zeros((BLOCK,), tl.float32)
-        u = tl.zeros((BLOCK,), tl.float32)
-        m_ptrs = m_ptr + rows
-        s_ptrs = s_ptr + rows
-        u_ptrs = u_ptr + rows
-        for k in range(0, n_split):
-            mk = tl.load(m_ptrs, mask=ok, other=0.0)
-            sk = tl.load(s_ptrs, mask=ok, other=1.0)
-            uk = tl.load(u_ptrs, mask=ok, other=0.0)
-            a = tl.exp(mk - mx)
-            u += a * (uk + (mk - mx) * sk)
-            s = merge_mass(s, a, sk)
-            m_ptrs += N
-            s_ptrs += N
-            u_ptrs += N
-        log_s = tl.log(s)
+        mx, s, u = merge_splits(m_ptr, s_ptr, u_ptr, rows, ok, N, n_split, ENTROPY)
         valid = ok & (tl.load(t_ptr + rows, mask=ok, other=-1) >= 0)
         zt = tl.load(zt_ptr + rows, mask=ok, other=0.0)
-        tl.store(logp_ptr + rows, tl.where(valid, (zt - mx) - log_s, 0.0), mask=ok)
-        if ENTROPY:
-            ent = tl.where(valid, log_s - u / s, 0.0)
-        else:
-            ent = tl.full((BLOCK,), float("nan"), tl.float32)
+        logp, ent, lse = finish_row(mx, s, u, zt, valid, ENTROPY)
+        tl.store(logp_ptr + rows, logp, mask=ok)
         tl.store(ent_ptr + rows, ent, mask=ok)
-        tl.store(lse_ptr + rows, mx + log_s, mask=ok)
+        tl.store(lse_ptr + rows, lse, mask=ok)
 
     @triton.jit
     def grad_logits_tile(
@@ -254,4 +278,5 @@ if triton is not None:
                               HAS_BIAS, TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
                               G_DESC)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    scale_by_temperature = logits_tile = online_stats = fwd_partial_kernel = logprob_combine_kernel = grad_logits_tile = grad_logits_kernel = None
+    scale_by_temperature = logits_tile = online_stats = fwd_partial_kernel = merge_splits = finish_row = None
+    logprob_combine_kernel = grad_logits_tile = grad_logits_kernel = None

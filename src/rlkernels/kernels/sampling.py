@@ -4,7 +4,8 @@ A token is drawn in two levels over :mod:`.linear_logprob`'s own pass: the forwa
 records each vocabulary tile's mass beside the softmax statistics; a first draw picks a
 block of 256 ids with probability proportional to its mass (:func:`sample_block_kernel`);
 the block's logits are recomputed by the same chain and a Gumbel-max picks the token
-inside it (:func:`sample_in_block_kernel`). Every random number comes from Philox keyed by
+inside it (:func:`sample_in_block_kernel`), which also finishes the token's log-prob and
+entropy from the forward's per-split statistics. Every random number comes from Philox keyed by
 (seed, stream, position): what the row is, never where it sits. The seed is two int32
 scalars (a Python int seed) or, with ``SEED_IN_MEMORY``, the int64 at ``seed_ptr`` (a seed
 tensor): the same key words either way, and a captured CUDA graph reads the tensor anew
@@ -13,7 +14,7 @@ at each replay instead of keeping the scalars it recorded.
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .linear_logprob import logits_tile
+from .linear_logprob import finish_row, logits_tile, merge_splits
 
 if triton is not None:
 
@@ -68,12 +69,17 @@ if triton is not None:
         return key_lo, key_hi
 
     @triton.jit
-    def _row_keys(stream_ptr, pos_ptr, rows, ok):
+    def _row_keys(stream_ptr, pos_ptr, rows, ok, POSITIONS: tl.constexpr):
+        """The row's stream words and its position (0 without POSITIONS), and whether the
+        position lies outside [0, 2^32) (the host refuses such a call)."""
         stream = tl.load(stream_ptr + rows, mask=ok, other=0)
         stream_lo = (stream & 0xFFFFFFFF).to(tl.uint32)
         stream_hi = ((stream >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        position = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.uint32)
-        return stream_lo, stream_hi, position
+        if POSITIONS:
+            pos = tl.load(pos_ptr + rows, mask=ok, other=0)
+        else:
+            pos = tl.zeros(rows.shape, tl.int64)
+        return stream_lo, stream_hi, pos.to(tl.uint32), (pos < 0) | (pos > 0xFFFFFFFF)
 
     @triton.jit
     def _block_masses(tile_m_ptr, tile_s_ptr, row, blocks, ref, V, n_tiles,
@@ -92,15 +98,23 @@ if triton is not None:
         return mass, top
 
     @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
-    def sample_block_kernel(tile_m_ptr, tile_s_ptr, lse_ptr, stream_ptr, pos_ptr, seed_ptr, block_ptr, N, V,
-                            n_tiles, seed_lo, seed_hi, TILE_V: tl.constexpr, SAMPLE_BLOCK: tl.constexpr,
-                            NOISE: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, BLOCK_B: tl.constexpr):
+    def sample_block_kernel(tile_m_ptr, tile_s_ptr, m_ptr, s_ptr, stream_ptr, pos_ptr, seed_ptr, block_ptr, ok_ptr,
+                            N, V, n_tiles, n_split, seed_lo, seed_hi, TILE_V: tl.constexpr, SAMPLE_BLOCK: tl.constexpr,
+                            NOISE: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, POSITIONS: tl.constexpr,
+                            BLOCK_B: tl.constexpr):
         """One row per program: its sample block, drawn with probability mass / total (the
         first block whose running fp64 sum exceeds u * total), or without NOISE the first
         block holding a tile whose running max is the row's max (the first maximal logit).
-        The seed: ``seed_ptr``'s int64 with SEED_IN_MEMORY, else (seed_lo, seed_hi)."""
+        The masses are taken relative to the row's LSE, merged here from the forward's
+        per-split (m, s) ([n_split, N]) as linear_logprob's combine merges them.
+        The seed: ``seed_ptr``'s int64 with SEED_IN_MEMORY, else (seed_lo, seed_hi).
+        Program 0 also sets the call's all-rows-fine flag at ``ok_ptr`` (int32) to 1, which
+        :func:`sample_in_block_kernel`, launched next, clears where a row is refused."""
         row = tl.program_id(0).to(tl.int64)
-        ref = tl.load(lse_ptr + row).to(tl.float64)
+        one = tl.zeros((1,), tl.int64) + row
+        tl.store(ok_ptr + tl.arange(0, 1), tl.full((1,), 1, tl.int32), mask=one == 0)
+        mx, s_row, _ = merge_splits(m_ptr, s_ptr, s_ptr, one, one >= 0, N, n_split, False)
+        ref = (mx + tl.log(s_row)).to(tl.float64)
         n_blocks = tl.cdiv(V, SAMPLE_BLOCK)
         total = tl.zeros((1,), tl.float64)
         best = tl.full((1,), float("-inf"), tl.float32)
@@ -111,9 +125,8 @@ if triton is not None:
             total += tl.sum(mass, axis=0)
             best = tl.maximum(best, tl.max(top, axis=0))
         if NOISE:
-            one = tl.zeros((1,), tl.int64) + row
             key_lo, key_hi = _seed_words(seed_ptr, seed_lo, seed_hi, SEED_IN_MEMORY)
-            stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, one, one >= 0)
+            stream_lo, stream_hi, position, _ = _row_keys(stream_ptr, pos_ptr, one, one >= 0, POSITIONS)
             target = tile_uniform(key_lo, key_hi, stream_lo, stream_hi, position) * total
         chosen = tl.full((1,), -1, tl.int32)
         last = tl.zeros((1,), tl.int32)
@@ -136,17 +149,22 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
     def sample_in_block_kernel(
-        h_ptr, w_ptr, b_ptr, block_ptr, stream_ptr, pos_ptr, seed_ptr, token_ptr, zt_ptr,
-        N, V, D, temperature, seed_lo, seed_hi,
+        h_ptr, w_ptr, b_ptr, block_ptr, stream_ptr, pos_ptr, seed_ptr, m_ptr, s_ptr, u_ptr,
+        token_ptr, logp_ptr, ent_ptr, status_ptr, ok_ptr,
+        N, V, D, n_split, temperature, seed_lo, seed_hi,
         stride_hn, stride_hd, stride_wv, stride_wd,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-        NOISE: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        NOISE: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, POSITIONS: tl.constexpr, ENTROPY: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """One row per program: its sample block's BLOCK_V logits by the same chain (the row in
         all BLOCK_M lanes of the dot), then the Gumbel-max (or the argmax) inside the block,
-        ties to the lowest id; the token and its logit, normalized as linear_logprob's
-        target sum."""
+        ties to the lowest id. Then the token's log-prob and entropy from the forward's
+        per-split (m, s, u) and the token's logit, as linear_logprob's combine finishes a
+        target's; and the row's status: 1 where its log-prob is NaN (no distribution to
+        draw from), 2 where its position lies outside [0, 2^32), 0 otherwise. A refused
+        row clears the flag at ``ok_ptr`` (an atomic AND of 0: order-free, and no value of
+        the draw is reduced through it), so the host checks the call with one element."""
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK_M)
         rm = tl.zeros((BLOCK_M,), tl.int64) + row
@@ -156,9 +174,10 @@ if triton is not None:
                         stride_hn, stride_hd, stride_wv, stride_wd,
                         HAS_BIAS, TEMP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
         col_ok = offs_v < V
+        bad_position = rm < 0  # all False
         if NOISE:
             key_lo, key_hi = _seed_words(seed_ptr, seed_lo, seed_hi, SEED_IN_MEMORY)
-            stream_lo, stream_hi, position = _row_keys(stream_ptr, pos_ptr, rm, rm >= 0)
+            stream_lo, stream_hi, position, bad_position = _row_keys(stream_ptr, pos_ptr, rm, rm >= 0, POSITIONS)
             key = z + exponential_noise(v_lo, key_lo, key_hi, stream_lo, stream_hi, position, BLOCK_M, BLOCK_V)
         else:
             key = z
@@ -169,8 +188,14 @@ if triton is not None:
         token = tl.where(token == 2147483647, v_lo, token)
         # The chosen logit as linear_logprob picks its target's: a masked sum, exact, plus 0.
         zt = 0.0 + tl.sum(tl.where(offs_v[None, :] == token[:, None], z, 0.0), axis=1)
+        mx, s, u = merge_splits(m_ptr, s_ptr, u_ptr, rm, rm >= 0, N, n_split, ENTROPY)
+        logp, ent, _ = finish_row(mx, s, u, zt, rm >= 0, ENTROPY)
+        status = tl.where(logp != logp, 1, tl.where(bad_position, 2, 0))
         first = lanes == 0
         tl.store(token_ptr + row + lanes, token.to(tl.int64), mask=first)
-        tl.store(zt_ptr + row + lanes, zt, mask=first)
+        tl.store(logp_ptr + row + lanes, logp, mask=first)
+        tl.store(ent_ptr + row + lanes, ent, mask=first)
+        tl.store(status_ptr + row + lanes, status.to(tl.int32), mask=first)
+        tl.atomic_and(ok_ptr + lanes * 0, (status == 0).to(tl.int32), mask=first)
 else:  # pragma: no cover - the torch backend still imports without Triton
     exponential_noise = tile_uniform = sample_block_kernel = sample_in_block_kernel = None

@@ -363,21 +363,27 @@ class TritonLinearLogprobBackend:
         cfg = self._cfg(dtype)
         return cdiv(vocab, cfg.split_v) * (cfg.split_v // cfg.block_v)
 
-    def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                   temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   entropy: bool = True):
+    def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   tgt: torch.Tensor | None, temperature: float,
+                   pieces: tuple[torch.Tensor, torch.Tensor] | None = None, entropy: bool = True,
+                   partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         """Per-split partials (m, s, u [n_split, N]; u is 0 without ``entropy``) and zt [N]; with ``pieces``
-        ([N, n_split * split_v / block_v] each), every tile's running max and own mass too."""
+        ([N, n_split * split_v / block_v] each), every tile's running max and own mass too.
+        ``tgt`` None: no target (zt is not computed, and None is returned for it);
+        ``partials``: (m, s, u) buffers to fill instead of new ones."""
         N, D = h2.shape
         vocab = weight.shape[0]
         dev = h2.device
         cfg = self._cfg(h2.dtype)
         n_split = cdiv(vocab, cfg.split_v)
         # Partials: O(N * ceil(V / split_v)) fp32, the only O(N) state of the forward.
-        m = torch.empty(n_split, N, dtype=torch.float32, device=dev)
-        s = torch.empty_like(m)
-        u = torch.empty_like(m)
-        zt = torch.zeros(N, dtype=torch.float32, device=dev)
+        if partials is None:
+            m = torch.empty(n_split, N, dtype=torch.float32, device=dev)
+            s = torch.empty_like(m)
+            u = torch.empty_like(m)
+        else:
+            m, s, u = partials
+        zt = torch.zeros(N, dtype=torch.float32, device=dev) if tgt is not None else None
         if N == 0:
             return m, s, u, zt
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
@@ -394,13 +400,14 @@ class TritonLinearLogprobBackend:
             block_m, group_m, num_warps, num_stages = cfg.block_m, cfg.group_m, cfg.num_warps, cfg.num_stages
         _launch_fwd_partial(
             (cdiv(N, block_m) * n_split,),
-            (h_arg, w_arg, bias if bias is not None else h2, logits, tgt, m, s, u, zt, tile_m, tile_s,
+            (h_arg, w_arg, bias if bias is not None else h2, logits, tgt if tgt is not None else m, m, s, u,
+             zt if zt is not None else m, tile_m, tile_s,
              N, vocab, D, temp_arg,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), logits.stride(0)),
             dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=block_m, BLOCK_V=cfg.block_v,
                  BLOCK_K=cfg.block_k, GROUP_M=group_m, STORE_TILES=pieces is not None, ENTROPY=entropy,
-                 LOGITS=logits is not m),
+                 LOGITS=logits is not m, TARGET=tgt is not None),
             num_warps=num_warps, num_stages=num_stages,
         )
         return m, s, u, zt

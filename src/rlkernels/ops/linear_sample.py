@@ -22,10 +22,12 @@ statistics. The outputs carry no autograd graph: a sampler's log-probs are data.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from . import _validate as V_
+from .._versions import fast_path
 from ..gemm.chain import accumulator_dtype
 from ..kernels._triton import cdiv
 from ..kernels.sampling import sample_block_kernel, sample_in_block_kernel
@@ -87,7 +89,9 @@ def validate_seed(seed: object, device: torch.device) -> None:
 
 def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
              seed: object, streams: object, positions: object, greedy: bool) -> None:
-    """Raise ValueError/TypeError naming the op on any bad input, before any launch."""
+    """Raise ValueError/TypeError naming the op on any bad argument, before any launch.
+    The values of tensors on the device (positions, NaN logits) are checked after the
+    draw, in one read-back (:func:`check_status`)."""
     validate_head(OP, hidden, weight, bias, temperature)
     V_.require_same_device(OP, hidden=hidden, weight=weight, bias=bias)
     lead = tuple(hidden.shape[:-1])
@@ -96,13 +100,57 @@ def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     validate_seed(seed, hidden.device)
     _check_counter("streams", streams, lead, hidden.device)
     if positions is not None:
-        pos = _check_counter("positions", positions, lead, hidden.device)
-        if pos.numel() and can_read_back(pos):
-            bad = (pos < 0) | (pos >= POSITION_LIMIT)
-            if bool(bad.any()):
-                i = int(bad.reshape(-1).nonzero()[0, 0])
-                raise ValueError(f"rlkernels.{OP}: positions must lie in [0, 2^32), got {int(pos.reshape(-1)[i])} "
-                                 f"at flat row {i}")
+        # Their values are checked by the backends, in the call's one read-back (check_status).
+        _check_counter("positions", positions, lead, hidden.device)
+
+
+# A row's status, written by the backends beside its token (sample_in_block_kernel's codes).
+STATUS_OK, STATUS_NOT_A_DISTRIBUTION, STATUS_BAD_POSITION = 0, 1, 2
+
+
+class SampleResult(NamedTuple):
+    """A backend's draw: token int64 [N], logp and entropy fp32 [N] (fp64 for fp64), each
+    row's status int32 [N] (STATUS_*), and ``ok``, an int32 [1] that is 1 where every row's
+    status is STATUS_OK (None: the host reduces ``status`` itself)."""
+
+    token: torch.Tensor
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    status: torch.Tensor
+    ok: torch.Tensor | None
+
+
+# The asynchronous device-side check torch.multinomial makes on CUDA (a private torch name:
+# on only for the releases _versions.FAST_PATHS names; else the status is read back).
+ASYNC_ASSERT = getattr(torch, "_assert_async", None) if fast_path("torch_assert_async")[0] else None
+
+REFUSED_ON_DEVICE = (f"rlkernels.{OP}: a row's logits are not a distribution (NaN or all -inf), or its position "
+                     f"lies outside [0, 2^32)")
+
+
+def check_status(result: SampleResult, positions: torch.Tensor | None) -> None:
+    """Refuse the call where any row's status is not STATUS_OK.
+
+    On a CUDA device the check is asynchronous, as ``torch.multinomial``'s is there: a
+    device-side assert with :data:`REFUSED_ON_DEVICE`, which the next synchronizing call
+    raises (and which a captured CUDA graph repeats at each replay); no host sync, so the
+    host keeps running ahead of the GPU. Elsewhere the status is read back and the first
+    bad row is named in a ValueError (skipped under a torch.compile trace)."""
+    status = result.status
+    if not status.numel():
+        return
+    if status.is_cuda and ASYNC_ASSERT is not None:
+        ok = result.ok if result.ok is not None else (status == STATUS_OK).all()
+        ASYNC_ASSERT(ok, REFUSED_ON_DEVICE)
+        return
+    if not can_read_back(status) or not bool(status.any()):
+        return
+    row = int(status.nonzero()[0, 0])
+    if int(status[row]) == STATUS_BAD_POSITION:
+        raise ValueError(f"rlkernels.{OP}: positions must lie in [0, 2^32), got {int(positions.reshape(-1)[row])} "
+                         f"at flat row {row}")
+    # torch.multinomial refuses such a row too: there is no distribution to draw from.
+    raise ValueError(f"rlkernels.{OP}: row {row}'s logits are not a distribution (NaN or all -inf)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,7 +220,8 @@ def gumbel_from_words(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------
-# Backends. Each returns (token [N] int64, logp, entropy) with linear_logprob's bits.
+# Backends. Each returns a SampleResult: (token [N] int64, logp, entropy) with
+# linear_logprob's bits, and each row's status.
 # ---------------------------------------------------------------------------------------
 
 def tile_uniform(seed: int | torch.Tensor, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -219,9 +268,12 @@ class TorchLinearSampleBackend:
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
-               greedy: bool, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               greedy: bool, entropy: bool = True) -> SampleResult:
         stats_backend = TorchLinearLogprobBackend()
         N, vocab = h2.shape[0], weight.shape[0]
+        checked_positions = positions
+        if not greedy and positions is None:
+            positions = torch.zeros_like(streams)
         dev, adt = h2.device, accumulator_dtype(h2.dtype)
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
         pieces = (torch.empty(N, n_tiles, dtype=adt, device=dev), torch.empty(N, n_tiles, dtype=adt, device=dev))
@@ -244,7 +296,11 @@ class TorchLinearSampleBackend:
             token[rows] = at + v0
             zt[rows] = z.gather(1, at[:, None])[:, 0]
         logp, ent, _ = stats_backend.finish(m, s, u, zt, token, entropy)
-        return token, logp, ent
+        status = torch.where(torch.isnan(logp), STATUS_NOT_A_DISTRIBUTION, STATUS_OK).to(torch.int32)
+        if checked_positions is not None and not greedy:
+            bad = (positions < 0) | (positions >= POSITION_LIMIT)
+            status = torch.where(bad & (status == STATUS_OK), STATUS_BAD_POSITION, status).to(torch.int32)
+        return SampleResult(token, logp, ent, status, None)
 
 
 _launch_block = cached_launcher(sample_block_kernel) if sample_block_kernel is not None else None
@@ -260,55 +316,75 @@ def _signed32(word: int) -> int:
     return word - (1 << 32) if word >= (1 << 31) else word
 
 
+def _aligned(n: int) -> int:
+    """n rounded up to 4 elements: 16-byte aligned pieces of a 4-byte workspace (Triton
+    specializes on pointer alignment)."""
+    return (n + 3) & ~3
+
+
 class TritonLinearSampleBackend:
-    """linear_logprob's kernels with each tile's mass recorded, then the two draws, then its combine."""
+    """linear_logprob's forward kernel with each tile's mass recorded, then the two draws;
+    the second also finishes the token's log-prob as linear_logprob's combine does.
+
+    Three launches (four at N <= the fused config's ``small_n``, whose logits come from the
+    GEMM) and four allocations: an eager decode step's sampler is host-bound, so every
+    host-side op counts."""
 
     name = "triton"
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
-               greedy: bool, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               greedy: bool, entropy: bool = True) -> SampleResult:
         stats_backend = TritonLinearLogprobBackend()
         N, D = h2.shape
         vocab = weight.shape[0]
         dev = h2.device
         cfg = fused_config(h2.dtype)
         token = torch.empty(N, dtype=torch.int64, device=dev)
+        logp, ent = torch.empty(2 * N, dtype=torch.float32, device=dev).split([N, N])
+        # int32: the call's all-rows-fine flag (padded to 16 bytes), each row's sample block and status.
+        ok, _, blocks, status = torch.empty(4 + 2 * N, dtype=torch.int32, device=dev).split([1, 3, N, N])
         if N == 0:
-            empty = torch.empty(0, dtype=torch.float32, device=dev)
-            return token, empty, empty.clone()
+            return SampleResult(token, logp, ent, status, None)
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
-        pieces = (torch.empty(N, n_tiles, dtype=torch.float32, device=dev),
-                  torch.empty(N, n_tiles, dtype=torch.float32, device=dev))
-        no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
-        m, s, u, zt = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces, entropy=entropy)
-        _, _, lse = stats_backend.finish(m, s, u, zt, no_target, entropy=False)
+        n_split = cdiv(vocab, cfg.split_v)
+        # fp32 workspace: the forward's per-split (m, s, u) [n_split, N] and each tile's
+        # running max and mass [N, n_tiles], flat (the kernels index them).
+        parts, tiles = _aligned(n_split * N), _aligned(N * n_tiles)
+        m, s, u, tile_m, tile_s = torch.empty(3 * parts + 2 * tiles, dtype=torch.float32, device=dev).split(
+            [parts, parts, parts, tiles, tiles])
+        stats_backend.statistics(h2, weight, bias, None, temperature, (tile_m, tile_s), entropy=entropy,
+                                 partials=(m, s, u))
         # A seed tensor is read by the kernels (a CUDA graph replays with its current value);
         # an int seed goes in as two int32 scalars of the same bits, and the pointer is unread.
         seed_in_memory = isinstance(seed, torch.Tensor)
         seed_ptr = seed if seed_in_memory else token
         seeds = (0, 0) if seed_in_memory else (_signed32(seed & 0xFFFFFFFF), _signed32(seed >> 32))
-        counters = (streams, positions) if not greedy else (token, token)  # unread without noise
-        blocks = torch.empty(N, dtype=torch.int32, device=dev)
-        _launch_block((N,), (*pieces, lse, *counters, seed_ptr, blocks, N, vocab, n_tiles, *seeds),
-                      dict(TILE_V=cfg.block_v, SAMPLE_BLOCK=SAMPLE_BLOCK, NOISE=not greedy,
-                           SEED_IN_MEMORY=seed_in_memory, BLOCK_B=SCAN_BLOCKS),
+        noise = not greedy
+        has_positions = noise and positions is not None
+        # Unread pointers where there is no noise or no positions.
+        stream_arg = streams if noise else token
+        pos_arg = positions if has_positions else token
+        _launch_block((N,), (tile_m, tile_s, m, s, stream_arg, pos_arg, seed_ptr, blocks, ok, N, vocab, n_tiles,
+                             n_split, *seeds),
+                      dict(TILE_V=cfg.block_v, SAMPLE_BLOCK=SAMPLE_BLOCK, NOISE=noise,
+                           SEED_IN_MEMORY=seed_in_memory, POSITIONS=has_positions, BLOCK_B=SCAN_BLOCKS),
                       num_warps=4,
                       num_stages=DEFAULT_NUM_STAGES)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
         _launch_in_block(
             (N,),
-            (h2, weight, bias if bias is not None else h2, blocks, *counters, seed_ptr, token, zt,
-             N, vocab, D, temp_arg, *seeds,
+            (h2, weight, bias if bias is not None else h2, blocks, stream_arg, pos_arg, seed_ptr, m, s, u,
+             token, logp, ent, status, ok, N, vocab, D, n_split, temp_arg, *seeds,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
             dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
-                 EVEN_D=D % cfg.block_k == 0, NOISE=not greedy, SEED_IN_MEMORY=seed_in_memory,
+                 EVEN_D=D % cfg.block_k == 0, NOISE=noise, SEED_IN_MEMORY=seed_in_memory,
+                 POSITIONS=has_positions, ENTROPY=entropy,
                  BLOCK_M=IN_BLOCK_LANES, BLOCK_V=SAMPLE_BLOCK, BLOCK_K=cfg.block_k),
             num_warps=4, num_stages=DEFAULT_NUM_STAGES,
         )
-        logp, ent, _ = stats_backend.finish(m, s, u, zt, token, entropy)
-        return token, logp, ent
+        return SampleResult(token, logp, ent, status, ok)
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,20 +442,20 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
     if name == "triton" and hidden.dtype == torch.float64:
         raise ValueError(f"rlkernels.{OP}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
     lead = hidden.shape[:-1]
-    n = math.prod(lead)
-    h2 = hidden.reshape(n, hidden.shape[-1])
-    if not greedy:
+    flat = len(lead) == 1  # a [N, D] call: no reshapes (an eager decode step is host-bound)
+    n = lead[0] if flat else math.prod(lead)
+    h2 = hidden if flat else hidden.reshape(n, hidden.shape[-1])
+    if not greedy and not flat:
         streams = streams.reshape(n)
-        positions = positions.reshape(n) if positions is not None else torch.zeros_like(streams)
+        positions = positions.reshape(n) if positions is not None else None
     with torch.no_grad():
-        token, logp, ent = implementation(OP, name).backend_impl.sample(
+        result = implementation(OP, name).backend_impl.sample(
             h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy,
             bool(return_entropy))
-    if logp.numel() and can_read_back(logp) and bool(torch.isnan(logp).any()):
-        # torch.multinomial refuses such a row too: there is no distribution to draw from.
-        row = int(torch.isnan(logp).nonzero()[0, 0])
-        raise ValueError(f"rlkernels.{OP}: row {row}'s logits are not a distribution (NaN or all -inf)")
-    token, logp, ent = token.reshape(lead), logp.reshape(lead), ent.reshape(lead)
+    check_status(result, positions)
+    token, logp, ent = result.token, result.logp, result.entropy
+    if not flat:
+        token, logp, ent = token.reshape(lead), logp.reshape(lead), ent.reshape(lead)
     return (token, logp, ent) if return_entropy else (token, logp)
 
 
@@ -405,7 +481,9 @@ def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ``linear_logprob(hidden, weight, token, bias, temperature=T, return_entropy=True)``.
     A row's token depends only on its hidden row, the head, T, the seed, its stream and
     its position: the same alone, in any batch, in any order. Ties go to the lowest id.
-    A row whose logits hold NaN (or are all -inf) is refused, as ``torch.multinomial``
-    refuses it (not checked while a CUDA graph records).
+    A row whose logits hold NaN (or are all -inf), or whose position lies outside
+    [0, 2^32), is refused as ``torch.multinomial`` refuses a bad row: on a CUDA device by
+    an asynchronous device-side assert (no host sync; a captured graph checks at each
+    replay), elsewhere by a ValueError naming the row.
     """
     return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend)

@@ -85,7 +85,9 @@ class AttnTuning:
     :func:`default_fwd_launch` / :func:`default_bwd_launch` of the call's shape.
     ``tma_min_flops``: the call size from which the kernels read through TMA
     (:func:`~.layout.tma_pays`; 0: every call that can). ``fwd``, ``bwd`` and
-    ``tma_min_flops`` never change a row's bits. Under torch.compile the custom ops take
+    ``tma_min_flops`` never change a row's bits, nor does ``ws_programs``: the persistent
+    warp-specialized forward's program count (None: one per SM, at most one per tile;
+    :func:`~.ws_host.ws_programs`), which only decides which program computes a tile. Under torch.compile the custom ops take
     the chain alone (plain ints in their schema) and launch with the defaults.
     """
 
@@ -93,6 +95,7 @@ class AttnTuning:
     fwd: FwdLaunch | None = None
     bwd: BwdLaunch | None = None
     tma_min_flops: float = TMA_MIN_FLOPS
+    ws_programs: int | None = None
 
 
 DEFAULT_TUNING = AttnTuning()

@@ -87,11 +87,11 @@ def ws_keys_desc(t: torch.Tensor) -> tuple[object, int, int, int] | None:
     return desc, xb if nb > 1 else 0, xh, xc
 
 
-def ws_programs(tiles: int, device: torch.device) -> int:
-    """Programs of the persistent warp-specialized forward: one per SM (its shared memory
-    holds one per SM), at most one per tile. Launch detail: which program computes a
-    tile changes no bit."""
-    return min(tiles, sm_count(device))
+def ws_programs(tiles: int, device: torch.device, programs: int | None = None) -> int:
+    """Programs of the persistent warp-specialized forward: ``programs``, or (None) one per
+    SM (its shared memory holds one per SM); at most one per tile. Launch detail: which
+    program computes a tile changes no bit."""
+    return min(tiles, programs if programs is not None else sm_count(device))
 
 
 def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -100,8 +100,8 @@ def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     """The forward through the warp-specialized kernel, where it applies: q/out [Tq, Hq, D]
     rows, k/v [NB, S, Hkv, D]; ``bounds`` (q_start, q_len, k_start, k_len) or ``dense``
     (Lq, Lk: every sequence's Lk keys from slot 0 of its batch row) as
-    :func:`~.triton_host.triton_fwd`; ``tuning``: the chain and the TMA size threshold
-    (its own launch is fixed). Returns False (nothing launched) where it does not
+    :func:`~.triton_host.triton_fwd`; ``tuning``: the chain, the TMA size threshold and
+    the program count (its tile and warps are fixed). Returns False (nothing launched) where it does not
     apply; the Triton kernel then computes the same bits."""
     d, hq = q.shape[2], q.shape[1]
     consumers = WS_CONSUMERS.get(d)
@@ -122,7 +122,7 @@ def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     (kd, *kxs), (vd, *vxs) = kx, vx
     lq, lk = dense if dense is not None else (0, 0)
     _launch_fwd_ws[consumers](
-        (ws_programs(tiles, q.device),),
+        (ws_programs(tiles, q.device, tuning.ws_programs),),
         (qd, kd, vd, od, out, vd.base, lse, *bounds, out.stride(0), vd.strides[0], vd.strides[1], lse.stride(0), hq,
          hq // hkv, lq, lk, k.shape[1], qk_scale, *kxs, *vxs, num_m, tiles),
         dict(CAUSAL=causal, BLOCK_N=chain.block_n, BLOCK_D=d, S_SPLIT=chain.split, STAGES=WS_STAGES, REVERSE_M=causal,
