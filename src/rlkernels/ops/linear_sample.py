@@ -90,8 +90,8 @@ def validate_seed(seed: object, device: torch.device) -> None:
 def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
              seed: object, streams: object, positions: object, greedy: bool) -> None:
     """Raise ValueError/TypeError naming the op on any bad argument, before any launch.
-    The values of tensors on the device (positions, NaN logits) are checked after the
-    draw, in one read-back (:func:`check_status`)."""
+    The values the kernels read (positions, NaN logits) are checked after the draw, from
+    each row's status (:func:`check_status`)."""
     validate_head(OP, hidden, weight, bias, temperature)
     V_.require_same_device(OP, hidden=hidden, weight=weight, bias=bias)
     lead = tuple(hidden.shape[:-1])
@@ -100,7 +100,7 @@ def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     validate_seed(seed, hidden.device)
     _check_counter("streams", streams, lead, hidden.device)
     if positions is not None:
-        # Their values are checked by the backends, in the call's one read-back (check_status).
+        # Their values are checked from each row's status after the draw (check_status).
         _check_counter("positions", positions, lead, hidden.device)
 
 

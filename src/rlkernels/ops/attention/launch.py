@@ -87,8 +87,9 @@ class AttnTuning:
     (:func:`~.layout.tma_pays`; 0: every call that can). ``fwd``, ``bwd`` and
     ``tma_min_flops`` never change a row's bits, nor does ``ws_programs``: the persistent
     warp-specialized forward's program count (None: one per SM, at most one per tile;
-    :func:`~.ws_host.ws_programs`), which only decides which program computes a tile. Under torch.compile the custom ops take
-    the chain alone (plain ints in their schema) and launch with the defaults.
+    :func:`~.ws_host.ws_programs`), which only decides which program computes a tile.
+    Under torch.compile the custom ops take the chain alone (plain ints in their schema)
+    and launch with the defaults.
     """
 
     chain: Chain = DEFAULT_CHAIN

@@ -101,8 +101,8 @@ def ws_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     rows, k/v [NB, S, Hkv, D]; ``bounds`` (q_start, q_len, k_start, k_len) or ``dense``
     (Lq, Lk: every sequence's Lk keys from slot 0 of its batch row) as
     :func:`~.triton_host.triton_fwd`; ``tuning``: the chain, the TMA size threshold and
-    the program count (its tile and warps are fixed). Returns False (nothing launched) where it does not
-    apply; the Triton kernel then computes the same bits."""
+    the program count (its tile and warps are fixed). Returns False (nothing launched)
+    where it does not apply; the Triton kernel then computes the same bits."""
     d, hq = q.shape[2], q.shape[1]
     consumers = WS_CONSUMERS.get(d)
     chain = tuning.chain
