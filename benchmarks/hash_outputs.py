@@ -1,6 +1,6 @@
 """Hash the outputs of every public op on fixed inputs, to prove a change moved no bit.
 
-    PYTHONPATH=<tree>/src python benchmarks/hash_outputs.py [--only dense,moe,attention] --json $OUT/hashes_<tree>.json
+    PYTHONPATH=<tree>/src python benchmarks/hash_outputs.py [--only dense,moe,attention,model] --json $OUT/hashes_<tree>.json
     python benchmarks/hash_outputs.py --compare a.json b.json
 
 Only the public API is called, so two trees with different internal layouts can be
@@ -35,12 +35,13 @@ def _rand(*shape, dtype, seed, scale=1.0, grad=False, device="cuda"):
     return t.requires_grad_(grad)
 
 
-GROUPS = ("dense", "moe", "attention")
+GROUPS = ("dense", "moe", "attention", "model")
 
 
 def cases(device: str, groups: tuple[str, ...] = GROUPS) -> dict[str, str]:
     """{case: sha256} of the groups asked for: ``dense`` (linear, matmul, bmm, the head ops,
-    norms, the mode), ``moe`` (the op pair), ``attention``."""
+    norms, the mode), ``moe`` (the op pair), ``attention``, ``model`` (a patched model's scoring
+    and decoding)."""
     out: dict[str, str] = {}
     dtypes = (torch.bfloat16, torch.float16, torch.float32) if device == "cuda" else (torch.float32,)
     for dt in dtypes:
@@ -50,6 +51,9 @@ def cases(device: str, groups: tuple[str, ...] = GROUPS) -> dict[str, str]:
             out.update(moe_cases(device, dt))
     if "attention" in groups:
         out.update(attention_cases(device))
+    if "model" in groups:
+        for dt in dtypes:
+            out.update(model_cases(device, dt))
     return out
 
 
@@ -174,6 +178,52 @@ def attention_cases(device: str) -> dict[str, str]:
                 y = rlkernels.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lq_seqlens, causal=True)
                 y2 = rlkernels.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lq_seqlens + lq, causal=True)
                 out[f"flash_attn_with_kvcache {name} {nb}x{lq}x{hq}/{hkv}x{d} cache {cap}"] = _digest(y, y2, kc, vc)
+    return out
+
+
+def model_cases(device: str, dt: torch.dtype) -> dict[str, str]:
+    """A patched Qwen3- and Llama-shaped model (4 layers, GQA 8/4 heads of 64, the LM head scaled
+    to a trained model's logit spread): ``token_logprobs`` of a left-padded batch with its
+    gradient, and ``generate``'s sampled tokens and log-probs, eager and (CUDA) graphed."""
+    import rlkernels
+    import transformers
+
+    out: dict[str, str] = {}
+    name = str(dt).replace("torch.", "")
+    shape = dict(vocab_size=4099, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512, pad_token_id=0)
+    for arch, cls, config in (("qwen3", transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+                              ("llama", transformers.LlamaForCausalLM, transformers.LlamaConfig)):
+        torch.manual_seed(0)
+        extra = dict(head_dim=64) if arch == "qwen3" else {}
+        model = cls(config(**shape, **extra, tie_word_embeddings=False)).to(device=device, dtype=dt).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(40.0)  # logit std ~5-8, as a trained head gives
+        model.generation_config.eos_token_id = None
+        rlkernels.patch_model(model)
+        lens = (37, 5, 64, 1, 99)
+        width = max(lens)
+        g = torch.Generator().manual_seed(5)
+        ids = torch.zeros(len(lens), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lens):
+            ids[i, width - n:] = torch.randint(1, 4099, (n,), generator=g)
+            mask[i, width - n:] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        logp = rlkernels.token_logprobs(model, ids, mask)
+        logp.sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        out[f"model {arch} {name} token_logprobs"] = _digest(logp, *grads)
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            runs = [("eager", False)] + ([("graphed", True)] if device == "cuda" else [])
+            for how, graph in runs:
+                seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=16, do_sample=True, seed=11,
+                                             temperature=0.8, cuda_graph=graph)
+                out[f"model {arch} {name} generate sampled {how}"] = _digest(seq, lp)
+                seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=16, cuda_graph=graph)
+                out[f"model {arch} {name} generate greedy {how}"] = _digest(seq, lp)
+        rlkernels.release_decode_graphs(model)
     return out
 
 

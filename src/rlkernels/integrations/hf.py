@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fsdp, hf_attention, hf_coverage, hf_decode, hf_moe
+from . import fsdp, hf_attention, hf_coverage, hf_decode, hf_moe, hf_rotary
 from .batch_invariant import set_batch_invariant_mode
 from .hf_decode import release_decode_graphs  # noqa: F401  (generate's kept decode state; public)
 from ..nn import Linear
@@ -80,6 +80,10 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
     counts or top-k that do not match the weights, router jitter, another activation) is
     refused with a ValueError naming it, before anything is swapped.
 
+    Inside a patched decoder's forward the attention layers' rotary embedding runs as one
+    launch with transformers' bits (:mod:`~rlkernels.integrations.hf_rotary`: the family's
+    ``apply_rotary_pos_emb`` becomes a dispatcher that calls the original anywhere else).
+
     A model with modules the library does not cover (:mod:`~rlkernels.integrations.hf_coverage`:
     GPT-2's ``Conv1D``, ``LayerNorm``, other mixture-of-experts blocks, families not verified)
     is patched as far as it goes, with a warning naming those modules; :func:`is_patched`
@@ -102,6 +106,7 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
                 setattr(parent, name, SiLU())
     if attn_implementation is not None:
         _set_attention(model, attn_implementation)
+    hf_rotary.install(model)
     _keep_out_of_compile(model)
     gaps = hf_coverage.describe_gaps(model)
     if gaps is not None:
@@ -113,7 +118,8 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
 
 
 def _forward_eagerly(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return type(self).forward(self, *args, **kwargs)
+    # Inside it, the attention layers' rotary embedding is one launch (hf_rotary).
+    return hf_rotary.run_inside(type(self).forward, self, *args, **kwargs)
 
 
 # Bound per decoder as its ``forward``: ``copy.deepcopy`` rebinds a bound method to the

@@ -116,6 +116,21 @@ def _bounds_of(attention_mask: torch.Tensor | None, offset: int | torch.Tensor, 
     return result
 
 
+# One zero scalar per (dtype, device), kept: a fresh one (or a Python scalar, which torch.where
+# wraps into a device tensor) is a fill launch per layer and decode step.
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    zero = _ZEROS.get((dtype, device))
+    if zero is None:
+        zero = torch.zeros((), dtype=dtype, device=device)
+        # One made while a CUDA graph records lives in the graph's memory pool: not kept.
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ZEROS[(dtype, device)] = zero
+    return zero
+
+
 def _packed_bounds(kwargs: dict[str, Any], total: int, device: torch.device):
     """cu_seqlens of a packed row: FlashAttention-style kwargs, or position_ids restarting at 0."""
     cu = kwargs.get("cu_seq_lens_k")
@@ -171,7 +186,7 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
                               causal=True, scale=scale)
     out = out.view(b, lq, hq, d)
     if valid_rows is not None:  # padding rows: zeros (no key of theirs was computed)
-        out = torch.where(valid_rows[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=dev))
+        out = torch.where(valid_rows[:, :, None, None], out, _zero(out.dtype, dev))
     return out, None
 
 

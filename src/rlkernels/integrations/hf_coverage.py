@@ -67,8 +67,8 @@ LOGIT_TRANSFORMS: dict[str, tuple[Any, ...]] = {
 _EXACT = (nn.Embedding, nn.Dropout, nn.Identity, nn.ReLU, nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
-def _family(module: nn.Module) -> str | None:
-    """``llama`` for ``transformers.models.llama.modeling_llama``; None outside transformers' models.
+def modeling_module(module: nn.Module) -> str | None:
+    """``transformers.models.llama.modeling_llama`` for a Llama layer; None outside transformers' models.
 
     Wrappers that subclass the module's class on the fly (FSDP2's ``fully_shard``) are
     looked through: the first class of the MRO defined outside ``torch`` decides."""
@@ -77,9 +77,15 @@ def _family(module: nn.Module) -> str | None:
         if parts[0] == "torch":
             continue
         if len(parts) >= 4 and parts[0] == "transformers" and parts[1] == "models":
-            return parts[2]
+            return cls.__module__
         return None
     return None
+
+
+def family_of(module: nn.Module) -> str | None:
+    """``llama`` for a module of ``transformers.models.llama.modeling_llama`` (:func:`modeling_module`)."""
+    name = modeling_module(module)
+    return name.split(".")[2] if name is not None else None
 
 
 def _covered(module: nn.Module) -> bool:
@@ -88,7 +94,7 @@ def _covered(module: nn.Module) -> bool:
     if type(module).__name__.endswith(STOCK_MOE_SUFFIXES):
         return False
     owns_parameters = next(module.parameters(recurse=False), None) is not None
-    return _family(module) in VERIFIED_FAMILIES and not owns_parameters
+    return family_of(module) in VERIFIED_FAMILIES and not owns_parameters
 
 
 def uncovered_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -111,7 +117,7 @@ def describe_gaps(model: nn.Module, limit: int = 6) -> str | None:
         if next(module.parameters(recurse=False), None) is not None:
             unpatched.setdefault(kind, name)
         else:
-            family = unread.setdefault(_family(module) or type(module).__module__, [])
+            family = unread.setdefault(family_of(module) or type(module).__module__, [])
             if kind not in family:
                 family.append(kind)
     if not unpatched and not unread:

@@ -19,6 +19,10 @@ an int64 tensor the kernels read). The prompt is prefilled eagerly; the first de
 step on a new :class:`DecodeGraph` runs eagerly too (it compiles every kernel and does
 every one-time host query), and the next one is captured.
 
+The cache's layers write their keys and values with one launch each, at one device
+counter all layers share and the last one advances (:mod:`.hf_static_cache`), instead of
+transformers' five launches per layer.
+
 Reuse across calls
 ------------------
 With ``cuda_graph=True`` the cache, the buffers and the captured step are kept, one
@@ -70,6 +74,7 @@ from torch import nn
 
 from .._env import SWITCHES, env_get
 from ..ops.linear_sample import linear_sample, validate_seed
+from . import hf_static_cache
 from .batch_invariant import is_batch_invariant_mode_enabled
 
 OP = "generate"
@@ -204,15 +209,15 @@ def _rewind(cache: Any) -> None:
     if StaticLayer is None or not hasattr(cache, "layers"):
         cache.reset()
         return
-    counters = []
+    counters: dict[int, torch.Tensor] = {}  # by identity: the layers may share one (hf_static_cache)
     for layer in cache.layers:
         counter = getattr(layer, "cumulative_length", None)
         if type(layer) is StaticLayer and isinstance(counter, torch.Tensor):
-            counters.append(counter)
+            counters[id(counter)] = counter
         else:
             layer.reset()
     if counters:
-        torch._foreach_zero_(counters)
+        torch._foreach_zero_(list(counters.values()))
 
 
 def _check_streams(streams: object, batch: int, device: torch.device) -> torch.Tensor:
@@ -293,8 +298,9 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     key = decode_key(model, B, total, dev, temperature, greedy) if keep else None
 
     def make() -> DecodeGraph:
-        return DecodeGraph(key, StaticCache(config=model.config, max_cache_len=total),
-                           _StepBuffers(B, total, dev, takes_cache_position))
+        cache = StaticCache(config=model.config, max_cache_len=total)
+        hf_static_cache.count_once(cache)  # one launch per layer for its writes
+        return DecodeGraph(key, cache, _StepBuffers(B, total, dev, takes_cache_position))
 
     state, kept = _acquire(model, key, make) if keep else (make(), False)
     try:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..nn import Linear, MoeExperts, MoeRouter, SiLU, SparseMoeBlock
 from ..ops.matmul import gemm_backend_for
+from .hf_coverage import family_of
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,6 @@ BLOCKS: dict[tuple[str, str], Family] = {
 # post-expert norm, not sharded over an expert-parallel group.
 _EXPERT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
                  "has_post_expert_norm": False, "_is_expert_parallel": False}
-
-
-def family_of(module: nn.Module) -> str | None:
-    """``qwen3_moe`` for a module defined in ``transformers.models.qwen3_moe``; else None."""
-    parts = type(module).__module__.split(".")
-    if len(parts) >= 4 and parts[0] == "transformers" and parts[1] == "models":
-        return parts[2]
-    return None
 
 
 def known_block(module: nn.Module) -> Family | None:

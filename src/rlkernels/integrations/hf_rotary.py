@@ -1,0 +1,111 @@
+"""transformers' rotary embedding in one launch inside a patched decoder.
+
+The attention layers of the verified families call their modeling module's
+``apply_rotary_pos_emb(q, k, cos, sin)``: ten elementwise launches per layer (four
+multiplies, two negations, two concatenations, two adds), the largest share of a graphed
+decode step's launches after the GEMMs. :func:`install` replaces that module function with
+a dispatcher that runs :func:`rlkernels.ops.rotary.rotary_embedding_fused` (one launch,
+the same bits: it reproduces each op's rounding) where
+
+* the call is inside a patched decoder's forward (:func:`run_inside`, which
+  ``patch_model``'s eager decoder forward enters), so models that were not patched run
+  transformers' function as before;
+* the function is transformers' formula, read from its source at install time (a
+  modeling module whose function differs keeps it);
+* no input needs a gradient, the inputs are laid out as the kernel takes them, and the
+  Triton backend can run there (:mod:`rlkernels.ops.rotary`).
+
+Everywhere else the dispatcher calls the original function. Under ``torch.compile`` it is
+the original function outright, so a compiled model of the same family (transformers'
+static-cache ``generate`` traces with ``fullgraph=True``) traces exactly what it did.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..ops.rotary import fused_backend_ok, fused_shapes_ok, rotary_embedding_fused
+from .hf_coverage import VERIFIED_FAMILIES, family_of, modeling_module
+
+FUNCTION = "apply_rotary_pos_emb"
+_FORMULA = ("cos = cos.unsqueeze(unsqueeze_dim)", "sin = sin.unsqueeze(unsqueeze_dim)",
+            "q_embed = (q * cos) + (rotate_half(q) * sin)", "k_embed = (k * cos) + (rotate_half(k) * sin)",
+            "return q_embed, k_embed")
+_ROTATE_HALF = ("x1 = x[..., : x.shape[-1] // 2]", "x2 = x[..., x.shape[-1] // 2 :]",
+                "return torch.cat((-x2, x1), dim=-1)")
+_PARAMETERS = ("q", "k", "cos", "sin", "unsqueeze_dim")
+
+_INSIDE_PATCHED_DECODER: contextvars.ContextVar[bool] = contextvars.ContextVar("rlkernels_patched_decoder",
+                                                                               default=False)
+
+
+def run_inside(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with the fused rotary on (a patched decoder's forward)."""
+    token = _INSIDE_PATCHED_DECODER.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _INSIDE_PATCHED_DECODER.reset(token)
+
+
+def _source_lines(fn: Any) -> set[str] | None:
+    try:
+        return {line.strip() for line in inspect.getsource(fn).splitlines()}
+    except (OSError, TypeError):
+        return None
+
+
+def is_transformers_formula(module: Any) -> bool:
+    """``module.apply_rotary_pos_emb`` is transformers' ``(q, k, cos, sin, unsqueeze_dim=1)``
+    function with ``rotate_half = cat(-x2, x1)``, read from their source."""
+    fn, half = getattr(module, FUNCTION, None), getattr(module, "rotate_half", None)
+    if not callable(fn) or not callable(half):
+        return False
+    try:
+        params = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    fn_lines, half_lines = _source_lines(fn), _source_lines(half)
+    return (params == _PARAMETERS and fn_lines is not None and half_lines is not None
+            and set(_FORMULA) <= fn_lines and set(_ROTATE_HALF) <= half_lines)
+
+
+def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if torch.compiler.is_compiling():
+            return original(q, k, cos, sin, unsqueeze_dim)
+        if (_INSIDE_PATCHED_DECODER.get() and unsqueeze_dim == 1 and fused_shapes_ok(q, k, cos, sin)
+                and fused_backend_ok(q, k, cos, sin)):
+            return rotary_embedding_fused(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.rlkernels_original = original  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
+
+
+def is_installed(module: Any) -> bool:
+    return hasattr(getattr(module, FUNCTION, None), "rlkernels_original")
+
+
+def install(model: nn.Module) -> list[str]:
+    """Put the dispatcher in the modeling modules of ``model``'s verified-family layers
+    whose function is transformers' formula; returns those modules' names (idempotent)."""
+    names = sorted({modeling_module(m) for m in model.modules() if family_of(m) in VERIFIED_FAMILIES})
+    installed = []
+    for name in names:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        if not is_installed(module):
+            if not is_transformers_formula(module):
+                continue
+            setattr(module, FUNCTION, _dispatcher(getattr(module, FUNCTION)))
+        installed.append(name)
+    return installed

@@ -1,0 +1,59 @@
+"""transformers' ``StaticCache`` with one launch per layer for its writes.
+
+A 5.x ``StaticLayer.update`` builds the slots from its device counter (an ``arange`` and an
+add), advances the counter (an in-place add) and copies the keys and the values
+(two ``index_copy_``): five launches per layer and step. :func:`count_once` gives each
+layer of a cache the decode loop made an update that copies both with one launch of
+:func:`rlkernels.ops.kv_cache.write_kv_slots`, at one device counter shared by every layer
+and advanced once per forward, by the last layer. Between forwards every layer's
+``cumulative_length`` is that counter, so what transformers reads from the cache (its
+sequence length, the queries' offset, taken before the first layer writes) is what its own
+layers would give; only within a forward do the layers count as one. Copies only: the
+keys and values in the cache are the same bits.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ..ops.kv_cache import write_kv_slots
+
+
+class _Counter:
+    """The write counter every layer of one cache shares (created with the first layer's
+    storage, on its device)."""
+
+    def __init__(self) -> None:
+        self.slots: torch.Tensor | None = None
+
+
+def _update(layer: Any, counter: _Counter, is_last: bool, key_states: torch.Tensor, value_states: torch.Tensor,
+            *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if not layer.is_initialized:
+        layer.lazy_initialization(key_states, value_states)
+        if counter.slots is None:
+            counter.slots = layer.cumulative_length  # 0, on the keys' device
+        layer.cumulative_length = counter.slots
+    write_kv_slots(layer.keys, layer.values, key_states, value_states, counter.slots)
+    if is_last:  # every layer of this forward has read the counter
+        counter.slots.add_(key_states.shape[-2])
+    return layer.keys, layer.values
+
+
+def count_once(cache: Any) -> bool:
+    """Give every layer of an empty 5.x ``StaticCache`` the one-launch update; returns
+    whether it did (False, cache unchanged: another transformers, layers of another kind,
+    or a cache already written)."""
+    try:
+        from transformers.cache_utils import StaticLayer
+    except ImportError:  # transformers without per-layer caches
+        return False
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not StaticLayer or layer.is_initialized for layer in layers):
+        return False
+    counter = _Counter()
+    for layer in layers:
+        layer.update = functools.partial(_update, layer, counter, layer is layers[-1])
+    return True
