@@ -39,3 +39,35 @@ def test_silu_module_gives_the_modes_bits_forward_and_backward():
         (dx_mode,) = torch.autograd.grad(out_mode, x, g)
         out_in_mode = SiLU()(x)
     assert torch.equal(out, out_mode) and torch.equal(dx, dx_mode) and torch.equal(out, out_in_mode)
+
+
+def _gate_up(n, dtype, device="cpu", seed=4):
+    g = torch.Generator().manual_seed(seed)
+    gate = torch.randn(n, generator=g) * 12  # exp(-g) over (1e-6, 1e5), and past fp32's range below
+    gate[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0])
+    up = torch.randn(n, generator=g) * 3
+    return gate.to(dtype).to(device), up.to(dtype).to(device)
+
+
+def test_silu_mul_is_silu_times_up_with_gradients():
+    from rlkernels.ops.activations import silu_mul, silu_mul_fused_ok
+
+    gate, up = _gate_up(1001, torch.float32)
+    gate.requires_grad_(True)
+    assert not silu_mul_fused_ok(gate, up)
+    out = silu_mul(gate, up)
+    assert torch.equal(out.view(torch.int32), (silu(gate) * up).view(torch.int32))
+    (grad,) = torch.autograd.grad(out[4:].sum(), gate)
+    assert torch.isfinite(grad[4:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_kernel_gives_atens_two_ops_bits_gpu(dtype):
+    from rlkernels.ops.activations import silu_mul, silu_mul_fused_ok
+    from rlkernels.testing import _bits_equal
+
+    for n in (1, 1023, 16 * 6144, 3 * 257 * 6144 + 5):
+        gate, up = _gate_up(n, dtype, device="cuda", seed=n)
+        assert silu_mul_fused_ok(gate, up)
+        assert _bits_equal(silu_mul(gate, up), F.silu(gate) * up), (n, dtype)

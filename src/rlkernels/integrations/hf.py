@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fsdp, hf_attention, hf_coverage, hf_decode, hf_moe, hf_rotary
+from . import fsdp, hf_attention, hf_coverage, hf_decode, hf_mlp, hf_moe, hf_rotary
 from .batch_invariant import set_batch_invariant_mode
 from .hf_decode import release_decode_graphs  # noqa: F401  (generate's kept decode state; public)
 from ..nn import Linear
@@ -82,7 +82,8 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
 
     Inside a patched decoder's forward the attention layers' rotary embedding runs as one
     launch with transformers' bits (:mod:`~rlkernels.integrations.hf_rotary`: the family's
-    ``apply_rotary_pos_emb`` becomes a dispatcher that calls the original anywhere else).
+    ``apply_rotary_pos_emb`` becomes a dispatcher that calls the original anywhere else), and
+    the gated MLPs' ``silu(gate) * up`` is one launch (:mod:`~rlkernels.integrations.hf_mlp`).
 
     A model with modules the library does not cover (:mod:`~rlkernels.integrations.hf_coverage`:
     GPT-2's ``Conv1D``, ``LayerNorm``, other mixture-of-experts blocks, families not verified)
@@ -107,6 +108,7 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = hf_attent
     if attn_implementation is not None:
         _set_attention(model, attn_implementation)
     hf_rotary.install(model)
+    hf_mlp.install(model)
     _keep_out_of_compile(model)
     gaps = hf_coverage.describe_gaps(model)
     if gaps is not None:

@@ -8,6 +8,10 @@ These are the formulas the batch-invariant mode installs for ATen's CPU ``silu``
 patched model's bits do not depend on the mode either. CUDA keeps ATen's ``silu``, whose
 elements are computed alike wherever they sit. ``sigmoid`` (the gate of Qwen2-MoE's shared
 expert) is built the same way.
+
+``silu_mul(gate, up)`` is the gated MLP's ``silu(gate) * up``: on CUDA, where no input
+needs a gradient, one launch that reproduces ATen's two (``kernels.activations``; a GPU
+test compares the bits); elsewhere :func:`silu` and torch's multiply.
 """
 from __future__ import annotations
 
@@ -15,6 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from ..gemm.chain import accumulator_dtype
+from ..kernels._triton import cdiv
+from ..kernels.activations import silu_mul_kernel
+from ..registry import forced_backend
+from ..runtime.launcher import NO_FP_FUSION, cached_launcher
+
+SILU_MUL_BLOCK = 1024  # elements per program; elementwise, so any width gives the same bits
+_launch_silu_mul = cached_launcher(silu_mul_kernel, leading_tensors=3, options=NO_FP_FUSION)
 
 
 def silu_chain(x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +58,29 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and x.is_floating_point():
         return _SiLUChain.apply(x)
     return F.silu(x)
+
+
+def silu_mul_fused_ok(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """The one-launch kernel takes these: CUDA, one float dtype and shape, contiguous, no gradient."""
+    if not (gate.is_cuda and up.device == gate.device and gate.dtype == up.dtype and gate.shape == up.shape):
+        return False
+    if gate.dtype not in (torch.float32, torch.bfloat16, torch.float16) or forced_backend() == "torch":
+        return False
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return False
+    return gate.is_contiguous() and up.is_contiguous()
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with the bits of the two ops (one launch on CUDA without gradients)."""
+    if not silu_mul_fused_ok(gate, up):
+        return silu(gate) * up
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _launch_silu_mul((cdiv(n, SILU_MUL_BLOCK),), (gate, up, out, n), dict(BLOCK=SILU_MUL_BLOCK), num_warps=4,
+                         num_stages=1)
+    return out
 
 
 def sigmoid_chain(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,60 @@
+"""transformers' gated MLP with ``silu(gate) * up`` in one launch, in a patched model.
+
+The MLPs of the verified families compute ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``:
+after :func:`~rlkernels.integrations.hf.patch_model` swaps ``act_fn`` for
+:class:`rlkernels.nn.SiLU`, the SiLU and the product are two launches per layer.
+:func:`install` binds each such MLP a forward that computes the same with
+:func:`rlkernels.ops.activations.silu_mul` (one launch on CUDA without gradients, the same
+bits; the two ops elsewhere). An MLP is taken only where its class's forward is that
+formula, read from its source, and its activation is the library's SiLU.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..nn import SiLU
+from ..ops.activations import silu_mul
+from .hf_coverage import VERIFIED_FAMILIES, family_of
+
+_FORMULA = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
+
+
+def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+# Bound per module as its ``forward`` (``copy.deepcopy`` rebinds a bound method to the copy).
+_gated_forward.__name__ = "forward"
+
+
+def is_gated_silu_mlp(module: nn.Module) -> bool:
+    """``module`` is a verified family's gated MLP whose activation is the library's SiLU."""
+    if family_of(module) not in VERIFIED_FAMILIES or not isinstance(getattr(module, "act_fn", None), SiLU):
+        return False
+    if not all(isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj")):
+        return False
+    try:
+        lines = {line.strip() for line in inspect.getsource(type(module).forward).splitlines()}
+    except (OSError, TypeError):
+        return False
+    return _FORMULA in lines
+
+
+def install(model: nn.Module) -> int:
+    """Bind the one-launch forward to every gated SiLU MLP of ``model``; returns how many."""
+    count = 0
+    for module in model.modules():
+        if is_gated_silu_mlp(module):
+            module.forward = types.MethodType(_gated_forward, module)
+            count += 1
+    return count
+
+
+def is_installed(module: Any) -> bool:
+    forward = vars(module).get("forward") if hasattr(module, "__dict__") else None
+    return getattr(forward, "__func__", None) is _gated_forward
