@@ -44,7 +44,8 @@ def test_silu_module_gives_the_modes_bits_forward_and_backward():
 def _gate_up(n, dtype, device="cpu", seed=4):
     g = torch.Generator().manual_seed(seed)
     gate = torch.randn(n, generator=g) * 12  # exp(-g) over (1e-6, 1e5), and past fp32's range below
-    gate[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0])
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0])[:n]
+    gate[:len(specials)] = specials
     up = torch.randn(n, generator=g) * 3
     return gate.to(dtype).to(device), up.to(dtype).to(device)
 
