@@ -1,7 +1,7 @@
 """Hash the outputs of every public op on fixed inputs, to prove a change moved no bit.
 
     PYTHONPATH=<tree>/src python benchmarks/hash_outputs.py [--only dense,moe,attention,model] --json $OUT/hashes_<tree>.json
-    python benchmarks/hash_outputs.py --compare a.json b.json
+    python benchmarks/hash_outputs.py --compare baseline.json new.json
 
 Only the public API is called, so two trees with different internal layouts can be
 compared. Each case hashes the forward output and, where the op is differentiable,
@@ -238,13 +238,20 @@ def main() -> int:
     if not set(groups) <= set(GROUPS):
         p.error(f"--only: unknown group(s) {sorted(set(groups) - set(GROUPS))}; choose from {','.join(GROUPS)}")
     if args.compare:
+        # A is the baseline: a case of A that B lacks fails the comparison (it was not checked);
+        # a case only B has (a group the baseline predates) is listed, with nothing to compare it to.
         a, b = (json.load(open(f))["hashes"] for f in args.compare)
         differ = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
-        only = sorted(a.keys() ^ b.keys())
-        print(f"{len(a.keys() & b.keys())} cases compared, {len(differ)} differ, {len(only)} in one file only")
+        missing, unbased = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+        print(f"{len(a.keys() & b.keys())} cases compared, {len(differ)} differ, {len(missing)} of the baseline "
+              f"missing, {len(unbased)} without a baseline")
         for k in differ:
             print("DIFFERS", k)
-        return 1 if differ or only else 0
+        for k in missing:
+            print("MISSING", k)
+        for k in unbased:
+            print("NO BASELINE", k)
+        return 1 if differ or missing else 0
     hashes = cases(args.device, groups)
     for k, v in hashes.items():
         print(v[:16], k, flush=True)
