@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 import rlkernels  # noqa: E402
 from rlkernels._env import triton_interpret  # noqa: E402
 from rlkernels.integrations import hf_rotary  # noqa: E402
+from rlkernels.ops import rotary  # noqa: E402  (the kernel the dispatcher calls)
 from rlkernels.integrations.hf_coverage import VERIFIED_FAMILIES  # noqa: E402
 
 from .test_hf import _tiny  # noqa: E402
@@ -48,7 +49,7 @@ def test_another_formula_is_not_taken_for_transformers():
 @pytest.fixture
 def fused_calls(monkeypatch):
     calls = []
-    real = hf_rotary.rotary_embedding_fused
+    real = rotary.rotary_embedding_fused
 
     def counted(*args):
         calls.append(args[0].shape)

@@ -4,20 +4,17 @@ The attention layers of the verified families call their modeling module's
 ``apply_rotary_pos_emb(q, k, cos, sin)``: ten elementwise launches per layer (four
 multiplies, two negations, two concatenations, two adds), the largest share of a graphed
 decode step's launches after the GEMMs. :func:`install` replaces that module function with
-a dispatcher that runs :func:`rlkernels.ops.rotary.rotary_embedding_fused` (one launch,
-the same bits: it reproduces each op's rounding) where
-
-* the call is inside a patched decoder's forward (:func:`run_inside`, which
-  ``patch_model``'s eager decoder forward enters), so models that were not patched run
-  transformers' function as before;
-* the function is transformers' formula, read from its source at install time (a
-  modeling module whose function differs keeps it);
-* no input needs a gradient, the inputs are laid out as the kernel takes them, and the
-  Triton backend can run there (:mod:`rlkernels.ops.rotary`).
-
-Everywhere else the dispatcher calls the original function. Under ``torch.compile`` it is
-the original function outright, so a compiled model of the same family (transformers'
-static-cache ``generate`` traces with ``fullgraph=True``) traces exactly what it did.
+a dispatcher. Inside a patched decoder's forward (:func:`run_inside`, which
+``patch_model``'s eager decoder forward enters) it runs
+:func:`rlkernels.ops.rotary.rotary_embedding_fused`, one launch with transformers' bits
+(the kernel reproduces each op's rounding), where the kernel takes the inputs
+(:func:`rlkernels.ops.rotary.fused_ok`: no input needs a gradient, the layout is the
+kernel's, the Triton backend can run there). Everywhere else, models that were not
+patched included, it calls transformers' function. Only a function whose source is
+transformers' formula is replaced (a modeling module whose function differs keeps it). Under
+``torch.compile`` the dispatcher is the original function outright, so a compiled model of
+the same family (transformers' static-cache ``generate`` traces with ``fullgraph=True``)
+traces exactly what it did.
 """
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..ops.rotary import fused_backend_ok, fused_shapes_ok, rotary_embedding_fused
+from ..ops.rotary import fused_ok, rotary_embedding_fused
 from .hf_coverage import VERIFIED_FAMILIES, family_of, modeling_module
 
 FUNCTION = "apply_rotary_pos_emb"
@@ -79,10 +76,8 @@ def is_transformers_formula(module: Any) -> bool:
 def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if torch.compiler.is_compiling():
-            return original(q, k, cos, sin, unsqueeze_dim)
-        if (_INSIDE_PATCHED_DECODER.get() and unsqueeze_dim == 1 and fused_shapes_ok(q, k, cos, sin)
-                and fused_backend_ok(q, k, cos, sin)):
+        if (not torch.compiler.is_compiling() and unsqueeze_dim == 1 and _INSIDE_PATCHED_DECODER.get()
+                and fused_ok(q, k, cos, sin)):
             return rotary_embedding_fused(q, k, cos, sin)
         return original(q, k, cos, sin, unsqueeze_dim)
 

@@ -78,9 +78,14 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     Inputs the kernel does not take (other layouts, mixed dtypes, a gradient to carry) run
     the torch formula, whose bits are the same.
     """
-    if not (fused_shapes_ok(q, k, cos, sin) and fused_backend_ok(q, k, cos, sin)):
+    if not fused_ok(q, k, cos, sin):
         return rotary_embedding_torch(q, k, cos, sin)
     return rotary_embedding_fused(q, k, cos, sin)
+
+
+def fused_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The kernel runs these inputs: :func:`fused_shapes_ok` and :func:`fused_backend_ok`."""
+    return fused_shapes_ok(q, k, cos, sin) and fused_backend_ok(q, k, cos, sin)
 
 
 def rotary_embedding_fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
