@@ -116,6 +116,18 @@ def forced_backend() -> str | None:
 
 
 _SELECTED: dict[tuple, tuple[str, str]] = {}
+_TRITON_USABLE: dict[tuple, bool] = {}
+
+
+def triton_usable(device: torch.device) -> bool:
+    """The Triton backend can run on ``device`` and ``RLKERNELS_BACKEND`` does not ask for
+    ``torch``: the choice of the elementwise launches that have no registered op, whose
+    torch path gives the same bits. Memoized on what it depends on (called per layer)."""
+    key = (device.type, env_get("RLKERNELS_BACKEND"), env_get("TRITON_INTERPRET"))
+    hit = _TRITON_USABLE.get(key)
+    if hit is None:
+        hit = _TRITON_USABLE[key] = forced_backend() != "torch" and backend_unavailable_reason("triton", device) is None
+    return hit
 
 
 def select_backend(op_name: str, device: torch.device, backend: str | None = None) -> tuple[str, str]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -55,6 +53,5 @@ def install(model: nn.Module) -> int:
     return count
 
 
-def is_installed(module: Any) -> bool:
-    forward = vars(module).get("forward") if hasattr(module, "__dict__") else None
-    return getattr(forward, "__func__", None) is _gated_forward
+def is_installed(module: nn.Module) -> bool:
+    return getattr(vars(module).get("forward"), "__func__", None) is _gated_forward

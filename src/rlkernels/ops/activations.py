@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..gemm.chain import accumulator_dtype
 from ..kernels._triton import cdiv
 from ..kernels.activations import silu_mul_kernel
-from ..registry import forced_backend
+from ..registry import triton_usable
 from ..runtime.launcher import NO_FP_FUSION, cached_launcher
 
 SILU_MUL_BLOCK = 1024  # elements per program; elementwise, so any width gives the same bits
@@ -64,7 +64,7 @@ def silu_mul_fused_ok(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """The one-launch kernel takes these: CUDA, one float dtype and shape, contiguous, no gradient."""
     if not (gate.is_cuda and up.device == gate.device and gate.dtype == up.dtype and gate.shape == up.shape):
         return False
-    if gate.dtype not in (torch.float32, torch.bfloat16, torch.float16) or forced_backend() == "torch":
+    if gate.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not triton_usable(gate.device):
         return False
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return False

@@ -18,7 +18,7 @@ import torch
 
 from ..kernels._triton import cdiv
 from ..kernels.kv_cache import kv_write_kernel
-from ..registry import backend_unavailable_reason, forced_backend
+from ..registry import triton_usable
 from ..runtime.launcher import cached_launcher
 
 OP = "write_kv_slots"
@@ -43,7 +43,7 @@ def _check(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
 
 
 def _kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
-    if forced_backend() == "torch" or backend_unavailable_reason("triton", k_cache.device) is not None:
+    if not triton_usable(k_cache.device):
         return False
     return k_cache.shape[3] == v_cache.shape[3] and all(t.stride(3) == 1 for t in (k_cache, v_cache, k_new, v_new))
 

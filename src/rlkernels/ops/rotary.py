@@ -20,7 +20,7 @@ import torch
 
 from ..kernels._triton import cdiv
 from ..kernels.rotary import rotary_kernel
-from ..registry import backend_unavailable_reason, forced_backend
+from ..registry import triton_usable
 from ..runtime.launcher import NO_FP_FUSION, cached_launcher
 
 HEADS_PER_PROGRAM = 4  # heads one program rotates; elementwise, so any value gives the same bits
@@ -62,11 +62,9 @@ def fused_backend_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     """The Triton kernel can run here and no input asks for a gradient."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad):
         return False
-    if forced_backend() == "torch":
-        return False
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         return False  # the Triton interpreter rounds fp32 to bf16 by truncation, not to nearest
-    return backend_unavailable_reason("triton", q.device) is None
+    return triton_usable(q.device)
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
