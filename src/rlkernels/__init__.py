@@ -16,7 +16,8 @@ from .ops.bmm import bmm
 from .ops.linear_logprob import linear_logprob
 from .ops.linear_sample import linear_sample
 from .ops.matmul import TOKEN_BLOCK, linear, matmul
-from .ops.norms import log_softmax, rms_norm, softmax
+from .ops.norms import rms_norm
+from .ops.softmax import log_softmax, softmax
 from .registry import BackendUnavailableError, get_op, registered_ops, select_backend
 
 __version__ = "0.1.0"

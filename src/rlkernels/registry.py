@@ -10,6 +10,16 @@ Backends:
 Ops register themselves when ``rlkernels.ops`` is imported (the package's
 ``__init__`` does it); this module imports no op.
 
+Which ops are registered: an op is registered when its result depends on a reduction
+whose order the contract fixes (GEMMs, row sums, attention, the LM head's statistics),
+so the Triton and torch implementations are two producers of one specified bit pattern
+and ``rlkernels check`` proves each of them invariant. Every registered op does it one
+way: :func:`register_backends` makes one :class:`OpImpl` per backend from the op's base
+class, each holding its backend's object in ``backend_impl``; the op's public function
+and ``OpImpl.forward`` run the op's one forward core. An elementwise launch with no
+reduction (rotary, KV-cache writes, SiLU x up) gives the same bits on either path, so
+it is not registered: it asks :func:`triton_usable` whether to launch its kernel.
+
 Choice, per call, from the first tensor argument: ``RLKERNELS_BACKEND`` if set,
 else ``triton`` on GPUs and ``torch`` elsewhere. A forced backend that cannot run
 on the inputs raises :class:`BackendUnavailableError`; nothing falls back silently
@@ -36,14 +46,17 @@ class BackendUnavailableError(RuntimeError):
 class OpImpl(nn.Module):
     """Base class of every backend implementation of an op.
 
-    Subclasses set ``op_name``, ``backend`` and ``op_class`` (the tolerance class
-    in :mod:`rlkernels.contract`) and implement ``forward`` (native dtype out) and
-    ``forward_fp32`` (the same math, output kept in fp32: the ground-truth path).
+    An op's base class sets ``op_class`` (its row of ``rlkernels.contract.CONTRACT``,
+    the tolerance its float64 comparison is held to) and implements ``forward``
+    (native dtype out) and ``forward_fp32`` (the same math, output kept in fp32: the
+    ground-truth path) on ``self.backend_impl``; :func:`register_backends` sets
+    ``op_name``, ``backend`` and ``backend_impl``.
     """
 
     op_name: str = ""
     backend: str = ""
     op_class: str = ""
+    backend_impl: Any = None  # the backend's object the op's forward core runs on (None: the core takes the name)
 
     def forward_fp32(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -78,6 +91,20 @@ def register(op_name: str, backend: str) -> Callable[[type[OpImpl]], type[OpImpl
         return cls
 
     return deco
+
+
+def register_backends(op_name: str, base: type[OpImpl], impls: dict[str, Any]) -> None:
+    """Register ``op_name``: one subclass of ``base`` per backend in ``impls`` (backend name
+    -> the object its forward core runs on, or None where the core takes the backend's name)."""
+    for backend, impl in impls.items():
+        name = base.__name__.lstrip("_") + backend.capitalize()
+        register(op_name, backend)(type(name, (base,), {"backend_impl": impl, "__module__": base.__module__}))
+
+
+def backend_object(op_name: str, device: torch.device, backend: str | None = None) -> Any:
+    """The ``backend_impl`` of the implementation :func:`select_backend` picks for ``op_name``."""
+    name, _ = select_backend(op_name, device, backend)
+    return _REGISTRY[op_name][name].backend_impl
 
 
 def registered_ops() -> dict[str, tuple[str, ...]]:

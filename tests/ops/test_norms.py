@@ -6,10 +6,13 @@ import torch
 
 from rlkernels import contract, reference, testing
 from rlkernels.nn import RMSNorm
-from rlkernels.ops import norms
+from rlkernels.ops import norms, reductions, softmax as softmax_ops
+from rlkernels.registry import implementation
 from rlkernels.registry import get_op
 
 from ..conftest import cpu_backend_cases, interpreter_only, randn
+
+_OPS = {"rms_norm": norms.rms_norm, "softmax": softmax_ops.softmax, "log_softmax": softmax_ops.log_softmax}
 
 # (dtype) -> rel tolerance used here; measured values are reported by test_report_errors.
 # The loosest of the three ops' contract rows (the tests share one bound per dtype).
@@ -28,7 +31,7 @@ def test_norm_accuracy(backend, dtype, rows, n, gen):
     assert y.dtype == dtype and y.shape == x.shape
     assert testing.rel_error(y, reference.rms_norm_ref(x, w, 1e-6)) <= TOL[dtype]
     for log, ref in ((False, reference.softmax_ref), (True, reference.log_softmax_ref)):
-        fn = norms.log_softmax if log else norms.softmax
+        fn = softmax_ops.log_softmax if log else softmax_ops.softmax
         out = fn(x, -1, backend=backend)
         assert out.dtype == dtype
         assert testing.rel_error(out, ref(x, -1)) <= TOL[dtype]
@@ -47,7 +50,7 @@ def test_norm_row_invariance(backend, dtype, op, gen):
         def fn(rows):
             return norms.rms_norm(rows, w, 1e-6, backend=backend)
     else:
-        f = getattr(norms, op)
+        f = _OPS[op]
 
         def fn(rows):
             return f(rows, -1, backend=backend)
@@ -64,7 +67,7 @@ def test_softmax_trailing_mask_invariance(backend, dtype, log, gen):
     # An attention row scored over more (masked) keys must keep its bits: the masked
     # keys give exp() == 0 exactly, and zeros after the row end add exactly 0.
     x = randn(6, 50, dtype=dtype, generator=gen, scale=2.0)
-    fn = norms.log_softmax if log else norms.softmax
+    fn = softmax_ops.log_softmax if log else softmax_ops.softmax
     base = fn(x, -1, dtype=torch.float32, backend=backend)
     for extra in (1, 14, 1100):
         pad = torch.full((6, extra), torch.finfo(dtype).min, dtype=dtype)
@@ -78,9 +81,9 @@ def test_softmax_trailing_mask_invariance(backend, dtype, log, gen):
 def test_softmax_leading_mask_invariance_torch_backend(gen):
     # The torch chain is a plain sequential sum: zeros in front add exactly 0 too.
     x = randn(6, 50, generator=gen, scale=2.0)
-    base = norms.softmax(x, -1, backend="torch")
+    base = softmax_ops.softmax(x, -1, backend="torch")
     pad = torch.full((6, 9), torch.finfo(torch.float32).min)
-    assert torch.equal(norms.softmax(torch.cat([pad, x], -1), -1, backend="torch")[:, 9:], base)
+    assert torch.equal(softmax_ops.softmax(torch.cat([pad, x], -1), -1, backend="torch")[:, 9:], base)
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float64)))
@@ -97,7 +100,7 @@ def test_norm_backward(backend, dtype, gen):
     rdx, rdw = torch.autograd.grad(reference.rms_norm_ref(xr, wr, 1e-6), (xr, wr), g.double())
     assert testing.rel_error(dx, rdx) <= tol and testing.rel_error(dw, rdw) <= tol
     for log, ref in ((False, reference.softmax_ref), (True, reference.log_softmax_ref)):
-        fn = norms.log_softmax if log else norms.softmax
+        fn = softmax_ops.log_softmax if log else softmax_ops.softmax
         (d,) = torch.autograd.grad(fn(x, -1, backend=backend), (x,), g)
         (rd,) = torch.autograd.grad(ref(xr, -1), (xr,), g.double())
         assert testing.rel_error(d, rd) <= tol
@@ -107,8 +110,8 @@ def test_rms_norm_gradcheck():
     x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
     w = torch.randn(7, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: norms.rms_norm(a, b, 1e-6, backend="torch"), (x, w))
-    assert torch.autograd.gradcheck(lambda a: norms.log_softmax(a, 0, backend="torch"), (x,))
-    assert torch.autograd.gradcheck(lambda a: norms.softmax(a, 1, backend="torch"), (x,))
+    assert torch.autograd.gradcheck(lambda a: softmax_ops.log_softmax(a, 0, backend="torch"), (x,))
+    assert torch.autograd.gradcheck(lambda a: softmax_ops.softmax(a, 1, backend="torch"), (x,))
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
@@ -118,7 +121,7 @@ def test_rms_norm_dw_microbatch_invariance(backend, dtype, gen):
     x = randn(30, 19, generator=gen)
     w = (1 + 0.1 * randn(19, generator=gen)).requires_grad_()
     g = randn(30, 19, generator=gen)
-    f = norms.RMSNormTorch if backend == "torch" else norms.RMSNormTriton
+    f = implementation("rms_norm", backend)
     full = f.backend_impl.col_sum(g * x)
     acc = torch.zeros(19, dtype=torch.float64 if backend == "torch" else torch.float32)  # torch chains in fp64
     for i in range(30):
@@ -147,7 +150,7 @@ def test_invalid_inputs():
     with pytest.raises(ValueError):
         norms.rms_norm(torch.randn(3, 4), torch.randn(5))
     with pytest.raises(ValueError):
-        norms.softmax(torch.arange(4))
+        softmax_ops.softmax(torch.arange(4))
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
@@ -158,7 +161,7 @@ def test_softmax_out_of_range_dim_raises_stocks_index_error(op, shape, dim):
     with pytest.raises(IndexError) as stock:
         getattr(torch, op)(x, dim)
     with pytest.raises(IndexError, match=rf"^rlkernels\.{op}: ") as got:
-        getattr(norms, op)(x, dim)
+        _OPS[op](x, dim)
     assert str(got.value) == f"rlkernels.{op}: {stock.value}"
     with pytest.raises(IndexError, match=rf"^rlkernels\.{op}: "):
         get_op(op, backend="torch")(x, dim)
@@ -168,7 +171,7 @@ def test_softmax_out_of_range_dim_raises_stocks_index_error(op, shape, dim):
 @pytest.mark.parametrize("dim", [0, -1])
 def test_softmax_zero_dim_tensor_takes_dims_0_and_minus_1(op, dim):
     x = torch.tensor(1.5)
-    assert torch.equal(getattr(norms, op)(x, dim), getattr(torch, op)(x, dim))
+    assert torch.equal(_OPS[op](x, dim), getattr(torch, op)(x, dim))
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
@@ -179,7 +182,7 @@ def test_softmax_non_finite_rows_match_stock(backend, dtype, log):
     rows = [[1.0, inf, 2.0, 0.5], [inf, inf, 1.0, -inf], [-inf] * 4, [1.0, nan, 2.0, 0.5],
             [-inf, 1.0, 2.0, -inf], [0.25, -1.0, 2.0, 3.0]]
     x = torch.tensor(rows, dtype=dtype)
-    fn = norms.log_softmax if log else norms.softmax
+    fn = softmax_ops.log_softmax if log else softmax_ops.softmax
     got = fn(x, -1, backend=backend)
     want = (torch.log_softmax if log else torch.softmax)(x.float(), -1).to(dtype)
     assert torch.equal(got.isnan(), want.isnan()), (got, want)
@@ -212,8 +215,8 @@ def test_report_errors(dtype, gen, capsys):
         x = randn(16, n, dtype=dtype, generator=gen, scale=3.0)
         w = (1 + 0.1 * randn(n, generator=gen)).to(dtype)
         errs.setdefault("rms_norm", []).append(testing.rel_error(norms.rms_norm(x, w, 1e-6), reference.rms_norm_ref(x, w, 1e-6)))
-        errs.setdefault("softmax", []).append(testing.rel_error(norms.softmax(x), reference.softmax_ref(x)))
-        errs.setdefault("log_softmax", []).append(testing.rel_error(norms.log_softmax(x), reference.log_softmax_ref(x)))
+        errs.setdefault("softmax", []).append(testing.rel_error(softmax_ops.softmax(x), reference.softmax_ref(x)))
+        errs.setdefault("log_softmax", []).append(testing.rel_error(softmax_ops.log_softmax(x), reference.log_softmax_ref(x)))
     with capsys.disabled():
         print(f"\n[contract] {dtype}: " + ", ".join(f"{k} rel {max(v):.2e}" for k, v in errs.items()))
     for v in errs.values():
@@ -233,7 +236,7 @@ def test_norms_gpu(dtype, op):
             return norms.rms_norm(rows, w, 1e-6)
         ref = reference.rms_norm_ref(x, w, 1e-6)
     else:
-        f = getattr(norms, op)
+        f = _OPS[op]
 
         def fn(rows):
             return f(rows, -1)
@@ -267,7 +270,7 @@ def _blocked_dw_emulation(g: torch.Tensor, h: torch.Tensor, out_dtype: torch.dty
     """The Triton dW order on the host, in fp32: v = g * h; partial p = chain over rows
     p*ROWS_PER_BLOCK.. ascending from 0.0; then a chain over the partials, p ascending."""
     M, N = g.shape
-    rpb = norms.ROWS_PER_BLOCK
+    rpb = reductions.ROWS_PER_BLOCK
     P = -(-M // rpb)
     v = torch.zeros(P * rpb, N, dtype=torch.float32, device=g.device)
     v[:M] = g.float() * h.float()
@@ -283,7 +286,7 @@ def _blocked_dw_emulation(g: torch.Tensor, h: torch.Tensor, out_dtype: torch.dty
 
 def _unfused_rms(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float):
     """HF RMSNorm and its grad_x from torch elementwise ops and the Triton row_dot kernel."""
-    red = norms.TritonReductionBackend()
+    red = reductions.TritonReductionBackend()
     N = x.shape[-1]
     xf = x.float()
     rstd = torch.rsqrt(red.row_dot(xf, xf) / N + eps)
@@ -317,7 +320,7 @@ def _check_triton_rms(x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor, alone_
     assert torch.equal(y2, y) and torch.equal(dx2, dx) and torch.equal(dw2, dw)
     h = norms.rms_norm(x, None, eps, backend="triton")  # xhat rounded to x's dtype, same rstd
     assert torch.equal(dw, _blocked_dw_emulation(gy, h, w.dtype))
-    assert torch.equal(norms.RMSNormTriton.backend_impl.col_sum(gy.float() * h.float()),
+    assert torch.equal(implementation("rms_norm", "triton").backend_impl.col_sum(gy.float() * h.float()),
                        _blocked_dw_emulation(gy, h, torch.float32))
     if M == 0:
         assert torch.equal(dw, torch.zeros_like(dw))
@@ -355,8 +358,8 @@ def test_rms_norm_triton_dw_order_depends_on_m_only(gen):
     x = randn(300, 40, generator=gen)
     gy = randn(300, 40, generator=gen)
     h = norms.rms_norm(x, None, backend="triton")
-    full = norms.RMSNormTriton.backend_impl.col_sum(gy * h)
-    part = norms.RMSNormTriton.backend_impl.col_sum((gy * h)[:200])
+    full = implementation("rms_norm", "triton").backend_impl.col_sum(gy * h)
+    part = implementation("rms_norm", "triton").backend_impl.col_sum((gy * h)[:200])
     assert torch.equal(part, _blocked_dw_emulation(gy[:200], h[:200], torch.float32))
     assert torch.equal(full, _blocked_dw_emulation(gy, h, torch.float32))
     seq = torch.zeros(40)

@@ -9,10 +9,10 @@ ops, all land here):
 op                                         implementation
 =========================================  ==========================================
 ``mm``, ``addmm``, ``bmm``, ``baddbmm``    the canonical K-chain GEMM (``ops.matmul``)
-``_softmax``, ``_log_softmax``             ``ops.norms`` (fixed-order row sum)
-``_softmax_backward_data``,                ``ops.norms`` backward
+``_softmax``, ``_log_softmax``             ``ops.softmax`` (fixed-order row sum)
+``_softmax_backward_data``,                ``ops.softmax`` backward
 ``_log_softmax_backward_data``
-``mean.dim``, ``mean``                     fixed-order sum / count (``ops.norms``)
+``mean.dim``, ``mean``                     fixed-order sum / count (``ops.reductions``)
 ``silu``, ``silu_backward`` (CPU only)     ``x / (1 + exp(-x))`` from single-rounding ops
 =========================================  ==========================================
 
@@ -24,7 +24,7 @@ position-independent and are left alone.
 
 An override must never call the op it overrides (the dispatcher would re-enter
 it): the GEMMs call the Triton kernel directly (never the cuBLASLt path, which is
-``F.linear``) or the elementwise chain; the reductions use ``ops.norms`` reduction backends,
+``F.linear``) or the elementwise chain; the reductions use ``ops.reductions``' backends,
 which are built from elementwise ops, ``amax`` and Triton.
 
 Every override first makes stock's own argument checks (``_aten_checks``): it
@@ -53,8 +53,8 @@ from ..ops._validate import refuse_interpreted_bf16
 from ..gemm.chain import accumulator_dtype
 from ..ops.activations import silu_chain, silu_chain_backward
 from ..ops.matmul import gemm_backend_for
-from ..ops.norms import (TorchReductionBackend, TritonReductionBackend, reduction_backend_for, softmax_backward,
-                        softmax_forward)
+from ..ops.reductions import TorchReductionBackend, TritonReductionBackend, reduction_backend_for
+from ..ops.softmax import softmax_backward, softmax_forward
 
 __all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled", "COVERED_OPS"]
 

@@ -4,7 +4,7 @@
 * ``top_k_route_kernel``: a token's k largest routing probabilities, largest first, equal
   ones to the lowest expert id, and their renormalisation -- what a stable descending
   sort, a gather, k - 1 elementwise adds in rank order and a division give -- from the
-  probabilities, or from the logits with the softmax of ``ops.norms`` in the same launch;
+  probabilities, or from the logits with the softmax of ``ops.softmax`` in the same launch;
 * ``rank_sum_kernel``: the combine ``((w_0 y_0 + w_1 y_1) + ...) + w_{k-1} y_{k-1}`` of a
   token's k expert outputs in fp32, rank ascending, rounded once to the output dtype --
   what k multiplies and k - 1 adds as separate elementwise ops give.
@@ -30,7 +30,7 @@ if triton is not None:
         NORMALIZE, else the probs), total [T] fp32 (the sum, rank ascending).
 
         src holds the fp32 probabilities, or with SOFTMAX the logits (any float dtype),
-        turned into probabilities as ``ops.norms.softmax_forward`` does: the max (NaN if any
+        turned into probabilities as ``ops.softmax.softmax_forward`` does: the max (NaN if any
         entry is NaN, 0 for an all -inf row), exp of the shifted row (CUDA's expf), the sum
         over 1024 lanes in ``pairwise_sum_1024``'s tree (``row_dot_kernel``'s order; BLOCK_E
         is then 1024) and an IEEE division. ROUND: 1 / 2 round the weights to bf16 / fp16

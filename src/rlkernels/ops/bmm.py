@@ -41,7 +41,7 @@ import torch
 
 from . import _validate as V
 from .._env import switch_on
-from ..registry import OpImpl, register, select_backend
+from ..registry import OpImpl, register_backends, select_backend
 from ..gemm.chain import accumulator_dtype, chain_matmul
 
 from ..kernels._triton import DOT_ANY_M, cdiv, pow2_at_least
@@ -332,8 +332,8 @@ def _run(a: Any, b: Any, out_dtype: torch.dtype | None, backend: str | None) -> 
     return BmmFunction.apply(a, b, out_dtype or a.dtype, name)
 
 
-class _BmmBase(OpImpl):
-    op_class = "gemm"
+class _BmmOp(OpImpl):
+    op_class = "bmm"
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a [B, m, k] @ b [B, k, n] or [k, n] -> [B, m, n] in a.dtype."""
@@ -350,14 +350,7 @@ class _BmmBase(OpImpl):
         return (lambda rows: self.forward(rows, b)), a
 
 
-@register(OP, "triton")
-class BmmTriton(_BmmBase):
-    pass
-
-
-@register(OP, "torch")
-class BmmTorch(_BmmBase):
-    pass
+register_backends(OP, _BmmOp, {"triton": None, "torch": None})
 
 
 @torch.compiler.disable

@@ -17,7 +17,7 @@ import torch
 from . import _validate as V
 from ..gemm.chain import accumulator_dtype
 from ..gemm.backends import TorchGemmBackend, TritonGemmBackend
-from ..registry import OpImpl, implementation, register, select_backend
+from ..registry import OpImpl, backend_object, register_backends
 
 # Token granularity of the dW/dbias chain: the tensor-core K step for 16-bit
 # inputs (measured on H100: splits at multiples of 16 tokens reproduce the
@@ -128,13 +128,13 @@ def linear_backward(gemm_backend, grad_out: torch.Tensor, x2: torch.Tensor, weig
     return grad_x, grad_w, grad_b
 
 
-class _MatmulBase(OpImpl):
-    op_class = "gemm"
+class _MatmulOp(OpImpl):
+    op_class = "matmul"
     backend_impl: TorchGemmBackend | TritonGemmBackend
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
                 out_dtype: torch.dtype | None = None, weight_nk: bool = False) -> torch.Tensor:
-        return _run("linear" if weight_nk else "matmul", a, b, bias, weight_nk, out_dtype, self.backend)
+        return _run("linear" if weight_nk else "matmul", a, b, bias, weight_nk, out_dtype, self.backend_impl)
 
     def forward_fp32(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
                      weight_nk: bool = False) -> torch.Tensor:
@@ -148,23 +148,18 @@ class _MatmulBase(OpImpl):
         return (lambda rows: self.forward(rows, w, bias, weight_nk=True)), x
 
 
-@register("matmul", "triton")
-class MatmulTriton(_MatmulBase):
-    backend_impl = TritonGemmBackend()
-
-
-@register("matmul", "torch")
-class MatmulTorch(_MatmulBase):
-    backend_impl = TorchGemmBackend()
+register_backends("matmul", _MatmulOp, {"triton": TritonGemmBackend(), "torch": TorchGemmBackend()})
 
 
 def gemm_backend_for(device: torch.device, backend: str | None = None) -> TorchGemmBackend | TritonGemmBackend:
     """The GEMM backend object the registry picks for ``device`` (used by other ops' backward)."""
-    name, _ = select_backend("matmul", device, backend)
-    return implementation("matmul", name).backend_impl  # type: ignore[attr-defined]
+    return backend_object("matmul", device, backend)
 
 
-def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
+def _run(op: str, a, b, bias, weight_nk: bool, out_dtype,
+         backend: str | TorchGemmBackend | TritonGemmBackend | None):
+    """The forward core: validate, then the GEMM on ``backend`` (an implementation's GEMM
+    backend object, or a backend name / None for the registry's choice on a's device)."""
     V.require_tensor(op, "input", a)
     V.require_tensor(op, "weight" if weight_nk else "b", b)
     a, b, bias = V.autocast(a, b, bias)
@@ -176,7 +171,7 @@ def _run(op: str, a, b, bias, weight_nk: bool, out_dtype, backend: str | None):
             hint = f" (write torch.{out_dtype}, not the string)" if isinstance(out_dtype, str) else ""
             raise TypeError(f"rlkernels.{op}: out_dtype must be a torch.dtype ({want}), got {out_dtype!r}{hint}")
         raise ValueError(f"rlkernels.{op}: out_dtype must be one of {want}, got {out_dtype}")
-    gemm_backend = gemm_backend_for(a.device, backend)
+    gemm_backend = gemm_backend_for(a.device, backend) if backend is None or isinstance(backend, str) else backend
     V.refuse_interpreted_bf16(op, gemm_backend.name, a)
     if a.dtype == torch.float64 and gemm_backend.name == "triton":
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")

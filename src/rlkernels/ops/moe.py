@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from . import _validate as V
 from .activations import silu_chain
 from .matmul import gemm_backend_for, linear, main_grad_target
-from .norms import ROW_BLOCK, TorchReductionBackend, TritonReductionBackend, reduction_backend_for, softmax
+from .reductions import ROW_BLOCK, TorchReductionBackend, TritonReductionBackend, reduction_backend_for
+from .softmax import softmax
 from .._env import triton_interpret
 from ..gemm.chain import accumulator_dtype
 from ..gemm.grouped import grouped_config, grouped_gemm, grouped_wgrad
@@ -53,7 +54,7 @@ from ..kernels._triton import cdiv, pow2_at_least
 from ..kernels.moe import rank_sum_kernel, top_k_route_kernel
 from ..runtime.device import can_read_back
 from ..runtime.launcher import NO_FP_FUSION, cached_launcher
-from ..registry import OpImpl, register
+from ..registry import OpImpl, register_backends
 
 _REDUCTIONS = {"torch": TorchReductionBackend(), "triton": TritonReductionBackend()}
 
@@ -599,7 +600,7 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 # ---------------------------------------------------------------- registry entries
 
 
-class _MoeBase(OpImpl):
+class _MoeOp(OpImpl):
     """The routed experts of one MoE layer, routing included, as one op of the table."""
 
     op_class = "moe"
@@ -622,11 +623,4 @@ class _MoeBase(OpImpl):
         return (lambda rows: self.forward(rows, router, gate_up, down, k)), x
 
 
-@register("moe", "triton")
-class MoeTriton(_MoeBase):
-    pass
-
-
-@register("moe", "torch")
-class MoeTorch(_MoeBase):
-    pass
+register_backends("moe", _MoeOp, {"triton": None, "torch": None})
