@@ -110,17 +110,22 @@ def test_fresh_import_has_no_side_effects():
 
 
 def test_public_submodules_are_reachable_but_not_imported_with_the_package():
-    # The README's API table names rlkernels.testing, .parallel, .reference and .contract:
+    # The README's API table names rlkernels.testing, .check, .parallel, .reference and .contract:
     # each is one attribute access away after `import rlkernels`, imported on that access.
+    # rlkernels.check (the drift locator) loads without the model check's Hugging Face code.
     code = textwrap.dedent("""
         import sys
         import rlkernels
-        lazy = ("testing", "parallel", "reference", "contract")
+        lazy = ("testing", "check", "parallel", "reference", "contract")
         loaded = [m for m in lazy if "rlkernels." + m in sys.modules]
         assert not loaded, loaded
         assert set(lazy) <= set(dir(rlkernels))
         assert callable(rlkernels.testing.assert_batch_invariant)
         assert "rlkernels.testing" in sys.modules and "rlkernels.parallel" not in sys.modules
+        had_transformers = "transformers" in sys.modules
+        assert callable(rlkernels.check.locate_divergence)
+        assert "rlkernels.check.model" not in sys.modules and "rlkernels.check.locate" not in sys.modules
+        assert ("transformers" in sys.modules) == had_transformers
         assert callable(rlkernels.parallel.tree_linear)
         assert rlkernels.reference.__name__ == "rlkernels.reference"
         assert rlkernels.contract.__name__ == "rlkernels.contract"

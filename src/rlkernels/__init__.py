@@ -52,7 +52,7 @@ __all__ = [
 
 # Public submodules reached as attributes (``rlkernels.testing.assert_batch_invariant``)
 # but imported on first use, so that ``import rlkernels`` stays as light as it is.
-_LAZY_SUBMODULES = ("contract", "parallel", "reference", "testing")
+_LAZY_SUBMODULES = ("check", "contract", "parallel", "reference", "testing")
 
 
 def __getattr__(name: str) -> ModuleType:

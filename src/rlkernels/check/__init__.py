@@ -1,8 +1,14 @@
-"""The checks behind ``rlkernels check``: op-level invariance and the model-level rollout/trainer check."""
+"""The checks behind ``rlkernels check``: op-level invariance, the model-level rollout/trainer check,
+and the drift locator (:func:`locate_divergence`: the first module whose output for a token changes bits).
+"""
 from __future__ import annotations
 
 import contextlib
 from typing import Any, ContextManager
+
+from .drift import DivergenceReport, ModuleDrift, Way, locate_divergence
+
+__all__ = ["locate_divergence", "Way", "ModuleDrift", "DivergenceReport", "status"]
 
 
 def status(console: Any, text: str) -> ContextManager[Any]:

@@ -2,7 +2,7 @@
 
 The check's model and sequences (see :mod:`rlkernels.check.model`) are run two ways
 (by default one sequence at a time vs all in one right-padded batch, the check's
-(a) and (b)) through :func:`rlkernels.testing.locate_divergence`, once stock (the
+(a) and (b)) through :func:`rlkernels.check.locate_divergence`, once stock (the
 model as loaded) and once patched (:func:`rlkernels.patch_model` under
 :func:`rlkernels.set_batch_invariant_mode`). Stock names the first module whose
 output for some token changes bits; rlkernels should name none.
@@ -16,9 +16,9 @@ import torch
 
 from ..integrations.batch_invariant import set_batch_invariant_mode
 from ..integrations.hf import patch_model
-from ..testing import DivergenceReport, locate_divergence
 from . import model as model_check
 from . import status
+from .drift import DivergenceReport, locate_divergence
 
 
 def _summary(report: DivergenceReport) -> dict:
