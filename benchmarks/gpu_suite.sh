@@ -3,7 +3,7 @@
 # benchmarks; logs and JSON land in $OUT. Usage (repo root, on the GPU machine):
 #   bash benchmarks/gpu_suite.sh [tests] [bench] [hashes] [tune] [decode] [bmmsweep] [floors] [contract] [check]
 #   (default: tests bench check)
-# Test selection: GPU_TESTS="tests/ops/test_matmul_gpu.py ..." (default: tests); extra pytest
+# Test selection: GPU_TESTS="tests/ops/test_matmul.py ..." (default: tests); extra pytest
 # arguments: GPU_PYTEST_ARGS="-k matmul"; extra bench arguments: GPU_BENCH_ARGS. Peers and other wheels the
 # GPU machine lacks are taken from .whl/ when present (../shared/peers/fetch_wheels.sh).
 set -uo pipefail

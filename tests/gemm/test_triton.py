@@ -2,7 +2,7 @@
 
 CPU: the table's rules (pure functions of M, N, dtype and operand layout) and, under
 TRITON_INTERPRET=1, the swapped kernel's arithmetic against float64 (the interpreter's
-numpy dot rounds by memory layout, so bits are a GPU property: tests/ops/test_matmul_gpu.py
+numpy dot rounds by memory layout, so bits are a GPU property: tests/ops/test_matmul.py
 proves every fp32 config, swapped or not, gives the same bits).
 """
 from __future__ import annotations

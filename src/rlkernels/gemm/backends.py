@@ -78,7 +78,7 @@ def aligned_16_bytes(k: int, n: int) -> bool:
     """K and N multiples of 8 elements (16-byte rows for 16-bit types).
 
     cuBLASLt's bits were proven equal to the chain on such shapes only; with N = 8191
-    it gave different bits for a few outputs per row (H100, tests/ops/test_matmul_gpu.py), so
+    it gave different bits for a few outputs per row (H100, tests/ops/test_matmul.py), so
     unaligned problems stay on the Triton chain.
     """
     return k % 8 == 0 and n % 8 == 0

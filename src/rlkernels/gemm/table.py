@@ -3,7 +3,7 @@
 Pure and checked in, never tuned at run time (a timing-based pick can differ between
 processes). Every entry produces the canonical K-chain's bits -- the chain does not
 depend on the tile on Hopper -- so the table may pick by M, N and B's layout without
-changing a row's result; ``tests/ops/test_matmul_gpu.py`` proves it for every entry.
+changing a row's result; ``tests/ops/test_matmul.py`` proves it for every entry.
 Measured choices: docs/design/gemm_dispatch.md.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class GemmConfig:
 # first row with m <= largest M and n >= smallest N wins. Pure and checked in --
 # never tuned at run time (a timing-based pick can differ between processes).
 # Picked offline on H100 by benchmarks/tune_gemm.py; the canonical K-chain makes every
-# entry produce the same bits (tests/ops/test_matmul_gpu.py proves it for each entry).
+# entry produce the same bits (tests/ops/test_matmul.py proves it for each entry).
 # The measurements behind each row: docs/design/gemm_dispatch.md.
 WIDE_N = 8192  # wide outputs (MLP up-projections, lm heads) want wider N tiles at decode
 LM_HEAD_N = 65536  # vocabulary-sized outputs (lm heads)
@@ -85,7 +85,7 @@ GEMM_TABLE_16BIT_N_CONTIGUOUS_B: tuple[tuple[int, int, GemmConfig], ...] = (
 GEMM_ACCUMULATE_16BIT = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True)
 # fp32 (IEEE): tl.dot's FMA lowering chains every output element over ascending k from
 # registers, whatever the tile or orientation, so every entry gives the same bits
-# (tests/ops/test_matmul_gpu.py). What the tile changes is shared-memory traffic: each lane
+# (tests/ops/test_matmul.py). What the tile changes is shared-memory traffic: each lane
 # owns output columns and reads B's column k-values; a k-contiguous B (an nn.Linear
 # weight read as W^T) puts a lane's column 256 bytes from its neighbour's, 8-way bank
 # conflicts that hold every forward-orientation tile far below the FMA peak. Swapped, the

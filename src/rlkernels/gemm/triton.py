@@ -6,7 +6,7 @@ with no split over K, rounded once at the end. On Hopper the bits of that chain
 do not depend on the tile shape (the tensor cores step through K in fixed 16-wide
 pieces whatever BLOCK_K is; measured: 22 configs and cuBLASLt without split-K
 give identical bits), so the dispatch table may pick tiles by M without changing
-a row's result; ``tests/ops/test_matmul_gpu.py`` proves it for every config here.
+a row's result; ``tests/ops/test_matmul.py`` proves it for every config here.
 
 The same kernel serves every GEMM in the library:
   * forward / dX:  C = A @ B (+ bias), any strides, optional batch axis;
