@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .integrations.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
+from .integrations.aten_mode import is_batch_invariant_mode_enabled, set_batch_invariant_mode
 from .integrations.hf import generate, is_patched, patch_model, release_decode_graphs, token_logprobs
 from .nn import Linear, RMSNorm
 from .ops.attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache

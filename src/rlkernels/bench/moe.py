@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..integrations import hf_moe
+from ..integrations.hf import moe as hf_moe
 from ..integrations.hf import patch_model
 from . import model as whole
 from .common import fixed_call_times_ms, interleaved_median_ms, only_arg, print_table, write_json

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from ..integrations.batch_invariant import set_batch_invariant_mode
+from ..integrations.aten_mode import set_batch_invariant_mode
 from ..integrations.hf import patch_model
 from . import model as model_check
 from . import status

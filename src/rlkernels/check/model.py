@@ -36,9 +36,10 @@ from typing import Callable
 
 import torch
 
-from ..integrations import hf_attention
-from ..integrations.hf import (cache_kwargs, decoder_of, hidden_states, logprobs_from_hidden, mode_for,
-                               next_token_targets, patch_model, token_logprobs)
+from ..integrations.hf import attention as hf_attention
+from ..integrations.hf import patch_model, token_logprobs
+from ..integrations.hf.coverage import cache_kwargs, decoder_of, mode_for
+from ..integrations.hf.scoring import hidden_states, logprobs_from_hidden, next_token_targets
 
 DEFAULT_SEQS = 8
 SEED = 1234

@@ -11,16 +11,17 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
-from rlkernels.integrations import hf_decode  # noqa: E402
-from rlkernels.integrations.hf import cache_kwargs, decoder_of, token_logprobs  # noqa: E402
+from rlkernels.integrations.hf import decode  # noqa: E402
+from rlkernels.integrations.hf import token_logprobs  # noqa: E402
+from rlkernels.integrations.hf.coverage import decoder_of  # noqa: E402
 
-from .test_hf import _tiny  # noqa: E402
-from .test_hf_attention import _model, _pad, _prompts  # noqa: E402
+from ._models import _tiny  # noqa: E402
+from .test_attention import _model, _pad, _prompts  # noqa: E402
 
 
 def _static(model, ids, mask, **kw):
     kw.setdefault("cuda_graph", False)
-    return hf_decode.static_generate(model, decoder_of(model), ids, mask, cache_kwargs=cache_kwargs, **kw)
+    return decode.static_generate(model, decoder_of(model), ids, mask, **kw)
 
 
 def _same(a, b) -> bool:
@@ -87,31 +88,6 @@ def test_a_rows_draws_are_keyed_by_seed_stream_and_position_alone():
     assert torch.equal(first, rlkernels.generate(model, ids, mask, **kw)[0])
 
 
-@pytest.mark.parametrize("option, value, why", [
-    ("top_k", 20, "truncated distribution"), ("top_p", 0.9, "truncated distribution"),
-    ("min_new_tokens", 3, "without it"), ("generator", torch.Generator(), "seed=, streams="),
-    ("repetition_penalty", 1.2, "not supported"),
-])
-def test_options_that_change_the_distribution_are_refused(option, value, why):
-    model = _model("qwen3")
-    ids, mask = _pad(_prompts((3, 5)), left=True)
-    with pytest.raises(ValueError, match=f"rlkernels.generate: .*{option}.*{why}"):
-        rlkernels.generate(model, ids, mask, max_new_tokens=2, do_sample=True, **{option: value})
-    # Their neutral values change nothing and pass.
-    rlkernels.generate(model, ids, mask, max_new_tokens=2, do_sample=True, top_k=0, top_p=1.0, min_new_tokens=0)
-
-
-def test_cuda_graph_refusals():
-    model = _model("qwen3")
-    ids, mask = _pad(_prompts((3, 5)), left=True)
-    with pytest.raises(ValueError, match="CUDA device"):
-        rlkernels.generate(model, ids, mask, max_new_tokens=2, cuda_graph=True)
-    unpatched = _model("qwen3", patched=False)
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="patch_model"):
-            rlkernels.generate(unpatched.cuda(), ids.cuda(), mask.cuda(), max_new_tokens=2, cuda_graph=True)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("sample", [False, True])
 def test_graphed_decode_is_the_eager_decode_bit_for_bit_gpu(sample):
@@ -123,10 +99,8 @@ def test_graphed_decode_is_the_eager_decode_bit_for_bit_gpu(sample):
     ids, mask = _pad(_prompts((37, 120, 5, 64, 1, 99)), left=True)
     ids, mask = ids.cuda(), mask.cuda()
     kw = dict(max_new_tokens=24, greedy=not sample, temperature=0.9, seed=1)
-    eager = hf_decode.static_generate(model, decoder_of(model), ids, mask, cuda_graph=False,
-                                      cache_kwargs=cache_kwargs, **kw)
-    graphed = hf_decode.static_generate(model, decoder_of(model), ids, mask, cuda_graph=True,
-                                        cache_kwargs=cache_kwargs, **kw)
+    eager = decode.static_generate(model, decoder_of(model), ids, mask, cuda_graph=False, **kw)
+    graphed = decode.static_generate(model, decoder_of(model), ids, mask, cuda_graph=True, **kw)
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
     seq, lp = rlkernels.generate(model, ids, mask, cuda_graph=True, max_new_tokens=24, do_sample=sample,
                                  temperature=0.9, seed=1)
@@ -154,18 +128,18 @@ def _batches(device="cpu"):
 @pytest.mark.parametrize("sample", [False, True])
 def test_a_kept_state_is_reused_with_another_prompt_length_seed_and_streams_bitwise(sample):
     model = _model("qwen3")
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
     (ids1, mask1), (ids2, mask2) = _batches()
     total = 20
     kw = dict(greedy=not sample, temperature=0.8)
     call1 = dict(max_new_tokens=total - ids1.shape[1], seed=3, streams=torch.tensor([4, 8, 1 << 40, 2]), **kw)
     call2 = dict(max_new_tokens=total - ids2.shape[1], seed=11, streams=torch.tensor([7, 0, 5, 1 << 33]), **kw)
     first = _static(model, ids1, mask1, keep=True, **call1)
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     assert state is not None and state.calls == 1 and state.warm and state.graph is None
     keys = state.cache.layers[0].keys
     second = _static(model, ids2, mask2, keep=True, **call2)
-    assert hf_decode.decode_graph(model) is state and state.calls == 2 and state.cache.layers[0].keys is keys
+    assert decode.decode_graph(model) is state and state.calls == 2 and state.cache.layers[0].keys is keys
     # Each equals a call with a state of its own, bit for bit.
     assert _same(first, _static(model, ids1, mask1, **call1))
     assert _same(second, _static(model, ids2, mask2, **call2))
@@ -173,9 +147,9 @@ def test_a_kept_state_is_reused_with_another_prompt_length_seed_and_streams_bitw
     if sample:  # the seed and streams were read from the refilled buffers, not the first call's
         assert not _same(second, _static(model, ids2, mask2, **dict(call2, seed=3)))
     # Back to the first call's prompts on the state the second one left: the first call's bits.
-    assert _same(first, _static(model, ids1, mask1, keep=True, **call1)) and hf_decode.decode_graph(model) is state
-    hf_decode.release_decode_graphs(model)
-    assert hf_decode.decode_graph(model) is None
+    assert _same(first, _static(model, ids1, mask1, keep=True, **call1)) and decode.decode_graph(model) is state
+    decode.release_decode_graphs(model)
+    assert decode.decode_graph(model) is None
 
 
 @pytest.mark.parametrize("sample", [False, True])
@@ -184,18 +158,18 @@ def test_a_pinned_cache_length_changes_no_bit_and_keeps_one_state_across_prompt_
     # gives the same tokens and log-probs, and with the length pinned, calls whose
     # L + max_new_tokens differ share the model's one kept state.
     model = _model("llama")
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
     (ids1, mask1), (ids2, mask2) = _batches()
     kw = dict(greedy=not sample, temperature=0.8, seed=9)
     unpinned = [_static(model, ids1, mask1, max_new_tokens=6, **kw),
                 _static(model, ids2, mask2, max_new_tokens=11, **kw)]
     cache_len = ids1.shape[1] + 13
     first = _static(model, ids1, mask1, max_new_tokens=6, keep=True, cache_len=cache_len, **kw)
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     second = _static(model, ids2, mask2, max_new_tokens=11, keep=True, cache_len=cache_len, **kw)
-    assert hf_decode.decode_graph(model) is state and state.calls == 2 and state.key[1] == cache_len
+    assert decode.decode_graph(model) is state and state.calls == 2 and state.key[1] == cache_len
     assert _same(first, unpinned[0]) and _same(second, unpinned[1])
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
 
 
 def test_a_cache_length_shorter_than_the_decode_is_refused():
@@ -233,7 +207,7 @@ def recorded_steps(monkeypatch):
         state.graph_out = state.graph.out
         state.captures += 1
 
-    monkeypatch.setattr(hf_decode.DecodeGraph, "capture", capture)
+    monkeypatch.setattr(decode.DecodeGraph, "capture", capture)
 
 
 @pytest.mark.parametrize("sample", [False, True])
@@ -245,18 +219,18 @@ def test_a_step_recorded_by_an_earlier_call_replays_with_a_fresh_calls_bits(samp
     call1 = dict(max_new_tokens=total - ids1.shape[1], seed=3, streams=torch.tensor([4, 8, 1 << 40, 2]), **kw)
     call2 = dict(max_new_tokens=total - ids2.shape[1], seed=11, streams=torch.tensor([7, 0, 5, 1 << 33]), **kw)
     first = _static(model, ids1, mask1, **call1)
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     recorded = state.graph
     # The first call: prefill, an eager step, then the recorded step for tokens 2.. .
     assert state.captures == 1 and recorded.replays == call1["max_new_tokens"] - 2
     second = _static(model, ids2, mask2, **call2)
     # The second call replays the first call's recording from its first decode step.
-    assert hf_decode.decode_graph(model) is state and state.graph is recorded and state.captures == 1
+    assert decode.decode_graph(model) is state and state.graph is recorded and state.captures == 1
     assert recorded.replays == call1["max_new_tokens"] - 2 + call2["max_new_tokens"] - 1
     eager = dict(cuda_graph=False, keep=False)
     assert _same(first, _static(model, ids1, mask1, **dict(call1, **eager)))
     assert _same(second, _static(model, ids2, mask2, **dict(call2, **eager)))
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
 
 
 def _kept_first_call(family: str, max_new_tokens: int, **kw):
@@ -264,7 +238,7 @@ def _kept_first_call(family: str, max_new_tokens: int, **kw):
     model = _model(family)
     (ids1, mask1), second = _batches()
     _static(model, ids1, mask1, keep=True, max_new_tokens=max_new_tokens, **kw)
-    return model, hf_decode.decode_graph(model), second
+    return model, decode.decode_graph(model), second
 
 
 def test_stale_and_nan_cache_slots_change_no_bit():
@@ -276,10 +250,10 @@ def test_stale_and_nan_cache_slots_change_no_bit():
         layer.keys.fill_(float("nan"))
         layer.values.fill_(float("nan"))
     got = _static(model, ids2, mask2, keep=True, max_new_tokens=11, **kw)
-    assert hf_decode.decode_graph(model) is state
+    assert decode.decode_graph(model) is state
     assert _same(got, _static(model, ids2, mask2, max_new_tokens=11, **kw))
     assert not torch.isnan(got[1]).any()
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
 
 
 def test_the_key_replaces_the_models_one_entry():
@@ -287,19 +261,19 @@ def test_the_key_replaces_the_models_one_entry():
     model, state, (ids2, mask2) = _kept_first_call("qwen3", 4, **kw)
     # Same B and cache length, another prompt length: the same entry.
     _static(model, ids2, mask2, keep=True, max_new_tokens=9, **kw)
-    assert hf_decode.decode_graph(model) is state
+    assert decode.decode_graph(model) is state
     changes = [dict(max_new_tokens=5),                                      # the cache length
                dict(max_new_tokens=9, temperature=0.9),                     # T, a kernel argument
                dict(max_new_tokens=9, greedy=True)]                         # greedy vs sampled
     for change in changes:
         got = _static(model, ids2, mask2, keep=True, **dict(kw, **change))
-        now = hf_decode.decode_graph(model)
+        now = decode.decode_graph(model)
         assert now is not state and now.calls == 1, change  # one entry per model: the newest key
         assert _same(got, _static(model, ids2, mask2, **dict(kw, **change)))
         state = now
     # Another batch size.
     _static(model, ids2[:3], mask2[:3], keep=True, max_new_tokens=9, streams=torch.arange(3), **kw)
-    assert hf_decode.decode_graph(model) is not state and hf_decode.decode_graph(model).key[0] == 3
+    assert decode.decode_graph(model) is not state and decode.decode_graph(model).key[0] == 3
 
 
 def test_weights_written_in_place_keep_the_entry_and_new_tensors_replace_it():
@@ -307,34 +281,34 @@ def test_weights_written_in_place_keep_the_entry_and_new_tensors_replace_it():
     (ids1, mask1), _ = _batches()
     kw = dict(greedy=True, max_new_tokens=6)
     _static(model, ids1, mask1, keep=True, **kw)
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     with torch.no_grad():  # an optimizer step: the same tensors, new values
         for p in model.parameters():
             p.mul_(1.25)
     got = _static(model, ids1, mask1, keep=True, **kw)
-    assert hf_decode.decode_graph(model) is state
+    assert decode.decode_graph(model) is state
     assert _same(got, _static(model, ids1, mask1, **kw))
     # A new Parameter object (new memory): the entry is replaced, not replayed.
     head = model.get_output_embeddings()
     head.weight = torch.nn.Parameter(head.weight.detach().clone() * 2)
     got = _static(model, ids1, mask1, keep=True, **kw)
-    assert hf_decode.decode_graph(model) is not state
+    assert decode.decode_graph(model) is not state
     assert _same(got, _static(model, ids1, mask1, **kw))
     # A swapped module (the same parameters, a new object): replaced too.
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     norm = decoder_of(model).norm
     decoder_of(model).norm = type(norm).from_module(norm)
     _static(model, ids1, mask1, keep=True, **kw)
-    assert hf_decode.decode_graph(model) is not state
+    assert decode.decode_graph(model) is not state
 
 
 def test_the_entry_goes_with_the_model_and_generate_keeps_nothing_eagerly():
     model = _model("qwen3")
     (ids1, mask1), _ = _batches()
     rlkernels.generate(model, ids1, mask1, max_new_tokens=3)  # cuda_graph=False: nothing kept
-    assert hf_decode.decode_graph(model) is None
+    assert decode.decode_graph(model) is None
     _static(model, ids1, mask1, keep=True, max_new_tokens=3)
-    state = weakref.ref(hf_decode.decode_graph(model))
+    state = weakref.ref(decode.decode_graph(model))
     del model
     gc.collect()
     assert state() is None
@@ -346,18 +320,18 @@ def test_a_state_in_use_is_not_shared_and_a_failed_call_drops_its_state():
     kw = dict(greedy=False, seed=2, max_new_tokens=5)
     want = _static(model, ids1, mask1, **kw)
     _static(model, ids1, mask1, keep=True, **kw)
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     state.in_use = True  # as while another thread decodes with it
     calls = state.calls
     assert _same(_static(model, ids1, mask1, keep=True, **kw), want)
-    assert hf_decode.decode_graph(model) is state and state.calls == calls and state.in_use
+    assert decode.decode_graph(model) is state and state.calls == calls and state.in_use
     state.in_use = False
     # A call that raises part-way (here: NaN logits, refused by the draw) keeps nothing.
     with torch.no_grad():
         model.get_output_embeddings().weight[3, 0] = float("nan")
     with pytest.raises(ValueError, match="not a distribution"):
         _static(model, ids1, mask1, keep=True, **kw)
-    assert hf_decode.decode_graph(model) is None
+    assert decode.decode_graph(model) is None
 
 
 def test_the_seed_and_streams_are_checked_before_they_fill_the_buffers():
@@ -373,7 +347,7 @@ def test_the_seed_and_streams_are_checked_before_they_fill_the_buffers():
         _static(model, ids1, mask1, seed=-1, **kw)
     with pytest.raises(ValueError, match=r"rlkernels.linear_sample: seed must be in \[0, 2\^63\)"):
         rlkernels.generate(model, ids1, mask1, max_new_tokens=2, do_sample=True, seed=1 << 63)
-    assert hf_decode.decode_graph(model) is None
+    assert decode.decode_graph(model) is None
 
 
 # ------------------------------------------------------------------ GPU: the graph kept across calls
@@ -388,8 +362,7 @@ def _gpu_model(dtype):
 
 
 def _graphed(model, ids, mask, **kw):
-    return hf_decode.static_generate(model, decoder_of(model), ids, mask, cuda_graph=True,
-                                     cache_kwargs=cache_kwargs, **kw)
+    return decode.static_generate(model, decoder_of(model), ids, mask, cuda_graph=True, **kw)
 
 
 @pytest.fixture
@@ -411,7 +384,7 @@ def count_captures(monkeypatch):
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
 def test_gpu_a_reused_graph_gives_a_fresh_calls_and_the_eager_loops_bits(dtype, sample, count_captures):
     model = _gpu_model(dtype)
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
     (ids1, mask1), (ids2, mask2) = _batches("cuda")
     total = 40
     kw = dict(greedy=not sample, temperature=0.9)
@@ -420,27 +393,27 @@ def test_gpu_a_reused_graph_gives_a_fresh_calls_and_the_eager_loops_bits(dtype, 
     call2 = dict(max_new_tokens=total - ids2.shape[1], seed=(1 << 62) + 11,
                  streams=torch.tensor([7, 0, 5, 1 << 33], device="cuda"), **kw)
     first = _graphed(model, ids1, mask1, **call1)
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     graph = state.graph
     assert graph is not None and state.captures == 1 and count_captures[0] == 1
     second = _graphed(model, ids2, mask2, **call2)
     # The second call replayed the first call's graph from its first decode step.
-    assert hf_decode.decode_graph(model) is state and state.graph is graph and state.captures == 1
+    assert decode.decode_graph(model) is state and state.graph is graph and state.captures == 1
     assert count_captures[0] == 1 and state.calls == 2
     for (ids, mask, call), got in (((ids1, mask1, call1), first), ((ids2, mask2, call2), second)):
         eager = _static(model, ids, mask, **call)
         assert _same(got, eager)
-        hf_decode.release_decode_graphs(model)  # a fresh state: eager first step, then a capture
+        decode.release_decode_graphs(model)  # a fresh state: eager first step, then a capture
         assert _same(got, _graphed(model, ids, mask, **call))
     # rlkernels.generate keeps and reuses the same way.
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
     seq1, lp1 = rlkernels.generate(model, ids1, mask1, cuda_graph=True, max_new_tokens=call1["max_new_tokens"],
                                    do_sample=sample, temperature=0.9, seed=3, streams=call1["streams"])
     seq2, lp2 = rlkernels.generate(model, ids2, mask2, cuda_graph=True, max_new_tokens=call2["max_new_tokens"],
                                    do_sample=sample, temperature=0.9, seed=call2["seed"], streams=call2["streams"])
     assert torch.equal(seq1, first[0]) and torch.equal(lp1, first[1])
     assert torch.equal(seq2, second[0]) and torch.equal(lp2, second[1])
-    assert hf_decode.decode_graph(model).captures == 1
+    assert decode.decode_graph(model).captures == 1
     for i in range(ids2.shape[0]):  # the trainer's log-probs of the second call's rows
         row = seq2[i][torch.cat([mask2[i].bool(), torch.ones(call2["max_new_tokens"], dtype=torch.bool,
                                                              device="cuda")])]
@@ -450,62 +423,62 @@ def test_gpu_a_reused_graph_gives_a_fresh_calls_and_the_eager_loops_bits(dtype, 
 @pytest.mark.gpu
 def test_gpu_another_cache_length_or_batch_captures_again(count_captures):
     model = _gpu_model(torch.bfloat16)
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
     (ids1, mask1), (ids2, mask2) = _batches("cuda")
     kw = dict(greedy=False, temperature=0.9, seed=5)
     _graphed(model, ids1, mask1, max_new_tokens=12, **kw)
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     for ids, mask, new, streams in ((ids1, mask1, 13, None), (ids2[:3], mask2[:3], 17, None),
                                     (ids2, mask2, 16, torch.arange(4, device="cuda"))):
         before = count_captures[0]
         got = _graphed(model, ids, mask, max_new_tokens=new, streams=streams, **kw)
-        now = hf_decode.decode_graph(model)
+        now = decode.decode_graph(model)
         assert now is not state and now.captures == 1 and count_captures[0] == before + 1
         assert _same(got, _static(model, ids, mask, max_new_tokens=new, streams=streams, **kw))
         state = now
     # ids2 with 16 new tokens is ids1's cache length (9 + 16 = 14 + 11): back to replaying.
     before = count_captures[0]
     got = _graphed(model, ids1, mask1, max_new_tokens=11, **kw)
-    assert hf_decode.decode_graph(model) is state and count_captures[0] == before
+    assert decode.decode_graph(model) is state and count_captures[0] == before
     assert _same(got, _static(model, ids1, mask1, max_new_tokens=11, **kw))
 
 
 @pytest.mark.gpu
 def test_gpu_a_pinned_cache_length_replays_one_graph_across_prompt_lengths(count_captures):
     model = _gpu_model(torch.bfloat16)
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
     (ids1, mask1), (ids2, mask2) = _batches("cuda")
     kw = dict(greedy=False, temperature=0.9, seed=5, cache_len=40)
     calls = [(ids1, mask1, 12), (ids2, mask2, 20), (ids2[:, 3:], mask2[:, 3:], 7)]
     got = [_graphed(model, ids, mask, max_new_tokens=new, **kw) for ids, mask, new in calls]
-    assert count_captures[0] == 1 and hf_decode.decode_graph(model).calls == 3
+    assert count_captures[0] == 1 and decode.decode_graph(model).calls == 3
     for out, (ids, mask, new) in zip(got, calls):  # an unpinned eager call's bits
         assert _same(out, _static(model, ids, mask, max_new_tokens=new, greedy=False, temperature=0.9, seed=5))
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
 
 
 @pytest.mark.gpu
 def test_gpu_a_new_parameter_object_captures_again_instead_of_replaying_stale_pointers(count_captures):
     model = _gpu_model(torch.bfloat16)
-    hf_decode.release_decode_graphs(model)
+    decode.release_decode_graphs(model)
     (ids1, mask1), _ = _batches("cuda")
     kw = dict(greedy=False, temperature=0.9, seed=7, max_new_tokens=10)
     _graphed(model, ids1, mask1, **kw)
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     head = model.get_output_embeddings()
     old = head.weight  # kept alive: a replay through its pointer would read the old values
     head.weight = torch.nn.Parameter(old.detach().clone().mul_(3))
     before = count_captures[0]
     got = _graphed(model, ids1, mask1, **kw)
-    assert hf_decode.decode_graph(model) is not state and count_captures[0] == before + 1
+    assert decode.decode_graph(model) is not state and count_captures[0] == before + 1
     assert _same(got, _static(model, ids1, mask1, **kw))
     # Written in place (an optimizer step): the graph stays and reads the new values.
-    state = hf_decode.decode_graph(model)
+    state = decode.decode_graph(model)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)
     before = count_captures[0]
     got = _graphed(model, ids1, mask1, **kw)
-    assert hf_decode.decode_graph(model) is state and count_captures[0] == before
+    assert decode.decode_graph(model) is state and count_captures[0] == before
     assert _same(got, _static(model, ids1, mask1, **kw))
     del old

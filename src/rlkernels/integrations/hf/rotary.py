@@ -27,8 +27,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..ops.rotary import fused_ok, rotary_embedding_fused
-from .hf_coverage import VERIFIED_FAMILIES, family_of, modeling_module
+from ...ops.rotary import fused_ok, rotary_embedding_fused
+from .coverage import VERIFIED_FAMILIES, family_of, modeling_module
 
 FUNCTION = "apply_rotary_pos_emb"
 _FORMULA = ("cos = cos.unsqueeze(unsqueeze_dim)", "sin = sin.unsqueeze(unsqueeze_dim)",

@@ -1,5 +1,10 @@
 """A static-cache decode loop for a patched Hugging Face causal LM, replayed as a CUDA graph.
 
+One step of it is :func:`decode_step`: a patched model's forward of the newest tokens on a
+``StaticCache`` (:func:`new_cache`), then the :func:`rlkernels.linear_sample` draw of each
+row's next token. :func:`static_generate` runs that step in a loop over a batch of prompts
+(``rlkernels.generate`` calls it through :func:`decode_under_mode`).
+
 Rollout engines decode through CUDA graphs: one decode step is dozens of small
 kernels per layer, and launching them from Python costs more than running them.
 This loop keeps every input of a decode step in a fixed buffer (token ids, position
@@ -20,7 +25,7 @@ step on a new :class:`DecodeGraph` runs eagerly too (it compiles every kernel an
 every one-time host query), and the next one is captured.
 
 The cache's layers write their keys and values with one launch each, at one device
-counter all layers share and the last one advances (:mod:`.hf_static_cache`), instead of
+counter all layers share and the last one advances (:mod:`.static_cache`), instead of
 transformers' five launches per layer.
 
 Reuse across calls
@@ -72,10 +77,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .._env import SWITCHES, env_get
-from ..ops.linear_sample import linear_sample, validate_seed
-from . import hf_static_cache
-from .batch_invariant import is_batch_invariant_mode_enabled
+from ..._env import SWITCHES, env_get
+from ...ops.linear_sample import linear_sample, validate_seed
+from ..aten_mode import is_batch_invariant_mode_enabled
+from . import static_cache
+from .coverage import cache_kwargs, decoder_of, mode_for
 
 OP = "generate"
 
@@ -209,7 +215,7 @@ def _rewind(cache: Any) -> None:
     if StaticLayer is None or not hasattr(cache, "layers"):
         cache.reset()
         return
-    counters: dict[int, torch.Tensor] = {}  # by identity: the layers may share one (hf_static_cache)
+    counters: dict[int, torch.Tensor] = {}  # by identity: the layers may share one (static_cache)
     for layer in cache.layers:
         counter = getattr(layer, "cumulative_length", None)
         if type(layer) is StaticLayer and isinstance(counter, torch.Tensor):
@@ -252,18 +258,63 @@ def _acquire(model: nn.Module, key: tuple, make: Callable[[], DecodeGraph]) -> t
         return state, kept
 
 
+def new_cache(model: nn.Module, length: int) -> Any:
+    """An empty ``StaticCache`` of ``length`` slots for ``model``, its layers' writes one
+    launch each (:func:`~rlkernels.integrations.hf.static_cache.count_once`)."""
+    from transformers import StaticCache  # transformers is the optional "hf" extra
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    static_cache.count_once(cache)  # one launch per layer for its writes
+    return cache
+
+
+def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.Tensor,
+                positions: torch.Tensor, *, temperature: float, greedy: bool, seed: torch.Tensor,
+                streams: torch.Tensor, cache_position: torch.Tensor | None = None) -> Drawn:
+    """One forward of a patched decoder on a static cache, then the draw of each row's next token.
+
+    ``ids`` [B, Lq] long are fed at ``positions`` [B, Lq] long; their keys and values are
+    written into ``cache``; ``mask`` [B, S] long is 1 for every real key of the cache, these
+    included (S: the cache's length). ``head`` is the LM head. The next token follows the
+    last fed one: :func:`rlkernels.linear_sample` of the last final hidden state at
+    ``temperature``, the argmax (``greedy``) or a draw keyed by ``seed`` (an int64 [] tensor),
+    the row's stream (``streams``, int64 [B]) and its position ``positions[:, -1] + 1``.
+    ``cache_position`` [Lq] long: the slots written, for transformers 4.x (5.x counts them
+    on the device). Returns (token [B] int64, logp [B] fp32, entropy [B] fp32). No host
+    sync: the step can be captured into a CUDA graph whose inputs are these tensors.
+    """
+    slots = {"cache_position": cache_position} if cache_position is not None else {}
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                  **cache_kwargs(decoder, cache), **slots)
+    hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
+    # The token drawn here is the row's next one: its position follows the last fed token's.
+    return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
+                         seed=seed, streams=streams, positions=positions[:, -1] + 1,
+                         greedy=greedy, return_entropy=True)
+
+
+def decode_under_mode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      batch_invariant: bool | None, options: dict[str, Any]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`static_generate` of ``model``'s base decoder with ``options``, under
+    :func:`~rlkernels.integrations.hf.coverage.mode_for` ``(model, batch_invariant)``:
+    ``rlkernels.generate``'s decode (run as an FSDP2 root's forward where ``model`` is one)."""
+    with mode_for(model, batch_invariant):
+        return static_generate(model, decoder_of(model), input_ids, attention_mask, **options)
+
+
 def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                     max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, seed: int = 0,
                     streams: torch.Tensor | None = None, pad_token_id: int | None = None,
                     eos_token_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
-                    keep: bool | None = None, cache_len: int | None = None,
-                    cache_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    keep: bool | None = None, cache_len: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to ``max_new_tokens`` tokens after left-padded prompts with a ``StaticCache``.
 
     input_ids, attention_mask: [B, L] (long; left padding). ``decoder`` is the model's base
-    decoder (returns the final, normed hidden states); ``cache_kwargs(decoder, cache)`` gives
-    the cache keyword its forward takes. Each token is :func:`rlkernels.linear_sample` of the
-    final hidden state that precedes it: the argmax of the fp32 logits / T (``greedy``), or a
+    decoder (returns the final, normed hidden states). Each token is drawn by
+    :func:`decode_step`, :func:`rlkernels.linear_sample` of the final hidden state that
+    precedes it: the argmax of the fp32 logits / T (``greedy``), or a
     draw keyed by (``seed``, the row's stream, the token's position counted from the row's
     first real token), so left padding and batch-mates change nothing. ``seed``: a Python
     int in [0, 2^63); ``streams``: int64 [B] (None: ``arange(B)``). Returns ``(sequences
@@ -282,8 +333,6 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     the attention's chain, so it changes no bit, and a pinned length lets calls with other
     prompt lengths share one kept state.
     """
-    from transformers import StaticCache  # transformers is the optional "hf" extra
-
     B, L = input_ids.shape
     dev = input_ids.device
     keep = cuda_graph if keep is None else keep
@@ -298,16 +347,13 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     key = decode_key(model, B, total, dev, temperature, greedy) if keep else None
 
     def make() -> DecodeGraph:
-        cache = StaticCache(config=model.config, max_cache_len=total)
-        hf_static_cache.count_once(cache)  # one launch per layer for its writes
-        return DecodeGraph(key, cache, _StepBuffers(B, total, dev, takes_cache_position))
+        return DecodeGraph(key, new_cache(model, total), _StepBuffers(B, total, dev, takes_cache_position))
 
     state, kept = _acquire(model, key, make) if keep else (make(), False)
     try:
         return _decode(state, model, decoder, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                        greedy=greedy, temperature=temperature, seed=seed, streams=streams,
-                       pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, cuda_graph=cuda_graph,
-                       cache_kwargs=cache_kwargs)
+                       pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, cuda_graph=cuda_graph)
     except BaseException:
         if kept:  # a call that failed part-way (a capture, a refusal) leaves nothing to reuse
             with _GRAPHS_LOCK:
@@ -321,7 +367,7 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
 def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids: torch.Tensor,
             attention_mask: torch.Tensor, *, max_new_tokens: int, greedy: bool, temperature: float, seed: int,
             streams: torch.Tensor | None, pad_token_id: int | None, eos_token_ids: list[int] | tuple[int, ...],
-            cuda_graph: bool, cache_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            cuda_graph: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loop of :func:`static_generate` on ``state``'s cache and buffers."""
     B, L = input_ids.shape
     dev = input_ids.device
@@ -339,16 +385,11 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
 
     # transformers 4.x writes a static cache at the slots ``cache_position`` names; 5.x
     # counts the writes on the device itself and takes no such argument.
-    slots = {"cache_position": torch.arange(L, device=dev)} if buffers.cache_position is not None else {}
+    cache_position = torch.arange(L, device=dev) if buffers.cache_position is not None else None
 
     def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Drawn:
-        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                      **cache_kwargs(decoder, cache), **slots)
-        hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
-        # The token drawn here is the row's next one: its position follows the last fed token's.
-        return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
-                             seed=buffers.seed, streams=buffers.streams, positions=positions[:, -1] + 1,
-                             greedy=greedy, return_entropy=True)
+        return decode_step(decoder, head, cache, ids, mask, positions, temperature=temperature, greedy=greedy,
+                           seed=buffers.seed, streams=buffers.streams, cache_position=cache_position)
 
     def step() -> Drawn:
         return forward(buffers.ids, buffers.mask, buffers.positions)
@@ -382,7 +423,7 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
             buffers.mask[:, L + t] = 1
             if buffers.cache_position is not None:  # from here on one fixed buffer, the slot the step writes
                 buffers.cache_position.fill_(L + t)
-                slots["cache_position"] = buffers.cache_position
+                cache_position = buffers.cache_position
             next_position += 1
             if cuda_graph and state.graph is None and state.warm:
                 # An eager step on these shapes compiled every kernel and made every one-time

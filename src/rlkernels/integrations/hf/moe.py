@@ -16,7 +16,7 @@ token, with a ``*TopKRouter`` ``gate`` (``weight`` [E, H], no bias) and a fused
 The replacement computes that math with the fixed orders of :mod:`rlkernels.ops.moe`
 (ties to the lowest expert id, combine in fp32 in ascending rank order, the shared expert
 added last, rounded once) and shares every Parameter object. Any other MoE block is left
-alone: :mod:`.hf_coverage` names it and ``is_patched`` stays False. A block of these
+alone: :mod:`.coverage` names it and ``is_patched`` stays False. A block of these
 families whose configuration the replacement would compute differently is refused with
 a ValueError naming the module.
 """
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..nn import Linear, MoeExperts, MoeRouter, SiLU, SparseMoeBlock
-from ..ops.matmul import gemm_backend_for
-from .hf_coverage import family_of
+from ...nn import Linear, MoeExperts, MoeRouter, SparseMoeBlock
+from ...ops.matmul import gemm_backend_for
+from .coverage import family_of, is_silu
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,6 @@ _EXPERT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "i
 
 def known_block(module: nn.Module) -> Family | None:
     return BLOCKS.get((family_of(module) or "", type(module).__name__))
-
-
-def _is_silu(act: object) -> bool:
-    kind = type(act)
-    if kind is nn.SiLU:
-        return not act.inplace  # type: ignore[attr-defined]
-    return isinstance(act, SiLU) or (kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations")
 
 
 def _refuse(name: str, module: nn.Module, why: str) -> ValueError:
@@ -136,7 +129,7 @@ def replace_block(name: str, block: nn.Module, config: object = None) -> SparseM
         if getattr(experts, flag, value) != value:
             raise _refuse(name, block, f"its experts have {flag} = {getattr(experts, flag)!r} (the replacement "
                                        f"computes the {flag} = {value!r} layout)")
-    if not _is_silu(getattr(experts, "act_fn", None)):
+    if not is_silu(getattr(experts, "act_fn", None)):
         raise _refuse(name, block, f"its experts' activation is {type(getattr(experts, 'act_fn', None)).__name__}, "
                                    "not SiLU")
     if getattr(config, "output_router_logits", False):

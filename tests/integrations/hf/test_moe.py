@@ -11,10 +11,10 @@ transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
 from rlkernels import reference  # noqa: E402
-from rlkernels.integrations import hf_coverage, hf_moe  # noqa: E402
+from rlkernels.integrations.hf import coverage, moe  # noqa: E402
 from rlkernels.nn import SparseMoeBlock  # noqa: E402
 
-from ..conftest import HAS_CUDA  # noqa: E402
+from ...conftest import HAS_CUDA  # noqa: E402
 
 VOCAB = 300
 KINDS = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -120,7 +120,7 @@ def test_patch_model_replaces_the_blocks_sharing_every_parameter(kind):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert rlkernels.patch_model(model) is model
-    assert rlkernels.is_patched(model) and list(hf_coverage.uncovered_modules(model)) == []
+    assert rlkernels.is_patched(model) and list(coverage.uncovered_modules(model)) == []
     assert all(isinstance(b, SparseMoeBlock) for b in _blocks(model))
     assert set(model.state_dict()) == keys
     for name, p in model.named_parameters():
@@ -347,7 +347,7 @@ def test_another_activation_is_refused():
 def test_an_unknown_block_is_refused_by_name():
     block = build("olmoe").model.layers[0].mlp
     with pytest.raises(ValueError, match=r"layer0 \(OlmoeSparseMoeBlock\) cannot be replaced: not a block"):
-        hf_moe.replace_block("layer0", block)
+        moe.replace_block("layer0", block)
 
 
 # ---------------------------------------------------------------- GPU

@@ -7,10 +7,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
-from rlkernels.integrations import hf_attention  # noqa: E402
-from rlkernels.integrations.hf import hidden_states, patch_model, token_logprobs  # noqa: E402
+from rlkernels.integrations.hf import attention  # noqa: E402
+from rlkernels.integrations.hf import patch_model, token_logprobs  # noqa: E402
+from rlkernels.integrations.hf.scoring import hidden_states  # noqa: E402
 
-from .test_hf import _tiny  # noqa: E402
+from ._models import _tiny  # noqa: E402
 
 TEMPERATURE = 0.9
 
@@ -160,18 +161,18 @@ def test_attention_refuses_what_it_does_not_compute():
     attn = model.model.layers[0].self_attn
     q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     with pytest.raises(ValueError, match="sliding_window=4 is not supported"):
-        hf_attention.rlkernels_attention_forward(attn, q, k, k, None, sliding_window=4)
+        attention.rlkernels_attention_forward(attn, q, k, k, None, sliding_window=4)
     attn.train()
     with pytest.raises(ValueError, match="attention dropout"):
-        hf_attention.rlkernels_attention_forward(attn, q, k, k, None, dropout=0.1)
+        attention.rlkernels_attention_forward(attn, q, k, k, None, dropout=0.1)
     attn.eval()
     holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     with pytest.raises(ValueError, match="row 0 of the attention mask has padding between real tokens"):
-        hf_attention.rlkernels_attention_forward(attn, q, k, k, holes)
+        attention.rlkernels_attention_forward(attn, q, k, k, holes)
 
 
 def test_registered_for_from_config_and_set_attn_implementation():
-    hf_attention.register()
+    attention.register()
     model = _tiny("qwen3")
     model.set_attn_implementation("rlkernels")
     assert model.config._attn_implementation == "rlkernels"
@@ -210,7 +211,7 @@ def test_mask_hook_hands_the_first_query_slot_through():
     # transformers 5.x passes q_offset (an int, or a static cache's device counter, copied
     # before the first layer's update advances it); 4.x passes cache_position instead.
     # Where the queries are the last keys the mask goes through as it came.
-    hook = hf_attention._pass_padding_mask
+    hook = attention._pass_padding_mask
     mask = torch.ones(2, 9, dtype=torch.long)
     assert hook(attention_mask=mask) is mask
     assert hook(attention_mask=mask, q_offset=6, kv_length=9, q_length=3) is mask
@@ -219,9 +220,9 @@ def test_mask_hook_hands_the_first_query_slot_through():
     got = hook(attention_mask=mask, q_offset=counter, kv_length=9, q_length=1)
     counter += 1
     assert got.shape == (2, 1, 1, 9) and got.dtype == torch.bool and bool(got.all())
-    assert int(getattr(got, hf_attention.Q_OFFSET)) == 5
+    assert int(getattr(got, attention.Q_OFFSET)) == 5
     got = hook(attention_mask=mask, cache_position=torch.arange(6, 9))
-    assert int(getattr(got, hf_attention.Q_OFFSET)) == 6
+    assert int(getattr(got, attention.Q_OFFSET)) == 6
     got = hook(attention_mask=None, q_offset=torch.tensor(2), batch_size=2, kv_length=9, q_length=3)
     assert got[:, 0, 0].tolist() == [[True] * 5 + [False] * 4] * 2
 

@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
-from rlkernels.integrations import hf_coverage  # noqa: E402
+from rlkernels.integrations.hf import coverage  # noqa: E402
 
 VOCAB = 300
 DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -67,7 +67,7 @@ def test_verified_families_are_patched_without_a_warning(kind):
         warnings.simplefilter("error")
         rlkernels.patch_model(model)
     assert rlkernels.is_patched(model)
-    assert list(hf_coverage.uncovered_modules(model)) == []
+    assert list(coverage.uncovered_modules(model)) == []
 
 
 @pytest.mark.parametrize("kind, named", [("gpt2", "Conv1D"), ("olmoe", "OlmoeExperts")])
@@ -93,7 +93,7 @@ def test_stock_moe_rows_move_with_the_batch_outside_the_mode():
 
 def test_a_stock_moe_block_is_a_gap_even_in_a_verified_family():
     model = _build("qwen3_moe")  # not patched: the stock block, its router and its experts
-    gaps = {type(m).__name__ for _, m in hf_coverage.uncovered_modules(model)}
+    gaps = {type(m).__name__ for _, m in coverage.uncovered_modules(model)}
     assert {"Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeExperts"} <= gaps
 
 
@@ -101,7 +101,7 @@ def test_a_parameter_holding_module_in_a_verified_family_is_a_gap():
     model = rlkernels.patch_model(_build("llama"))
     model.model.layers[0].mlp.register_parameter("scale", torch.nn.Parameter(torch.ones(32)))
     assert not rlkernels.is_patched(model)
-    assert "LlamaMLP (e.g. model.layers.0.mlp)" in hf_coverage.describe_gaps(model)
+    assert "LlamaMLP (e.g. model.layers.0.mlp)" in coverage.describe_gaps(model)
 
 
 @pytest.mark.parametrize("kind, over, field", [
@@ -129,7 +129,7 @@ def test_heads_that_scale_or_cap_logits_are_refused(kind, over, field):
 
 def test_neutral_transform_values_are_not_refused():
     model = _build("cohere", logit_scale=1.0)
-    assert hf_coverage.logit_transforms(model) == []
+    assert coverage.logit_transforms(model) == []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert rlkernels.token_logprobs(model, torch.tensor([[1, 2, 3]])).shape == (1, 2)

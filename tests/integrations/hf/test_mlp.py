@@ -10,16 +10,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
-from rlkernels.integrations import hf_mlp  # noqa: E402
+from rlkernels.integrations.hf import mlp  # noqa: E402
 
-from .test_hf import _tiny  # noqa: E402
+from ._models import _tiny  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_patch_model_binds_every_gated_mlp_and_the_bits_stay(arch):
     model = rlkernels.patch_model(_tiny(arch))
     mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
-    assert mlps and all(hf_mlp.is_installed(m) for m in mlps)
+    assert mlps and all(mlp.is_installed(m) for m in mlps)
     ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         bound = rlkernels.token_logprobs(model, ids)
@@ -32,7 +32,7 @@ def test_patch_model_binds_every_gated_mlp_and_the_bits_stay(arch):
 def test_another_activation_keeps_the_class_forward():
     model = rlkernels.patch_model(_tiny("llama", hidden_act="gelu"))
     mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
-    assert mlps and not any(hf_mlp.is_installed(m) for m in mlps)
+    assert mlps and not any(mlp.is_installed(m) for m in mlps)
 
 
 def test_a_deep_copy_runs_its_own_weights():

@@ -3,7 +3,7 @@ rank's per-token log-probs equal the one-process model's bit for bit.
 
 CPU: gloo, two processes, the tiny Qwen3 in fp32. GPU (marked ``gpu``, two CUDA devices):
 NCCL, bf16, the check's wider model (hidden 1024, 4 layers). Without the library's FSDP2
-hook (``integrations.fsdp``) ``token_logprobs`` raises on an FSDP2 model (the root's
+hook (``integrations.trainers.fsdp``) ``token_logprobs`` raises on an FSDP2 model (the root's
 parameters stay sharded DTensors).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 import rlkernels
 from rlkernels.check.model import GPU_WIDTH, build_model
 
-from ..parallel._workers import run_world
+from ...parallel._workers import run_world
 
 WORLD = 2
 STEPS = 2

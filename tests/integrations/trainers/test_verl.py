@@ -1,4 +1,4 @@
-"""rlkernels.integrations.verl.linear_cross_entropy: verl's signature and meaning.
+"""rlkernels.integrations.trainers.verl.linear_cross_entropy: verl's signature and meaning.
 
 Against a float64 reference (log_softmax of the full logits) within the contract's
 linear_logprob tolerances, gradients too; torch backend always, the Triton kernels
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from rlkernels import contract
-from rlkernels.integrations.verl import linear_cross_entropy
+from rlkernels.integrations.trainers.verl import linear_cross_entropy
 from rlkernels.testing import rel_error
 
-from ..conftest import cpu_backend_cases, randn
+from ...conftest import cpu_backend_cases, randn
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 TEMP = 0.7
@@ -130,14 +130,14 @@ def test_main_grad_receives_dw(gen):
 @pytest.mark.parametrize("reduction", ["avg", "elementwise_mean", "", None, 1])
 def test_unknown_reduction_raises(reduction, gen):
     h, w, labels = _data(F32, gen)
-    with pytest.raises(ValueError, match=r"rlkernels\.integrations\.verl\.linear_cross_entropy: reduction must be "
-                                         r"one of 'none', 'sum', 'mean'.*got"):
+    with pytest.raises(ValueError, match=r"rlkernels\.integrations\.trainers\.verl\.linear_cross_entropy: "
+                                         r"reduction must be one of 'none', 'sum', 'mean'.*got"):
         linear_cross_entropy(h, w, labels, 1.0, reduction)
 
 
 def test_refusals_name_the_op_and_values(gen):
     h, w, labels = _data(F32, gen)
-    op = r"rlkernels\.integrations\.verl\.linear_cross_entropy: "
+    op = r"rlkernels\.integrations\.trainers\.verl\.linear_cross_entropy: "
     bad = labels.clone()
     bad[1, 2] = -100  # verl has no ignore index
     with pytest.raises(ValueError, match=op + r"label -100 at flat position 7 is outside \[0, 100\)"):

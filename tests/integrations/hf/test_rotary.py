@@ -13,11 +13,11 @@ transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
 from rlkernels._env import triton_interpret  # noqa: E402
-from rlkernels.integrations import hf_rotary  # noqa: E402
+from rlkernels.integrations.hf import rotary as hf_rotary  # noqa: E402
 from rlkernels.ops import rotary  # noqa: E402  (the kernel the dispatcher calls)
-from rlkernels.integrations.hf_coverage import VERIFIED_FAMILIES  # noqa: E402
+from rlkernels.integrations.hf.coverage import VERIFIED_FAMILIES  # noqa: E402
 
-from .test_hf import _tiny  # noqa: E402
+from ._models import _tiny  # noqa: E402
 
 
 @pytest.mark.parametrize("family", sorted(VERIFIED_FAMILIES))

@@ -1,4 +1,4 @@
-"""What a patched Hugging Face model's forward is proven to cover, and what it is not.
+"""What a patched Hugging Face model's forward is proven to cover, and how its modules are read.
 
 ``is_patched`` is a promise: every op of the forward that reduces across features or
 tokens runs an invariant kernel. It is kept by an allowlist, not a guess. A module is
@@ -17,7 +17,7 @@ covered when it is
 A stock mixture-of-experts block (``*SparseMoeBlock``, its ``*TopKRouter`` and fused
 ``*Experts``) is never covered, even in a verified family: its experts run over a
 batch-dependent token count and are combined with ``index_add_``. ``patch_model`` replaces
-those of Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`.hf_moe`).
+those of Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`.moe`).
 
 Anything else -- GPT-2's ``Conv1D``, a ``LayerNorm``, another family's mixture-of-experts
 block, a family nobody has read --
@@ -28,14 +28,24 @@ The LM head is part of the promise too: ``token_logprobs`` and ``generate`` take
 log-probs from ``hidden @ lm_head.weight.T (+ bias)``. Some models scale or cap their
 logits after the head (:data:`LOGIT_TRANSFORMS`); the fused head does not apply those,
 so such a model is refused rather than scored by another formula.
+
+The readings every other module of the package shares live here too: a model's base
+decoder (:func:`decoder_of`), its modeling module and family, its attention
+implementation, the keyword its forward takes the KV cache by (:func:`cache_kwargs`), and
+which activations are transformers' SiLU (:func:`is_silu`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 from typing import Any, Iterator
 
 from torch import nn
 
-from ..nn import Linear, MoeExperts, MoeRouter, RMSNorm, SiLU, SparseMoeBlock
+from ...nn import Linear, MoeExperts, MoeRouter, RMSNorm, SiLU, SparseMoeBlock
+from ..aten_mode import set_batch_invariant_mode
+from .attention import NAME as ATTENTION
 
 # transformers' modeling modules whose causal-LM forward was read: decoder layers of
 # attention (through the attention interface) and a gated MLP or a mixture-of-experts
@@ -88,6 +98,49 @@ def family_of(module: nn.Module) -> str | None:
     return name.split(".")[2] if name is not None else None
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The base decoder (``model.model`` for ``*ForCausalLM``) that returns final hidden states."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) and base is not model else model
+
+
+def attention_implementation(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(module_type: type) -> str:
+    params = inspect.signature(module_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(module: nn.Module, cache: Any) -> dict[str, Any]:
+    """The KV cache as the keyword this module's forward takes.
+
+    Recent transformers 5.x releases name it ``cache`` and warn (a FutureWarning per
+    call) on ``past_key_values``; earlier releases only know ``past_key_values``. The
+    cache is updated in place, so callers never read it back from the output (which
+    warns too).
+    """
+    return {_cache_keyword(type(module)): cache}
+
+
+def is_silu(module: object) -> bool:
+    """``nn.SiLU`` (not in place) or transformers' ``SiLUActivation``: x * sigmoid(x).
+
+    Stock modules only, not :class:`rlkernels.nn.SiLU`. ``patch_model`` swaps what this
+    accepts, so the library's own SiLU must fail it: patching a patched model again keeps
+    its modules (the identities a kept decode graph is keyed by). The mixture-of-experts
+    check reads the activation of a stock ``*Experts`` module, which ``patch_model``
+    replaces before it swaps any SiLU, so a stock SiLU is all it meets there.
+    """
+    kind = type(module)
+    if kind is nn.SiLU:
+        return not module.inplace  # type: ignore[attr-defined]
+    return kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
+
+
 def _covered(module: nn.Module) -> bool:
     if isinstance(module, (Linear, RMSNorm, SiLU, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT)):
         return True
@@ -102,6 +155,28 @@ def uncovered_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if not _covered(module):
             yield name or type(module).__name__, module
+
+
+def is_patched(model: nn.Module) -> bool:
+    """True where ``model``'s forward is invariant without the mode: the ``"rlkernels"``
+    attention is selected and every module is covered
+    (:func:`~rlkernels.integrations.hf.coverage.uncovered_modules` finds none): the
+    library's Linear, RMSNorm and MoE block, gathers and elementwise modules, and the
+    parameter-free modules of the verified families (Llama, Mistral, Qwen2, Qwen3 and the
+    MoE Qwen3-MoE, Qwen2-MoE, Mixtral), whose other ops do
+    not reduce across tokens (embedding gathers, rotary tables from a one-term product,
+    elementwise activations and residual adds).
+    """
+    if attention_implementation(model) != ATTENTION:
+        return False
+    return next(uncovered_modules(model), None) is None
+
+
+def mode_for(model: nn.Module, batch_invariant: bool | None = None) -> contextlib.AbstractContextManager:
+    """The guard to run ``model`` under: the batch-invariant mode where asked (True), or
+    (None) where the model is not :func:`is_patched`; otherwise nothing."""
+    on = not is_patched(model) if batch_invariant is None else batch_invariant
+    return set_batch_invariant_mode(True) if on else contextlib.nullcontext()
 
 
 def describe_gaps(model: nn.Module, limit: int = 6) -> str | None:

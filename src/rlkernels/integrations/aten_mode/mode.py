@@ -27,7 +27,7 @@ it): the GEMMs call the Triton kernel directly (never the cuBLASLt path, which i
 ``F.linear``) or the elementwise chain; the reductions use ``ops.reductions``' backends,
 which are built from elementwise ops, ``amax`` and Triton.
 
-Every override first makes stock's own argument checks (``_aten_checks``): it
+Every override first makes stock's own argument checks (:mod:`.checks`): it
 raises what stock raises for inputs stock rejects and runs what stock runs.
 
 State: the overrides act in every thread, so the state is process-wide. Each
@@ -47,14 +47,14 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import aten_checks as C
-from ..runtime import mode_state as _mode_state
-from ..ops._validate import refuse_interpreted_bf16
-from ..gemm.chain import accumulator_dtype
-from ..ops.activations import silu_chain, silu_chain_backward
-from ..ops.matmul import gemm_backend_for
-from ..ops.reductions import TorchReductionBackend, TritonReductionBackend, reduction_backend_for
-from ..ops.softmax import softmax_backward, softmax_forward
+from . import checks as C
+from ...runtime import mode_state as _mode_state
+from ...ops._validate import refuse_interpreted_bf16
+from ...gemm.chain import accumulator_dtype
+from ...ops.activations import silu_chain, silu_chain_backward
+from ...ops.matmul import gemm_backend_for
+from ...ops.reductions import TorchReductionBackend, TritonReductionBackend, reduction_backend_for
+from ...ops.softmax import softmax_backward, softmax_forward
 
 __all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled", "COVERED_OPS"]
 

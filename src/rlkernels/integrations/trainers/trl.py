@@ -2,7 +2,7 @@
 
 One import::
 
-    from rlkernels.integrations.trl import RLKGRPOTrainer      # instead of trl.GRPOTrainer
+    from rlkernels.integrations.trainers.trl import RLKGRPOTrainer      # instead of trl.GRPOTrainer
     trainer = RLKGRPOTrainer(model=model, reward_funcs=..., args=GRPOConfig(...), ...)
 
 or, on a trainer built already, ``patch_grpo_trainer(trainer)``.
@@ -45,16 +45,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hf import IGNORE_INDEX, decoder_of, hidden_states, mode_for, patch_model
-from ..ops.linear_logprob import linear_logprob
+from ..hf.coverage import decoder_of, mode_for
+from ..hf.patch import patch_model
+from ..hf.scoring import IGNORE_INDEX, hidden_states
+from ...ops.linear_logprob import linear_logprob
 
 try:
     import trl
     from trl import GRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError('rlkernels.integrations.trl needs TRL: pip install "rlkernels[trl]"') from exc
+    raise ImportError('rlkernels.integrations.trainers.trl needs TRL: pip install "rlkernels[trl]"') from exc
 
-OP = "integrations.trl"
+OP = "integrations.trainers.trl"
 _TESTED = "1.16"
 
 

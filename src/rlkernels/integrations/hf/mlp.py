@@ -1,7 +1,7 @@
 """transformers' gated MLP with ``silu(gate) * up`` in one launch, in a patched model.
 
 The MLPs of the verified families compute ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``:
-after :func:`~rlkernels.integrations.hf.patch_model` swaps ``act_fn`` for
+after :func:`~rlkernels.integrations.hf.patch.patch_model` swaps ``act_fn`` for
 :class:`rlkernels.nn.SiLU`, the SiLU and the product are two launches per layer.
 :func:`install` binds each such MLP a forward that computes the same with
 :func:`rlkernels.ops.activations.silu_mul` (one launch on CUDA without gradients, the same
@@ -15,9 +15,9 @@ import types
 import torch
 from torch import nn
 
-from ..nn import SiLU
-from ..ops.activations import silu_mul
-from .hf_coverage import VERIFIED_FAMILIES, family_of
+from ...nn import SiLU
+from ...ops.activations import silu_mul
+from .coverage import VERIFIED_FAMILIES, family_of
 
 _FORMULA = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
 

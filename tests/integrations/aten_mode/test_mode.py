@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from rlkernels import testing
-from rlkernels.integrations.batch_invariant import is_batch_invariant_mode_enabled, set_batch_invariant_mode
+from rlkernels.integrations.aten_mode import is_batch_invariant_mode_enabled, set_batch_invariant_mode
 from rlkernels._env import triton_interpret
 
-from ..conftest import HAS_CUDA, randn
+from ...conftest import HAS_CUDA, randn
 
 
 @pytest.fixture(autouse=True)

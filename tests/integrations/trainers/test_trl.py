@@ -1,4 +1,4 @@
-"""rlkernels.integrations.trl: TRL's GRPOTrainer on an rlkernels-patched policy.
+"""rlkernels.integrations.trainers.trl: TRL's GRPOTrainer on an rlkernels-patched policy.
 
 Real GRPO steps on the CPU (a tiny random-weight Qwen3 from a config, a character
 tokenizer built here, two prompts, a trivial reward; no download). With
@@ -18,7 +18,7 @@ datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from rlkernels.integrations.trl import RLKGRPOTrainer, patch_grpo_trainer  # noqa: E402
+from rlkernels.integrations.trainers.trl import RLKGRPOTrainer, patch_grpo_trainer  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyz ?"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -158,12 +158,13 @@ def test_fused_forward_matches_stock_values_and_ignores_chunking(tmp_path):
 
 
 def test_refusals(tmp_path):
-    with pytest.raises(TypeError, match="rlkernels.integrations.trl.patch_grpo_trainer: expected a trl.GRPOTrainer"):
+    with pytest.raises(TypeError, match="rlkernels.integrations.trainers.trl.patch_grpo_trainer: "
+                                        "expected a trl.GRPOTrainer"):
         patch_grpo_trainer(object())
     trainer = _trainer(RLKGRPOTrainer, tmp_path)
     ids = torch.ones(1, 4, dtype=torch.long)
-    with pytest.raises(NotImplementedError, match="rlkernels.integrations.trl: .*pixel_values"):
+    with pytest.raises(NotImplementedError, match="rlkernels.integrations.trainers.trl: .*pixel_values"):
         trainer.model(ids, labels=ids, fused_lm_head=True, pixel_values=torch.zeros(1))
     trainer.args.cast_lm_head_to_fp32 = True
-    with pytest.raises(ValueError, match="rlkernels.integrations.trl: cast_lm_head_to_fp32"):
+    with pytest.raises(ValueError, match="rlkernels.integrations.trainers.trl: cast_lm_head_to_fp32"):
         patch_grpo_trainer(trainer)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..ops.kv_cache import write_kv_slots
+from ...ops.kv_cache import write_kv_slots
 
 
 class _Counter:

@@ -9,11 +9,11 @@ transformers = pytest.importorskip("transformers")
 from transformers import StaticCache  # noqa: E402
 
 import rlkernels  # noqa: E402
-from rlkernels.integrations import hf_static_cache  # noqa: E402
-from rlkernels.integrations.hf import cache_kwargs, decoder_of  # noqa: E402
+from rlkernels.integrations.hf import static_cache  # noqa: E402
+from rlkernels.integrations.hf.coverage import cache_kwargs, decoder_of  # noqa: E402
 from rlkernels.testing import _bits_equal  # noqa: E402
 
-from .test_hf import _tiny  # noqa: E402
+from ._models import _tiny  # noqa: E402
 
 
 def _fill(model, cache, ids, steps, slots=12):
@@ -37,7 +37,7 @@ def test_one_counter_gives_transformers_cache_contents_and_lengths(arch):
     ids = torch.randint(1, 300, (3, 7), generator=torch.Generator().manual_seed(0))
     theirs = StaticCache(config=model.config, max_cache_len=12)
     ours = StaticCache(config=model.config, max_cache_len=12)
-    assert hf_static_cache.count_once(ours)
+    assert static_cache.count_once(ours)
     _fill(model, theirs, ids, 3)
     _fill(model, ours, ids, 3)
     counters = {id(layer.cumulative_length) for layer in ours.layers}
@@ -51,6 +51,6 @@ def test_a_cache_already_written_or_of_another_kind_is_left_alone():
     model = rlkernels.patch_model(_tiny("qwen3"))
     written = StaticCache(config=model.config, max_cache_len=12)
     _fill(model, written, torch.randint(1, 300, (2, 4), generator=torch.Generator().manual_seed(1)), 0)
-    assert not hf_static_cache.count_once(written)
-    assert not hf_static_cache.count_once(transformers.DynamicCache())
+    assert not static_cache.count_once(written)
+    assert not static_cache.count_once(transformers.DynamicCache())
     assert all("update" not in vars(layer) for layer in written.layers)

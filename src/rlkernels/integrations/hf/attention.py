@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._env import switch_on
-from ..runtime.device import can_read_back
-from ..ops.attention import CHECK_ENV, attention_by_bounds
+from ..._env import switch_on
+from ...runtime.device import can_read_back
+from ...ops.attention import CHECK_ENV, attention_by_bounds
 
 NAME = "rlkernels"
 

@@ -3,7 +3,7 @@
 Swapping is one import::
 
     # from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
-    from rlkernels.integrations.verl import linear_cross_entropy
+    from rlkernels.integrations.trainers.verl import linear_cross_entropy
 
     log_probs, entropy = linear_cross_entropy(hidden_states, lm_head.weight, labels, temperature, "none")
 
@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from ..ops import _validate as V
-from ..ops.linear_logprob import linear_logprob
+from ...ops import _validate as V
+from ...ops.linear_logprob import linear_logprob
 
-OP = "integrations.verl.linear_cross_entropy"
+OP = "integrations.trainers.verl.linear_cross_entropy"
 REDUCTIONS = ("none", "sum", "mean")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 

@@ -1,0 +1,137 @@
+"""``rlkernels.patch_model``: a Hugging Face causal LM made batch-invariant in place.
+
+``patch_model`` swaps every ``nn.Linear`` for :class:`rlkernels.Linear` and every
+``*RMSNorm`` module (Llama, Qwen2, Qwen3, Mistral, ... -- anything with ``weight``
+and ``variance_epsilon``/``eps`` computing the HF RMSNorm formula) for
+:class:`rlkernels.RMSNorm`, sharing the Parameter objects, and selects the
+``"rlkernels"`` attention implementation (:mod:`.attention`): the fused
+attention whose rows do not depend on the batch, the padding side, packing, or
+prefill vs decode. SDPA / flash kernels pick their split and tile strategy from the
+batch and sequence shape, and eager attention's row sums shift with left padding.
+The per-module swaps live beside it: the mixture-of-experts blocks (:mod:`.moe`), the
+rotary embedding (:mod:`.rotary`) and the gated MLPs (:mod:`.mlp`); what the patched
+forward then covers is read by :mod:`.coverage`.
+"""
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...nn import Linear
+from ...nn import LMHead
+from ...nn import RMSNorm
+from ...nn import SiLU
+from . import attention, coverage, mlp, moe, rotary
+from .coverage import decoder_of, is_silu
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return (type(module).__name__.endswith("RMSNorm") and not isinstance(module, RMSNorm)
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))
+            # Gemma-style (1 + weight) norms compute a different formula: leave them alone.
+            and "Gemma" not in type(module).__name__)
+
+
+def patch_model(model: nn.Module, *, attn_implementation: str | None = attention.NAME) -> nn.Module:
+    """Make an HF causal LM's Linear, RMSNorm and SiLU layers batch-invariant, in place; returns ``model``.
+
+    The LM head becomes an :class:`rlkernels.nn.LMHead`: its logits are fp32, the
+    distribution ``token_logprobs`` scores and ``generate`` draws from, so Hugging Face's
+    own ``generate`` samples from it too (not from its rounding to the model dtype).
+
+    Only modules whose type is exactly ``nn.Linear`` are swapped (quantized, LoRA or
+    tensor-parallel subclasses are left alone and are not covered).
+
+    Parameters are shared, never copied (tied embeddings stay tied; optimizer state
+    keeps pointing at the same tensors). ``attn_implementation`` ("rlkernels" by
+    default, the invariant one; "eager" is invariant under the mode except to left
+    padding; None leaves it unchanged) is set on the model.
+
+    The mixture-of-experts blocks of Qwen3-MoE, Qwen2-MoE and Mixtral become
+    :class:`rlkernels.nn.SparseMoeBlock` (:mod:`~rlkernels.integrations.hf.moe`); one whose
+    configuration that block would compute differently (a router with a bias, expert
+    counts or top-k that do not match the weights, router jitter, another activation) is
+    refused with a ValueError naming it, before anything is swapped.
+
+    Inside a patched decoder's forward the attention layers' rotary embedding runs as one
+    launch with transformers' bits (:mod:`~rlkernels.integrations.hf.rotary`: the family's
+    ``apply_rotary_pos_emb`` becomes a dispatcher that calls the original anywhere else), and
+    the gated MLPs' ``silu(gate) * up`` is one launch (:mod:`~rlkernels.integrations.hf.mlp`).
+
+    A model with modules the library does not cover (:mod:`~rlkernels.integrations.hf.coverage`:
+    GPT-2's ``Conv1D``, ``LayerNorm``, other mixture-of-experts blocks, families not verified)
+    is patched as far as it goes, with a warning naming those modules; :func:`rlkernels.is_patched`
+    is then False, so :func:`rlkernels.token_logprobs` and :func:`rlkernels.generate` run it under the mode.
+    """
+    if attn_implementation == attention.NAME:
+        attention.register()
+    # MoE blocks first (a refusal raises before anything else is swapped); the loop below
+    # then patches their shared experts' Linear and SiLU children like any MLP's.
+    moe.patch_moe_blocks(model)
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            # Exact type: subclasses (quantized / LoRA / parallel linears) compute something else.
+            if type(child) is nn.Linear:
+                setattr(parent, name, (LMHead if child is head else Linear).from_torch(child))
+            elif _is_rms_norm(child):
+                setattr(parent, name, RMSNorm.from_module(child))
+            elif is_silu(child):
+                setattr(parent, name, SiLU())
+    if attn_implementation is not None:
+        _set_attention(model, attn_implementation)
+    rotary.install(model)
+    mlp.install(model)
+    _keep_out_of_compile(model)
+    gaps = coverage.describe_gaps(model)
+    if gaps is not None:
+        warnings.warn(f"rlkernels.patch_model: {type(model).__name__} is only partly covered ({gaps}). "
+                      "Their ops may reduce across features or tokens with stock kernels: "
+                      "rlkernels.is_patched(model) is False, and token_logprobs / generate run the model under "
+                      "the batch-invariant mode", stacklevel=2)
+    return model
+
+
+def _forward_eagerly(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Inside it, the attention layers' rotary embedding is one launch (rotary.py).
+    return rotary.run_inside(type(self).forward, self, *args, **kwargs)
+
+
+# Bound per decoder as its ``forward``: ``copy.deepcopy`` rebinds a bound method to the
+# copy (a closure over the original's method would run the original's weights).
+_forward_eagerly.__name__ = "forward"
+_EAGER_FORWARD = torch.compiler.disable(_forward_eagerly)
+
+
+def _keep_out_of_compile(model: nn.Module) -> None:
+    """Run the decoder eagerly under ``torch.compile``, and keep Hugging Face from compiling.
+
+    Inductor fuses the decoder's elementwise code (the rotary product, SiLU times the up
+    projection, residual adds) into kernels that round differently from the eager ops,
+    so a compiled forward would give other bits than ``token_logprobs`` and the eager
+    decode. The decoder's forward is made opaque to dynamo (``torch.compiler.disable``):
+    compiling a patched model compiles the code around it, and the tokens' bits stay the
+    eager ones. ``generation_config.disable_compile`` keeps ``generate`` with a static
+    cache from compiling the forward (with ``fullgraph=True`` an opaque decoder would not
+    trace)."""
+    decoder = decoder_of(model)
+    decoder.forward = types.MethodType(_EAGER_FORWARD, decoder)
+    config = getattr(model, "generation_config", None)
+    if config is not None and hasattr(config, "disable_compile"):
+        config.disable_compile = True
+
+
+def _set_attention(model: nn.Module, impl: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(impl)
+    else:  # older transformers: the config field is what the attention layers read
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                config._attn_implementation = impl

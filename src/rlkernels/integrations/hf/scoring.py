@@ -1,0 +1,171 @@
+"""``rlkernels.token_logprobs``: a Hugging Face causal LM's per-token log-probs, and the pieces it is built from.
+
+:func:`token_logprobs` scores the next tokens with :func:`rlkernels.linear_logprob` on
+the final hidden states, so the [tokens, vocab] logits are never materialised. A
+patched model (:func:`~rlkernels.integrations.hf.coverage.is_patched`) runs as it is:
+every op of its forward that reduces is already an invariant one, so it needs no
+per-call Python override; any other model's decoder runs under the batch-invariant
+mode. The checks of the model and its inputs (:func:`check_head`, :func:`check_ids`) are
+``rlkernels.generate``'s too: they take the name of the public function the user called,
+which their errors name.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...ops._validate import require_temperature
+from ...ops.linear_logprob import linear_logprob
+from ..trainers import fsdp
+from . import attention, coverage
+from .coverage import attention_implementation, cache_kwargs, decoder_of, mode_for
+
+IGNORE_INDEX = -100
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only real tokens (left padding starts each sequence at 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                  position_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                  use_cache: bool = False) -> torch.Tensor:
+    """Final (post-norm) hidden states [B, L, H] of the decoder; no logits."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if position_ids is None:
+        if past_key_values is not None:
+            raise ValueError("rlkernels.integrations.hf.scoring.hidden_states: pass position_ids when continuing "
+                             "from a KV cache")
+        position_ids = positions_from_mask(attention_mask)
+    decoder = decoder_of(model)
+    cache = cache_kwargs(decoder, past_key_values) if past_key_values is not None else {}
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                  **cache)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def next_token_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """targets[:, t] = input_ids[:, t+1], or IGNORE_INDEX where t or t+1 is padding."""
+    target = input_ids[:, 1:].clone()
+    if attention_mask is not None:
+        valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+        target = target.masked_fill(~valid, IGNORE_INDEX)
+    return target
+
+
+def check_head(op: str, model: nn.Module) -> nn.Module:
+    """The LM head, where the model's logits are ``hidden @ head.weight.T (+ bias)``; else ValueError.
+
+    The fused log-prob applies no scale or cap after the head: a model that has one
+    (:data:`~rlkernels.integrations.hf.coverage.LOGIT_TRANSFORMS`) would be scored by
+    another distribution than its own, so it is refused, naming the field."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"rlkernels.{op}: {type(model).__name__}'s output embedding is "
+                        f"{type(head).__name__ if head is not None else 'missing'}, not a linear LM head")
+    transforms = coverage.logit_transforms(model)
+    if transforms:
+        raise ValueError(f"rlkernels.{op}: {type(model).__name__} changes its logits after the LM head "
+                         f"({', '.join(transforms)}); the fused head computes hidden @ W.T only, so its "
+                         "log-probs would not be the model's. Such heads are not supported")
+    return head
+
+
+def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.Tensor, *,
+                         temperature: float = 1.0, return_entropy: bool = False, op: str = "token_logprobs"):
+    """linear_logprob of ``target`` [B, T] from ``hidden`` [B, T, H] through the LM head."""
+    head = check_head(op, model)
+    B, T = target.shape
+    h2 = hidden.reshape(B * T, hidden.shape[-1])
+    out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None),
+                         temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=return_entropy)
+    if return_entropy:
+        logp, ent = out
+        return logp.reshape(B, T), ent.reshape(B, T)
+    return out.reshape(B, T)
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight.shape[0]  # the rows the embedding can index (may exceed config.vocab_size)
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def check_ids(op: str, model: nn.Module, input_ids: torch.Tensor) -> None:
+    """ValueError naming ``rlkernels.<op>`` (the public function called), the first id of
+    ``input_ids`` [B, L] outside [0, vocab) and its (batch, index); one host sync."""
+    vocab = _vocab_size(model)
+    if vocab is None or input_ids.numel() == 0:
+        return
+    bad = (input_ids < 0) | (input_ids >= vocab)
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"rlkernels.{op}: input_ids[{b}, {i}] = {int(input_ids[b, i])} is outside "
+                         f"the model's vocabulary [0, {vocab}) (first bad id, at batch {b}, index {i})")
+
+
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                   temperature: float = 1.0, return_entropy: bool = False,
+                   batch_invariant: bool | None = None):
+    """Per-token log-probs of ``input_ids`` under ``model``: [B, L-1] float32.
+
+    Position t scores ``input_ids[:, t+1]`` given ``input_ids[:, :t+1]``; targets
+    that are padding (or follow padding) give 0 (and entropy 0). Positions are
+    recomputed from ``attention_mask``, so left and right padding mean the same
+    sequences. The LM head and log-softmax are the fused
+    :func:`~rlkernels.ops.linear_logprob.linear_logprob`. ``batch_invariant``: None
+    (default) runs a patched model (:func:`rlkernels.patch_model`, :func:`rlkernels.is_patched`) as it is
+    and any other model's decoder under :func:`rlkernels.set_batch_invariant_mode`; True always
+    enters the mode; False leaves the current mode alone. An unpatched model is not
+    invariant to left padding even under the mode (its attention's row sums shift);
+    see docs/operators/batch_invariant_mode.md for what the mode covers.
+
+    An empty batch (B = 0) gives empty [0, L-1] results. Every id (padding included:
+    all of them go through the embedding) must lie in ``[0, vocab)``, the rows of the
+    input embedding; the first one outside raises ValueError with its (batch, index),
+    before the model runs.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"rlkernels.token_logprobs: input_ids must be [B, L], got {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError("rlkernels.token_logprobs: attention_mask must match input_ids' shape")
+    temperature = require_temperature("token_logprobs", temperature)
+    check_head("token_logprobs", model)
+    check_ids("token_logprobs", model, input_ids)
+    B, L = input_ids.shape
+    if L < 2:
+        empty = torch.zeros(B, 0, dtype=torch.float32, device=input_ids.device)
+        return (empty, empty.clone()) if return_entropy else empty
+    if B == 0:
+        # No sequences: the decoder cannot run on an empty batch, but the head can score
+        # zero rows (the result's dtype, and its graph to the head's weight, as for B > 0).
+        head = model.get_output_embeddings()
+        width = head.weight.shape[1] if isinstance(getattr(head, "weight", None), torch.Tensor) else 0
+        hidden = torch.zeros(0, L - 1, width, dtype=head.weight.dtype if width else torch.float32,
+                             device=input_ids.device)
+        return logprobs_from_hidden(model, hidden, input_ids[:, 1:], temperature=temperature,
+                                    return_entropy=return_entropy)
+    impl = attention_implementation(model)
+    if batch_invariant is not False and impl not in (None, "eager", attention.NAME):
+        warnings.warn(f"rlkernels.token_logprobs: attention implementation {impl!r} is not batch-invariant; "
+                      "call rlkernels.patch_model(model) first", stacklevel=2)
+    # An FSDP2 root gathers its own parameters (embedding, final norm, head) around this call.
+    return fsdp.run_as_forward(model, _score, model, input_ids, attention_mask, temperature, return_entropy,
+                               batch_invariant)
+
+
+def _score(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float,
+           return_entropy: bool, batch_invariant: bool | None):
+    with mode_for(model, batch_invariant):
+        hidden = hidden_states(model, input_ids, attention_mask)
+        target = next_token_targets(input_ids, attention_mask)
+        return logprobs_from_hidden(model, hidden[:, :-1], target, temperature=temperature,
+                                    return_entropy=return_entropy)

@@ -1,0 +1,25 @@
+"""Tiny random Hugging Face causal LMs built from configs (no download), for this package's tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+            tie_word_embeddings=True)
+
+
+def _tiny(arch: str, dtype=torch.float32, device="cpu", **over):
+    cfg = dict(TINY, **over)
+    torch.manual_seed(0)
+    if arch == "qwen3":
+        cfg.setdefault("head_dim", 8 if cfg["hidden_size"] == 32 else 64)
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,77 @@
+"""rlkernels.generate's host side: the options, prompts and arguments it refuses, each error
+naming rlkernels.generate."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import rlkernels  # noqa: E402
+from rlkernels.integrations.hf import patch_model  # noqa: E402
+
+from ._models import _tiny  # noqa: E402
+from .test_attention import _model, _pad, _prompts  # noqa: E402
+
+
+def test_generate_refuses_prompts_it_cannot_continue_as_the_trainer_scores():
+    model = patch_model(_tiny("qwen3"))
+    ids = torch.tensor([[0, 0, 5, 6], [0, 0, 0, 0], [7, 8, 9, 10]])
+    empty_row = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
+    # Before, row 1's first log-prob was -ln V from a forward over nothing, where the
+    # trainer's token_logprobs scores that position 0.
+    with pytest.raises(ValueError, match=r"prompt row 1 is all padding \(attention_mask\[1\] has no 1\)"):
+        rlkernels.generate(model, ids, empty_row, max_new_tokens=2)
+    right = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"prompt row 0 is not left-padded .*padding_side = 'left'"):
+        rlkernels.generate(model, ids, right, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 3\)"):
+        rlkernels.generate(model, ids, right[:, :3], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("call", ["generate", "token_logprobs"])
+def test_temperature_must_be_a_python_number(call):
+    model = patch_model(_tiny("qwen3"))
+    fn = getattr(rlkernels, call)
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(TypeError, match=rf"rlkernels.{call}: temperature must be a Python number .*got Tensor "
+                                        r".*\(pass float\(temperature\)\)"):
+        fn(model, ids, temperature=torch.tensor(0.7))
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=rf"rlkernels.{call}: temperature must be a finite number > 0"):
+            fn(model, ids, temperature=bad)
+
+
+@pytest.mark.parametrize("option, value, why", [
+    ("top_k", 20, "truncated distribution"), ("top_p", 0.9, "truncated distribution"),
+    ("min_new_tokens", 3, "without it"), ("generator", torch.Generator(), "seed=, streams="),
+    ("repetition_penalty", 1.2, "not supported"),
+])
+def test_options_that_change_the_distribution_are_refused(option, value, why):
+    model = _model("qwen3")
+    ids, mask = _pad(_prompts((3, 5)), left=True)
+    with pytest.raises(ValueError, match=f"rlkernels.generate: .*{option}.*{why}"):
+        rlkernels.generate(model, ids, mask, max_new_tokens=2, do_sample=True, **{option: value})
+    # Their neutral values change nothing and pass.
+    rlkernels.generate(model, ids, mask, max_new_tokens=2, do_sample=True, top_k=0, top_p=1.0, min_new_tokens=0)
+
+
+def test_cuda_graph_refusals():
+    model = _model("qwen3")
+    ids, mask = _pad(_prompts((3, 5)), left=True)
+    with pytest.raises(ValueError, match="CUDA device"):
+        rlkernels.generate(model, ids, mask, max_new_tokens=2, cuda_graph=True)
+    unpatched = _model("qwen3", patched=False)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="patch_model"):
+            rlkernels.generate(unpatched.cuda(), ids.cuda(), mask.cuda(), max_new_tokens=2, cuda_graph=True)
+
+
+@pytest.mark.parametrize("call, kwargs", [("generate", dict(max_new_tokens=2)), ("token_logprobs", {})])
+def test_an_id_outside_the_vocab_is_named_with_the_function_called(call, kwargs):
+    model = patch_model(_tiny("llama"))
+    ids = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(0))
+    ids[1, 4] = 300
+    with pytest.raises(ValueError, match=rf"^rlkernels\.{call}: input_ids\[1, 4\] = 300 is outside the model's "
+                                         r"vocabulary \[0, 300\)"):
+        getattr(rlkernels, call)(model, ids, **kwargs)
