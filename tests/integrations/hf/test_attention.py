@@ -14,6 +14,8 @@ from rlkernels.integrations.hf.scoring import hidden_states  # noqa: E402
 from ._models import _tiny  # noqa: E402
 
 TEMPERATURE = 0.9
+# Large enough that stock CPU attention gives padded rows other bits than alone (the controls).
+STOCK_DIFFERS = dict(hidden_size=256, intermediate_size=512)
 
 
 def _prompts(lengths=(5, 11, 3, 8), seed=0):
@@ -31,8 +33,8 @@ def _pad(seqs, left: bool):
     return ids, mask
 
 
-def _model(arch, patched=True):
-    model = _tiny(arch)
+def _model(arch, patched=True, **over):
+    model = _tiny(arch, **over)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return patch_model(model) if patched else model
@@ -91,11 +93,14 @@ def test_a_patched_model_runs_without_the_mode_and_an_unpatched_one_under_it(arc
 def test_eager_attention_is_not_left_padding_invariant():
     # Why the model needs its own attention: with eager attention (even under the mode)
     # or SDPA, a left-padded row's scores are not the row's scores alone.
-    seqs = _prompts((5, 11, 3, 8, 1, 13))
+    # At hidden size 32 the CPU kernels happen to give the padded rows the alone bits; at 256
+    # (head dim 64) they do not, as at real sizes.
+    seqs = _prompts((5, 11, 3, 8, 1, 13, 40, 77))
     ids, mask = _pad(seqs, left=True)
     differ = 0
     for impl in ("eager", "sdpa"):
-        model = patch_model(_tiny("llama", attn_implementation=impl), attn_implementation=impl)
+        model = patch_model(_tiny("llama", attn_implementation=impl, **STOCK_DIFFERS),
+                            attn_implementation=impl)
         got = _rows(token_logprobs(model, ids, mask), seqs, True, ids.shape[1])
         differ += sum(not torch.equal(token_logprobs(model, s[None])[0], g) for s, g in zip(seqs, got))
     assert differ > 0
@@ -129,7 +134,7 @@ def test_generate_logprobs_are_the_trainers_bit_for_bit(arch, sample):
 def test_stock_sampler_and_trainer_disagree():
     # The same comparison on the unpatched model (SDPA): the rollout's log-probs are not
     # the trainer's for every token (so the test above can fail).
-    model = _model("qwen3", patched=False)
+    model = _model("qwen3", patched=False, **STOCK_DIFFERS)
     prompts = _prompts()
     ids, mask = _pad(prompts, left=True)
     seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=6, temperature=TEMPERATURE)
