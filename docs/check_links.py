@@ -1,5 +1,5 @@
 """Check that every relative link, and every repository path named in backticks, in
-README.md, docs/**/*.md and benchmarks/**/*.md points to something that exists.
+README.md, CONTRIBUTING.md, docs/**/*.md and benchmarks/**/*.md points to something that exists.
 
     python docs/check_links.py      # exit status 1 and one line per broken reference
 
@@ -77,7 +77,7 @@ def check_text(page: Path, text: str) -> list[str]:
 
 
 def main() -> int:
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
     bad = [line for page in pages for line in check(page)]
     print("\n".join(bad) or f"{len(pages)} files: every link and path resolves")
     return 1 if bad else 0
