@@ -17,6 +17,7 @@ from rlkernels.gemm import table as gemm_table
 from rlkernels.gemm import triton as gemm
 
 from rlkernels.ops import linear_logprob as lp_mod
+from rlkernels.ops.lm_head.config import FUSED_16BIT
 from rlkernels.gemm.table import GemmConfig
 from rlkernels.gemm.triton import triton_gemm
 from rlkernels.gemm.tma import tma_gemm, tma_layout_ok
@@ -138,14 +139,14 @@ def test_gpu_logprob_tma_and_persistent_give_pointer_bits(v):
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
     t[::9] = -1
     gl, ge = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
-    base = dataclasses.replace(lp_mod.FUSED_16BIT, tma=False, persistent=False)
+    base = dataclasses.replace(FUSED_16BIT, tma=False, persistent=False)
     want = lp_mod.TritonLinearLogprobBackend(base).forward(h, w, b, t, 0.7)
     g_want = torch.empty(n, 4096, device="cuda", dtype=torch.bfloat16)
     lp_mod.TritonLinearLogprobBackend(base).grad_logits(h, w, b, t, want[2], want[1], gl, ge, 0.7, 1024, 1024 + 4096,
                                                         g_want)
     for cfg in (dataclasses.replace(base, tma=True), dataclasses.replace(base, tma=True, persistent=True),
                 dataclasses.replace(base, tma=True, persistent=True, tma_store=not base.tma_store),
-                lp_mod.FUSED_16BIT):
+                FUSED_16BIT):
         k = lp_mod.TritonLinearLogprobBackend(cfg)
         got = k.forward(h, w, b, t, 0.7)
         assert all(torch.equal(x, y) for x, y in zip(got, want)), cfg.short()

@@ -111,7 +111,7 @@ def test_sharded_logprob_refusals():
         sharded_linear_logprob(h, w, t, b, shards=256)
     with pytest.raises(ValueError, match=r"rlkernels.sharded_linear_logprob: shards must be a power of two.*3"):
         sharded_linear_logprob(h, w, t, b, shards=3)
-    with pytest.raises(ValueError, match=r"rlkernels.linear_logprob: target id 384"):
+    with pytest.raises(ValueError, match=r"rlkernels.sharded_linear_logprob: target id 384"):
         sharded_linear_logprob(h, w, torch.full_like(t, 384), b)
     with pytest.raises(RuntimeError, match=r"rlkernels.vocab_parallel_linear_logprob: torch.distributed"):
         vocab_parallel_linear_logprob(h, w, t, b)

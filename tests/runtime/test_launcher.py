@@ -390,8 +390,8 @@ def _production_launchers():
     import importlib
 
     found = []
-    for mod in ("ops.bmm", "ops.linear_logprob", "ops.lse_chain", "ops.linear_sample", "ops.attention.triton_host",
-                "ops.attention.ws_host", "ops.norms",
+    for mod in ("ops.bmm", "ops.linear_logprob", "ops.lm_head.statistics", "ops.lm_head.lse", "ops.linear_sample",
+                "ops.attention.triton_host", "ops.attention.ws_host", "ops.norms",
                 "gemm.triton", "gemm.tma", "gemm.grouped", "gemm.ktree"):
         m = importlib.import_module(f"rlkernels.{mod}")
         for name, value in vars(m).items():

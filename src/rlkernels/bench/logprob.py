@@ -174,6 +174,7 @@ def four_gemm_passes(h: torch.Tensor, w: torch.Tensor, generator: torch.Generato
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..ops import linear_logprob as L
+    from ..ops.lm_head.config import FusedConfig
 
     temperature = float(getattr(args, "temperature", 1.0) or 1.0)
     logprob_backend = None  # None: the public call with its own config
@@ -181,13 +182,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         parts = args.config.split(",")
         a = [int(x) for x in parts[:6]]
         logprob_backend = L.TritonLinearLogprobBackend(
-            L.FusedConfig(a[0], a[1], a[2], group_m=a[3], num_warps=a[4], num_stages=a[5],
-                          tma="tma" in parts[6:], persistent="pers" in parts[6:]))
+            FusedConfig(a[0], a[1], a[2], group_m=a[3], num_warps=a[4], num_stages=a[5],
+                        tma="tma" in parts[6:], persistent="pers" in parts[6:]))
     if getattr(args, "shape", None):
         shapes = tuple(tuple(int(x) for x in s.split(",")) for s in args.shape)
     else:
         shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
-    cfg = (logprob_backend or L.LinearLogprobTriton.backend_impl)._cfg(torch.bfloat16)
+    cfg = (logprob_backend or L.LinearLogprobTriton.backend_impl).config_for(torch.bfloat16)
     rows: list[dict[str, Any]] = []
     for n, d, v in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)

@@ -1,9 +1,9 @@
 """Kernels of the fused LM-head sampler. Host side: ``rlkernels.ops.linear_sample``.
 
-A token is drawn in two levels over :mod:`.linear_logprob`'s own pass: the forward
+A token is drawn in two levels over the LM head's statistics pass (:mod:`.lm_head`), which
 records each vocabulary tile's mass beside the softmax statistics; a first draw picks a
 block of 256 ids with probability proportional to its mass (:func:`sample_block_kernel`);
-the block's logits are recomputed by the same chain and a Gumbel-max picks the token
+the block's logits are recomputed by the same D-chain and a Gumbel-max picks the token
 inside it (:func:`sample_in_block_kernel`), which also finishes the token's log-prob and
 entropy from the forward's per-split statistics. Every random number comes from Philox keyed by
 (seed, stream, position): what the row is, never where it sits. The seed is two int32
@@ -14,7 +14,7 @@ at each replay instead of keeping the scalars it recorded.
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .linear_logprob import finish_row, logits_tile, merge_splits
+from .lm_head import finish_row, logits_tile, merge_splits
 
 if triton is not None:
 

@@ -9,11 +9,12 @@ computes, for every token row ``h`` and its target id ``t``,
     logp    = z_t - logsumexp(z)
     entropy = logsumexp(z) - sum_j softmax(z)_j * z_j
 
-Both backends stream the vocabulary by the LSE chain (``ops.lse_chain``: splits of
-2048 columns, tiles of 256 inside, fixed-point tile masses, splits merged in
-ascending order) and keep per-row running statistics (max ``m``, ``s = sum exp(z - m)``
-and ``u = sum exp(z - m) * (z - m)``), so the extra memory is O(N) plus one tile,
-never O(N * V). ``s`` follows the chain exactly, so ``log_softmax`` of the logits
+The forward is the LM head's statistics pass (``ops.lm_head.statistics``): both
+backends stream the vocabulary in the LSE order (``ops.lm_head.lse``: splits of 2048
+columns, tiles of 256 inside, fixed-point tile masses, splits merged in ascending
+order) and keep per-row running statistics (max ``m``, ``s = sum exp(z - m)`` and
+``u = sum exp(z - m) * (z - m)``), so the extra memory is O(N) plus one tile, never
+O(N * V). ``s`` follows the LSE order exactly, so ``log_softmax`` of the logits
 (``rlkernels.nn.LMHead``'s output) gives logp's bits at the target.
 
 Invariance: every tile and split boundary is a function of V alone (never of N or of
@@ -37,205 +38,32 @@ the widest with g in dW's rows not yet written (:func:`main_loop_schedule`).
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import struct
-
 import torch
 
 from . import _validate as V_
-from ..registry import OpImpl, implementation, register, select_backend
-from .._env import triton_interpret
-from ..gemm.chain import accumulator_dtype, chain_matmul
 from ..gemm.tma import TensorDescriptor, tma_layout_ok
-from ..runtime.device import sm_count
-from .matmul import gemm_backend_for, main_grad_target
-
-from .lse_chain import LSE_SPLIT, LSE_TILE, lse_step, merge_splits, tile_mass
-from .linear_logprob_schedule import (backward_chunk, dw_tail_rows, last_chunk_start, main_loop_chunk,
-                                      main_loop_schedule)
 from ..kernels._triton import cdiv
-from ..kernels.linear_logprob import (TEMP_DIVIDE, TEMP_NONE, TEMP_RECIPROCAL, fwd_partial_kernel,
-                                      grad_logits_kernel, logprob_combine_kernel)
-from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
+from ..kernels.linear_logprob import grad_logits_kernel
+from ..registry import OpImpl, implementation, register
+from ..runtime.device import sm_count
+from ..runtime.launcher import cached_launcher
+from .lm_head.backward_schedule import (backward_chunk, dw_tail_rows, last_chunk_start, main_loop_chunk,
+                                        main_loop_schedule)
+from .lm_head.config import kernel_operands, temperature_scaling
+from .lm_head.statistics import TORCH_ROW_CHUNK, TorchHeadStatistics, TritonHeadStatistics, torch_logits
+from .lm_head.validate import head_backend, validate_head, validate_targets
+from .matmul import gemm_backend_for, main_grad_target
 
 OP = "linear_logprob"
 
-# ---------------------------------------------------------------------------------------
-# Constants. Each is a function of nothing but the dtype (and V for the split count):
-# a row's bits must never depend on N.
-# ---------------------------------------------------------------------------------------
-
-# torch backend: token rows per step (memory only; every op is elementwise per row).
-TORCH_ROW_CHUNK = 128
 
 # ---------------------------------------------------------------------------------------
-# Validation (host side, before any launch).
+# Backends: the LM head's statistics pass (the forward), and the backward's g = dL/dlogits.
 # ---------------------------------------------------------------------------------------
 
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def validate_head(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  temperature: float) -> None:
-    """The LM head's operands and temperature, as every fused head op takes them; raises naming ``op``."""
-    V_.require_tensor(op, "hidden", hidden)
-    V_.require_tensor(op, "weight", weight)
-    if bias is not None:
-        V_.require_tensor(op, "bias", bias)
-    V_.require_float(op, "hidden", hidden)
-    V_.require_float(op, "weight", weight)
-    if bias is not None:
-        V_.require_float(op, "bias", bias)
-    V_.require_ndim(op, "hidden", hidden, 1)
-    V_.require_ndim(op, "weight", weight, 2, 2)
-    if bias is not None:
-        V_.require_ndim(op, "bias", bias, 1, 1)
-    V_.require_same_dtype(op, hidden=hidden, weight=weight, bias=bias)
-    vocab, dim = weight.shape
-    if hidden.shape[-1] != dim:
-        raise ValueError(f"rlkernels.{op}: hidden {tuple(hidden.shape)} has D={hidden.shape[-1]} but weight "
-                         f"{tuple(weight.shape)} (lm_head layout [V, D]) has D={dim}")
-    if vocab == 0:
-        raise ValueError(f"rlkernels.{op}: weight has an empty vocabulary (V=0)")
-    if bias is not None and tuple(bias.shape) != (vocab,):
-        raise ValueError(f"rlkernels.{op}: bias must have shape ({vocab},) to match weight's V, "
-                         f"got {tuple(bias.shape)}")
-    V_.require_temperature(op, temperature)
-
-
-def validate(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-             temperature: float, ignore_index: int) -> None:
-    """Raise ValueError/TypeError (naming the op) on any bad input; syncs once to check ids."""
-    validate_head(OP, hidden, weight, bias, temperature)
-    V_.require_tensor(OP, "target", target)
-    if target.dtype not in _INT_DTYPES:
-        raise ValueError(f"rlkernels.{OP}: target must be an integer tensor of token ids, got {target.dtype}")
-    V_.require_same_device(OP, hidden=hidden, weight=weight, target=target, bias=bias)
-    vocab = weight.shape[0]
-    if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"rlkernels.{OP}: target shape {tuple(target.shape)} must equal hidden's leading "
-                         f"shape {tuple(hidden.shape[:-1])}")
-    if target.numel() and target.device.type != "meta":  # meta tensors hold no ids to check
-        t = target.reshape(-1)
-        bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
-        if bool(bad.any()):  # the one host sync of the call
-            pos = int(bad.nonzero()[0, 0])
-            raise ValueError(f"rlkernels.{OP}: target id {int(t[pos])} at flat position {pos} is outside "
-                             f"[0, {vocab}) and is not ignore_index={ignore_index}")
-
-
-# ---------------------------------------------------------------------------------------
-# torch backend: ascending chains and pairwise trees of elementwise ops only.
-# ---------------------------------------------------------------------------------------
-
-def temperature_scaling(temperature: float, device: torch.device) -> tuple[float, int]:
-    """(kernel argument, ``TEMP`` constexpr) for z / T computed as torch computes
-    ``logits / T`` for a Python float T on ``device`` -- what samplers and trainers write
-    (Hugging Face's temperature warper, TRL, verl), so their log_softmax of the scores
-    gives this op's bits: on CUDA ATen multiplies by fl32(1 / fl32(T)); elsewhere it
-    divides, correctly rounded."""
-    if temperature == 1.0:
-        return 1.0, TEMP_NONE
-    if device.type == "cuda":
-        # In doubles, then rounded to fp32: the correctly rounded fp32 quotient (a double
-        # holds more than 2 * 24 + 2 bits, so the double rounding is innocuous), with no
-        # tensor made on the host per call (decode calls are host-bound).
-        return _to_fp32(1.0 / _to_fp32(temperature)), TEMP_RECIPROCAL
-    return float(temperature), TEMP_DIVIDE
-
-
-def _to_fp32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  v0: int, v1: int, temperature: float) -> torch.Tensor:
-    """z = (h W[v0:v1]^T + b) / T for a block of rows, fp32 (fp64 for fp64), ascending D-chain;
-    / T is torch's own division by a Python float on that device (see :func:`temperature_scaling`)."""
-    z = chain_matmul(h_rows, weight[v0:v1].t())
-    if bias is not None:
-        z.add_(bias[v0:v1].to(z.dtype))
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z
-
-
-class TorchLinearLogprobBackend:
-    """The two fused steps of the op, as chained elementwise torch ops (any device)."""
-
-    name = "torch"
-
-    def tile_v(self, dtype: torch.dtype) -> int:
-        """The vocabulary tile whose mass ``statistics`` can record: the LSE chain's tile."""
-        return LSE_TILE
-
-    def n_tiles(self, vocab: int, dtype: torch.dtype) -> int:
-        return cdiv(vocab, LSE_SPLIT) * (LSE_SPLIT // LSE_TILE)
-
-    def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                   temperature: float, pieces: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   entropy: bool = True):
-        """Each row's (m, s, u, zt) [N] over the whole vocabulary by the LSE chain (the
-        statistics the forward finishes; u is 0 without ``entropy``); with ``pieces``
-        ([N, n_tiles] each), every tile's running max after it and its own mass too, as the
-        Triton kernel records them."""
-        N = h2.shape[0]
-        vocab = weight.shape[0]
-        adt = accumulator_dtype(h2.dtype)
-        dev = h2.device
-        n_split = cdiv(vocab, LSE_SPLIT)
-        per_split = LSE_SPLIT // LSE_TILE
-        m = torch.empty(N, dtype=adt, device=dev)
-        s, u, zt = torch.empty_like(m), torch.empty_like(m), torch.empty_like(m)
-        for r0 in range(0, N, TORCH_ROW_CHUNK):
-            rows = slice(r0, r0 + TORCH_ROW_CHUNK)
-            h_rows, t = h2[rows], tgt[rows]
-            R = h_rows.shape[0]
-            parts = torch.empty(3, n_split, R, dtype=adt, device=dev)  # per-split m, s, u
-            ztr = torch.zeros(R, dtype=adt, device=dev)
-            for k in range(n_split):
-                v0, v1 = k * LSE_SPLIT, min(vocab, (k + 1) * LSE_SPLIT)
-                z_split = torch_logits(h_rows, weight, bias, v0, v1, temperature)
-                mr = torch.full((R,), -math.inf, dtype=adt, device=dev)
-                sr = torch.zeros(R, dtype=adt, device=dev)
-                ur = torch.zeros(R, dtype=adt, device=dev)
-                for i, c0 in enumerate(range(0, v1 - v0, LSE_TILE)):
-                    z = z_split[:, c0:c0 + LSE_TILE]
-                    m_new, m_ref, alpha, e, d, mass, s_new = lse_step(mr, sr, z)
-                    # u = sum e^(z-m) (z-m), kept relative to the running max: rescaled by
-                    # alpha * (u + (m_old - m_new) s); 0 before the first tile (s == 0).
-                    if entropy:
-                        ur = torch.where(sr > 0, alpha * (ur + (mr - m_ref) * sr), torch.zeros_like(ur)) \
-                            + tile_mass(e * d)
-                    mr, sr = m_new, s_new
-                    if pieces is not None:
-                        pieces[0][rows, k * per_split + i] = mr
-                        pieces[1][rows, k * per_split + i] = mass
-                inside = (t >= v0) & (t < v1)
-                picked = z_split.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-                ztr = torch.where(inside, picked, ztr)
-                parts[0, k], parts[1, k], parts[2, k] = mr, sr, ur
-            m[rows], s[rows], u[rows] = merge_splits(parts[0], parts[1], parts[2])
-            zt[rows] = ztr
-        return m, s, u, zt
-
-    @staticmethod
-    def finish(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: torch.Tensor,
-               tgt: torch.Tensor, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy, lse) from the statistics; rows whose tgt is -1 get logp = entropy = 0;
-        without ``entropy`` it is NaN (not computed)."""
-        log_s = torch.log(s)
-        valid = tgt >= 0
-        zero = torch.zeros_like(s)
-        ent = torch.where(valid, log_s - u / s, zero) if entropy else torch.full_like(s, math.nan)
-        return torch.where(valid, (zt - m) - log_s, zero), ent, m + log_s
-
-    def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy, lse) [N] in fp32 (fp64 for fp64 inputs); tgt is -1 where ignored;
-        without ``entropy`` the entropy is NaN and its sums are skipped."""
-        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy=entropy), tgt, entropy)
+class TorchLinearLogprobBackend(TorchHeadStatistics):
+    """The op's two fused steps as chained elementwise torch ops (any device): the head's
+    statistics pass and g."""
 
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
@@ -257,178 +85,12 @@ class TorchLinearLogprobBackend:
             out[rows].copy_(g)
 
 
-# ---------------------------------------------------------------------------------------
-# Triton backend.
-# ---------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class FusedConfig:
-    """Tile config of the fused logits kernels, fixed per dtype. The forward's statistics
-    do not depend on it (the LSE chain's fixed-point tile sums); ``block_v`` must be the
-    chain's tile."""
-
-    block_m: int
-    block_v: int  # the LSE chain's tile (the forward's statistics follow it)
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-    # Operand tiles by TMA (Hopper+, 16-byte aligned rows) instead of pointer loads: the
-    # same D-chain, zero-filled edges (gemm.tma).
-    tma: bool = False
-    # Backward g kernel: NUM_SMS programs walk the tiles instead of one program per tile.
-    persistent: bool = False
-    # Backward g kernel, with TMA loads: g stored by TMA too where its layout allows.
-    tma_store: bool = False
-    # Forward at N <= small_n rows: the logits [N, V] fp32 by the GEMM backend (the same
-    # canonical chain, decode-tuned tiles over all of V), then the statistics over them in
-    # blocks of small_block_m rows. At small N the fused kernel has one token block and
-    # V / 2048 programs; the GEMM spreads the weight read over the whole GPU. The bits are
-    # the fused kernel's either way (tests/ops/test_linear_logprob.py, on the GPU too).
-    small_n: int = 64
-    small_block_m: int = 16
-
-    def __post_init__(self) -> None:
-        if self.block_v != LSE_TILE:
-            raise ValueError(f"rlkernels.{OP}: block_v must be the LSE chain's tile {LSE_TILE} (the forward's "
-                             f"statistics are taken tile by tile), got {self.block_v}")
-
-    @property
-    def split_v(self) -> int:
-        """Forward: columns per program, the LSE chain's split."""
-        return LSE_SPLIT
-
-    def short(self) -> str:
-        return (f"{self.block_m}x{self.block_v}x{self.block_k}/g{self.group_m}"
-                f"/w{self.num_warps}/s{self.num_stages}{'/tma' if self.tma else ''}"
-                f"{'/pers' if self.persistent else ''}{'/tmastore' if self.tma_store else ''}")
-
-
-# Checked in, never tuned at run time. The 16-bit entry matches the large-M tile of the
-# GEMM table (128x256x64, 8 warps, 3 stages): the fused kernels are GEMMs with an epilogue.
-# Why TMA loads, the persistent g schedule and the TMA store of g (same bits, measured):
-# docs/design/linear_logprob_schedule.md.
-FUSED_16BIT = FusedConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True,
-                          tma_store=True)
-FUSED_FP32 = FusedConfig(32, 256, 32, group_m=8, num_warps=8, num_stages=2)
-# The interpreter's tl.dot is numpy's BLAS, whose rounding depends on a row's place in
-# the tile (see gemm.table): one row per program keeps every row's numpy calls identical.
-# BLOCK_K = 16 as the interpreter's GEMM config: the interpreter sums a whole BLOCK_K
-# per step, so the logits are rlkernels.linear's bits (as on the GPU, where the tensor
-# cores' 16-wide K step is the same in every tile).
-FUSED_INTERPRETER = FusedConfig(1, 256, 16, group_m=1, num_warps=4, num_stages=1, small_n=4, small_block_m=1)
-
-
-def fused_config(dtype: torch.dtype) -> FusedConfig:
-    if triton_interpret():
-        return FUSED_INTERPRETER
-    return FUSED_FP32 if dtype == torch.float32 else FUSED_16BIT
-
-
-COMBINE_BLOCK = 256
-
-# The launches skip Triton's binder after their first call with a given key (runtime.launcher).
-_launch_fwd_partial = cached_launcher(fwd_partial_kernel) if fwd_partial_kernel is not None else None
-_launch_combine = cached_launcher(logprob_combine_kernel) if logprob_combine_kernel is not None else None
 _launch_grad_logits = cached_launcher(grad_logits_kernel) if grad_logits_kernel is not None else None
 
 
-class TritonLinearLogprobBackend:
-    """The two fused steps of the op as Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
-
-    name = "triton"
-
-    def __init__(self, config: FusedConfig | None = None) -> None:
-        self.config = config
-
-    def _cfg(self, dtype: torch.dtype) -> FusedConfig:
-        return self.config or fused_config(dtype)
-
-    @staticmethod
-    def _operands(h2: torch.Tensor, weight: torch.Tensor, cfg: FusedConfig) -> tuple[object, object, bool]:
-        """(h, W, tma): TMA descriptors where the config asks and the layouts allow, else the tensors."""
-        if cfg.tma and (h2.is_cuda or triton_interpret()) and TensorDescriptor is not None \
-                and tma_layout_ok(h2) and tma_layout_ok(weight):
-            N, D = h2.shape
-            return (TensorDescriptor(h2, [N, D], [h2.stride(0), 1], [cfg.block_m, cfg.block_k]),
-                    TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [cfg.block_v, cfg.block_k]),
-                    True)
-        return h2, weight, False
-
-    def tile_v(self, dtype: torch.dtype) -> int:
-        """The vocabulary tile whose mass ``statistics`` can record: the config's tile."""
-        return self._cfg(dtype).block_v
-
-    def n_tiles(self, vocab: int, dtype: torch.dtype) -> int:
-        cfg = self._cfg(dtype)
-        return cdiv(vocab, cfg.split_v) * (cfg.split_v // cfg.block_v)
-
-    def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   tgt: torch.Tensor | None, temperature: float,
-                   pieces: tuple[torch.Tensor, torch.Tensor] | None = None, entropy: bool = True,
-                   partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-        """Per-split partials (m, s, u [n_split, N]; u is 0 without ``entropy``) and zt [N]; with ``pieces``
-        ([N, n_split * split_v / block_v] each), every tile's running max and own mass too.
-        ``tgt`` None: no target (zt is not computed, and None is returned for it);
-        ``partials``: (m, s, u) buffers to fill instead of new ones."""
-        N, D = h2.shape
-        vocab = weight.shape[0]
-        dev = h2.device
-        cfg = self._cfg(h2.dtype)
-        n_split = cdiv(vocab, cfg.split_v)
-        # Partials: O(N * ceil(V / split_v)) fp32, the only O(N) state of the forward.
-        if partials is None:
-            m = torch.empty(n_split, N, dtype=torch.float32, device=dev)
-            s = torch.empty_like(m)
-            u = torch.empty_like(m)
-        else:
-            m, s, u = partials
-        zt = torch.zeros(N, dtype=torch.float32, device=dev) if tgt is not None else None
-        if N == 0:
-            return m, s, u, zt
-        bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
-        temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
-        tile_m, tile_s = pieces if pieces is not None else (m, m)
-        if N <= cfg.small_n:
-            logits = gemm_backend_for(h2.device, "triton").gemm(h2, weight, bias=bias, out_dtype=torch.float32,
-                                                                b_transposed=True)
-            h_arg, w_arg, tma, block_m, group_m = h2, weight, False, cfg.small_block_m, 1
-            num_warps, num_stages = 4, 2
-        else:
-            logits = m  # unread
-            h_arg, w_arg, tma = self._operands(h2, weight, cfg)
-            block_m, group_m, num_warps, num_stages = cfg.block_m, cfg.group_m, cfg.num_warps, cfg.num_stages
-        _launch_fwd_partial(
-            (cdiv(N, block_m) * n_split,),
-            (h_arg, w_arg, bias if bias is not None else h2, logits, tgt if tgt is not None else m, m, s, u,
-             zt if zt is not None else m, tile_m, tile_s,
-             N, vocab, D, temp_arg,
-             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), logits.stride(0)),
-            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
-                 EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=block_m, BLOCK_V=cfg.block_v,
-                 BLOCK_K=cfg.block_k, GROUP_M=group_m, STORE_TILES=pieces is not None, ENTROPY=entropy,
-                 LOGITS=logits is not m, TARGET=tgt is not None),
-            num_warps=num_warps, num_stages=num_stages,
-        )
-        return m, s, u, zt
-
-    @staticmethod
-    def finish(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, zt: torch.Tensor,
-               tgt: torch.Tensor, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy, lse) [N]: the splits merged in ascending order; tgt -1 gives 0s;
-        without ``entropy`` it is NaN (not computed)."""
-        N = zt.shape[0]
-        logp = torch.empty(N, dtype=torch.float32, device=zt.device)
-        ent = torch.empty_like(logp)
-        lse = torch.empty_like(logp)
-        if N:
-            _launch_combine((cdiv(N, COMBINE_BLOCK),), (m, s, u, zt, tgt, logp, ent, lse, N, m.shape[0]),
-                            dict(BLOCK=COMBINE_BLOCK, ENTROPY=entropy), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
-        return logp, ent, lse
-
-    def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy=entropy), tgt, entropy)
+class TritonLinearLogprobBackend(TritonHeadStatistics):
+    """The op's two fused steps as Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1):
+    the head's statistics pass and g."""
 
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
@@ -436,9 +98,9 @@ class TritonLinearLogprobBackend:
         N, D = h2.shape
         if N == 0 or v1 <= v0:
             return
-        cfg = self._cfg(h2.dtype)
+        cfg = self.config_for(h2.dtype)
         bias = bias.contiguous() if bias is not None else None
-        h_arg, w_arg, tma = self._operands(h2, weight, cfg)
+        h_arg, w_arg, tma = kernel_operands(h2, weight, cfg)
         num_tiles = cdiv(N, cfg.block_m) * cdiv(v1 - v0, cfg.block_v)
         sms = sm_count(h2.device)
         grid = (min(num_tiles, sms) if cfg.persistent else num_tiles,)
@@ -661,10 +323,7 @@ class LinearLogprobTorch(_LinearLogprobBase):
 def backends_for(op: str, hidden: torch.Tensor, backend: str | None = None):
     """(log-prob backend, GEMM backend) of the registry's ``linear_logprob`` backend for
     ``hidden``'s device (or ``backend``); refuses what that backend cannot run."""
-    name, _ = select_backend(OP, hidden.device, backend)
-    V_.refuse_interpreted_bf16(op, name, hidden)
-    if name == "triton" and hidden.dtype == torch.float64:
-        raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
+    name = head_backend(OP, op, hidden, backend)
     return implementation(OP, name).backend_impl, gemm_backend_for(hidden.device, name)
 
 
@@ -674,7 +333,8 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
     if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor) and hidden.is_floating_point() \
             and weight.is_floating_point():
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
-    validate(hidden, weight, target, bias, temperature, ignore_index)
+    validate_head(OP, hidden, weight, bias, temperature)
+    validate_targets(OP, hidden, weight, target, bias, ignore_index)
     logprob_backend, gemm_backend = backends_for(OP, hidden, backend)
     lead = target.shape
     h2 = hidden.reshape(target.numel(), hidden.shape[-1])  # explicit N: -1 is ambiguous when D = 0

@@ -11,13 +11,14 @@ row's token is the Gumbel-max ``argmax_j z_j - log(E_j)`` (ties: the lowest id),
 (:func:`exponential_noise`). So a row's token depends on its hidden state, the head,
 T, the seed, its stream and its position, and on nothing else in the call; and its
 ``logp`` (and entropy) are bitwise ``linear_logprob(hidden, weight, token, bias, T)``:
-the same tiles, the same statistics chain, the same combine.
+the same tiles, the same statistics pass (``ops.lm_head.statistics``), the same combine.
 
 ``greedy=True`` takes ``argmax_j z_j`` (ties: the lowest id) with no noise.
 
-No [N, V] buffer is built: the kernels stream the vocabulary as ``linear_logprob``'s
-forward does and keep per-split (max key, its id, its logit) beside the softmax
-statistics. The outputs carry no autograd graph: a sampler's log-probs are data.
+No [N, V] buffer is built: the LM head's statistics pass streams the vocabulary, as
+``linear_logprob``'s forward does, recording each tile's mass (its sampler variant,
+``tile_statistics``); the draws then read one block of 256 ids per row. The outputs
+carry no autograd graph: a sampler's log-probs are data.
 """
 from __future__ import annotations
 
@@ -31,19 +32,20 @@ from .._versions import fast_path
 from ..gemm.chain import accumulator_dtype
 from ..kernels._triton import cdiv
 from ..kernels.sampling import sample_block_kernel, sample_in_block_kernel
-from ..registry import OpImpl, implementation, register, select_backend
+from ..registry import OpImpl, implementation, register
 from ..runtime.device import can_read_back
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
-from .lse_chain import LSE_TILE
-from .linear_logprob import (TorchLinearLogprobBackend, TritonLinearLogprobBackend, fused_config,
-                             temperature_scaling, torch_logits, validate_head)
+from .lm_head.config import fused_config, temperature_scaling
+from .lm_head.lse import LSE_TILE
+from .lm_head.statistics import TileRecord, TorchHeadStatistics, TritonHeadStatistics, torch_logits
+from .lm_head.validate import head_backend, validate_head
 
 OP = "linear_sample"
 
 SEED_LIMIT = 1 << 63
 POSITION_LIMIT = 1 << 32
 # The first level draws one of the vocabulary's blocks of this many ids (the last may be
-# shorter), the second a token inside it: the LSE chain's tile, whose masses the forward records.
+# shorter), the second a token inside it: the LSE order's tile, whose masses the forward records.
 SAMPLE_BLOCK = LSE_TILE
 
 
@@ -262,25 +264,26 @@ def pick_blocks(tile_m: torch.Tensor, tile_s: torch.Tensor, lse: torch.Tensor, u
 
 
 class TorchLinearSampleBackend:
-    """linear_logprob's torch statistics with each tile's mass, then the two draws."""
+    """The head's torch statistics pass with each tile's mass, then the two draws."""
 
     name = "torch"
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
                greedy: bool, entropy: bool = True) -> SampleResult:
-        stats_backend = TorchLinearLogprobBackend()
+        stats_backend = TorchHeadStatistics()
         N, vocab = h2.shape[0], weight.shape[0]
         checked_positions = positions
         if not greedy and positions is None:
             positions = torch.zeros_like(streams)
         dev, adt = h2.device, accumulator_dtype(h2.dtype)
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
-        pieces = (torch.empty(N, n_tiles, dtype=adt, device=dev), torch.empty(N, n_tiles, dtype=adt, device=dev))
+        tiles = TileRecord(torch.empty(N, n_tiles, dtype=adt, device=dev),
+                           torch.empty(N, n_tiles, dtype=adt, device=dev))
+        m, s, u, _ = stats_backend.tile_statistics(h2, weight, bias, temperature, tiles, entropy=entropy)
         no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
-        m, s, u, _ = stats_backend.statistics(h2, weight, bias, no_target, temperature, pieces, entropy=entropy)
         _, _, lse = stats_backend.finish(m, s, u, torch.zeros_like(m), no_target, entropy=False)
-        blocks = pick_blocks(*pieces, lse, None if greedy else tile_uniform(seed, streams, positions), vocab,
+        blocks = pick_blocks(*tiles, lse, None if greedy else tile_uniform(seed, streams, positions), vocab,
                              stats_backend.tile_v(h2.dtype))
         token = torch.zeros(N, dtype=torch.int64, device=dev)
         zt = torch.zeros(N, dtype=adt, device=dev)
@@ -323,8 +326,8 @@ def _aligned(n: int) -> int:
 
 
 class TritonLinearSampleBackend:
-    """linear_logprob's forward kernel with each tile's mass recorded, then the two draws;
-    the second also finishes the token's log-prob as linear_logprob's combine does.
+    """The head's statistics kernel with each tile's mass recorded, then the two draws;
+    the second also finishes the token's log-prob as the statistics pass's combine does.
 
     Three launches (four at N <= the fused config's ``small_n``, whose logits come from the
     GEMM) and four allocations: an eager decode step's sampler is host-bound, so every
@@ -335,7 +338,7 @@ class TritonLinearSampleBackend:
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
                greedy: bool, entropy: bool = True) -> SampleResult:
-        stats_backend = TritonLinearLogprobBackend()
+        stats_backend = TritonHeadStatistics()
         N, D = h2.shape
         vocab = weight.shape[0]
         dev = h2.device
@@ -353,8 +356,8 @@ class TritonLinearSampleBackend:
         parts, tiles = _aligned(n_split * N), _aligned(N * n_tiles)
         m, s, u, tile_m, tile_s = torch.empty(3 * parts + 2 * tiles, dtype=torch.float32, device=dev).split(
             [parts, parts, parts, tiles, tiles])
-        stats_backend.statistics(h2, weight, bias, None, temperature, (tile_m, tile_s), entropy=entropy,
-                                 partials=(m, s, u))
+        stats_backend.tile_statistics(h2, weight, bias, temperature, TileRecord(tile_m, tile_s), entropy=entropy,
+                                      partials=(m, s, u))
         # A seed tensor is read by the kernels (a CUDA graph replays with its current value);
         # an int seed goes in as two int32 scalars of the same bits, and the pointer is unread.
         seed_in_memory = isinstance(seed, torch.Tensor)
@@ -437,10 +440,7 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
     if hidden.is_floating_point() and weight.is_floating_point():
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
     validate(hidden, weight, bias, temperature, seed, streams, positions, greedy)
-    name, _ = select_backend(OP, hidden.device, backend)
-    V_.refuse_interpreted_bf16(OP, name, hidden)
-    if name == "triton" and hidden.dtype == torch.float64:
-        raise ValueError(f"rlkernels.{OP}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
+    name = head_backend(OP, OP, hidden, backend)
     lead = hidden.shape[:-1]
     flat = len(lead) == 1  # a [N, D] call: no reshapes (an eager decode step is host-bound)
     n = lead[0] if flat else math.prod(lead)

@@ -2,7 +2,7 @@
 in the fixed order of :mod:`rlkernels.ops.reductions`.
 
 ``log_softmax`` of fp32 input (fp32 out) is the exception: it follows the LSE order of
-the token distribution (``ops.lse_chain``: 2048-column splits, 256-column tiles with
+the token distribution (``ops.lm_head.lse``: 2048-column splits, 256-column tiles with
 fixed-point masses), on which ``linear_logprob``, ``linear_sample`` and
 ``token_logprobs`` agree. Its tiles start at column 0, so it is invariant to the batch
 and to trailing (right) padding, but not to leading (left) padding.
@@ -14,7 +14,7 @@ import torch
 from . import _validate as V
 from ..gemm.chain import accumulator_dtype
 from ..registry import OpImpl, register_backends
-from .lse_chain import log_softmax_rows
+from .lm_head.lse import log_softmax_rows
 from .reductions import TorchReductionBackend, TritonReductionBackend, reduction_backend_for
 
 
@@ -33,7 +33,7 @@ def softmax_forward(x: torch.Tensor, dim: int, out_dtype: torch.dtype | None, lo
     if xt.numel() == 0:
         return torch.empty(shape, dtype=out_dtype, device=x.device).movedim(-1, dim)
     if log and x.dtype == torch.float32 and out_dtype == torch.float32:
-        # fp32 logits: the LSE chain, so that log_softmax of a patched LM head's logits
+        # fp32 logits: the LSE order, so that log_softmax of a patched LM head's logits
         # (divided by T) at a token is that token's linear_logprob bit for bit.
         backend = "torch" if x.device.type == "meta" else reduction_backend.name
         return log_softmax_rows(xt.reshape(-1, R).contiguous(), backend).reshape(shape).movedim(-1, dim)

@@ -34,8 +34,9 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..ops import _validate as V
-from ..ops.linear_logprob import _INT_DTYPES, backends_for, validate as validate_logprob
-from ..ops.linear_logprob_schedule import backward_chunk
+from ..ops.linear_logprob import backends_for
+from ..ops.lm_head.backward_schedule import backward_chunk
+from ..ops.lm_head.validate import HeadNames, validate_head, validate_targets
 from .tree import combine_across_ranks, leaf_width, process_group_world, stack_tree
 
 # Default number of vocabulary shards (TP up to 8; V = 151936 gives shards of 18992 rows).
@@ -43,6 +44,8 @@ VOCAB_SHARDS = 8
 
 SHARDED_OP = "sharded_linear_logprob"
 VOCAB_OP = "vocab_parallel_linear_logprob"
+# vocab_parallel_linear_logprob's names for its head: one rank's rows of it.
+SHARD_NAMES = HeadNames(weight="weight_shard", bias="bias_shard", rows="V/TP")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,44 +198,6 @@ class _VocabParallelFunction(torch.autograd.Function):
         return grad_h, dw, grad_b, None, None, None, None, None, None
 
 
-def _validate_sharded_inputs(op: str, hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
-                             bias_shard: torch.Tensor | None, world: int, temperature: float,
-                             ignore_index: int) -> int:
-    """linear_logprob's checks with the head sharded: ids are checked against the whole V. Returns V."""
-    V.require_float(op, "hidden", hidden)
-    V.require_float(op, "weight_shard", weight_shard)
-    if bias_shard is not None:
-        V.require_tensor(op, "bias_shard", bias_shard)
-        V.require_float(op, "bias_shard", bias_shard)
-        V.require_ndim(op, "bias_shard", bias_shard, 1, 1)
-    if target.dtype not in _INT_DTYPES:
-        raise ValueError(f"rlkernels.{op}: target must be an integer tensor of token ids, got {target.dtype}")
-    V.require_ndim(op, "hidden", hidden, 1)
-    V.require_ndim(op, "weight_shard", weight_shard, 2, 2)
-    V.require_same_device(op, hidden=hidden, weight_shard=weight_shard, target=target, bias_shard=bias_shard)
-    V.require_same_dtype(op, hidden=hidden, weight_shard=weight_shard, bias_shard=bias_shard)
-    local_v, dim = weight_shard.shape
-    vocab = local_v * world
-    if hidden.shape[-1] != dim:
-        raise ValueError(f"rlkernels.{op}: hidden {tuple(hidden.shape)} has D={hidden.shape[-1]} but weight_shard "
-                         f"{tuple(weight_shard.shape)} ([V/TP, D]) has D={dim}")
-    if local_v == 0:
-        raise ValueError(f"rlkernels.{op}: weight_shard has no vocabulary rows")
-    if bias_shard is not None and tuple(bias_shard.shape) != (local_v,):
-        raise ValueError(f"rlkernels.{op}: bias_shard must have shape ({local_v},), got {tuple(bias_shard.shape)}")
-    if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"rlkernels.{op}: target shape {tuple(target.shape)} must equal hidden's leading "
-                         f"shape {tuple(hidden.shape[:-1])}")
-    V.require_temperature(op, temperature)
-    t = target.reshape(-1)
-    bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
-    if t.numel() and bool(bad.any()):
-        pos = int(bad.nonzero()[0, 0])
-        raise ValueError(f"rlkernels.{op}: target id {int(t[pos])} at flat position {pos} is outside "
-                         f"[0, {vocab}) (V = {local_v} x TP {world}) and is not ignore_index={ignore_index}")
-    return vocab
-
-
 def _run(op: str, hidden, weight, target, bias, layout: VocabLayout, temperature, ignore_index, return_entropy,
          group, backend):
     logprob_backend, gemm_backend = backends_for(op, hidden, backend)
@@ -258,9 +223,8 @@ def sharded_linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: t
     cut): an opt-in mode.
     """
     op = SHARDED_OP
-    V.require_tensor(op, "hidden", hidden)
-    V.require_tensor(op, "weight", weight)
-    validate_logprob(hidden, weight, target, bias, temperature, ignore_index)
+    validate_head(op, hidden, weight, bias, temperature)
+    validate_targets(op, hidden, weight, target, bias, ignore_index)
     layout = vocab_layout(op, weight.shape[0], shards, 0, 1)
     return _run(op, hidden, weight, target, bias, layout, temperature, ignore_index, return_entropy, None, backend)
 
@@ -286,7 +250,8 @@ def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tens
     V.require_tensor(op, "weight_shard", weight_shard)
     V.require_tensor(op, "target", target)
     rank, world = process_group_world(op, group, True)
-    vocab = _validate_sharded_inputs(op, hidden, weight_shard, target, bias_shard, world, temperature, ignore_index)
+    validate_head(op, hidden, weight_shard, bias_shard, temperature, SHARD_NAMES)
+    vocab = validate_targets(op, hidden, weight_shard, target, bias_shard, ignore_index, SHARD_NAMES, world)
     layout = vocab_layout(op, vocab, shards, rank, world)
     return _run(op, hidden, weight_shard, target, bias_shard, layout, temperature, ignore_index, return_entropy,
                 group, backend)

@@ -1,4 +1,4 @@
-"""The LSE chain: log_softmax of fp32 logits and linear_logprob take one log-sum-exp."""
+"""The LSE order: log_softmax of fp32 logits and linear_logprob take one log-sum-exp."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,9 @@ import torch
 import rlkernels
 from rlkernels import linear, linear_logprob
 from rlkernels.contract import check
-from rlkernels.ops.lse_chain import LSE_SPLIT, LSE_TILE, log_softmax_rows, tile_mass
+from rlkernels.ops.lm_head.lse import LSE_SPLIT, LSE_TILE, log_softmax_rows, tile_mass
 
-from ..conftest import cpu_backend_cases, randn
+from ...conftest import cpu_backend_cases, randn
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -29,7 +29,7 @@ def _head(n, d, v, dtype, gen, *, bias=True, device="cpu", logit_std=6.0):
 
 
 def _float_tile_mass(e: torch.Tensor) -> torch.Tensor:
-    """A float sum in index order: what the chain would be without the fixed point."""
+    """A float sum in index order: what the tile sum would be without the fixed point."""
     acc = torch.zeros(e.shape[0], dtype=e.dtype)
     for j in range(e.shape[1]):
         acc = acc + e[:, j]

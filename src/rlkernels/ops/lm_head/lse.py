@@ -1,11 +1,12 @@
-"""The LSE chain on the torch backend, and the log-softmax that follows it.
+"""The LSE order on the torch backend, and the log-softmax that follows it.
 
-The chain (``kernels.lse_chain``) is the one order in which the token distribution's
+The LSE order (``kernels.lse``) is the one order in which the token distribution's
 log-sum-exp is taken: splits of ``LSE_SPLIT`` columns, tiles of ``LSE_TILE`` inside a
 split with each tile's mass summed in fixed point, splits merged in ascending order.
-``linear_logprob`` runs it over logits it computes tile by tile; :func:`log_softmax_rows`
-runs it over logits given as a tensor, so ``log_softmax(z)`` at a token equals
-``linear_logprob``'s log-prob of that token bit for bit, on each backend.
+The LM head's statistics pass (:mod:`.statistics`) runs it over logits it computes tile
+by tile; :func:`log_softmax_rows` runs it over logits given as a tensor, so
+``log_softmax(z)`` at a token equals ``linear_logprob``'s log-prob of that token bit for
+bit, on each backend.
 
 The torch functions here mirror the Triton ones op for op; their ``exp``/``log`` are
 ATen's, so the two backends give close but not identical bits.
@@ -16,10 +17,10 @@ import math
 
 import torch
 
-from ..kernels._triton import cdiv
-from ..kernels.lse_chain import (LSE_SPLIT, LSE_TILE, MASS_SCALE, MASS_UNIT, log_softmax_out_kernel,
-                                 lse_partial_kernel)
-from ..runtime.launcher import cached_launcher
+from ...kernels._triton import cdiv
+from ...kernels.lse import (LSE_SPLIT, LSE_TILE, MASS_SCALE, MASS_UNIT, log_softmax_out_kernel,
+                            lse_partial_kernel)
+from ...runtime.launcher import cached_launcher
 
 __all__ = ["LSE_SPLIT", "LSE_TILE", "tile_mass", "lse_step", "merge_splits", "log_softmax_rows"]
 
@@ -45,7 +46,7 @@ def tree_rowsum(x: torch.Tensor) -> torch.Tensor:
 
 def tile_mass(e: torch.Tensor) -> torch.Tensor:
     """Row sums of ``e`` [R, <= LSE_TILE] (values in [-1, 1]): fp32 in fixed point, exact
-    in any order (as the Triton chain); fp64 (the torch backend's fp64 path) by a
+    in any order (as the Triton kernels); fp64 (the torch backend's fp64 path) by a
     pairwise tree, whose order is fixed by the tile's width."""
     if e.dtype == torch.float64:
         return tree_rowsum(e)
@@ -55,7 +56,7 @@ def tile_mass(e: torch.Tensor) -> torch.Tensor:
 
 
 def lse_step(m: torch.Tensor, s: torch.Tensor, z: torch.Tensor):
-    """One tile of the chain: (m_new, m_ref, alpha, e, d, mass, s_new); see ``kernels.lse_chain.lse_step``."""
+    """One tile of the LSE order: (m_new, m_ref, alpha, e, d, mass, s_new); see ``kernels.lse.lse_step``."""
     m_new = torch.maximum(m, z.amax(dim=1))
     m_ref = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
     d = z - m_ref[:, None]
@@ -110,7 +111,7 @@ def _triton_log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def log_softmax_rows(x: torch.Tensor, backend: str) -> torch.Tensor:
-    """log_softmax over dim 1 of ``x`` [M, R] (fp32, contiguous rows) by the LSE chain, on
+    """log_softmax over dim 1 of ``x`` [M, R] (fp32, contiguous rows) in the LSE order, on
     the ``"torch"`` or ``"triton"`` backend: out = (x - max) - log(mass)."""
     if x.shape[0] == 0 or x.shape[1] == 0:
         return torch.empty_like(x)

@@ -1,4 +1,4 @@
-"""The LSE chain: one fixed order for the log-sum-exp of a row of logits.
+"""The LSE order: one fixed order for the log-sum-exp of a row of logits.
 
 Every op that reports or draws from the token distribution (``linear_logprob``,
 ``linear_sample``, ``log_softmax`` of fp32 logits) reduces a row of R values in this
@@ -11,10 +11,10 @@ order, a function of R alone:
   which is exact, so it has one value whatever order or register layout the sum takes;
 * the splits merged in ascending order (:func:`merge_mass`).
 
-The fixed-point sum is what lets a GEMM epilogue (``linear_logprob``'s fused forward,
+The fixed-point sum is what lets a GEMM epilogue (the LM head's fused statistics pass,
 whose tile layout follows its config) and a plain row kernel (``log_softmax``) give the
 same bits: an fp32 ``tl.sum`` follows the register layout. Host side:
-``rlkernels.ops.lse_chain``.
+``rlkernels.ops.lm_head.lse``.
 """
 from __future__ import annotations
 
