@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..registry import implementation
 from .common import median_ms, optional_import, peak_extra_memory_gib, print_table, write_json
 
 FULL_SHAPES = ((1024, 4096, 151936), (8192, 4096, 151936), (32768, 4096, 151936), (8192, 4096, 32000))
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         shapes = tuple(tuple(int(x) for x in s.split(",")) for s in args.shape)
     else:
         shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
-    cfg = (logprob_backend or L.LinearLogprobTriton.backend_impl).config_for(torch.bfloat16)
+    cfg = (logprob_backend or implementation("linear_logprob", "triton").backend_impl).config_for(torch.bfloat16)
     rows: list[dict[str, Any]] = []
     for n, d, v in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)

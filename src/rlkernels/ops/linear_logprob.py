@@ -44,7 +44,7 @@ from . import _validate as V_
 from ..gemm.tma import TensorDescriptor, tma_layout_ok
 from ..kernels._triton import cdiv
 from ..kernels.linear_logprob import grad_logits_kernel
-from ..registry import OpImpl, implementation, register
+from ..registry import OpImpl, backend_object, register_backends
 from ..runtime.device import sm_count
 from ..runtime.launcher import cached_launcher
 from .lm_head.backward_schedule import (backward_chunk, dw_tail_rows, last_chunk_start, main_loop_chunk,
@@ -279,14 +279,15 @@ class _NoDoubleBackward(torch.autograd.Function):
 # Registry entries and the public function.
 # ---------------------------------------------------------------------------------------
 
-class _LinearLogprobBase(OpImpl):
+class _LinearLogprobOp(OpImpl):
     op_class = "linear_logprob"
     backend_impl: TorchLinearLogprobBackend | TritonLinearLogprobBackend
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
                 return_entropy: bool = False):
-        return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, self.backend)
+        return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, self.backend,
+                    self.backend_impl)
 
     def forward_fp32(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                      bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
@@ -310,24 +311,20 @@ class _LinearLogprobBase(OpImpl):
         return fn, torch.arange(n, device=device)
 
 
-@register(OP, "triton")
-class LinearLogprobTriton(_LinearLogprobBase):
-    backend_impl = TritonLinearLogprobBackend()
+register_backends(OP, _LinearLogprobOp, {"triton": TritonLinearLogprobBackend(), "torch": TorchLinearLogprobBackend()})
 
 
-@register(OP, "torch")
-class LinearLogprobTorch(_LinearLogprobBase):
-    backend_impl = TorchLinearLogprobBackend()
-
-
-def backends_for(op: str, hidden: torch.Tensor, backend: str | None = None):
+def backends_for(op: str, hidden: torch.Tensor, backend: str | None = None, logprob_backend=None):
     """(log-prob backend, GEMM backend) of the registry's ``linear_logprob`` backend for
-    ``hidden``'s device (or ``backend``); refuses what that backend cannot run."""
+    ``hidden``'s device (or ``backend``); refuses what that backend cannot run.
+    ``logprob_backend``: an implementation's own object, taken as it is."""
     name = head_backend(OP, op, hidden, backend)
-    return implementation(OP, name).backend_impl, gemm_backend_for(hidden.device, name)
+    if logprob_backend is None:
+        logprob_backend = backend_object(OP, hidden.device, name)
+    return logprob_backend, gemm_backend_for(hidden.device, name)
 
 
-def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend):
+def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend, logprob_backend=None):
     V_.require_tensor(OP, "hidden", hidden)
     V_.require_tensor(OP, "weight", weight)
     if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor) and hidden.is_floating_point() \
@@ -335,7 +332,7 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
     validate_head(OP, hidden, weight, bias, temperature)
     validate_targets(OP, hidden, weight, target, bias, ignore_index)
-    logprob_backend, gemm_backend = backends_for(OP, hidden, backend)
+    logprob_backend, gemm_backend = backends_for(OP, hidden, backend, logprob_backend)
     lead = target.shape
     h2 = hidden.reshape(target.numel(), hidden.shape[-1])  # explicit N: -1 is ambiguous when D = 0
     t1 = target.reshape(-1).to(torch.int64)

@@ -32,7 +32,7 @@ from .._versions import fast_path
 from ..gemm.chain import accumulator_dtype
 from ..kernels._triton import cdiv
 from ..kernels.sampling import sample_block_kernel, sample_in_block_kernel
-from ..registry import OpImpl, implementation, register
+from ..registry import OpImpl, backend_object, register_backends
 from ..runtime.device import can_read_back
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .lm_head.config import fused_config, temperature_scaling
@@ -394,7 +394,7 @@ class TritonLinearSampleBackend:
 # Registry entries and the public function.
 # ---------------------------------------------------------------------------------------
 
-class _LinearSampleBase(OpImpl):
+class _LinearSampleOp(OpImpl):
     op_class = "linear_logprob"  # its log-probs are linear_logprob's
     backend_impl: TorchLinearSampleBackend | TritonLinearSampleBackend
 
@@ -403,7 +403,7 @@ class _LinearSampleBase(OpImpl):
                 streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 return_entropy: bool = False, greedy: bool = False):
         return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy,
-                    self.backend)
+                    self.backend, self.backend_impl)
 
     def forward_fp32(self, *args, **kwargs):
         return self.forward(*args, **kwargs)  # the log-probs are fp32 already
@@ -424,23 +424,19 @@ class _LinearSampleBase(OpImpl):
         return fn, torch.arange(n, device=device)
 
 
-@register(OP, "triton")
-class LinearSampleTriton(_LinearSampleBase):
-    backend_impl = TritonLinearSampleBackend()
+register_backends(OP, _LinearSampleOp, {"triton": TritonLinearSampleBackend(), "torch": TorchLinearSampleBackend()})
 
 
-@register(OP, "torch")
-class LinearSampleTorch(_LinearSampleBase):
-    backend_impl = TorchLinearSampleBackend()
-
-
-def _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend):
+def _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend,
+         sample_backend=None):
     V_.require_tensor(OP, "hidden", hidden)
     V_.require_tensor(OP, "weight", weight)
     if hidden.is_floating_point() and weight.is_floating_point():
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
     validate(hidden, weight, bias, temperature, seed, streams, positions, greedy)
     name = head_backend(OP, OP, hidden, backend)
+    if sample_backend is None:
+        sample_backend = backend_object(OP, hidden.device, name)
     lead = hidden.shape[:-1]
     flat = len(lead) == 1  # a [N, D] call: no reshapes (an eager decode step is host-bound)
     n = lead[0] if flat else math.prod(lead)
@@ -449,7 +445,7 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
         streams = streams.reshape(n)
         positions = positions.reshape(n) if positions is not None else None
     with torch.no_grad():
-        result = implementation(OP, name).backend_impl.sample(
+        result = sample_backend.sample(
             h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy,
             bool(return_entropy))
     check_status(result, positions)
