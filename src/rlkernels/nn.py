@@ -94,7 +94,9 @@ class MoeRouter(nn.Module):
     def __init__(self, weight: nn.Parameter, top_k: int, *, normalize: bool, round_weights: bool = False) -> None:
         super().__init__()
         self.weight = weight
-        self.top_k = int(top_k)
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise TypeError(f"rlkernels.nn.MoeRouter: top_k must be an int, got {top_k!r}")
+        self.top_k = top_k
         self.num_experts = weight.shape[0]
         self.normalize = bool(normalize)
         self.round_weights = bool(round_weights)

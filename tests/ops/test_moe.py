@@ -8,7 +8,8 @@ import torch
 from rlkernels import TOKEN_BLOCK, contract, reference
 import rlkernels.ops.moe as moe_mod
 from rlkernels.ops.moe import moe_experts, moe_topk, sum_ranks, top_k_lowest_id
-from rlkernels.registry import get_op, registered_ops
+from rlkernels.nn import MoeRouter
+from rlkernels.registry import BackendUnavailableError, get_op, registered_ops
 
 from ..conftest import HAS_CUDA, cpu_backend_cases, interpreter_only
 
@@ -342,6 +343,29 @@ def test_the_id_check_reads_back_only_where_asked(monkeypatch):
 def test_bad_top_k_is_refused(top_k):
     with pytest.raises(ValueError, match="top_k must be an int"):
         moe_topk(torch.randn(3, E), top_k)
+
+
+@pytest.mark.parametrize("round_to, err, match", [
+    (torch.int32, ValueError, "round_weights_to must be a float dtype"),
+    (torch.bool, ValueError, "round_weights_to must be a float dtype"),
+    ("bf16", TypeError, r"round_weights_to must be None or a float torch.dtype \(torch.bfloat16"),
+])
+def test_round_weights_to_must_be_a_float_dtype(round_to, err, match):
+    # An integer dtype once rounded every weight to 0, and a string failed inside torch.
+    with pytest.raises(err, match=match):
+        moe_topk(torch.randn(3, E), 2, round_weights_to=round_to)
+
+
+def test_a_forced_backend_that_cannot_run_names_moe_topk(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailableError, match=r"rlkernels\.moe_topk: backend 'triton'"):
+        moe_topk(torch.randn(3, E), 2, backend="triton")
+
+
+@pytest.mark.parametrize("top_k", [2.7, 2.0, True])
+def test_router_refuses_a_top_k_that_is_not_an_int(top_k):
+    with pytest.raises(TypeError, match="MoeRouter: top_k must be an int"):
+        MoeRouter(torch.nn.Parameter(torch.randn(E, 8)), top_k, normalize=True)
 
 
 @pytest.mark.gpu

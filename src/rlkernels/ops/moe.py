@@ -54,7 +54,7 @@ from ..kernels._triton import cdiv, pow2_at_least
 from ..kernels.moe import rank_sum_kernel, top_k_route_kernel
 from ..runtime.device import can_read_back
 from ..runtime.launcher import NO_FP_FUSION, cached_launcher
-from ..registry import OpImpl, register_backends
+from ..registry import BackendUnavailableError, OpImpl, register_backends
 
 _REDUCTIONS = {"torch": TorchReductionBackend(), "triton": TritonReductionBackend()}
 
@@ -179,8 +179,17 @@ def moe_topk(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
     E = logits.shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"rlkernels.{op}: top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    if round_weights_to is not None and not isinstance(round_weights_to, torch.dtype):
+        raise TypeError(f"rlkernels.{op}: round_weights_to must be None or a float torch.dtype (torch.bfloat16, "
+                        f"torch.float16, torch.float32), got {round_weights_to!r}")
+    if round_weights_to is not None and not round_weights_to.is_floating_point:
+        raise ValueError(f"rlkernels.{op}: round_weights_to must be a float dtype (the routing weights are "
+                         f"probabilities), got {round_weights_to}")
     acc = accumulator_dtype(logits.dtype)
-    reductions = reduction_backend_for("softmax", logits.device, backend)
+    try:
+        reductions = reduction_backend_for("softmax", logits.device, backend)
+    except BackendUnavailableError as exc:  # the router's softmax is this op's: say so
+        raise BackendUnavailableError(str(exc).replace("rlkernels.softmax", f"rlkernels.{op}")) from None
     if _fuses_softmax_route(logits, reductions.name, round_weights_to):
         index, weights, _ = _top_k_route(logits, top_k, bool(normalize), from_logits=True,
                                          round_weights_to=round_weights_to)
