@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -296,6 +297,8 @@ def test_the_kernels_flag_a_call_with_a_refused_row(gen):
     (dict(positions=torch.tensor([0, 1, 2, 1 << 32])), ValueError, r"positions must lie in \[0, 2\^32\)"),
     (dict(temperature=0.0), ValueError, r"temperature must be a finite number > 0"),
     (dict(temperature=float("nan")), ValueError, r"temperature must be a finite number > 0"),
+    (dict(temperature=1e-40), ValueError, r"temperature must be >= 0.0001, got 1e-40: below it the distribution"),
+    (dict(seed=np.int64(5)), TypeError, r"seed must be a Python int .*got numpy.int64 \(pass int\(seed\)\)"),
 ])
 def test_bad_inputs_are_refused_naming_the_op(kwargs, err, match, gen):
     h, w, b = _head(4, 8, 40, F32, gen)

@@ -54,8 +54,15 @@ def require_dim(op: str, dim: object, ndim: int) -> int:
     return dim % rank
 
 
+# The smallest temperature any op takes: one rule for the head's ops, the sampler and the
+# model functions. Below it softmax(z / T) is a point mass for any logits a model produces
+# (a gap of 1e-3 nats becomes 10 at T = 1e-4), and far below it z / T overflows float32
+# (T = 1e-40 turns every logit into +-inf and the log-probs into NaN).
+MIN_TEMPERATURE = 1e-4
+
+
 def require_temperature(op: str, temperature: object) -> float:
-    """``temperature`` as a float: a Python (or NumPy) real number, finite and > 0.
+    """``temperature`` as a float: a Python (or NumPy) real number, finite and >= MIN_TEMPERATURE.
 
     A tensor is refused rather than read: reading a GPU tensor's value is a host sync,
     and a tensor that requires grad would be silently treated as a constant."""
@@ -66,6 +73,10 @@ def require_temperature(op: str, temperature: object) -> float:
     value = float(temperature)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"rlkernels.{op}: temperature must be a finite number > 0, got {temperature!r}")
+    if value < MIN_TEMPERATURE:
+        raise ValueError(f"rlkernels.{op}: temperature must be >= {MIN_TEMPERATURE:g}, got {temperature!r}: below "
+                         f"it the distribution is a point mass (and z / T overflows float32 further down); "
+                         f"decode greedily instead")
     return value
 
 

@@ -23,6 +23,7 @@ carry no autograd graph: a sampler's log-probs are data.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -83,8 +84,11 @@ def validate_seed(seed: object, device: torch.device) -> None:
             raise ValueError(f"rlkernels.{OP}: seed must be in [0, 2^63), got {int(seed.reshape(()))}")
         return
     if isinstance(seed, bool) or not isinstance(seed, int):
+        kind = type(seed)
+        name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        hint = " (pass int(seed))" if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) else ""
         raise TypeError(f"rlkernels.{OP}: seed must be a Python int or a one-element int64 tensor, "
-                        f"got {type(seed).__name__}")
+                        f"got {name}{hint}")
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"rlkernels.{OP}: seed must be in [0, 2^63), got {seed}")
 

@@ -40,6 +40,10 @@ def test_temperature_must_be_a_python_number(call):
     for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=rf"rlkernels.{call}: temperature must be a finite number > 0"):
             fn(model, ids, temperature=bad)
+    # One rule everywhere: token_logprobs once returned NaN at T = 1e-40 where linear_sample refused.
+    for tiny in (1e-40, 1e-5):
+        with pytest.raises(ValueError, match=rf"rlkernels.{call}: temperature must be >= 0.0001, got {tiny!r}"):
+            fn(model, ids, temperature=tiny)
 
 
 @pytest.mark.parametrize("option, value, why", [
