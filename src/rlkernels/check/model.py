@@ -429,8 +429,9 @@ def sampler_gap(model, sequences: list[torch.Tensor], device: torch.device, *, s
 
     The patched model's final hidden states of ``sequences`` go through its head scaled to a
     trained model's logit scale (a scaled copy; the model is unchanged). The trainer scores
-    ``log_softmax(z / T)``, z the fp32 logits. Stock samplers draw from the head's bf16
-    logits: ``softmax(bf16(z) / T)``; reported here as KL(drawn || scored) per position and
+    ``log_softmax(z / T)``, z the fp32 logits. Stock samplers draw from the head's logits in
+    the model's 16-bit dtype (bf16 for an fp32 model, as serving engines run it):
+    ``softmax(round16(z) / T)``; reported here as KL(drawn || scored) per position and
     |log p_drawn - log p_scored| at tokens drawn from it. rlkernels draws with
     ``linear_sample`` from ``softmax(z / T)`` itself; its check is that every drawn token's
     log-prob is bitwise ``linear_logprob``'s.
@@ -446,7 +447,8 @@ def sampler_gap(model, sequences: list[torch.Tensor], device: torch.device, *, s
         weight = head.weight * (TRAINED_LOGIT_STD / float(z0.std()))
         z = linear(hidden, weight, out_dtype=torch.float32) / GAP_TEMPERATURE
         scored = torch.log_softmax(z.double(), dim=-1)
-        drawn = torch.log_softmax(z.bfloat16().double(), dim=-1)
+        low = head.weight.dtype if head.weight.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        drawn = torch.log_softmax(z.to(low).double(), dim=-1)
         kl = (drawn.exp() * (drawn - scored)).sum(dim=-1)
         g = torch.Generator(device=device).manual_seed(seed)
         tokens = torch.multinomial(drawn.exp(), 1, generator=g)[:, 0]
@@ -456,6 +458,7 @@ def sampler_gap(model, sequences: list[torch.Tensor], device: torch.device, *, s
                                    streams=torch.arange(rows, device=device))
         same = torch.equal(logp, linear_logprob(hidden, weight, ours, temperature=GAP_TEMPERATURE))
     return {"positions": rows, "logit_std": float(z.std()), "temperature": GAP_TEMPERATURE,
+            "stock_logits_dtype": str(low).replace("torch.", ""),
             "stock_kl_mean": float(kl.mean()), "stock_kl_max": float(kl.max()),
             "stock_max_abs_dlogp_at_drawn": float(at.max()), "stock_mean_abs_dlogp_at_drawn": float(at.mean()),
             "rlkernels_logp_bitwise_linear_logprob": same}
@@ -528,8 +531,8 @@ def run(device: str | None = None, dtype: str | None = None, seqs: int | None = 
                   f"one-at-a-time, padded, chunked-prefill, shuffled batches and the sampler's rollout.")
     gap = sampler_gap(ours, sequences, dev)
     console.print(f"sampling distribution vs the trainer's, {gap['positions']} positions, head scaled to a trained "
-                  f"model's logit std {gap['logit_std']:.1f}, T = {gap['temperature']:g}: stock (draws from bf16 "
-                  f"logits) KL mean {gap['stock_kl_mean']:.2e}, max {gap['stock_kl_max']:.2e}; |d log p| at drawn "
+                  f"model's logit std {gap['logit_std']:.1f}, T = {gap['temperature']:g}: stock (draws from "
+                  f"{gap['stock_logits_dtype']} logits) KL mean {gap['stock_kl_mean']:.2e}, max {gap['stock_kl_max']:.2e}; |d log p| at drawn "
                   f"tokens mean {gap['stock_mean_abs_dlogp_at_drawn']:.3f}, max "
                   f"{gap['stock_max_abs_dlogp_at_drawn']:.3f}. rlkernels draws from the scored distribution "
                   f"(linear_sample): gap 0, drawn tokens' log-probs "

@@ -97,7 +97,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     sequences [B, L + T] (prompts as given, then the new tokens), logprobs / entropy
     [B, T] fp32 with no autograd graph, where ``logprobs[:, t]`` is the log-prob of
     ``sequences[:, L + t]`` at ``temperature``; tokens after a sequence's EOS are
-    ``pad_token_id`` and get 0.
+    ``pad_token_id`` (without one: the first EOS id) and get 0.
 
     Each token is :func:`rlkernels.linear_sample` of the final hidden state that precedes
     it: drawn from ``softmax(z / T)`` with ``z`` the LM head's fp32 logits by the canonical
