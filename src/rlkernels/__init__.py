@@ -9,7 +9,8 @@ import importlib
 from types import ModuleType
 
 from .integrations.aten_mode import is_batch_invariant_mode_enabled, set_batch_invariant_mode
-from .integrations.hf import generate, is_patched, patch_model, release_decode_graphs, token_logprobs
+from .integrations.hf import (RolloutSample, generate, is_patched, patch_model, release_decode_graphs, rollout,
+                              token_logprobs)
 from .nn import Linear, RMSNorm
 from .ops.attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops.bmm import bmm
@@ -27,6 +28,7 @@ __all__ = [
     "BackendUnavailableError",
     "Linear",
     "RMSNorm",
+    "RolloutSample",
     "bmm",
     "flash_attn_func",
     "flash_attn_varlen_func",
@@ -44,6 +46,7 @@ __all__ = [
     "registered_ops",
     "release_decode_graphs",
     "rms_norm",
+    "rollout",
     "select_backend",
     "set_batch_invariant_mode",
     "softmax",

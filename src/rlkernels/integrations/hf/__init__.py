@@ -1,16 +1,20 @@
-"""Hugging Face causal LMs: ``patch_model``, ``token_logprobs`` and ``generate``.
+"""Hugging Face causal LMs: ``patch_model``, ``token_logprobs``, ``generate`` and ``rollout``.
 
 One module per job: :mod:`.patch` makes a model batch-invariant in place, with the
 per-module swaps :mod:`.attention`, :mod:`.moe`, :mod:`.rotary`, :mod:`.mlp` and
 :mod:`.static_cache`; :mod:`.coverage` says what a patched forward covers and reads a
 model's modules; :mod:`.scoring` is ``token_logprobs``; :mod:`.generation` is
-``generate``'s host side and :mod:`.decode` its static-cache decode step and loop.
-Calls go downward: generation -> decode -> coverage, scoring -> coverage.
+``generate``'s host side and :mod:`.decode` its static-cache decode step and loop;
+:mod:`.rollout` runs that step over a continuously refilled batch of samples.
+Calls go downward: generation -> decode -> coverage; rollout -> decode and scoring;
+scoring -> coverage.
 """
 from .coverage import is_patched
 from .decode import release_decode_graphs
 from .generation import generate
 from .patch import patch_model
+from .rollout import RolloutSample, rollout
 from .scoring import token_logprobs
 
-__all__ = ["generate", "is_patched", "patch_model", "release_decode_graphs", "token_logprobs"]
+__all__ = ["RolloutSample", "generate", "is_patched", "patch_model", "release_decode_graphs", "rollout",
+           "token_logprobs"]

@@ -197,11 +197,13 @@ def decode_key(model: nn.Module, batch: int, total: int, device: torch.device, t
             tuple([env_get(name) for name in SWITCHES]), _memory_fingerprint(model))
 
 
-def _takes_cache_position(decoder: nn.Module) -> bool:
+def takes_cache_position(decoder: nn.Module) -> bool:
+    """Whether ``decoder``'s forward takes ``cache_position`` (transformers 4.x: a static cache writes at the
+    slots it names; 5.x counts its writes on the device)."""
     return "cache_position" in inspect.signature(type(decoder).forward).parameters
 
 
-def _rewind(cache: Any) -> None:
+def rewind(cache: Any) -> None:
     """Put ``cache``'s write position back at slot 0 for a new prefill.
 
     transformers 5.x's ``StaticLayer`` keeps it in a device tensor, zeroed in place (the
@@ -268,6 +270,17 @@ def new_cache(model: nn.Module, length: int) -> Any:
     return cache
 
 
+def last_hidden(decoder: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                cache_position: torch.Tensor | None = None) -> torch.Tensor:
+    """The forward half of :func:`decode_step`: the final hidden state [B, H] of each row's
+    last fed token, the keys and values of ``ids`` [B, Lq] written into ``cache`` (the
+    arguments as there)."""
+    slots = {"cache_position": cache_position} if cache_position is not None else {}
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                  **cache_kwargs(decoder, cache), **slots)
+    return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
+
+
 def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.Tensor,
                 positions: torch.Tensor, *, temperature: float, greedy: bool, seed: torch.Tensor,
                 streams: torch.Tensor, cache_position: torch.Tensor | None = None) -> Drawn:
@@ -283,10 +296,7 @@ def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tens
     on the device). Returns (token [B] int64, logp [B] fp32, entropy [B] fp32). No host
     sync: the step can be captured into a CUDA graph whose inputs are these tensors.
     """
-    slots = {"cache_position": cache_position} if cache_position is not None else {}
-    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                  **cache_kwargs(decoder, cache), **slots)
-    hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
+    hidden = last_hidden(decoder, cache, ids, mask, positions, cache_position)
     # The token drawn here is the row's next one: its position follows the last fed token's.
     return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
                          seed=seed, streams=streams, positions=positions[:, -1] + 1,
@@ -343,11 +353,11 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     if not greedy:
         validate_seed(seed, dev)
         streams = torch.arange(B, device=dev) if streams is None else _check_streams(streams, B, dev)
-    takes_cache_position = _takes_cache_position(decoder)
+    slot_buffer = takes_cache_position(decoder)
     key = decode_key(model, B, total, dev, temperature, greedy) if keep else None
 
     def make() -> DecodeGraph:
-        return DecodeGraph(key, new_cache(model, total), _StepBuffers(B, total, dev, takes_cache_position))
+        return DecodeGraph(key, new_cache(model, total), _StepBuffers(B, total, dev, slot_buffer))
 
     state, kept = _acquire(model, key, make) if keep else (make(), False)
     try:
@@ -375,7 +385,7 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
     buffers, cache = state.buffers, state.cache
     mask_long = attention_mask.long()
     if state.calls:
-        _rewind(cache)
+        rewind(cache)
         buffers.mask.zero_()
     state.calls += 1
     buffers.mask[:, :L] = mask_long

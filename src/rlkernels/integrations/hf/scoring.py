@@ -90,7 +90,8 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
     return out.reshape(B, T)
 
 
-def _vocab_size(model: nn.Module) -> int | None:
+def vocab_size(model: nn.Module) -> int | None:
+    """How many ids the model's input embedding can index (None where it cannot be read)."""
     emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
     weight = getattr(emb, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
@@ -102,7 +103,7 @@ def _vocab_size(model: nn.Module) -> int | None:
 def check_ids(op: str, model: nn.Module, input_ids: torch.Tensor) -> None:
     """ValueError naming ``rlkernels.<op>`` (the public function called), the first id of
     ``input_ids`` [B, L] outside [0, vocab) and its (batch, index); one host sync."""
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     if vocab is None or input_ids.numel() == 0:
         return
     bad = (input_ids < 0) | (input_ids >= vocab)

@@ -1,0 +1,599 @@
+"""``rlkernels.rollout``: continuous-batching RL rollouts, each sample bitwise its prompt's decode alone.
+
+A rollout engine keeps a fixed number of cache rows busy: a sample that ends frees its
+row, and the next waiting sample takes it between two decode steps. Here every sample's
+tokens and log-probs are, bit for bit, what :func:`rlkernels.generate` gives for its
+prompt alone with its stream, whatever the other samples in the batch, the order of the
+prompts, the batch size and the step at which the sample was admitted. Three properties
+of a patched model make that hold:
+
+* the patched attention reads each row's keys as one interval of the cache's slots and
+  runs its fixed chain over them counted from the interval's first slot, so neither
+  where the interval sits nor the cache's length changes a bit, and masked slots --
+  stale, or even NaN -- contribute nothing (``docs/operators/attention.md``);
+* every other op of the forward and the draw by :func:`rlkernels.linear_sample` are
+  row-invariant: a row's result does not depend on the other rows;
+* the draw of a sample's token at position p is keyed by (seed, the sample's stream, p),
+  the keys :func:`rlkernels.generate` uses for a row.
+
+The cache is one ``StaticCache`` (:func:`~rlkernels.integrations.hf.decode.new_cache`) of
+``max_batch`` rows by S slots, whose write position is one device counter c shared by
+every row and layer (:mod:`.static_cache`). A sample whose prompt has L tokens is placed
+left-padded so that it ends at the counter: its prompt's keys and values fill slots
+[c - L, c) of its row, its mask row is 1 there, and its position ids are its own (0 to
+L - 1, then L + t for its t-th new token), as in a left-padded row of ``generate``. Each
+prompt is prefilled alone ([1, L], ``generate``'s prefill of that prompt), in a cache of
+its own; its n samples' first tokens are drawn from that one forward and its keys and
+values are copied into each sample's row. A decode step feeds every row its last token,
+writes slot c of every row and advances c by one; a row without a sample is fed token
+0 with only slot c unmasked (finite, discarded). When c reaches S, every row's keys
+are moved left so that the longest window starts at slot 0 and the counter moves back
+with them (copies only). The memory the keys and values take is therefore bounded by
+``max_batch`` x S slots per layer, S = 2 x (longest prompt + ``max_new_tokens``).
+
+With ``cuda_graph`` the decode step -- decoder, final norm, head and draw -- is captured
+once (:class:`~rlkernels.integrations.hf.decode.DecodeGraph`) after one eager step and
+replayed: its inputs (token ids, positions, streams, the mask over every slot, the seed,
+the cache and its counter) live in fixed buffers that admissions, the per-step input
+copies and the compaction write in place.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ...ops._validate import require_temperature
+from ...ops.linear_sample import SEED_LIMIT, linear_sample
+from ..trainers import fsdp
+from . import decode, moe
+from .coverage import decoder_of, is_patched, mode_for
+from .scoring import check_head, vocab_size
+
+OP = "rollout"
+logger = logging.getLogger(__name__)
+
+# Rows of the cache when max_batch is None off CUDA; on CUDA, what free memory holds.
+CPU_MAX_BATCH = 64
+# The share of free device memory the automatic max_batch gives the cache and mask; the
+# rest is left for the step's activations and the prefill.
+CACHE_MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True, eq=False)  # tensors have no single truth value: identity equality
+class RolloutSample:
+    """One sample of :func:`rollout`.
+
+    ``prompt``: the prompt's index, ``sample``: j in [0, n), ``stream``: the stream its
+    draws are keyed by. ``tokens``: int64 [T], the new tokens (the EOS included where one
+    was drawn); ``logprobs``: fp32 [T], each token's log-prob at the rollout's
+    temperature, no autograd graph; ``entropy``: fp32 [T] with ``return_entropy``, else
+    None; ``finished``: True where the sample ended with an EOS token (False where it
+    ran to ``max_new_tokens``).
+    """
+
+    prompt: int
+    sample: int
+    stream: int
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    finished: bool
+
+
+@dataclass
+class _Plan:
+    """The checked arguments of one rollout."""
+
+    prompts: list[list[int]]
+    n: int
+    max_new_tokens: int
+    temperature: float
+    greedy: bool
+    seed: int
+    streams: list[int]
+    eos: frozenset[int]
+    max_batch: int
+    slots: int
+    cuda_graph: bool
+    device: torch.device
+    return_entropy: bool
+
+    @property
+    def longest(self) -> int:
+        return max(len(p) for p in self.prompts)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _prompt_ids(prompts: object, vocab: int | None, max_positions: int | None) -> list[list[int]]:
+    """Each prompt as a list of ids, checked: no padding is possible, so no 2-D tensor."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 2:
+            raise ValueError("rlkernels.rollout: prompts is a 2-D tensor, whose padding would be ambiguous; "
+                             "pass a list of prompts (token-id lists or 1-D tensors), each without padding")
+        raise ValueError(f"rlkernels.rollout: prompts must be a list of prompts (token-id lists or 1-D tensors), "
+                         f"got a {prompts.dim()}-D tensor")
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"rlkernels.rollout: prompts must be a list of prompts (token-id lists or 1-D tensors), "
+                        f"got {type(prompts).__name__}")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1:
+                raise ValueError(f"rlkernels.rollout: prompts[{i}] is a {prompt.dim()}-D tensor; each prompt is a "
+                                 "1-D tensor or a list of token ids")
+            if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+                raise TypeError(f"rlkernels.rollout: prompts[{i}] must hold integer token ids, got {prompt.dtype}")
+            ids = prompt.tolist()
+        elif isinstance(prompt, (list, tuple)):
+            bad = next((v for v in prompt if not _is_int(v)), None)
+            if bad is not None:
+                raise TypeError(f"rlkernels.rollout: prompts[{i}] must hold integer token ids, got "
+                                f"{type(bad).__name__} {bad!r}")
+            ids = [int(v) for v in prompt]
+        else:
+            raise TypeError(f"rlkernels.rollout: prompts[{i}] must be a list of token ids or a 1-D tensor, got "
+                            f"{type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"rlkernels.rollout: prompts[{i}] is empty; every prompt needs at least one token")
+        if vocab is not None:
+            k = next((k for k, v in enumerate(ids) if not 0 <= v < vocab), None)
+            if k is not None:
+                raise ValueError(f"rlkernels.rollout: prompts[{i}][{k}] = {ids[k]} is outside the model's "
+                                 f"vocabulary [0, {vocab})")
+        if max_positions is not None and len(ids) > max_positions:
+            raise ValueError(f"rlkernels.rollout: prompts[{i}] has {len(ids)} tokens, more than the model's "
+                             f"max_position_embeddings ({max_positions})")
+        out.append(ids)
+    return out
+
+
+def _stream_ids(streams: object, count: int) -> list[int]:
+    if streams is None:
+        return list(range(count))
+    if isinstance(streams, torch.Tensor):
+        if streams.dim() != 1 or streams.dtype.is_floating_point or streams.dtype == torch.bool:
+            raise ValueError(f"rlkernels.rollout: streams must be a 1-D integer tensor or a list of ints, got "
+                             f"{streams.dtype} {tuple(streams.shape)}")
+        values = streams.tolist()
+    elif isinstance(streams, (list, tuple)):
+        bad = next((v for v in streams if not _is_int(v)), None)
+        if bad is not None:
+            raise TypeError(f"rlkernels.rollout: streams must be ints, got {type(bad).__name__} {bad!r}")
+        values = [int(v) for v in streams]
+    else:
+        raise TypeError(f"rlkernels.rollout: streams must be a list of ints or a 1-D tensor, got "
+                        f"{type(streams).__name__}")
+    if len(values) != count:
+        raise ValueError(f"rlkernels.rollout: streams has {len(values)} entries; it needs one per sample, "
+                         f"len(prompts) * n = {count}")
+    if len(set(values)) != len(values):
+        seen: set[int] = set()
+        twice = next(v for v in values if v in seen or seen.add(v))
+        raise ValueError(f"rlkernels.rollout: streams must be distinct (stream {twice} is repeated): two samples "
+                         "of one prompt with one stream would draw the same tokens")
+    out_of_range = next((v for v in values if not -SEED_LIMIT <= v < SEED_LIMIT), None)
+    if out_of_range is not None:
+        raise ValueError(f"rlkernels.rollout: stream {out_of_range} does not fit in int64")
+    return values
+
+
+def _eos_ids(model: nn.Module, eos_token_id: object) -> frozenset[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return frozenset()
+    values = [eos_token_id] if not isinstance(eos_token_id, (list, tuple, torch.Tensor)) else eos_token_id
+    if isinstance(values, torch.Tensor):
+        values = values.reshape(-1).tolist()
+    bad = next((v for v in values if not _is_int(v)), None)
+    if bad is not None:
+        raise TypeError(f"rlkernels.rollout: eos_token_id must be an int or a list of ints, got {bad!r}")
+    return frozenset(int(v) for v in values)
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def _slot_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes one cache slot of one row takes: keys and values of every layer, and the mask's entry."""
+    config = _text_config(model)
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", heads) // heads
+    layers = getattr(config, "num_hidden_layers", 1)
+    return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size() + 8
+
+
+def _auto_max_batch(model: nn.Module, device: torch.device, slots: int, samples: int, dtype: torch.dtype) -> int:
+    """The rows of cache to keep: on CUDA, as many as ``CACHE_MEMORY_SHARE`` of the free memory
+    holds (``slots`` slots each), at most one per sample; elsewhere min(samples, ``CPU_MAX_BATCH``)."""
+    if device.type != "cuda":
+        return max(1, min(samples, CPU_MAX_BATCH))
+    free, _ = torch.cuda.mem_get_info(device)
+    per_row = slots * _slot_bytes(model, dtype)
+    rows = max(1, min(samples, int(free * CACHE_MEMORY_SHARE // per_row)))
+    logger.debug("rlkernels.rollout: max_batch=None -> %d rows (%d samples; %.1f MiB free on %s, %d slots of "
+                 "%.1f KiB per row)", rows, samples, free / 2**20, device, slots, per_row / slots / 2**10)
+    return rows
+
+
+def _model_device(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    embedding = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        weight = next(model.parameters())
+    return weight.device, weight.dtype
+
+
+def _check_model(model: nn.Module) -> None:
+    if not is_patched(model):
+        raise ValueError("rlkernels.rollout: the model is not patched; call rlkernels.patch_model(model) first (a "
+                         "sample is its prompt's decode alone only where the attention is invariant to where a "
+                         "row's keys sit in the cache, which the patched attention is)")
+
+
+def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, temperature: float, do_sample: bool,
+          seed: int | None, streams: object, eos_token_id: object, max_batch: int | None, cuda_graph: bool | None,
+          return_entropy: bool, slots: int | None) -> _Plan:
+    """Every argument checked (errors name ``rlkernels.rollout``), before any compute."""
+    check_head(OP, model)
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"rlkernels.rollout: n must be an int >= 1, got {n!r}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"rlkernels.rollout: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    temperature = require_temperature(OP, temperature)
+    if max_batch is not None and (not _is_int(max_batch) or max_batch < 1):
+        raise ValueError(f"rlkernels.rollout: max_batch must be an int >= 1 (or None), got {max_batch!r}")
+    config = _text_config(model)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    ids = _prompt_ids(prompts, vocab_size(model), max_positions if _is_int(max_positions) else None)
+    stream_ids = _stream_ids(streams, len(ids) * n)
+    greedy = not bool(do_sample)
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
+        kind = TypeError if not _is_int(seed) else ValueError
+        raise kind(f"rlkernels.rollout: seed must be a Python int in [0, 2^63) (or None), got {seed!r}")
+    eos = _eos_ids(model, eos_token_id)
+    device, dtype = _model_device(model)
+    decoder = decoder_of(model)
+    if decode.takes_cache_position(decoder):
+        raise ValueError("rlkernels.rollout: needs transformers 5.x, whose StaticCache counts its writes on the "
+                         "device (this decoder takes cache_position, as transformers 4.x's do)")
+    # Why the decode step cannot be captured on this model, if it cannot.
+    no_graph = (f"the model is on {device}" if device.type != "cuda"
+                else "an FSDP2 model gathers its parameters in every step's forward" if fsdp.is_fsdp(model)
+                else "the decode step is captured for a patched model only" if not is_patched(model)
+                else "a mixture-of-experts model's torch backend sizes one GEMM per expert on the host every step"
+                if moe.has_moe_blocks(model) and not moe.experts_capture(device) else None)
+    if cuda_graph and no_graph is not None:
+        raise ValueError(f"rlkernels.rollout: cuda_graph=True cannot capture the decode step here: {no_graph}; "
+                         "pass cuda_graph=False (or None)")
+    longest = max((len(p) for p in ids), default=0)
+    window = longest + max_new_tokens
+    if slots is None:
+        slots = 2 * window
+    elif slots < window:
+        i = next(i for i, p in enumerate(ids) if len(p) == longest)
+        raise ValueError(f"rlkernels.rollout: prompts[{i}] ({longest} tokens) plus max_new_tokens "
+                         f"({max_new_tokens}) does not fit in {slots} cache slots")
+    samples = len(ids) * n
+    if max_batch is None:
+        max_batch = _auto_max_batch(model, device, slots, samples, dtype) if samples else 1
+    if seed is None:
+        seed = int(torch.randint(0, 1 << 62, (1,))) if not greedy else 0  # generate's draw of a seed
+    return _Plan(prompts=ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
+                 seed=seed, streams=stream_ids, eos=eos, max_batch=max(1, min(max_batch, samples)), slots=slots,
+                 cuda_graph=no_graph is None if cuda_graph is None else bool(cuda_graph), device=device,
+                 return_entropy=bool(return_entropy))
+
+
+class _Sample:
+    """A sample's progress: its prompt, stream and prompt length, the tokens drawn so far
+    (the last one not yet in the cache) and where its draws are in the rollout's pool."""
+
+    __slots__ = ("prompt", "stream", "length", "drawn", "last", "pool_rows", "finished", "done")
+
+    def __init__(self, prompt: int, stream: int, length: int) -> None:
+        self.prompt = prompt
+        self.stream = stream
+        self.length = length
+        self.drawn = 0
+        self.last = 0
+        self.pool_rows: list[int] = []
+        self.finished = False  # ended by an EOS token
+        self.done = False
+
+
+class _Rollout:
+    """The slot cache, the step's buffers and the host bookkeeping of one rollout."""
+
+    def __init__(self, model: nn.Module, plan: _Plan) -> None:
+        self.plan = plan
+        self.decoder = decoder_of(model)
+        self.head = model.get_output_embeddings()
+        dev, B, S = plan.device, plan.max_batch, plan.slots
+        self.cache = decode.new_cache(model, S)
+        # Each prompt's prefill runs alone in a cache of its own (rewound for the next prompt).
+        self.prefill_cache = decode.new_cache(model, plan.longest + plan.max_new_tokens)
+        self.prefill_mask = torch.zeros(1, plan.longest + plan.max_new_tokens, dtype=torch.long, device=dev)
+        self.prefilled: int | None = None
+        # The step's inputs: one fixed buffer each (a captured step reads them), filled from
+        # one host staging tensor per step (rows: token, position, stream, 1 for a row in use).
+        self.inputs = torch.zeros(4, B, dtype=torch.long, device=dev)
+        self.staging = torch.zeros(4, B, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.staging_view = self.staging.numpy()  # the same memory, written element by element
+        self.ids = self.inputs[0].view(B, 1)
+        self.positions = self.inputs[1].view(B, 1)
+        self.streams = self.inputs[2]
+        self.in_use = self.inputs[3]
+        self.mask = torch.zeros(B, S, dtype=torch.long, device=dev)
+        self.seed = torch.full((), plan.seed, dtype=torch.long, device=dev)
+        self.graph = decode.DecodeGraph(None, self.cache, None) if plan.cuda_graph else None
+        self.counters: list[torch.Tensor] = []
+        self.counter = 0  # the host's copy of the cache's write position c
+        self.rows: list[_Sample | None] = [None] * B
+        self.samples = [_Sample(s // plan.n, stream, len(plan.prompts[s // plan.n]))
+                        for s, stream in enumerate(plan.streams)]
+        # Every draw's (token, log-prob, entropy), in the order drawn; samples index into them.
+        self.pool: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.pool_size = 0
+
+    # ----------------------------------------------------------------- drawing
+    def _record(self, drawn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, list[int]]:
+        """Keep a draw in the pool; (its first index there, its tokens on the host)."""
+        start = self.pool_size
+        self.pool.append(drawn)
+        self.pool_size += drawn[0].shape[0]
+        return start, drawn[0].tolist()
+
+    def _take(self, sample: _Sample, token: int, index: int) -> None:
+        """Append a drawn token to ``sample``; it ends at an EOS or at max_new_tokens."""
+        sample.drawn += 1
+        sample.last = token
+        sample.pool_rows.append(index)
+        sample.finished = token in self.plan.eos
+        sample.done = sample.finished or sample.drawn == self.plan.max_new_tokens
+
+    def _prefill(self, prompt: int) -> None:
+        """``generate``'s prefill of ``prompt`` alone ([1, L]), then the first draw of each of its n samples."""
+        plan = self.plan
+        ids = plan.prompts[prompt]
+        L = len(ids)
+        if self.prefilled is not None:
+            decode.rewind(self.prefill_cache)
+        self.prefilled = prompt
+        self.prefill_mask.zero_()
+        self.prefill_mask[:, :L] = 1
+        dev = plan.device
+        hidden = decode.last_hidden(self.decoder, self.prefill_cache, torch.tensor([ids], device=dev),
+                                    self.prefill_mask, torch.arange(L, device=dev)[None])
+        n = plan.n
+        streams = torch.tensor(plan.streams[prompt * n:(prompt + 1) * n], dtype=torch.long, device=dev)
+        # One hidden row per sample: rows are independent in the draw, keyed by each one's stream.
+        drawn = linear_sample(hidden.expand(n, -1).contiguous(), self.head.weight, getattr(self.head, "bias", None),
+                              temperature=plan.temperature, seed=self.seed, streams=streams,
+                              positions=torch.full((n,), L, dtype=torch.long, device=dev), greedy=plan.greedy,
+                              return_entropy=True)
+        start, tokens = self._record(drawn)
+        for j in range(n):
+            self._take(self.samples[prompt * n + j], tokens[j], start + j)
+
+    # ----------------------------------------------------------------- the slot cache
+    def _allocate(self) -> None:
+        """Give the slot cache its storage, shaped as the prefill cache's layers with max_batch
+        rows, through its own update (which also sets up the shared counter), then put the
+        counter at the longest prompt's length: every admitted prompt ends at it."""
+        B = self.plan.max_batch
+        for layer, like in zip(self.cache.layers, self.prefill_cache.layers):
+            k, v = like.keys, like.values
+            layer.update(k.new_zeros(B, k.shape[1], 1, k.shape[3]), v.new_zeros(B, v.shape[1], 1, v.shape[3]))
+        counters = {id(layer.cumulative_length): layer.cumulative_length for layer in self.cache.layers}
+        self.counters = list(counters.values())
+        self._set_counter(self.plan.longest)
+
+    def _set_counter(self, value: int) -> None:
+        for counter in self.counters:
+            counter.fill_(value)
+        self.counter = value
+
+    def _place(self, rows: list[int], length: int) -> None:
+        """Copy the prefilled prompt's keys and values into ``rows`` at slots [c - L, c) and unmask them."""
+        if not self.counters:
+            self._allocate()
+        c = self.counter
+        index = torch.tensor(rows, dtype=torch.long, device=self.plan.device)
+        for layer, source in zip(self.cache.layers, self.prefill_cache.layers):
+            layer.keys[index, :, c - length:c] = source.keys[:, :, :length]
+            layer.values[index, :, c - length:c] = source.values[:, :, :length]
+        self.mask[index] = 0
+        self.mask[index, c - length:c] = 1
+
+    def compact(self) -> None:
+        """Move every row's keys, values and mask left by c - w, w the longest window in use (at
+        least the longest prompt), and the counter with them: the windows keep their ends
+        aligned at the counter, and the next steps have S - w free slots. Copies only."""
+        width = max([self.plan.longest] + [s.length + s.drawn - 1 for s in self.rows if s is not None])
+        c = self.counter
+        shift = c - width
+        for layer in self.cache.layers:
+            layer.keys[:, :, :width] = layer.keys[:, :, shift:c].clone()
+            layer.values[:, :, :width] = layer.values[:, :, shift:c].clone()
+        self.mask[:, :width] = self.mask[:, shift:c].clone()
+        self.mask[:, width:] = 0
+        self._set_counter(width)
+
+    # ----------------------------------------------------------------- the loop
+    def _admit(self, waiting: deque[int]) -> None:
+        """Fill the free rows with waiting samples, prompt-major; a sample whose first draw ends it takes none."""
+        free = [r for r, s in enumerate(self.rows) if s is None]
+        placing: list[int] = []  # rows taking the prefilled prompt's samples
+        while waiting and free:
+            sample = self.samples[waiting.popleft()]
+            if sample.prompt != self.prefilled:
+                if placing:  # the prefill cache is about to hold the next prompt
+                    self._place(placing, len(self.plan.prompts[self.prefilled]))
+                    placing = []
+                self._prefill(sample.prompt)
+            if sample.done:
+                continue
+            row = free.pop(0)
+            self.rows[row] = sample
+            placing.append(row)
+        if placing:
+            self._place(placing, len(self.plan.prompts[self.prefilled]))
+
+    def _step(self) -> None:
+        """One decode step of every row; each row in use takes its drawn token."""
+        if self.counter == self.plan.slots:
+            self.compact()
+        staging = self.staging_view
+        staging.fill(0)
+        for r, sample in enumerate(self.rows):
+            if sample is not None:
+                # The fed token is the sample's last drawn one, at position L + drawn - 1.
+                staging[0, r] = sample.last
+                staging[1, r] = sample.length + sample.drawn - 1
+                staging[2, r] = sample.stream
+                staging[3, r] = 1
+        self.inputs.copy_(self.staging, non_blocking=True)
+        c = self.counter
+        self.mask.mul_(self.in_use[:, None])  # rows not in use: only the slot written now
+        self.mask[:, c] = 1
+        drawn = self._forward()
+        self.counter = c + 1
+        start, tokens = self._record(drawn)
+        for r, sample in enumerate(self.rows):
+            if sample is not None:
+                self._take(sample, tokens[r], start + r)
+                if sample.done:
+                    self.rows[r] = None
+
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        plan = self.plan
+
+        def step():
+            return decode.decode_step(self.decoder, self.head, self.cache, self.ids, self.mask, self.positions,
+                                      temperature=plan.temperature, greedy=plan.greedy, seed=self.seed,
+                                      streams=self.streams)
+
+        graph = self.graph
+        if graph is None:
+            return step()
+        if graph.graph is None and graph.warm:
+            graph.capture(step)  # an eager step compiled every kernel: record one, replay it from here on
+        if graph.graph is not None:
+            graph.graph.replay()
+            return tuple(x.clone() for x in graph.graph_out)
+        out = step()
+        graph.warm = True
+        return out
+
+    def run(self) -> list[RolloutSample]:
+        plan = self.plan
+        if plan.max_new_tokens > 0:
+            waiting = deque(range(len(self.samples)))
+            while True:
+                self._admit(waiting)
+                if all(s is None for s in self.rows):
+                    break
+                self._step()
+        return self._results()
+
+    def _results(self) -> list[RolloutSample]:
+        plan = self.plan
+        dev = plan.device
+        lengths = [len(s.pool_rows) for s in self.samples]
+        if self.pool:
+            order = torch.tensor([i for s in self.samples for i in s.pool_rows], dtype=torch.long, device=dev)
+            tokens, logps, entropies = (torch.cat(part)[order].split(lengths) for part in zip(*self.pool))
+        else:
+            empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(self.samples)
+            tokens = empty
+            logps = entropies = [torch.zeros(0, dtype=torch.float32, device=dev)] * len(self.samples)
+        return [RolloutSample(prompt=s.prompt, sample=i % plan.n, stream=s.stream, tokens=tokens[i],
+                              logprobs=logps[i], entropy=entropies[i] if plan.return_entropy else None,
+                              finished=s.finished)
+                for i, s in enumerate(self.samples)]
+
+
+def _run(model: nn.Module, plan: _Plan, batch_invariant: bool | None) -> list[RolloutSample]:
+    with torch.no_grad(), mode_for(model, batch_invariant):
+        return _Rollout(model, plan).run()
+
+
+def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], *, n: int = 1, max_new_tokens: int,
+             temperature: float = 1.0, do_sample: bool = True, seed: int | None = None,
+             streams: Sequence[int] | torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
+             max_batch: int | None = None, cuda_graph: bool | None = None, return_entropy: bool = False,
+             slots: int | None = None, batch_invariant: bool | None = None) -> list[RolloutSample]:
+    """:func:`rollout` on any model, patched or not (``batch_invariant`` as in
+    :func:`rlkernels.token_logprobs`), with the slot cache's length ``slots`` (None: 2 x
+    (longest prompt + ``max_new_tokens``); at least the longest prompt plus
+    ``max_new_tokens``). For comparisons and tuning: only a patched model's samples are
+    their prompts' decodes alone."""
+    plan = _plan(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
+                 seed=seed, streams=streams, eos_token_id=eos_token_id, max_batch=max_batch,
+                 cuda_graph=cuda_graph, return_entropy=return_entropy, slots=slots)
+    if not plan.prompts:
+        return []
+    return fsdp.run_as_forward(model, _run, model, plan, batch_invariant)
+
+
+def rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], *, n: int = 1, max_new_tokens: int,
+            temperature: float = 1.0, do_sample: bool = True, seed: int | None = None,
+            streams: Sequence[int] | torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
+            max_batch: int | None = None, cuda_graph: bool | None = None,
+            return_entropy: bool = False) -> list[RolloutSample]:
+    """Draw ``n`` samples of each prompt by continuous batching; each sample bitwise its prompt's decode alone.
+
+    ``prompts``: a list of prompts, each a list of token ids or a 1-D integer tensor,
+    unpadded (a 2-D tensor is refused: its padding would be ambiguous). Returns
+    ``len(prompts) * n`` :class:`RolloutSample`, prompt-major: ``results[i * n + j]`` is
+    sample j of prompt i, its ``tokens`` int64 [T] (T <= ``max_new_tokens``; an EOS token
+    ends it and is kept, ``finished`` True), ``logprobs`` fp32 [T] (no autograd graph) and,
+    with ``return_entropy``, ``entropy`` fp32 [T], on the model's device.
+
+    Each sample's tokens and log-probs are bitwise those of
+    ``rlkernels.generate(model, prompt[None], seed=seed, streams=[stream], temperature=T,
+    do_sample=do_sample, max_new_tokens=..., eos_token_id=...)`` up to its EOS, whatever
+    ``n``, ``max_batch``, the other prompts, their order and the step the sample was
+    admitted at; and its log-probs are the trainer's
+    (:func:`rlkernels.token_logprobs` of the prompt and its tokens at T). The draw of its
+    token at position p is keyed by (``seed``, its stream, p), as ``generate`` keys a row.
+    ``streams``: one distinct int per sample, in the results' order (None: ``i * n + j``);
+    ``seed``: a Python int in [0, 2^63) (None: drawn from torch's default generator, as
+    ``generate`` draws one; greedy needs none). ``do_sample=False`` takes each step's argmax
+    (ties to the lowest id). ``eos_token_id``: an int or a list (None: the model's
+    ``generation_config``'s).
+
+    The samples share ``max_batch`` rows of one ``StaticCache`` of S = 2 x (longest prompt
+    + ``max_new_tokens``) slots (module docstring): the keys and values take at most
+    ``max_batch`` x S slots per layer. ``max_batch`` None: on CUDA, the rows half the free
+    memory holds (logged at debug level), elsewhere 64; never more rows than samples.
+    ``cuda_graph`` None: the decode step is replayed as a CUDA graph on CUDA (eager for an
+    FSDP2 model or a mixture-of-experts model on the torch backend, which
+    ``cuda_graph=True`` refuses), eager elsewhere; graphed and eager give the same bits.
+
+    Refused before any compute (ValueError or TypeError naming ``rlkernels.rollout``): a
+    model that is not patched (:func:`rlkernels.patch_model`), a head that is not a plain
+    linear layer, a 2-D tensor or anything but a list of prompts, an empty prompt, an id
+    outside [0, vocab), a prompt longer than the model's ``max_position_embeddings``,
+    ``n`` < 1, ``max_new_tokens`` < 0, a temperature that is not a finite number > 0,
+    a seed outside [0, 2^63), ``streams`` of the wrong length or with a repeated stream,
+    ``max_batch`` < 1, and ``cuda_graph=True`` off CUDA or where the step cannot be captured.
+    """
+    _check_model(model)
+    return _rollout(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                    do_sample=do_sample, seed=seed, streams=streams, eos_token_id=eos_token_id,
+                    max_batch=max_batch, cuda_graph=cuda_graph, return_entropy=return_entropy)

@@ -1,0 +1,284 @@
+"""rlkernels.rollout: continuous batching whose every sample is bitwise its prompt's generate alone,
+whatever the batch size, the other prompts, their order and the step a sample is admitted at."""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import rlkernels  # noqa: E402
+from rlkernels.integrations.hf import decode  # noqa: E402
+from rlkernels.integrations.hf.rollout import _rollout, _Rollout  # noqa: E402
+
+from ._models import _tiny  # noqa: E402
+from .test_moe import _patched as _patched_moe  # noqa: E402
+
+EOS = 7
+# Prompt lengths: more samples than rows, so that rows free up and take waiting samples.
+LENGTHS = (5, 9, 3, 12, 7)
+KW = dict(n=3, max_new_tokens=12, temperature=0.8, seed=7)
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend_on_the_cpu(request, monkeypatch):
+    """The CPU tests run the torch backend, also under TRITON_INTERPRET=1: they check the
+    scheduling, and the interpreted kernels' invariance is their own tests' (the GPU tests
+    run the Triton kernels)."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("RLKERNELS_BACKEND", "torch")
+
+
+def _scale_head(model, eos_gain: float) -> None:
+    """A trained model's logit scale (std 6), and an EOS row scaled so that samples often end early."""
+    ids = torch.randint(1, model.config.vocab_size, (4, 9), generator=torch.Generator().manual_seed(3))
+    ids = ids.to(model.lm_head.weight.device)
+    with torch.no_grad():
+        h = model.model(ids).last_hidden_state
+        model.lm_head.weight.mul_(6.0 / (h @ model.lm_head.weight.T).float().std())
+        model.lm_head.weight[EOS].mul_(eos_gain)
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = 0
+
+
+@functools.lru_cache(maxsize=None)
+def _model(arch: str, patched: bool = True):
+    model = _tiny(arch, tie_word_embeddings=False)
+    _scale_head(model, 2.5)
+    return rlkernels.patch_model(model) if patched else model
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(arch: str):
+    """The rollout the other schedules are compared with: 4 rows for 15 samples, EOS from generation_config."""
+    return rlkernels.rollout(_model(arch), _prompts(), max_batch=4, return_entropy=True, **KW)
+
+
+def _prompts(lengths=LENGTHS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 300, (n,), generator=g) for n in lengths]
+
+
+def _alone(model, prompt, stream, *, max_new_tokens, temperature, seed=None, do_sample=True, **kw):
+    """generate's tokens, log-probs and entropies for ``prompt`` alone, cut after its EOS."""
+    streams = torch.tensor([stream], device=prompt.device)
+    seq, lp, ent = rlkernels.generate(model, prompt[None], seed=seed, streams=streams, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, do_sample=do_sample, return_entropy=True, **kw)
+    tokens = seq[0, len(prompt):]
+    ends = (tokens == EOS).nonzero()
+    T = int(ends[0]) + 1 if ends.numel() else tokens.numel()
+    return tokens[:T], lp[0, :T], ent[0, :T]
+
+
+def _by_key(results, prompts):
+    """(prompt ids, stream) -> (tokens, logprobs, finished) of each sample."""
+    return {(tuple(prompts[r.prompt].tolist()), r.stream): (r.tokens, r.logprobs, r.finished) for r in results}
+
+
+def _count_calls(monkeypatch, cls, name) -> list:
+    """A list that grows by one at every call of ``cls.name`` (still run)."""
+    calls = []
+    original = getattr(cls, name)
+
+    def counted(self, *args):
+        calls.append(self)
+        return original(self, *args)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]) and a[k][2] == b[k][2] for k in a)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_each_sample_is_its_prompt_alone_and_the_trainers_logprobs(arch):
+    model = _model(arch)
+    prompts = _prompts()
+    results = _reference(arch)
+    assert len(results) == len(prompts) * KW["n"]
+    finished = 0
+    for k, r in enumerate(results):
+        assert (r.prompt, r.sample, r.stream) == (k // 3, k % 3, k)
+        tokens, lp, ent = _alone(model, prompts[r.prompt], r.stream, max_new_tokens=12, temperature=0.8, seed=7)
+        assert torch.equal(r.tokens, tokens) and torch.equal(r.logprobs, lp) and torch.equal(r.entropy, ent), k
+        assert r.tokens.dtype == torch.int64 and r.logprobs.dtype == torch.float32 and not r.logprobs.requires_grad
+        assert r.finished == (int(r.tokens[-1]) == EOS) and (r.finished or r.tokens.numel() == 12)
+        finished += r.finished
+        # The trainer scores the finished sequence with the same bits.
+        seq = torch.cat([prompts[r.prompt], r.tokens])[None]
+        t_lp, t_ent = rlkernels.token_logprobs(model, seq, temperature=0.8, return_entropy=True)
+        n_new = r.tokens.numel()
+        assert torch.equal(t_lp[0, -n_new:], r.logprobs) and torch.equal(t_ent[0, -n_new:], r.entropy), k
+    # Samples ended early (their rows took waiting samples) and others ran to max_new_tokens.
+    assert 0 < finished < len(results)
+    # The n samples of a prompt are n draws (a tiny model's peaked distribution may give
+    # one prompt's samples the same EOS first).
+    differ = [len({tuple(r.tokens.tolist()) for r in results[3 * i:3 * i + 3]}) > 1 for i in range(len(prompts))]
+    assert sum(differ) >= len(prompts) - 1
+
+
+def test_batch_size_order_and_other_prompts_change_no_bit():
+    model = _model("qwen3")
+    prompts = _prompts()
+    reference = _by_key(_reference("qwen3"), prompts)
+    for max_batch in (1, None):  # None: one row per sample on the CPU
+        got = _by_key(rlkernels.rollout(model, prompts, max_batch=max_batch, **KW), prompts)
+        assert _same(got, reference), max_batch
+    # The prompts shuffled, with strangers among them, each sample keeping its stream (and
+    # lists of ids are the same prompts as tensors).
+    order = [3, 0, 4, 2, 1]
+    strangers = _prompts((10, 2), seed=5)
+    mixed = [prompts[order[0]], strangers[0], *[prompts[i] for i in order[1:3]], strangers[1],
+             *[prompts[i] for i in order[3:]]]
+    owner = [order[0], None, *order[1:3], None, *order[3:]]
+    streams = []
+    for k, i in enumerate(owner):
+        streams += [1000 + 3 * k + j for j in range(3)] if i is None else [3 * i + j for j in range(3)]
+    got = _by_key(rlkernels.rollout(model, [p.tolist() for p in mixed], streams=streams, max_batch=3, **KW), mixed)
+    assert _same({key: got[key] for key in reference}, reference)
+
+
+def test_greedy_samples_are_the_greedy_decode_alone():
+    model = _model("llama")
+    prompts = _prompts((6, 2, 11))
+    results = rlkernels.rollout(model, prompts, n=2, max_new_tokens=10, do_sample=False, temperature=0.7,
+                                max_batch=2)
+    for r in results:
+        tokens, lp, _ = _alone(model, prompts[r.prompt], r.stream, max_new_tokens=10, temperature=0.7,
+                               do_sample=False)
+        assert torch.equal(r.tokens, tokens) and torch.equal(r.logprobs, lp)
+    for i in range(len(prompts)):
+        assert torch.equal(results[2 * i].tokens, results[2 * i + 1].tokens)
+
+
+def test_compacting_the_cache_changes_no_bit(monkeypatch):
+    model = _model("qwen3")
+    prompts = _prompts()
+    reference = _by_key(_reference("qwen3"), prompts)
+    compactions = _count_calls(monkeypatch, _Rollout, "compact")
+    # The fewest slots that fit (the longest prompt plus max_new_tokens): compacted every few steps.
+    tight = _by_key(_rollout(model, prompts, max_batch=4, slots=max(LENGTHS) + 12, **KW), prompts)
+    assert len(compactions) >= 2 and _same(tight, reference)
+
+
+def test_a_stock_model_run_on_the_same_schedule_is_not_its_prompts_alone():
+    # The control: the same slots, windows and batch on the unpatched model (SDPA, stock
+    # matmuls): some sample's log-probs differ from its prompt's decode alone.
+    model = _model("qwen3", patched=False)
+    assert not rlkernels.is_patched(model)
+    prompts = _prompts()
+    results = _rollout(model, prompts, max_batch=4, batch_invariant=False, **KW)
+    differ = 0
+    for r in results:
+        tokens, lp, _ = _alone(model, prompts[r.prompt], r.stream, max_new_tokens=12, temperature=0.8, seed=7,
+                               batch_invariant=False)
+        n_new = min(r.tokens.numel(), tokens.numel())
+        differ += not (torch.equal(r.tokens, tokens) and torch.equal(r.logprobs, lp[:n_new]))
+    assert differ > 0
+
+
+def test_a_mixture_of_experts_model_samples_its_prompts_alone():
+    model = _patched_moe("qwen3_moe")
+    _scale_head(model, 2.5)
+    prompts = _prompts((4, 8, 2))
+    results = rlkernels.rollout(model, prompts, n=2, max_new_tokens=8, temperature=0.9, seed=3, max_batch=2)
+    for r in results:
+        tokens, lp, _ = _alone(model, prompts[r.prompt], r.stream, max_new_tokens=8, temperature=0.9, seed=3)
+        assert torch.equal(r.tokens, tokens) and torch.equal(r.logprobs, lp)
+
+
+def test_no_new_tokens_no_prompts_and_the_default_eos():
+    model = _model("qwen3")
+    empty = rlkernels.rollout(model, _prompts((3, 4)), n=2, max_new_tokens=0, seed=1)
+    assert [(r.prompt, r.sample, r.tokens.numel(), r.logprobs.numel(), r.finished) for r in empty] == [
+        (0, 0, 0, 0, False), (0, 1, 0, 0, False), (1, 0, 0, 0, False), (1, 1, 0, 0, False)]
+    assert rlkernels.rollout(model, [], max_new_tokens=4) == []
+    # eos_token_id=[] runs every sample to max_new_tokens (the default, generation_config's,
+    # ends some in the other tests).
+    free = rlkernels.rollout(model, _prompts((3, 4)), n=2, max_new_tokens=6, seed=1, eos_token_id=[])
+    assert all(r.tokens.numel() == 6 and not r.finished for r in free)
+
+
+_PROMPTS = _prompts((3, 4))
+REFUSALS = [
+    (dict(prompts=torch.ones(2, 3, dtype=torch.long)), ValueError, r"prompts is a 2-D tensor.*pass a list of prompts"),
+    (dict(prompts=_PROMPTS[0]), ValueError, r"prompts must be a list of prompts .*got a 1-D tensor"),
+    (dict(prompts=[_PROMPTS[0], []]), ValueError, r"prompts\[1\] is empty"),
+    (dict(prompts=[_PROMPTS[0], torch.tensor([1, 2, 300])]), ValueError,
+     r"prompts\[1\]\[2\] = 300 is outside the model's vocabulary \[0, 300\)"),
+    (dict(prompts=[[1, -1]]), ValueError, r"prompts\[0\]\[1\] = -1 is outside"),
+    (dict(prompts=[[1.0, 2.0]]), TypeError, r"prompts\[0\] must hold integer token ids"),
+    (dict(prompts=[torch.ones(257, dtype=torch.long)]), ValueError,
+     r"prompts\[0\] has 257 tokens, more than the model.s max_position_embeddings \(256\)"),
+    (dict(n=0), ValueError, r"n must be an int >= 1"),
+    (dict(max_new_tokens=-1), ValueError, r"max_new_tokens must be an int >= 0"),
+    (dict(temperature=0.0), ValueError, r"temperature must be a finite number > 0"),
+    (dict(temperature=float("nan")), ValueError, r"temperature must be a finite number > 0"),
+    (dict(temperature=-1.0), ValueError, r"temperature must be a finite number > 0"),
+    (dict(streams=[0, 1, 2]), ValueError, r"streams has 3 entries; .* len\(prompts\) \* n = 4"),
+    (dict(streams=[0, 5, 1, 5]), ValueError, r"streams must be distinct \(stream 5 is repeated\)"),
+    (dict(max_batch=0), ValueError, r"max_batch must be an int >= 1"),
+    (dict(seed=-1), ValueError, r"seed must be a Python int in \[0, 2\^63\)"),
+    (dict(cuda_graph=True), ValueError, r"cuda_graph=True cannot capture the decode step here: the model is on cpu"),
+]
+
+
+def test_bad_arguments_are_refused_before_any_compute():
+    model = _model("qwen3")
+    unpatched = _model("qwen3", patched=False)
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the model ran")
+
+    handles = [m.model.register_forward_pre_hook(ran) for m in (model, unpatched)]
+    try:
+        for over, error, message in REFUSALS:
+            kw = dict(n=2, max_new_tokens=4, seed=1) | over
+            prompts = kw.pop("prompts", _PROMPTS)
+            with pytest.raises(error, match=r"^rlkernels\.rollout: " + message):
+                rlkernels.rollout(model, prompts, **kw)
+        with pytest.raises(ValueError, match=r"^rlkernels\.rollout: the model is not patched.*patch_model"):
+            rlkernels.rollout(unpatched, _PROMPTS, max_new_tokens=4)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sample", [False, True])
+def test_graphed_rollout_is_the_eager_rollout_bit_for_bit_gpu(sample, monkeypatch):
+    model = _tiny("qwen3", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
+                  tie_word_embeddings=False)
+    _scale_head(model, 4.0)
+    rlkernels.patch_model(model)
+    rng = random.Random(0)
+    prompts = [torch.randint(1, 32000, (rng.randint(1, 120),)).cuda() for _ in range(12)]
+    kw = dict(n=4, max_new_tokens=40, temperature=0.9, seed=11, do_sample=sample, max_batch=16)
+    eager = rlkernels.rollout(model, prompts, cuda_graph=False, **kw)
+    assert any(r.finished for r in eager)  # ended early: their rows took waiting samples (48 samples, 16 rows)
+    captures = _count_calls(monkeypatch, decode.DecodeGraph, "capture")
+    compactions = _count_calls(monkeypatch, _Rollout, "compact")
+    graphed = rlkernels.rollout(model, prompts, cuda_graph=True, **kw)
+    auto = rlkernels.rollout(model, prompts, **kw | dict(max_batch=None))  # graphed: one row per sample
+    assert len(captures) == 2 and not compactions
+    # Compacted while graphed: every sample runs to max_new_tokens in the fewest slots that fit.
+    longest = max(len(p) for p in prompts)
+    free = rlkernels.rollout(model, prompts, cuda_graph=False, eos_token_id=[], **kw)
+    tight = _rollout(model, prompts, cuda_graph=True, eos_token_id=[], slots=longest + 40, **kw)
+    assert len(captures) == 3 and len(compactions) >= 2
+    for e, g, a in zip(eager, graphed, auto):
+        for x in (g, a):
+            assert torch.equal(e.tokens, x.tokens) and torch.equal(e.logprobs, x.logprobs) and e.finished == x.finished
+    for e, t in zip(free, tight):
+        assert torch.equal(e.tokens, t.tokens) and torch.equal(e.logprobs, t.logprobs)
+    for r in eager[::5]:
+        tokens, lp, _ = _alone(model, prompts[r.prompt], r.stream, max_new_tokens=40, temperature=0.9, seed=11,
+                               do_sample=sample)
+        assert torch.equal(r.tokens, tokens) and torch.equal(r.logprobs, lp)
