@@ -13,7 +13,7 @@ import os
 import textwrap
 from types import ModuleType
 
-SUITES = ("gemm", "training", "logprob", "sample", "bmm", "cpu", "attention", "model", "moe", "tp")
+SUITES = ("gemm", "training", "logprob", "sample", "bmm", "cpu", "attention", "model", "moe", "tp", "rollout")
 # ``all``: the GPU suites (what the README's GPU benchmark command runs); ``cpu`` runs only by name.
 ALL = ("gemm", "training", "logprob", "bmm")
 SUITE_HELP = {
@@ -37,6 +37,10 @@ SUITE_HELP = {
     "moe": "the invariant mixture-of-experts block vs stock transformers (eager and grouped_mm experts) at "
            "Qwen3-30B-A3B's shape: the layer alone over 1 .. 16384 tokens (forward, forward+backward), a 4-layer "
            "model's scoring, training and eager decode; ms, ratio, bitwise share; --device cpu runs tiny shapes",
+    "rollout": "an RL step's rollout (P prompts x N samples, EOS row scaled so responses end after ~M tokens): "
+               "rlkernels.rollout (continuous batching) vs rlkernels.generate as one static graphed batch vs "
+               "transformers' generate_batch and compiled static generate; tok/s; the decode step against its HBM "
+               "floor and its launches per layer; --device cpu --config tiny runs without a GPU",
     "tp": "the TP-invariant row-parallel linear and vocab-parallel log-prob vs the stock TP layers (all_reduce), "
           "one process per GPU (NCCL) at TP 1, 2, 4, ..; ms, ratio, bitwise equal to TP = 1; --device cpu runs "
           "gloo processes",

@@ -5,15 +5,15 @@ per-module swaps :mod:`.attention`, :mod:`.moe`, :mod:`.rotary`, :mod:`.mlp` and
 :mod:`.static_cache`; :mod:`.coverage` says what a patched forward covers and reads a
 model's modules; :mod:`.scoring` is ``token_logprobs``; :mod:`.generation` is
 ``generate``'s host side and :mod:`.decode` its static-cache decode step and loop;
-:mod:`.rollout` runs that step over a continuously refilled batch of samples.
-Calls go downward: generation -> decode -> coverage; rollout -> decode and scoring;
+:mod:`.continuous_batching` is ``rollout``: that step over a continuously refilled batch of samples.
+Calls go downward: generation -> decode -> coverage; continuous_batching -> decode and scoring;
 scoring -> coverage.
 """
 from .coverage import is_patched
 from .decode import release_decode_graphs
 from .generation import generate
 from .patch import patch_model
-from .rollout import RolloutSample, rollout
+from .continuous_batching import RolloutSample, rollout
 from .scoring import token_logprobs
 
 __all__ = ["RolloutSample", "generate", "is_patched", "patch_model", "release_decode_graphs", "rollout",

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
 from rlkernels.integrations.hf import decode  # noqa: E402
-from rlkernels.integrations.hf.rollout import _rollout, _Rollout  # noqa: E402
+from rlkernels.integrations.hf.continuous_batching import _rollout, _Rollout  # noqa: E402
 
 from ._models import _tiny  # noqa: E402
 from .test_moe import _patched as _patched_moe  # noqa: E402

@@ -1,0 +1,323 @@
+"""Benchmark: an RL step's rollout, continuous batching against one static batch and the peers.
+
+    rlkernels bench rollout [--config qwen3-1.7b|qwen3-8b|tiny|PATH.json] [--layers N] [--device cuda|cpu]
+        [--prompts P] [--n N] [--prompt-lens LO,HI] [--max-new T] [--mean-len M] [--max-batch B]
+        [--peers generate_batch,compiled] [--peer-prompts P] [--step-batches 16,64,256] [--json PATH] [--quick]
+
+The workload is an RL step's: P prompts (lengths uniform in [LO, HI]) × N samples each,
+drawn at T = 1 until EOS or T new tokens. A random-weight model's EOS token would almost
+never be drawn, so the EOS row of the LM head is replaced by ``s · u``, u the unit mean of
+the final hidden states of a probe batch of prompts, with s found by bisection so that the
+probe's mean EOS probability is 1 / M: responses then end after about M tokens on
+average (a geometric length, cut at T), as RL responses do. The same head serves every side.
+
+Rows (tokens/s counts the new tokens each side kept, EOS included, up to each sample's end):
+
+- ``rollout``: :func:`rlkernels.rollout` (continuous batching, graphed on CUDA);
+- ``generate``: :func:`rlkernels.generate` with ``cuda_graph=True``, the P × N samples as one
+  left-padded static batch (every slot runs until the longest sample ends);
+- ``generate_batch``: transformers' continuous batching (``model.generate_batch``) on the
+  stock model, on the first ``--peer-prompts`` prompts (it is slow); ``compiled``:
+  transformers' static-cache ``generate`` compiled, the same subset as one batch.
+
+The decode step against its HBM floor, at each batch of ``--step-batches`` (prompts of 512):
+step time = (graphed greedy ``generate`` of 160 new tokens - of 32) / 128; bytes = the
+model's parameters + the KV cache the step reads, at the measured device-to-device copy
+bandwidth. Launches per layer: the kernels of one eager decode step (profiler) / layers.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..integrations.hf import generate as rlk_generate, release_decode_graphs
+from ..integrations.hf.continuous_batching import rollout as rlk_rollout
+from . import model as whole
+from .common import only_arg, print_table, write_json
+
+NEEDS_CUDA = False  # `--device cpu --config tiny` runs anywhere
+PEERS = ("generate_batch", "compiled")
+
+
+def _pair(value: str) -> tuple[int, int]:
+    lo, hi = (int(v) for v in value.split(","))
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {value!r}")
+    return lo, hi
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    out = tuple(int(v) for v in value.split(",") if v.strip())
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
+    return out
+
+
+def _peers(value: str) -> tuple[str, ...]:
+    return () if value in ("", "none") else only_arg(value, PEERS)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=whole._config_arg, default=None, help="qwen3-1.7b (CUDA default), "
+                        "qwen3-8b, tiny (CPU default) or a transformers config JSON")
+    parser.add_argument("--layers", type=whole._positive, default=None, help="override the number of layers")
+    parser.add_argument("--device", type=whole._device_arg, default=None, help="cuda (default if present) or cpu")
+    parser.add_argument("--prompts", type=whole._positive, default=None, help="prompts (64; tiny: 6)")
+    parser.add_argument("--n", type=whole._positive, default=4, help="samples per prompt")
+    parser.add_argument("--prompt-lens", type=_pair, default=None, help="prompt lengths LO,HI (64,512; tiny: 4,24)")
+    parser.add_argument("--max-new", type=whole._positive, default=None, help="max new tokens (512; tiny: 24)")
+    parser.add_argument("--mean-len", type=whole._positive, default=None,
+                        help="mean response length the EOS row is scaled for (240; tiny: 8)")
+    parser.add_argument("--max-batch", type=whole._positive, default=None, help="rollout's max_batch (default: its own)")
+    parser.add_argument("--peers", type=_peers, default=PEERS, help="transformers' engines to time: "
+                        "generate_batch,compiled (or none)")
+    parser.add_argument("--peer-prompts", type=whole._positive, default=16, help="prompts the peers run")
+    parser.add_argument("--step-batches", type=_ints, default=(16, 64, 256), help="decode-step batches (CUDA)")
+
+
+# ---------------------------------------------------------------- the workload
+
+
+def _final_hidden(model: nn.Module, prompts: list[torch.Tensor]) -> torch.Tensor:
+    """The last position's final hidden state of each prompt, each run alone: [P, D] fp32."""
+    rows = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model(p[None], output_hidden_states=True)
+            rows.append(out.hidden_states[-1][0, -1].float())
+    return torch.stack(rows)
+
+
+def scale_eos_row(models: list[nn.Module], prompts: list[torch.Tensor], eos: int, mean_len: int) -> float:
+    """Set the EOS row of each model's LM head to ``s · u`` (u the unit mean final hidden state
+    of ``prompts``), s such that the mean EOS probability over them is 1 / ``mean_len``."""
+    h = _final_hidden(models[0], prompts)
+    u = h.mean(0)
+    u = u / u.norm()
+    head = models[0].get_output_embeddings().weight
+    others = (h @ head.float().t()).index_fill_(1, torch.tensor([eos], device=h.device), float("-inf"))
+    lse_rest = torch.logsumexp(others, dim=-1)
+    proj = h @ u
+    target = 1.0 / mean_len
+    lo, hi = 0.0, 1.0
+    while torch.sigmoid(hi * proj - lse_rest).mean() < target and hi < 1e6:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if torch.sigmoid(mid * proj - lse_rest).mean() < target else (lo, mid)
+    scale = (lo + hi) / 2
+    with torch.no_grad():
+        for m in models:
+            w = m.get_output_embeddings().weight
+            w[eos] = (scale * u).to(w.dtype)
+    return scale
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn) -> tuple[Any, float]:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def _kept(seq_new: torch.Tensor, eos: int) -> int:
+    """New tokens up to and including each row's first EOS."""
+    is_eos = seq_new == eos
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], seq_new.shape[1],
+                                                                                   dtype=torch.long))
+    return int(first.sum())
+
+
+def _left_padded(prompts: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), whole.PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p.cpu(), 1
+    return ids.to(device), mask.to(device)
+
+
+def _row(engine: str, samples: int, tokens: int, ms: float, **extra: Any) -> dict[str, Any]:
+    return dict(engine=engine, samples=samples, new_tokens=tokens, wall_s=round(ms / 1e3, 3),
+                tok_per_s=round(tokens / (ms / 1e3), 1), **extra)
+
+
+def _rollout_row(model, prompts, n, max_new, eos, max_batch, device) -> dict[str, Any]:
+    def call():
+        return rlk_rollout(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
+                           max_batch=max_batch)
+    call()  # compile, capture
+    results, ms = _timed(device, call)
+    return _row("rollout", len(results), sum(len(r.tokens) for r in results), ms,
+                finished=sum(r.finished for r in results), max_batch=max_batch)
+
+
+def _generate_row(model, prompts, n, max_new, eos, device) -> dict[str, Any]:
+    rows = [p for p in prompts for _ in range(n)]
+    ids, mask = _left_padded(rows, device)
+    streams = torch.arange(len(rows), device=device)
+    graphed = device.type == "cuda"
+
+    def call():
+        return rlk_generate(model, ids, mask, max_new_tokens=max_new, do_sample=True, temperature=1.0, seed=0,
+                            streams=streams, eos_token_id=eos, cuda_graph=graphed)
+    call()
+    (seq, _), ms = _timed(device, call)
+    out = _row("generate" + (" graphed" if graphed else ""), len(rows), _kept(seq[:, ids.shape[1]:], eos), ms)
+    release_decode_graphs(model)
+    return out
+
+
+def _peer_rows(stock, prompts, n, max_new, eos, device, peers) -> list[dict[str, Any]]:
+    from transformers import GenerationConfig
+
+    rows = []
+    cfg = GenerationConfig(max_new_tokens=max_new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           eos_token_id=eos, pad_token_id=whole.PAD, num_return_sequences=1)
+    samples = [p for p in prompts for _ in range(n)]
+    if "generate_batch" in peers:
+        try:
+            inputs = [p.tolist() for p in samples]
+            stock.generate_batch(inputs=inputs[: max(1, len(inputs) // 8)], generation_config=cfg)  # warm-up
+            out, ms = _timed(device, lambda: stock.generate_batch(inputs=inputs, generation_config=cfg))
+            tokens = sum(len(r.generated_tokens) for r in out.values())
+            rows.append(_row("transformers generate_batch", len(samples), tokens, ms))
+        except Exception as exc:  # a peer's API or engine failing is reported, not fatal
+            rows.append(dict(engine="transformers generate_batch", error=f"{type(exc).__name__}: {exc}"[:300]))
+    if "compiled" in peers and device.type == "cuda":
+        try:
+            ids, mask = _left_padded(samples, device)
+            ccfg = copy.deepcopy(cfg)
+            ccfg.cache_implementation = "static"
+            ccfg.compile_config = None
+            torch.manual_seed(0)
+            stock.generate(ids, attention_mask=mask, generation_config=ccfg)  # compile
+            seq, ms = _timed(device, lambda: stock.generate(ids, attention_mask=mask, generation_config=ccfg))
+            rows.append(_row("transformers compiled static generate", len(samples),
+                             _kept(seq[:, ids.shape[1]:], eos), ms))
+        except Exception as exc:
+            rows.append(dict(engine="transformers compiled static generate", error=f"{type(exc).__name__}: {exc}"[:300]))
+    return rows
+
+
+# ---------------------------------------------------------------- the decode step
+
+
+def copy_bandwidth_gbs(device: torch.device) -> float:
+    """Device-to-device copy bandwidth (bytes read + written), GB/s."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def _launches_per_layer(model: nn.Module, device: torch.device) -> float:
+    """Kernels of one eager decode step (1 new token after an 8-token prompt: the profile of
+    a 2-token generate less a 1-token one) per decoder layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.full((4, 8), 5, dtype=torch.long, device=device)
+
+    def kernels(new: int) -> int:
+        rlk_generate(model, ids, max_new_tokens=new, do_sample=False)
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            rlk_generate(model, ids, max_new_tokens=new, do_sample=False)
+            _sync(device)
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+    return (kernels(3) - kernels(2)) / model.config.num_hidden_layers
+
+
+def step_rows(model: nn.Module, batches: tuple[int, ...], device: torch.device, vocab: int) -> list[dict[str, Any]]:
+    cfg = model.config
+    bandwidth = copy_bandwidth_gbs(device)
+    params = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * getattr(
+        cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads) * next(model.parameters()).element_size()
+    per_layer = _launches_per_layer(model, device)
+    rows = []
+    for batch in batches:
+        prompt = 512
+        g = torch.Generator().manual_seed(batch)
+        ids = torch.randint(3, vocab, (batch, prompt), generator=g).to(device)
+        times = {}
+        for new in (32, 160):
+            def call(new=new):
+                return rlk_generate(model, ids, max_new_tokens=new, do_sample=False, cuda_graph=True,
+                                    cache_len=prompt + 160)
+            call()
+            _, times[new] = _timed(device, call)
+        release_decode_graphs(model)
+        step_ms = (times[160] - times[32]) / 128
+        kv = kv_per_token * batch * (prompt + 96)  # the mean context over the 128 steps
+        floor_ms = (params + kv) / (bandwidth * 1e9) * 1e3
+        rows.append(dict(engine="decode step", batch=batch, prompt=prompt, step_ms=round(step_ms, 4),
+                         floor_ms=round(floor_ms, 4), floor_ratio=round(step_ms / floor_ms, 3),
+                         launches_per_layer=round(per_layer, 1)))
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu = device.type == "cpu"
+    name = args.config or ("tiny" if cpu else "qwen3-1.7b")
+    prompts_n = args.prompts or (6 if cpu or args.quick else 64)
+    lo, hi = args.prompt_lens or ((4, 24) if cpu else (64, 512))
+    max_new = args.max_new or (24 if cpu else (128 if args.quick else 512))
+    mean_len = args.mean_len or (8 if cpu else (60 if args.quick else 240))
+    dtype = torch.float32 if cpu else torch.bfloat16
+    config = whole.model_config(name, args.layers)
+    stock, patched = whole.build_models(config, device, dtype)
+    vocab = config.vocab_size
+    eos = 1
+    g = torch.Generator().manual_seed(whole.SEED)
+    lengths = torch.randint(lo, hi + 1, (prompts_n,), generator=g).tolist()
+    prompts = [torch.randint(3, vocab, (n,), generator=g).to(device) for n in lengths]
+    scale = scale_eos_row([patched, stock], prompts[:32], eos, mean_len)
+    rows = [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device),
+            _generate_row(patched, prompts, args.n, max_new, eos, device)]
+    if args.peers:
+        rows += _peer_rows(stock, prompts[: args.peer_prompts], args.n, max_new, eos, device, args.peers)
+    if not cpu and args.step_batches:
+        rows += step_rows(patched, args.step_batches, device, vocab)
+    base = rows[0]["tok_per_s"]
+    for r in rows:
+        if "tok_per_s" in r:
+            r["rollout_speedup"] = round(base / r["tok_per_s"], 2)
+    print_table(f"rollout: {prompts_n} prompts x {args.n}, lengths {lo}-{hi}, <= {max_new} new, mean ~{mean_len} "
+                f"({name}, {device})", [r for r in rows if "tok_per_s" in r or "error" in r],
+                ["engine", "samples", "new_tokens", "wall_s", "tok_per_s", "rollout_speedup", "error"])
+    steps = [r for r in rows if r["engine"] == "decode step"]
+    if steps:
+        print_table("decode step vs the HBM floor", steps,
+                    ["batch", "prompt", "step_ms", "floor_ms", "floor_ratio", "launches_per_layer"])
+    write_json(args.json, "rollout", rows, dict(config=name, eos_token_id=eos, eos_row_scale=scale,
+                                                mean_len_target=mean_len, prompts=prompts_n, n=args.n,
+                                                prompt_lens=[lo, hi], max_new_tokens=max_new))
+    return rows
