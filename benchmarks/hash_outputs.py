@@ -184,7 +184,7 @@ def attention_cases(device: str) -> dict[str, str]:
 def model_cases(device: str, dt: torch.dtype) -> dict[str, str]:
     """A patched Qwen3- and Llama-shaped model (4 layers, GQA 8/4 heads of 64, the LM head scaled
     to a trained model's logit spread): ``token_logprobs`` of a left-padded batch with its
-    gradient, and ``generate``'s sampled tokens and log-probs, eager and (CUDA) graphed."""
+    gradient, ``generate``'s sampled tokens and log-probs and ``rollout``'s, eager and (CUDA) graphed."""
     import rlkernels
     import transformers
 
@@ -223,6 +223,12 @@ def model_cases(device: str, dt: torch.dtype) -> dict[str, str]:
                 out[f"model {arch} {name} generate sampled {how}"] = _digest(seq, lp)
                 seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=16, cuda_graph=graph)
                 out[f"model {arch} {name} generate greedy {how}"] = _digest(seq, lp)
+                # Continuous batching: 10 samples through 3 slots, so rows are refilled mid-run.
+                prompts = [ids[i, width - n:] for i, n in enumerate(lens)]
+                samples = rlkernels.rollout(model, prompts, n=2, max_new_tokens=16, seed=11, temperature=0.8,
+                                            max_batch=3, cuda_graph=graph)
+                out[f"model {arch} {name} rollout sampled {how}"] = _digest(
+                    torch.cat([r.tokens for r in samples]), torch.cat([r.logprobs for r in samples]))
         rlkernels.release_decode_graphs(model)
     return out
 
