@@ -30,6 +30,8 @@ import torch
 
 from rlkernels import contract, reference
 from rlkernels.ops import attention as A
+from rlkernels.ops.attention.key_blocks import DEFAULT_CHAIN
+from rlkernels.ops.attention.launch import DEFAULT_TUNING
 
 HQ, HKV = 16, 8
 
@@ -177,7 +179,7 @@ def tune_forward(d: int, L: int, quick: bool) -> list[dict]:
     for bm, w, s in cands:
         try:
             # ws=False: the settings are the Triton kernel's; the warp-specialized one ignores them.
-            tuning = A.AttnTuning(fwd=A.FwdLaunch(bm, w, s, ws=False))
+            tuning = A.AttnTuning(fwd=A.FwdLaunch(A.KernelLaunch(bm, w, s), ws=False))
             same = bits_equal(A.flash_attn_func(q, k, v, _tuning=tuning), want)
             ms = median_ms(lambda: A.flash_attn_func(q, k, v, _tuning=tuning))
             rows.append({"kernel": "fwd", "D": d, "L": L, "block_m": bm, "warps": w, "stages": s,
@@ -200,7 +202,7 @@ def tune_decode(d: int, quick: bool) -> list[dict]:
         base = A.default_fwd_launch(d)
         for bm, w, st in itertools.product((16, 32), (2, 4, 8), (2, 3, 4)):
             try:
-                tuning = A.AttnTuning(fwd=A.FwdLaunch(base.block_m, base.num_warps, base.num_stages, bm, w, st))
+                tuning = A.AttnTuning(fwd=A.FwdLaunch(base.full, A.KernelLaunch(bm, w, st)))
                 same = bits_equal(A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s, _tuning=tuning), want)
                 ms = median_ms(lambda: A.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s, _tuning=tuning))
                 rows.append({"kernel": "decode", "D": d, "B": b, "S": s, "block_m": bm, "warps": w, "stages": st,
@@ -224,19 +226,20 @@ def tune_backward(d: int, L: int, quick: bool) -> list[dict]:
         tuning), repeatable: what each candidate times."""
         out = A.flash_attn_func(q, k, v, _tuning=tuning)
         return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-    want = backward_with(A.DEFAULT_TUNING)()
+    want = backward_with(DEFAULT_TUNING)()
     flops = 2.5 * 2.0 * b * HQ * L * L * d
     rows = []
-    # (dK/dV tile, warps, stages, dQ tile, warps, stages): BwdLaunch's field order.
-    cands = [(bm1, bn1, w, s, bm2, bn2, w, s) for (bm1, bn1) in ((32, 64), (64, 64), (32, 128), (64, 128))
+    # (dK/dV launch, dQ launch) of one warp count and stage count: BwdLaunch's field order.
+    cands = [(A.KernelLaunch(bm1, w, s, bn1), A.KernelLaunch(bm2, w, s, bn2))
+             for (bm1, bn1) in ((32, 64), (64, 64), (32, 128), (64, 128))
              for (bm2, bn2) in ((64, 64), (128, 32), (128, 64)) for w in (4, 8) for s in (1, 2, 3)]
     if quick:
         cands = cands[:4]
-    for c in cands:
-        row = {"kernel": "bwd", "D": d, "L": L, "dkdv": f"{c[0]}x{c[1]}", "dq": f"{c[4]}x{c[5]}", "warps": c[2],
-               "stages": c[3]}
+    for dkdv, dq in cands:
+        row = {"kernel": "bwd", "D": d, "L": L, "dkdv": f"{dkdv.block_m}x{dkdv.block_n}",
+               "dq": f"{dq.block_m}x{dq.block_n}", "warps": dkdv.num_warps, "stages": dkdv.num_stages}
         try:
-            bwd = backward_with(A.AttnTuning(bwd=A.BwdLaunch(*c)))
+            bwd = backward_with(A.AttnTuning(bwd=A.BwdLaunch(dkdv, dq)))
             got = bwd()
             row["same_bits"] = all(bits_equal(a, b_) for a, b_ in zip(got, want))
             ms = median_ms(bwd)
@@ -270,7 +273,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         say("needs a CUDA GPU")
         return 2
-    say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, chain {A.DEFAULT_CHAIN}")
+    say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, chain {DEFAULT_CHAIN}")
     results: dict = {}
     if not args.skip_checks:
         for dtype in (torch.bfloat16, torch.float16):

@@ -26,10 +26,13 @@ import triton.backends.nvidia as nvidia_backend
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from rlkernels.kernels import attention as K
-from rlkernels.kernels import attention_ws as W
+from rlkernels.kernels.attention import forward_ws as W
+from rlkernels.kernels.attention.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from rlkernels.kernels.attention.forward import attn_fwd_kernel
+from rlkernels.kernels.attention.split import attn_combine_kernel, attn_split_kernel
 from rlkernels.ops import attention as A
-from rlkernels.ops.attention import triton_host
+from rlkernels.ops.attention import launch, triton_host, ws_host
+from rlkernels.ops.attention.key_blocks import DEFAULT_CHAIN
 
 try:
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -75,16 +78,17 @@ def resources(fn, ints: dict[str, int], constexprs: dict[str, object], num_warps
 
 
 def ws_resources(d: int, dense: bool) -> str:
-    """The warp-specialized forward (kernels.attention_ws) as ops.attention launches it. The
-    registers shown are the launch's (attention_ws.launch_registers); the partitions then
+    """The warp-specialized forward (kernels.attention.forward_ws) as ops.attention launches
+    it. The registers shown are the launch's (forward_ws.launch_registers); the partitions then
     hold 24 and consumer_registers each through setmaxnreg. Stack bytes are spills."""
-    consumers = A.WS_CONSUMERS[d]
-    rows, box = A.ws_layout(torch.bfloat16, (W.WG_ROWS, d)), A.ws_layout(torch.bfloat16, (1, W.WG_ROWS, d))
+    consumers = ws_host.WS_CONSUMERS[d]
+    rows = ws_host.ws_layout(torch.bfloat16, (W.WG_ROWS, d))
+    box = ws_host.ws_layout(torch.bfloat16, (1, W.WG_ROWS, d))
     descs = {"q_desc": f"tensordesc<bf16[{W.WG_ROWS}, {d}],{rows!r}>", "o_desc": f"tensordesc<bf16[{W.WG_ROWS}, {d}],{rows!r}>",
              "k_desc": f"tensordesc<bf16[1, {W.WG_ROWS}, {d}],{box!r}>",
              "v_desc": f"tensordesc<bf16[1, {W.WG_ROWS}, {d}],{box!r}>"}
-    constexprs = dict(CAUSAL=True, BLOCK_N=A.WS_BLOCK_N, BLOCK_D=d, S_SPLIT=A.DEFAULT_CHAIN.split, STAGES=A.WS_STAGES,
-                      REVERSE_M=True, DENSE=dense, CONSUMERS=consumers,
+    constexprs = dict(CAUSAL=True, BLOCK_N=ws_host.WS_BLOCK_N, BLOCK_D=d, S_SPLIT=DEFAULT_CHAIN.split,
+                      STAGES=ws_host.WS_STAGES, REVERSE_M=True, DENSE=dense, CONSUMERS=consumers,
                       CONSUMER_REGS=W.consumer_registers(consumers))
     sig = {}
     for name in W.attn_fwd_ws_kernel.arg_names:
@@ -122,7 +126,7 @@ def main() -> int:
     print(f"Triton {triton.__version__}, sm_90")
     for d in (int(x) for x in args.head_dims.split(",")):
         bd = triton_host._pow2(d)
-        chain = A.DEFAULT_CHAIN
+        chain = DEFAULT_CHAIN
         fl, bl = A.default_fwd_launch(d, S), A.default_bwd_launch(d)
         ints = dict(stride_qt=HQ * d, stride_qh=d, stride_kt=HKV * d, stride_kh=d, stride_vt=HKV * d, stride_vh=d,
                     stride_ot=HQ * d, stride_oh=d, stride_lh=16 * S, stride_dot=HQ * d, stride_doh=d,
@@ -133,35 +137,35 @@ def main() -> int:
         common = dict(CAUSAL=True, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=False,
                       EVEN_D=d == bd)
         rows = [
-            ("forward (prefill)", K.attn_fwd_kernel,
-             dict(common, BLOCK_M=fl.block_m, DENSE=False, KLEN_PTR=True, REVERSE_M=True, TMA=fl.tma,
-                  ONE_SPLIT=False), fl.num_warps,
-             fl.num_stages, fwd_opts),
-            ("forward (keys in one split)", K.attn_fwd_kernel,
-             dict(common, BLOCK_M=A.default_fwd_launch(d, chain.split).block_m, DENSE=False, KLEN_PTR=True,
-                  REVERSE_M=True, TMA=fl.tma, ONE_SPLIT=True), A.default_fwd_launch(d, chain.split).num_warps,
-             fl.num_stages, fwd_opts),
-            ("split-KV (several splits)", K.attn_split_kernel,
-             dict(common, BLOCK_M=fl.split_block_m, DENSE=True, KLEN_PTR=False, FINISH=False), fl.split_warps,
-             fl.split_stages, fwd_opts),
-            ("split-KV (one split)", K.attn_split_kernel,
-             dict(common, BLOCK_M=fl.split_block_m, DENSE=True, KLEN_PTR=False, FINISH=True), fl.split_warps,
-             fl.split_stages, fwd_opts),
-            ("combine", K.attn_combine_kernel,
-             dict(BLOCK_M=2, BLOCK_D=bd, BLOCK_DC=min(bd, A.COMBINE_BLOCK_D), EVEN_D=d == bd, DENSE=True,
-                  KLEN_PTR=False), A.COMBINE_WARPS, A.COMBINE_STAGES, fwd_opts),
-            ("backward dK/dV", K.attn_bwd_dkdv_kernel,
-             dict(CAUSAL=True, BLOCK_M=bl.dkdv_block_m, BLOCK_N=bl.dkdv_block_n, BLOCK_D=bd, IEEE=False,
-                  EVEN_D=d == bd, TMA=bl.tma, DENSE=False), bl.dkdv_warps, bl.dkdv_stages, None),
-            ("backward dQ", K.attn_bwd_dq_kernel,
-             dict(CAUSAL=True, BLOCK_M=bl.dq_block_m, BLOCK_N=bl.dq_block_n, BLOCK_D=bd, IEEE=False,
-                  EVEN_D=d == bd, REVERSE_M=True, TMA=bl.tma, DENSE=False), bl.dq_warps, bl.dq_stages, None),
+            ("forward (prefill)", attn_fwd_kernel,
+             dict(common, BLOCK_M=fl.full.block_m, DENSE=False, KLEN_PTR=True, REVERSE_M=True, TMA=fl.tma,
+                  ONE_SPLIT=False), fl.full.num_warps,
+             fl.full.num_stages, fwd_opts),
+            ("forward (keys in one split)", attn_fwd_kernel,
+             dict(common, BLOCK_M=A.default_fwd_launch(d, chain.split).full.block_m, DENSE=False, KLEN_PTR=True,
+                  REVERSE_M=True, TMA=fl.tma, ONE_SPLIT=True), A.default_fwd_launch(d, chain.split).full.num_warps,
+             fl.full.num_stages, fwd_opts),
+            ("split-KV (several splits)", attn_split_kernel,
+             dict(common, BLOCK_M=fl.split.block_m, DENSE=True, KLEN_PTR=False, FINISH=False), fl.split.num_warps,
+             fl.split.num_stages, fwd_opts),
+            ("split-KV (one split)", attn_split_kernel,
+             dict(common, BLOCK_M=fl.split.block_m, DENSE=True, KLEN_PTR=False, FINISH=True), fl.split.num_warps,
+             fl.split.num_stages, fwd_opts),
+            ("combine", attn_combine_kernel,
+             dict(BLOCK_M=2, BLOCK_D=bd, BLOCK_DC=min(bd, launch.COMBINE_BLOCK_D), EVEN_D=d == bd, DENSE=True,
+                  KLEN_PTR=False), launch.COMBINE_WARPS, launch.COMBINE_STAGES, fwd_opts),
+            ("backward dK/dV", attn_bwd_dkdv_kernel,
+             dict(CAUSAL=True, BLOCK_M=bl.dkdv.block_m, BLOCK_N=bl.dkdv.block_n, BLOCK_D=bd, IEEE=False,
+                  EVEN_D=d == bd, TMA=bl.tma, DENSE=False), bl.dkdv.num_warps, bl.dkdv.num_stages, None),
+            ("backward dQ", attn_bwd_dq_kernel,
+             dict(CAUSAL=True, BLOCK_M=bl.dq.block_m, BLOCK_N=bl.dq.block_n, BLOCK_D=bd, IEEE=False,
+                  EVEN_D=d == bd, REVERSE_M=True, TMA=bl.tma, DENSE=False), bl.dq.num_warps, bl.dq.num_stages, None),
         ]
         for name, fn, constexprs, warps, stages, opts in rows:
             print(f"D = {d:<4} {name:<27} {warps} warps: {resources(fn, ints, constexprs, warps, stages, opts)}")
-        if d in A.WS_CONSUMERS and GluonASTSource is not None and W.attn_fwd_ws_kernel is not None:
+        if d in ws_host.WS_CONSUMERS and GluonASTSource is not None and W.attn_fwd_ws_kernel is not None:
             for name, dense in (("warp-specialized (dense)", True), ("warp-specialized (bounds)", False)):
-                warps = 4 * A.WS_CONSUMERS[d] + 1
+                warps = 4 * ws_host.WS_CONSUMERS[d] + 1
                 print(f"D = {d:<4} {name:<27} {warps} warps: {ws_resources(d, dense)}")
     return 0
 

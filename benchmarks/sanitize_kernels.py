@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 import rlkernels
-from rlkernels.ops.attention import DEFAULT_TUNING, AttnTuning, attention_by_bounds, ws_host
+from rlkernels.ops.attention import AttnTuning, attention_by_bounds, ws_host
+from rlkernels.ops.attention.launch import DEFAULT_TUNING
 
 CASES: dict[str, Callable[[torch.dtype], None]] = {}
 

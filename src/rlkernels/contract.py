@@ -51,7 +51,7 @@ CONTRACT: dict[str, dict[torch.dtype, Tolerance]] = {
     "log_softmax": _row("rel", fp64=(1e-12, 2.9e-16), fp32=(1e-6, 4.2e-8), fp16=(1e-3, 2.4e-4), bf16=(8e-3, 1.8e-3)),
     # fused attention output; 16-bit: p is rounded to the input dtype before P @ V (as in
     # FlashAttention). Measured on the CPU (torch backend and interpreter, L <= 150, D = 32);
-    # the GPU rows are checked by tests/ops/test_attention_gpu.py at L = 1031.
+    # the GPU rows are checked by tests/ops/attention/test_api.py at L = 1031.
     "attention": _row("rel", fp64=(1e-12, 4.3e-16), fp32=(2e-6, 3.0e-7), fp16=(2e-3, 2.4e-4), bf16=(1.6e-2, 1.8e-3)),
     # the routed experts of one MoE layer (gate/up GEMM, SiLU x up, down GEMM, fp32 combine),
     # against reference.moe_experts_ref; measured on the CPU torch backend (T = 67, H = 48)

@@ -29,18 +29,20 @@ Backward (flash_attn_func / varlen): delta = rowsum(dO * O) in fp32; dK/dV per k
 block over the GQA group's query heads in order and query blocks ascending; dQ per
 query block over key blocks ascending, recomputing P from the saved LSE; no atomics.
 
-Modules, lowest first: ``chain`` (the chain constants), ``layout`` (key rows, TMA
-descriptors), ``launch`` (launch parameters, :class:`AttnTuning`), ``ws_host`` (the
-warp-specialized Hopper forward), ``triton_host`` (the Triton launches), ``torch_ref``
-(the torch backend), ``autograd`` (the forward and backward cores, the autograd Function,
-the custom ops, the route a call takes), ``validate`` and ``api`` (the entry points, the
-registry).
+Modules, lowest first: ``key_blocks`` (:class:`Chain`, the two constants that define the
+bits), ``layout`` (key rows, TMA descriptors), ``launch`` (launch parameters,
+:class:`AttnTuning`), ``ws_host`` (the warp-specialized Hopper forward), ``triton_host``
+(the Triton launches), ``torch_ref`` (the torch backend), ``autograd`` (the forward and
+backward cores, the autograd Function, the custom ops, the route a call takes),
+``validate`` and ``api`` (the entry points, the registry). This package exports the
+entry points and what a caller tunes them with; everything else is imported from its
+module.
 
 The chain and the launch choices are arguments, not module state: :class:`AttnTuning`
 (chain, forward and backward launch, TMA size threshold) travels from each entry point's
-private ``_tuning`` keyword through :func:`attend`, the forward and backward cores and
-:class:`AttnFunction` to :func:`triton_fwd` / :func:`triton_bwd` (the chain to
-:func:`torch_fwd`). Tests and tuning scripts force a variant per call, e.g.
+private ``_tuning`` keyword through ``autograd.attend``, the forward and backward cores
+and ``autograd.AttnFunction`` to ``triton_host.triton_fwd`` / ``triton_bwd`` (the chain
+to ``torch_ref.torch_fwd``). Tests and tuning scripts force a variant per call, e.g.
 ``flash_attn_func(q, k, v, _tuning=AttnTuning(fwd=dataclasses.replace(default_fwd_launch(d), ws=False)))``.
 The custom ops take the chain as ints and launch with the defaults. Tests observe a
 launch by wrapping the launchers ``triton_host._launch_*`` and ``ws_host._launch_fwd_ws``,
@@ -48,25 +50,12 @@ which live in their modules only, where the code reads them.
 """
 from __future__ import annotations
 
-from .api import (OP, SPLIT_KV_MAX_ROWS, FlashAttnTorch, FlashAttnTriton, attention_by_bounds, flash_attn_func,
-                  flash_attn_varlen_func, flash_attn_with_kvcache)
-from .autograd import AttnFunction, attend, flash_attn_bwd_op, flash_attn_fwd_op, kvcache_append_op
-from .chain import DEFAULT_CHAIN, Chain
-from .launch import (COMBINE_BLOCK_D, COMBINE_STAGES, COMBINE_WARPS, DEFAULT_TUNING, DELTA_WARPS, AttnTuning,
-                     BwdLaunch, FwdLaunch, default_bwd_launch, default_fwd_launch)
-from .layout import TMA_DTYPES, head_rows_desc, key_rows, kv_rows, tma_pays
-from .torch_ref import torch_bwd, torch_fwd
-from .triton_host import LOG2E, triton_bwd, triton_fwd
-from .validate import CHECK_ENV, MAX_HEAD_DIM
-from .ws_host import (WS_BLOCK_N, WS_CONSUMERS, WS_ENV, WS_MAX_TILES, WS_STAGES, ws_fwd, ws_keys_desc, ws_layout,
-                      ws_rows_desc)
+from .api import attention_by_bounds, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .key_blocks import Chain
+from .launch import AttnTuning, BwdLaunch, FwdLaunch, KernelLaunch, default_bwd_launch, default_fwd_launch
+from .validate import CHECK_ENV
 
 __all__ = [
-    "CHECK_ENV", "COMBINE_BLOCK_D", "COMBINE_STAGES", "COMBINE_WARPS", "DEFAULT_CHAIN", "DEFAULT_TUNING", "DELTA_WARPS",
-    "LOG2E", "MAX_HEAD_DIM", "OP", "SPLIT_KV_MAX_ROWS", "TMA_DTYPES", "WS_BLOCK_N", "WS_CONSUMERS", "WS_ENV",
-    "WS_MAX_TILES", "WS_STAGES", "AttnFunction", "AttnTuning", "BwdLaunch", "Chain", "FlashAttnTorch", "FlashAttnTriton",
-    "FwdLaunch", "attend", "attention_by_bounds", "default_bwd_launch", "default_fwd_launch",
-    "flash_attn_bwd_op", "flash_attn_func", "flash_attn_fwd_op", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-    "head_rows_desc", "key_rows", "kv_rows", "kvcache_append_op", "tma_pays", "torch_bwd", "torch_fwd", "triton_bwd",
-    "triton_fwd", "ws_fwd", "ws_keys_desc", "ws_layout", "ws_rows_desc",
+    "CHECK_ENV", "AttnTuning", "BwdLaunch", "Chain", "FwdLaunch", "KernelLaunch", "attention_by_bounds",
+    "default_bwd_launch", "default_fwd_launch", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
 ]

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from .chain import Chain
+from .key_blocks import Chain
 from .launch import DEFAULT_TUNING, AttnTuning
 from .layout import packed
 from .torch_ref import lse_dtype, torch_bwd, torch_fwd

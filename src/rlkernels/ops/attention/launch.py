@@ -1,7 +1,7 @@
 """Launch parameters of the attention kernels: tiles, warps, stages, compile options, and
 :class:`AttnTuning`, the chain and launch choices a call runs with.
 
-None of the launch parameters changes a row's bits (the chain is :class:`~.chain.Chain`'s);
+None of the launch parameters changes a row's bits (the chain is :class:`~.key_blocks.Chain`'s);
 they change how fast the kernels compute it.
 """
 from __future__ import annotations
@@ -10,42 +10,46 @@ import dataclasses
 
 from ..._env import triton_interpret
 from ...runtime.launcher import NO_FP_FUSION
-from .chain import DEFAULT_CHAIN, Chain
+from .key_blocks import DEFAULT_CHAIN, Chain
 from .layout import TMA_MIN_FLOPS
 
 
 @dataclasses.dataclass(frozen=True)
-class FwdLaunch:
-    """Launch parameters of the forward kernels (no effect on the bits). ``tma``: the
-    full kernel reads whole in-range K/V blocks through TMA descriptors where it can
-    (:func:`~.layout.head_rows_desc`) and the call is large enough to pay for them
-    (:func:`~.layout.tma_pays`). ``ws``: the full forward takes the warp-specialized
-    Hopper kernel where it applies (:func:`~.ws_host.ws_fwd`)."""
+class KernelLaunch:
+    """One kernel's launch parameters (no effect on the bits): query rows per program or
+    step (``block_m``), Triton's ``num_warps`` and ``num_stages``, and for the backward
+    kernels key rows per program or step (``block_n``; the forward's key block is the
+    chain's, :attr:`~.key_blocks.Chain.block_n`)."""
 
-    block_m: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
-    split_block_m: int = 16
-    split_warps: int = 4
-    split_stages: int = 3
+    block_m: int
+    num_warps: int
+    num_stages: int
+    block_n: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdLaunch:
+    """Launch parameters of the forward kernels (no effect on the bits): the full kernel's
+    and the split-KV kernel's. ``tma``: the full kernel reads whole in-range K/V blocks
+    through TMA descriptors where it can (:func:`~.layout.head_rows_desc`) and the call is
+    large enough to pay for them (:func:`~.layout.tma_pays`). ``ws``: the full forward
+    takes the warp-specialized Hopper kernel where it applies (:func:`~.ws_host.ws_fwd`)."""
+
+    full: KernelLaunch = KernelLaunch(128, 8, 3)
+    split: KernelLaunch = KernelLaunch(16, 4, 3)
     tma: bool = True
     ws: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class BwdLaunch:
-    """Launch parameters of the backward kernels: the dK/dV kernel's tile, warps and
-    stages, then the dQ kernel's; ``tma`` as in :class:`FwdLaunch` (dQ: K/V blocks,
-    dK/dV: q and dO blocks)."""
+    """Launch parameters of the backward kernels: the dK/dV kernel's (``block_n`` keys per
+    program, ``block_m`` query rows per step) and the dQ kernel's (``block_m`` query rows
+    per program, ``block_n`` keys per step); ``tma`` as in :class:`FwdLaunch` (dQ: K/V
+    blocks, dK/dV: q and dO blocks)."""
 
-    dkdv_block_m: int = 64
-    dkdv_block_n: int = 64
-    dkdv_warps: int = 4
-    dkdv_stages: int = 2
-    dq_block_m: int = 64
-    dq_block_n: int = 64
-    dq_warps: int = 4
-    dq_stages: int = 2
+    dkdv: KernelLaunch = KernelLaunch(64, 4, 2, 64)
+    dq: KernelLaunch = KernelLaunch(64, 4, 2, 64)
     tma: bool = True
 
 
@@ -55,12 +59,12 @@ def default_fwd_launch(head_dim: int, max_q: int = 0) -> FwdLaunch:
     the decode kernel's 8 warps beat 2 and 4 (4 at D = 64). D = 64: 64 rows / 4 warps at
     L <= 2048 (190 vs 167 TFLOP/s for 128 / 8 at L = 1024), 128 rows / 4 warps beyond."""
     if triton_interpret():
-        return FwdLaunch(16, 1, 1, 16, 1, 1)
+        return FwdLaunch(KernelLaunch(16, 1, 1), KernelLaunch(16, 1, 1))
     if head_dim <= 64:
-        return FwdLaunch(64, 4, 3) if max_q <= 2048 else FwdLaunch(128, 4, 3)
+        return FwdLaunch(KernelLaunch(64, 4, 3) if max_q <= 2048 else KernelLaunch(128, 4, 3))
     if head_dim <= 128:
-        return FwdLaunch(128, 8, 3, 16, 8, 3)
-    return FwdLaunch(64, 4, 2)
+        return FwdLaunch(KernelLaunch(128, 8, 3), KernelLaunch(16, 8, 3))
+    return FwdLaunch(KernelLaunch(64, 4, 2))
 
 
 def default_bwd_launch(head_dim: int) -> BwdLaunch:
@@ -68,10 +72,10 @@ def default_bwd_launch(head_dim: int) -> BwdLaunch:
     64 x 64 tiles / 4 warps / 2 stages for both kernels beat 128-row or 128-key tiles,
     8 warps and 3 stages at D = 128 and D = 64 (larger tiles spill the two accumulators)."""
     if triton_interpret():
-        return BwdLaunch(16, 16, 1, 1, 16, 16, 1, 1)
+        return BwdLaunch(KernelLaunch(16, 1, 1, 16), KernelLaunch(16, 1, 1, 16))
     if head_dim <= 128:
-        return BwdLaunch(64, 64, 4, 2, 64, 64, 4, 2)
-    return BwdLaunch(32, 64, 4, 1, 64, 32, 4, 1)
+        return BwdLaunch(KernelLaunch(64, 4, 2, 64), KernelLaunch(64, 4, 2, 64))
+    return BwdLaunch(KernelLaunch(32, 4, 1, 64), KernelLaunch(64, 4, 1, 32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...gemm.chain import accumulator_dtype, chain_matmul, chain_sum
-from .chain import Chain
+from .key_blocks import Chain
 from .layout import key_rows
 
 

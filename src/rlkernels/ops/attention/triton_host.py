@@ -7,8 +7,9 @@ import torch
 from ..._env import triton_interpret
 from ...gemm.tma import TensorDescriptor
 from ...kernels._triton import cdiv
-from ...kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_combine_kernel,
-                                  attn_fwd_kernel, attn_split_kernel)
+from ...kernels.attention.backward import attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from ...kernels.attention.forward import attn_fwd_kernel
+from ...kernels.attention.split import attn_combine_kernel, attn_split_kernel
 from ...runtime.device import capability
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .launch import (COMBINE_BLOCK_D, COMBINE_STAGES, COMBINE_WARPS, DELTA_WARPS, FWD_OPTIONS, AttnTuning,
@@ -95,7 +96,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     even_d = d == bd
     is_dense = dense is not None
     if split_kv:
-        bm = cfg.split_block_m
+        bm = cfg.split.block_m
         rows_pad = cdiv(max_q * g, bm) * bm
         n_splits = max(1, cdiv(max_k, chain.split))
         finish_here = n_splits == 1
@@ -108,7 +109,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
              hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add, rows),
             dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
                  EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, FINISH=finish_here),
-            num_warps=cfg.split_warps, num_stages=cfg.split_stages)
+            num_warps=cfg.split.num_warps, num_stages=cfg.split.num_stages)
         if not finish_here:
             # The combine's tile is launch detail (an elementwise merge per row and column):
             # the real rows only (a decode step's G heads), BLOCK_DC columns per program.
@@ -131,15 +132,15 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     use_tma = cfg.tma and tma_pays(nb, hq, max_q, max_k, d, causal, min_flops=tuning.tma_min_flops)
     *descs, tma = _tma_descs(use_tma, k, v, chain.block_n, bd)
     _launch_fwd(
-        (cdiv(max_q, cfg.block_m), nb * hq),
+        (cdiv(max_q, cfg.full.block_m), nb * hq),
         (q, k, v, out, lse, *descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
          hq, g, d, qk_scale, lq_d, k_add, rows),
         # (max_k bounds every k_len, as the grid's max_q bounds every q_len)
-        dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
+        dict(CAUSAL=causal, BLOCK_M=cfg.full.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
              EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, REVERSE_M=causal, TMA=tma,
              ONE_SPLIT=max_k <= chain.split),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.full.num_warps, num_stages=cfg.full.num_stages)
     return out, lse
 
 
@@ -192,23 +193,23 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
     lse = lse.contiguous()
     k_strides = _key_strides(k, v)
     use_tma = cfg.tma and tma_pays(nb, hq, max_q, max_k, d, causal, 2.5, tuning.tma_min_flops)
-    *q_descs, q_tma = _tma_descs(use_tma, q, do, cfg.dkdv_block_m, bd)
+    *q_descs, q_tma = _tma_descs(use_tma, q, do, cfg.dkdv.block_m, bd)
     _launch_bwd_dkdv(
-        (cdiv(max_k, cfg.dkdv_block_n), nb * hkv),
+        (cdiv(max_k, cfg.dkdv.block_n), nb * hkv),
         (q, k, v, do, lse, delta, dk, dv, *q_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0),
          dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
          hkv, g, d, qk_scale, scale, lq_d, k_add, rows),
-        dict(CAUSAL=causal, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
+        dict(CAUSAL=causal, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
              TMA=q_tma, DENSE=dense is not None),
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages)
-    *k_descs, k_tma = _tma_descs(use_tma, k, v, cfg.dq_block_n, bd)
+        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages)
+    *k_descs, k_tma = _tma_descs(use_tma, k, v, cfg.dq.block_n, bd)
     _launch_bwd_dq(
-        (cdiv(max_q, cfg.dq_block_m), nb * hq),
+        (cdiv(max_q, cfg.dq.block_m), nb * hq),
         (q, k, v, do, lse, delta, dq, *k_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
          hq, g, d, qk_scale, scale, lq_d, k_add, rows),
-        dict(CAUSAL=causal, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
+        dict(CAUSAL=causal, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
              REVERSE_M=causal, TMA=k_tma, DENSE=dense is not None),
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
+        num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
     return dq, dk, dv

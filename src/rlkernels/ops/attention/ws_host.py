@@ -1,4 +1,4 @@
-"""Host side of the warp-specialized Hopper forward (``kernels.attention_ws``, Gluon).
+"""Host side of the warp-specialized Hopper forward (``kernels.attention.forward_ws``, Gluon).
 
 It computes ``attn_fwd_kernel``'s chain with the same instructions. wgmma makes it sm_90
 only; its stages hold key blocks of WS_BLOCK_N. WS_CONSUMERS: the head dims it takes,
@@ -13,7 +13,7 @@ import torch
 
 from ..._env import switch_on
 from ...kernels._triton import GluonTensorDescriptor, cdiv, gl
-from ...kernels.attention_ws import WG_ROWS, attn_fwd_ws_kernel, consumer_registers, launch_registers
+from ...kernels.attention.forward_ws import WG_ROWS, attn_fwd_ws_kernel, consumer_registers, launch_registers
 from ...runtime.device import capability, sm_count
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .launch import FWD_OPTIONS, AttnTuning
@@ -35,7 +35,7 @@ _launch_fwd_ws = ({c: cached_launcher(attn_fwd_ws_kernel, options={**FWD_OPTIONS
 
 
 def ws_layout(dtype: torch.dtype, block: tuple[int, ...]) -> object:
-    """The shared-memory layout of kernels.attention_ws's tiles of shape ``block``."""
+    """The shared-memory layout of kernels.attention.forward_ws's tiles of shape ``block``."""
     layout = _WS_LAYOUTS.get((dtype, block))
     if layout is None:
         layout = _WS_LAYOUTS.setdefault((dtype, block), gl.NVMMASharedLayout.get_default_for(
@@ -50,7 +50,7 @@ def _tma_strides_ok(t: torch.Tensor, strides: list[int]) -> bool:
 
 def ws_rows_desc(t: torch.Tensor) -> object | None:
     """q or out [T, H, D] (heads side by side in a row) as the 2-D TMA view [T, H * D]
-    kernels.attention_ws reads (and writes) 64-row tiles of; None where TMA can't."""
+    kernels.attention.forward_ws reads (and writes) 64-row tiles of; None where TMA can't."""
     (n, h, d), (st, sh, sd) = t.shape, t.stride()
     strides = [st, 1]
     if sd != 1 or (sh != d and h > 1) or n < 1 or not _tma_strides_ok(t, strides) or n >= 1 << 31:
@@ -62,7 +62,7 @@ def ws_rows_desc(t: torch.Tensor) -> object | None:
 
 def ws_keys_desc(t: torch.Tensor) -> tuple[object, int, int, int] | None:
     """Keys or values [NB, S, H, D] (unit last stride) as a 3-D TMA view [planes, S, cols]
-    for kernels.attention_ws, as (desc, XB, XH, XC): key j of sequence b, head h is row
+    for kernels.attention.forward_ws, as (desc, XB, XH, XC): key j of sequence b, head h is row
     k_start + j of plane b * XB + h * XH at column h * XC, so the row extent is a batch
     row's S slots (TMA zero-fills past them). Heads side by side in a token give (1, 0,
     D), head planes (Hugging Face's [B, H, S, D]) (H, 1, 0); one batch row of packed

@@ -1,4 +1,4 @@
-"""The chain-defining constants of the attention op."""
+"""The key blocking that defines the attention's chain: key block and split size (:class:`Chain`)."""
 from __future__ import annotations
 
 import dataclasses

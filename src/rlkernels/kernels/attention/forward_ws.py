@@ -37,7 +37,7 @@ tile of their own, so a tile's store need not finish before the next tile's work
 """
 from __future__ import annotations
 
-from ._triton import gl, gluon
+from .._triton import gl, gluon
 
 try:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -47,7 +47,7 @@ except Exception:  # pragma: no cover - a Gluon without the Hopper ops
     gluon = None
 
 # Rows per consumer warpgroup (one wgmma M) and the columns of the ones matrix the row
-# sums go through (kernels.attention.ROWSUM_COLS with Triton >= 3.5).
+# sums go through (kernels.attention.softmax.ROWSUM_COLS with Triton >= 3.5).
 WG_ROWS = 64
 ROWSUM_COLS = 8
 # Registers: the producer's warpgroup keeps PRODUCER_REGS per thread and the consumer
@@ -74,7 +74,7 @@ if gluon is not None:
 
     @gluon.jit
     def _merge(m1, l1, acc1, m2, l2, acc2, ROW_O: gl.constexpr):
-        """kernels.attention.merge_states."""
+        """kernels.attention.softmax.merge_states."""
         m = gl.maximum(m1, m2)
         m_safe = gl.where(m == float("-inf"), 0.0, m)
         a1 = gl.exp2(m1 - m_safe)
@@ -86,7 +86,7 @@ if gluon is not None:
     @gluon.jit
     def _softmax(s, m_s, l_s, qk_scale, ones, R_LAYOUT: gl.constexpr, PR_LAYOUT: gl.constexpr,
                  ROW_S: gl.constexpr):
-        """kernels.attention.block_step's softmax half: (p, alpha, m, l) of one block."""
+        """kernels.attention.softmax.block_step's softmax half: (p, alpha, m, l) of one block."""
         m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_s - m_safe)
@@ -147,7 +147,7 @@ if gluon is not None:
 
     @gluon.jit
     def _bounds(b, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, LK, DENSE: gl.constexpr):
-        """kernels.attention.seq_bounds: (q_start, q_len, k_start, k_len) of sequence b; DENSE:
+        """kernels.attention.prologue.seq_bounds: (q_start, q_len, k_start, k_len) of sequence b; DENSE:
         a padded batch (sequence b's LQ queries from row b * LQ over its LK keys)."""
         if DENSE:
             return b.to(gl.int64) * LQ, LQ, b * 0, LK
@@ -325,7 +325,7 @@ if gluon is not None:
                 mbarrier.arrive(kv_empty.index(c % STAGES), count=1)
             c0 += n_blocks
             if has_rows:
-                # kernels.attention.finish; a row that saw no key gives 0 and -inf.
+                # kernels.attention.softmax.finish; a row that saw no key gives 0 and -inf.
                 seen = l > 0
                 out = (acc / gl.convert_layout(gl.where(seen, l, 1.0), ROW_O)[:, None]).to(o_desc.dtype)
                 lse = gl.where(seen, m + gl.log2(gl.where(seen, l, 1.0)), float("-inf"))
