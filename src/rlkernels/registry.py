@@ -81,7 +81,7 @@ class OpImpl(nn.Module):
 _REGISTRY: dict[str, dict[str, type[OpImpl]]] = {}
 
 
-def register(op_name: str, backend: str) -> Callable[[type[OpImpl]], type[OpImpl]]:
+def _register(op_name: str, backend: str) -> Callable[[type[OpImpl]], type[OpImpl]]:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
@@ -98,7 +98,7 @@ def register_backends(op_name: str, base: type[OpImpl], impls: dict[str, Any]) -
     -> the object its forward core runs on, or None where the core takes the backend's name)."""
     for backend, impl in impls.items():
         name = base.__name__.lstrip("_") + backend.capitalize()
-        register(op_name, backend)(type(name, (base,), {"backend_impl": impl, "__module__": base.__module__}))
+        _register(op_name, backend)(type(name, (base,), {"backend_impl": impl, "__module__": base.__module__}))
 
 
 def backend_object(op_name: str, device: torch.device, backend: str | None = None) -> Any:

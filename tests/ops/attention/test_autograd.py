@@ -10,7 +10,7 @@ from torch._dynamo.backends.debugging import aot_eager
 
 from rlkernels import testing
 from rlkernels.ops import attention as A
-from rlkernels.ops.attention.api import FlashAttnTorch
+from rlkernels.registry import implementation
 from rlkernels.registry import get_op, registered_ops
 
 from ...conftest import cpu_backend_cases, randn
@@ -52,7 +52,7 @@ def test_registry_and_custom_op(gen, attn):
     q, k, v = qkv(9, 2, 1, 8, torch.float32, gen, batch=2)
     op = get_op("flash_attn", "torch")
     assert op.op_class == "attention" and bits_equal(op(q, k, v), A.flash_attn_func(q, k, v, backend="torch"))
-    fn, x = FlashAttnTorch().invariance_case(torch.device("cpu"), torch.float32, gen)
+    fn, x = implementation("flash_attn", "torch")().invariance_case(torch.device("cpu"), torch.float32, gen)
     testing.assert_batch_invariant(fn, x)
     # The custom op (what torch.compile sees) gives the eager path's bits and gradients.
     qs = q.reshape(-1, *q.shape[2:])

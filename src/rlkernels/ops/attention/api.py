@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ...registry import OpImpl, register, select_backend
+from ...registry import OpImpl, register_backends, select_backend
 from .. import _validate as V
 from .autograd import append_to_cache, attend, forward, kvcache_append_op, traced
 from .launch import DEFAULT_TUNING, AttnTuning
@@ -214,7 +214,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # ---------------------------------------------------------------- registry entries
 
 
-class _AttnBase(OpImpl):
+class _AttnOp(OpImpl):
     op_class = "attention"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -232,11 +232,4 @@ class _AttnBase(OpImpl):
         return (lambda rows: self.forward(rows[:, 0], rows[:, 1], rows[:, 2])), x
 
 
-@register(OP, "triton")
-class FlashAttnTriton(_AttnBase):
-    pass
-
-
-@register(OP, "torch")
-class FlashAttnTorch(_AttnBase):
-    pass
+register_backends(OP, _AttnOp, {"triton": None, "torch": None})
