@@ -7,9 +7,10 @@
 The workload is an RL step's: P prompts (lengths uniform in [LO, HI]) × N samples each,
 drawn at T = 1 until EOS or T new tokens. A random-weight model's EOS token would almost
 never be drawn, so the EOS row of the LM head is replaced by ``s · u``, u the unit mean of
-the final hidden states of a probe batch of prompts, with s found by bisection so that the
-probe's mean EOS probability is 1 / M: responses then end after about M tokens on
-average (a geometric length, cut at T), as RL responses do. The same head serves every side.
+the final hidden states at the positions a sampled decode of 16 probe prompts reaches (32
+tokens each), with s found by bisection so that their mean EOS probability is 1 / M:
+responses then end after about M tokens on average (cut at T), as RL responses do; the
+JSON's rows give the tokens actually drawn. The same head serves every side.
 
 Rows (tokens/s counts the new tokens each side kept, EOS included, up to each sample's end):
 
@@ -84,20 +85,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- the workload
 
 
-def _final_hidden(model: nn.Module, prompts: list[torch.Tensor]) -> torch.Tensor:
-    """The last position's final hidden state of each prompt, each run alone: [P, D] fp32."""
+def _decode_hidden(model: nn.Module, prompts: list[torch.Tensor], steps: int) -> torch.Tensor:
+    """Final hidden states where a sampled decode goes: each prompt alone, ``steps`` tokens
+    drawn at T = 1 (the model has no EOS yet), the positions that draw them: [P * steps, D] fp32."""
     rows = []
     with torch.no_grad():
-        for p in prompts:
-            out = model(p[None], output_hidden_states=True)
-            rows.append(out.hidden_states[-1][0, -1].float())
-    return torch.stack(rows)
+        for i, p in enumerate(prompts):
+            seq, _ = rlk_generate(model, p[None], max_new_tokens=steps, do_sample=True, seed=i)
+            out = model(seq, output_hidden_states=True)
+            rows.append(out.hidden_states[-1][0, len(p) - 1:-1].float())
+    return torch.cat(rows)
 
 
-def scale_eos_row(models: list[nn.Module], prompts: list[torch.Tensor], eos: int, mean_len: int) -> float:
-    """Set the EOS row of each model's LM head to ``s · u`` (u the unit mean final hidden state
-    of ``prompts``), s such that the mean EOS probability over them is 1 / ``mean_len``."""
-    h = _final_hidden(models[0], prompts)
+def scale_eos_row(models: list[nn.Module], prompts: list[torch.Tensor], eos: int, mean_len: int,
+                  steps: int = 32) -> float:
+    """Set the EOS row of each model's LM head to ``s · u`` (u the unit mean of the final hidden
+    states a decode of ``prompts`` reaches), s such that the mean EOS probability over those
+    positions is 1 / ``mean_len``. The first model decodes; all share the returned row."""
+    h = _decode_hidden(models[0], prompts, steps)
     u = h.mean(0)
     u = u / u.norm()
     head = models[0].get_output_embeddings().weight
@@ -117,6 +122,12 @@ def scale_eos_row(models: list[nn.Module], prompts: list[torch.Tensor], eos: int
             w = m.get_output_embeddings().weight
             w[eos] = (scale * u).to(w.dtype)
     return scale
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _sync(device: torch.device) -> None:
@@ -159,7 +170,9 @@ def _rollout_row(model, prompts, n, max_new, eos, max_batch, device) -> dict[str
         return rlk_rollout(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
                            max_batch=max_batch)
     call()  # compile, capture
+    _release(device)  # the warm-up's cache, before the timed call allocates its own
     results, ms = _timed(device, call)
+    _release(device)
     return _row("rollout", len(results), sum(len(r.tokens) for r in results), ms,
                 finished=sum(r.finished for r in results), max_batch=max_batch)
 
@@ -177,6 +190,7 @@ def _generate_row(model, prompts, n, max_new, eos, device) -> dict[str, Any]:
     (seq, _), ms = _timed(device, call)
     out = _row("generate" + (" graphed" if graphed else ""), len(rows), _kept(seq[:, ids.shape[1]:], eos), ms)
     release_decode_graphs(model)
+    _release(device)
     return out
 
 
@@ -299,7 +313,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(whole.SEED)
     lengths = torch.randint(lo, hi + 1, (prompts_n,), generator=g).tolist()
     prompts = [torch.randint(3, vocab, (n,), generator=g).to(device) for n in lengths]
-    scale = scale_eos_row([patched, stock], prompts[:32], eos, mean_len)
+    scale = scale_eos_row([patched, stock], prompts[:16], eos, mean_len)
     rows = [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device),
             _generate_row(patched, prompts, args.n, max_new, eos, device)]
     if args.peers:
