@@ -53,3 +53,14 @@ def test_dash_rs_brings_back_pytests_own_skip_lines(tmp_path):
     out = _run_pytest(tmp_path, "-rs")
     assert len([ln for ln in out.splitlines() if ln.startswith("SKIPPED")]) == 3, out  # one per skipping location
     assert "skipped, by reason" not in out, out
+
+
+def test_gpu_tests_live_in_the_file_that_mirrors_their_module():
+    # One convention: a test that needs a GPU is marked `gpu` in the test file of the module
+    # it tests; there are no separate GPU test files.
+    tests = ROOT / "tests"
+    separate = sorted(str(p.relative_to(ROOT)) for p in tests.rglob("test_*.py")
+                      if re.search(r"_gpus?\.py$", p.name))
+    assert not separate, separate
+    marked = [p for p in tests.rglob("test_*.py") if "pytest.mark.gpu" in p.read_text()]
+    assert len(marked) > 10, "the gpu marker is how GPU tests are found (benchmarks/gpu_suite.sh: -m gpu)"

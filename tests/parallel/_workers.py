@@ -5,6 +5,7 @@ ops (and planted wrong combines), and saves what it got to ``<dir>/rank<r>.pt``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -37,6 +38,18 @@ def run_world(world: int, fn, start_method: str | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         mp.start_processes(fn, args=(world, folder), nprocs=world, join=True, start_method=start_method)
         return [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
+
+
+@contextlib.contextmanager
+def nccl_group(rank: int, world: int, folder: str):
+    """One NCCL rank on GPU ``rank`` for the ``gpu`` tests; yields its device."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        yield torch.device("cuda", rank)
+    finally:
+        dist.destroy_process_group()
 
 
 def names(dtype: torch.dtype) -> str:

@@ -5,6 +5,8 @@ parent compares what the ranks saved against :func:`sharded_linear_logprob` in o
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -129,3 +131,47 @@ def test_triton_backend_equals_across_tp_in_one_process():
     ref_lp, ref_ent = _logprob_f64(hd, wd, bd, t, W.TEMPERATURE)
     contract.check("linear_logprob", torch.float32, got["logp"], ref_lp)
     contract.check("linear_logprob", torch.float32, got["ent"], ref_ent)
+
+# ---------------------------------------------------------------- several GPUs (NCCL)
+# TP = 2, 4 and 8, each where that many devices are visible, on a 151936-row head, forward
+# and backward, against the sharded one-process op on one GPU.
+
+TOKENS, DIM, VOCAB = 1024, 4096, 151936
+
+
+def _head_inputs():
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(TOKENS, DIM, generator=g).bfloat16()
+    w = (torch.randn(VOCAB, DIM, generator=g) * 2 / DIM ** 0.5).bfloat16()
+    t = torch.randint(0, VOCAB, (TOKENS,), generator=g)
+    t[5] = -100
+    g_lp, g_ent = torch.randn(TOKENS, generator=g), torch.randn(TOKENS, generator=g)
+    return h, w, t, g_lp, g_ent
+
+
+def _run_head(h, w, t, g_lp, g_ent, fn, **kw):
+    h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = fn(h, w, t, return_entropy=True, **kw)
+    torch.autograd.backward((lp, ent), (g_lp, g_ent))
+    return {"logp": lp.detach().cpu(), "ent": ent.detach().cpu(), "dh": h.grad.cpu(), "dw": w.grad.cpu()}
+
+
+def _nccl_head_worker(rank: int, world: int, folder: str) -> None:
+    with W.nccl_group(rank, world, folder) as dev:
+        h, w, t, g_lp, g_ent = (a.to(dev) for a in _head_inputs())
+        out = _run_head(h, w[W.cols(VOCAB, world, rank)], t, g_lp, g_ent, vocab_parallel_linear_logprob)
+        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [t for t in W.SIZES if t > 1])
+def test_nccl_vocab_parallel_head_equals_one_gpu(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"TP = {world} needs {world} CUDA devices, {torch.cuda.device_count()} visible")
+    ranks = W.run_world(world, _nccl_head_worker, start_method="spawn")
+    h, w, t, g_lp, g_ent = (a.cuda() for a in _head_inputs())
+    one = _run_head(h, w, t, g_lp, g_ent, sharded_linear_logprob)
+    for rank, out in enumerate(ranks):
+        for key in ("logp", "ent", "dh"):
+            assert torch.equal(out[key], one[key]), (key, rank)
+        assert torch.equal(out["dw"], one["dw"][W.cols(VOCAB, world, rank)]), rank
