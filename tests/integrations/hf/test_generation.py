@@ -79,3 +79,33 @@ def test_an_id_outside_the_vocab_is_named_with_the_function_called(call, kwargs)
     with pytest.raises(ValueError, match=rf"^rlkernels\.{call}: input_ids\[1, 4\] = 300 is outside the model's "
                                          r"vocabulary \[0, 300\)"):
         getattr(rlkernels, call)(model, ids, **kwargs)
+
+
+@pytest.mark.parametrize("call", ["generate", "token_logprobs"])
+@pytest.mark.parametrize("scale, shown", [(2, "2"), (0.5, "0.5")])
+def test_a_mask_of_other_values_than_0_and_1_is_refused(call, scale, shown):
+    # Positions are counted from the mask: mask * 2 once scored tokens at other positions
+    # (off from the stock forward by up to 0.65 nats) and drew other tokens, silently.
+    model = patch_model(_tiny("qwen3"))
+    ids = torch.tensor([[0, 3, 4, 5], [6, 7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]) * scale
+    kwargs = dict(max_new_tokens=2) if call == "generate" else {}
+    with pytest.raises(ValueError, match=rf"rlkernels.{call}: attention_mask must hold only 0 and 1, got {shown}"):
+        getattr(rlkernels, call)(model, ids, mask, **kwargs)
+    # A packed batch's segment ids are refused the same way; a bool or float 0/1 mask is taken.
+    with pytest.raises(ValueError, match="segment ids are not a mask"):
+        getattr(rlkernels, call)(model, ids, torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1]]), **kwargs)
+    ok = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    want = getattr(rlkernels, call)(model, ids, ok, **kwargs)
+    for same in (ok.bool(), ok.float()):
+        got = getattr(rlkernels, call)(model, ids, same, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)) if call == "generate" else torch.equal(want, got)
+
+
+@pytest.mark.parametrize("call", ["generate", "token_logprobs"])
+def test_a_mask_that_is_not_a_tensor_is_refused(call):
+    model = patch_model(_tiny("qwen3"))
+    ids = torch.tensor([[3, 4, 5]])
+    kwargs = dict(max_new_tokens=2) if call == "generate" else {}
+    with pytest.raises(TypeError, match=rf"rlkernels.{call}: attention_mask must be a tensor of 0s and 1s .*got list"):
+        getattr(rlkernels, call)(model, ids, [[1, 1, 1]], **kwargs)

@@ -18,7 +18,7 @@ from ...ops._validate import require_temperature
 from ..trainers import fsdp
 from . import decode, moe
 from .coverage import is_patched
-from .scoring import check_head, check_ids
+from .scoring import check_head, check_ids, check_mask
 
 
 def _eos_ids(model: nn.Module, generate_kwargs: dict[str, Any]) -> list[int]:
@@ -68,11 +68,9 @@ def _check_prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     padding between its tokens and its continuation. A row of padding alone has no
     token to condition on: the trainer's ``token_logprobs`` scores no position there
     and the sampler's first log-prob would have no counterpart."""
+    check_mask("generate", input_ids, attention_mask)
     if attention_mask is None or input_ids.numel() == 0:
         return
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"rlkernels.generate: attention_mask has shape {tuple(attention_mask.shape)}, "
-                         f"input_ids {tuple(input_ids.shape)}")
     mask = attention_mask.bool()
     empty = ~mask.any(dim=1)
     not_left = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)

@@ -26,6 +26,32 @@ from .coverage import attention_implementation, cache_kwargs, decoder_of, mode_f
 IGNORE_INDEX = -100
 
 
+def check_mask(op: str, input_ids: torch.Tensor, attention_mask: object) -> None:
+    """TypeError/ValueError naming ``op`` unless ``attention_mask`` is None or a tensor of 0s
+    and 1s shaped like ``input_ids`` (one host sync). Positions are counted from the mask,
+    so any other value -- a 2, a 0.5, a packed batch's segment ids -- would silently number
+    the tokens wrong."""
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"rlkernels.{op}: attention_mask must be a tensor of 0s and 1s shaped like input_ids, got "
+                        f"{type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"rlkernels.{op}: attention_mask has shape {tuple(attention_mask.shape)}, "
+                         f"input_ids {tuple(input_ids.shape)}")
+    if attention_mask.dtype == torch.bool or attention_mask.numel() == 0:
+        return
+    if attention_mask.is_complex():
+        raise TypeError(f"rlkernels.{op}: attention_mask must be bool, integer or float 0s and 1s, got "
+                        f"{attention_mask.dtype}")
+    bad = (attention_mask != 0) & (attention_mask != 1)
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"rlkernels.{op}: attention_mask must hold only 0 and 1, got "
+                         f"{attention_mask[b, i].item()!r} at [{b}, {i}]: positions are counted from the mask "
+                         f"(a packed batch's segment ids are not a mask: pass one row per sequence)")
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that count only real tokens (left padding starts each sequence at 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -136,8 +162,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     """
     if input_ids.dim() != 2:
         raise ValueError(f"rlkernels.token_logprobs: input_ids must be [B, L], got {tuple(input_ids.shape)}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError("rlkernels.token_logprobs: attention_mask must match input_ids' shape")
+    check_mask("token_logprobs", input_ids, attention_mask)
     temperature = require_temperature("token_logprobs", temperature)
     check_head("token_logprobs", model)
     check_ids("token_logprobs", model, input_ids)
