@@ -109,3 +109,31 @@ def test_a_mask_that_is_not_a_tensor_is_refused(call):
     kwargs = dict(max_new_tokens=2) if call == "generate" else {}
     with pytest.raises(TypeError, match=rf"rlkernels.{call}: attention_mask must be a tensor of 0s and 1s .*got list"):
         getattr(rlkernels, call)(model, ids, [[1, 1, 1]], **kwargs)
+
+
+def test_generation_config_sampling_is_read_with_its_temperature():
+    # With do_sample=True and temperature=0.3 in the config, generate once sampled at T = 1
+    # silently, and the trainer scoring at 0.3 no longer matched.
+    model = _model("qwen3")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.3
+    seq, lp = rlkernels.generate(model, ids, max_new_tokens=4, seed=1)
+    seq_t, lp_t = rlkernels.generate(model, ids, max_new_tokens=4, seed=1, do_sample=True, temperature=0.3)
+    assert torch.equal(seq, seq_t) and torch.equal(lp, lp_t)
+    trainer = rlkernels.token_logprobs(model, seq, temperature=0.3)[:, ids.shape[1] - 1:]
+    assert torch.equal(trainer, lp)
+    # A filter the config sets is refused, naming it; passing do_sample samples without it.
+    model.generation_config.top_p = 0.95
+    with pytest.raises(ValueError, match=r"generation_config samples with top_p=0.95, which is not supported"):
+        rlkernels.generate(model, ids, max_new_tokens=4, seed=1)
+    seq_f, _ = rlkernels.generate(model, ids, max_new_tokens=4, seed=1, do_sample=True, temperature=0.3)
+    assert torch.equal(seq_f, seq_t)
+
+
+def test_neutral_repetition_penalty_is_taken_and_another_is_refused():
+    model = _model("qwen3")
+    ids = torch.tensor([[3, 4, 5]])
+    base = rlkernels.generate(model, ids, max_new_tokens=2)
+    assert torch.equal(rlkernels.generate(model, ids, max_new_tokens=2, repetition_penalty=1.0)[0], base[0])
+    with pytest.raises(ValueError, match=r"repetition_penalty=1.2 is not supported"):
+        rlkernels.generate(model, ids, max_new_tokens=2, repetition_penalty=1.2)

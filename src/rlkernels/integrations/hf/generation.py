@@ -33,7 +33,12 @@ _REFUSED_OPTIONS = {
     "top_p": "a nucleus filter draws from a truncated distribution whose log-probs the trainer does not score",
     "min_new_tokens": "forbidding EOS draws from a distribution without it, which the trainer does not score",
     "generator": "the draws are keyed by seed=, streams= and each token's position, not a torch.Generator",
+    "repetition_penalty": "a penalty draws from reweighted logits whose log-probs the trainer does not score",
 }
+# What the model's generation_config says about sampling, read when the call does not pass
+# do_sample (as Hugging Face's generate reads it): its temperature is taken, and a filter it
+# sets is refused rather than left out.
+_CONFIG_FILTERS = ("top_k", "top_p", "min_new_tokens", "repetition_penalty")
 
 
 def _is_neutral(option: str, value: Any) -> bool:
@@ -45,7 +50,26 @@ def _is_neutral(option: str, value: Any) -> bool:
         return value == 1.0
     if option == "min_new_tokens":
         return value == 0
+    if option == "repetition_penalty":
+        return value == 1.0
     return False
+
+
+def _sampling(config: Any, generate_kwargs: dict[str, Any], temperature: float | None) -> tuple[bool, float]:
+    """(do_sample, T): the call's own when it passes ``do_sample`` (T: ``temperature``, else 1);
+    otherwise the model's generation_config's, its temperature included where the call passes
+    none, refusing a filter the config sets (its draws would not be the config's)."""
+    if "do_sample" in generate_kwargs or not getattr(config, "do_sample", False):
+        return bool(generate_kwargs.get("do_sample", False)), 1.0 if temperature is None else temperature
+    for option in _CONFIG_FILTERS:
+        value = getattr(config, option, None)
+        if not _is_neutral(option, value):
+            raise ValueError(f"rlkernels.generate: the model's generation_config samples with {option}={value!r}, "
+                             f"which is not supported ({_REFUSED_OPTIONS[option]}); pass do_sample=True to sample "
+                             f"from the full distribution, or unset generation_config.{option}")
+    if temperature is None:
+        temperature = require_temperature("generate", getattr(config, "temperature", None) or 1.0)
+    return True, temperature
 
 
 def _check_decode_options(generate_kwargs: dict[str, Any]) -> None:
@@ -86,7 +110,7 @@ def _check_prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-             temperature: float = 1.0, return_entropy: bool = False, batch_invariant: bool | None = None,
+             temperature: float | None = None, return_entropy: bool = False, batch_invariant: bool | None = None,
              cuda_graph: bool = False, seed: int | None = None, streams: torch.Tensor | None = None,
              cache_len: int | None = None, **generate_kwargs: Any):
     """Decode left-padded prompts, drawing every token from the distribution the trainer scores.
@@ -111,8 +135,15 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     default generator, so ``torch.manual_seed`` reproduces a rollout); ``streams``: int64
     [B] (None: ``arange(B)``; pass each prompt's own id to reproduce it in any batch).
 
+    Sampling settings: a call that passes ``do_sample`` samples (or not) at ``temperature``
+    (None: 1). A call that does not takes the model's ``generation_config`` as Hugging
+    Face's generate does: its ``do_sample`` and, where ``temperature`` is None, its
+    temperature; a filter the config sets (``top_k``, ``top_p``, ``min_new_tokens``,
+    ``repetition_penalty`` other than neutral) is refused, naming it, since the draws would
+    not be the ones it asks for. Greedy decoding reports log-probs at ``temperature`` too.
+
     Options: ``max_new_tokens``, ``do_sample``, ``pad_token_id``, ``eos_token_id``.
-    ``top_k``, ``top_p``, ``min_new_tokens`` (other than their neutral values) and
+    ``top_k``, ``top_p``, ``min_new_tokens``, ``repetition_penalty`` (other than their neutral values) and
     ``generator`` are refused, naming why; beam search and any other option are refused
     too. The decode loop keeps a ``StaticCache`` (:mod:`rlkernels.integrations.hf.decode`);
     ``cuda_graph=True`` (a patched model on CUDA) replays each step, the draw included,
@@ -130,7 +161,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("rlkernels.generate: input_ids must be a [B, L] tensor")
-    temperature = require_temperature("generate", temperature)
+    if temperature is not None:
+        temperature = require_temperature("generate", temperature)
     if generate_kwargs.get("return_dict_in_generate"):
         raise ValueError("rlkernels.generate: return_dict_in_generate is not supported; it returns the sequences")
     generate_kwargs.pop("temperature", None)  # given once, above
@@ -165,7 +197,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                                   or cache_len < input_ids.shape[1] + max_new):
         raise ValueError(f"rlkernels.generate: cache_len must be an int >= the prompt length plus max_new_tokens "
                          f"({input_ids.shape[1]} + {max_new}), got {cache_len!r}")
-    do_sample = bool(generate_kwargs.get("do_sample", getattr(config, "do_sample", False)))
+    do_sample, temperature = _sampling(config, generate_kwargs, temperature)
     B = input_ids.shape[0]
     if do_sample:
         if seed is None:
