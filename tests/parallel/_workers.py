@@ -52,6 +52,18 @@ def nccl_group(rank: int, world: int, folder: str):
         dist.destroy_process_group()
 
 
+NCCL_SIZES = tuple(t for t in SIZES if t > 1)
+
+
+def run_nccl_world(world: int, fn) -> list[dict]:
+    """:func:`run_world` over NCCL, one GPU a rank; skips where fewer GPUs are visible."""
+    import pytest
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"TP = {world} needs {world} CUDA devices, {torch.cuda.device_count()} visible")
+    return run_world(world, fn, start_method="spawn")
+
+
 def names(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "") + "/"
 

@@ -168,11 +168,9 @@ def _nccl_linear_worker(rank: int, world: int, folder: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [t for t in W.SIZES if t > 1])
+@pytest.mark.parametrize("world", W.NCCL_SIZES)
 def test_nccl_tree_linear_equals_one_gpu(world):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"TP = {world} needs {world} CUDA devices, {torch.cuda.device_count()} visible")
-    ranks = W.run_world(world, _nccl_linear_worker, start_method="spawn")
+    ranks = W.run_nccl_world(world, _nccl_linear_worker)
     plain_differs = []
     for name, m, k, n in LINEARS:
         x, w, dy = (a.cuda() for a in _linear_inputs(m, k, n))

@@ -164,11 +164,9 @@ def _nccl_head_worker(rank: int, world: int, folder: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [t for t in W.SIZES if t > 1])
+@pytest.mark.parametrize("world", W.NCCL_SIZES)
 def test_nccl_vocab_parallel_head_equals_one_gpu(world):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"TP = {world} needs {world} CUDA devices, {torch.cuda.device_count()} visible")
-    ranks = W.run_world(world, _nccl_head_worker, start_method="spawn")
+    ranks = W.run_nccl_world(world, _nccl_head_worker)
     h, w, t, g_lp, g_ent = (a.cuda() for a in _head_inputs())
     one = _run_head(h, w, t, g_lp, g_ent, sharded_linear_logprob)
     for rank, out in enumerate(ranks):
