@@ -115,6 +115,8 @@ def test_generation_config_sampling_is_read_with_its_temperature():
     # With do_sample=True and temperature=0.3 in the config, generate once sampled at T = 1
     # silently, and the trainer scoring at 0.3 no longer matched.
     model = _model("qwen3")
+    with torch.no_grad():  # a trained model's logit spread (std ~6), where rounding would show
+        model.get_output_embeddings().weight.mul_(50.0)
     ids = torch.tensor([[3, 4, 5, 6]])
     model.generation_config.do_sample, model.generation_config.temperature = True, 0.3
     seq, lp = rlkernels.generate(model, ids, max_new_tokens=4, seed=1)
