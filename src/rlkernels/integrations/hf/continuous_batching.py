@@ -21,21 +21,30 @@ The cache is one ``StaticCache`` (:func:`~rlkernels.integrations.hf.decode.new_c
 every row and layer (:mod:`.static_cache`). A sample whose prompt has L tokens is placed
 left-padded so that it ends at the counter: its prompt's keys and values fill slots
 [c - L, c) of its row, its mask row is 1 there, and its position ids are its own (0 to
-L - 1, then L + t for its t-th new token), as in a left-padded row of ``generate``. Each
-prompt is prefilled alone ([1, L], ``generate``'s prefill of that prompt), in a cache of
-its own; its n samples' first tokens are drawn from that one forward and its keys and
-values are copied into each sample's row. A decode step feeds every row its last token,
+L - 1, then L + t for its t-th new token), as in a left-padded row of ``generate``. The
+waiting prompts whose samples the free rows take are prefilled together, one left-padded
+batch in a cache of its own (each row is its prompt's prefill alone, bit for bit: padding
+and batch-mates change no bit); a prompt's n samples' first tokens are drawn from its one
+forward and its keys and values are copied into each sample's row. A decode step feeds every row its last token,
 writes slot c of every row and advances c by one; a row without a sample is fed token
 0 with only slot c unmasked (finite, discarded). When c reaches S, every row's keys
 are moved left so that the longest window starts at slot 0 and the counter moves back
 with them (copies only). The memory the keys and values take is therefore bounded by
 ``max_batch`` x S slots per layer, S = 2 x (longest prompt + ``max_new_tokens``).
 
-With ``cuda_graph`` the decode step -- decoder, final norm, head and draw -- is captured
-once (:class:`~rlkernels.integrations.hf.decode.DecodeGraph`) after one eager step and
-replayed: its inputs (token ids, positions, streams, the mask over every slot, the seed,
-the cache and its counter) live in fixed buffers that admissions, the per-step input
-copies and the compaction write in place.
+A step runs the cache's first b rows only, b the smallest of the step batches (powers of
+two from 8, and ``max_batch``) that holds every row in use: a sample takes the lowest free
+row, and once no sample waits, the samples in rows past the count in use move down into
+the free rows (their keys, values and mask copied to the same slots). So the tail of a
+rollout, where few samples are left, runs at a small batch. A row's bits depend on
+neither b nor the row it sits in.
+
+With ``cuda_graph`` the decode step at each b -- decoder, final norm, head and draw -- is
+captured (:class:`~rlkernels.integrations.hf.decode.DecodeGraph`) after one eager step at
+that b and replayed, every graph in one memory pool: its inputs (token ids, positions,
+streams, the mask over every slot, the seed, the cache's rows and its counter) are views
+of fixed buffers that admissions, the per-step input copies, the moves and the
+compaction write in place.
 """
 from __future__ import annotations
 
@@ -45,13 +54,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from ...ops._validate import require_temperature
 from ...ops.linear_sample import SEED_LIMIT, linear_sample
 from ..trainers import fsdp
-from . import decode, moe
+from . import decode, moe, static_cache
 from .coverage import decoder_of, is_patched, mode_for
 from .scoring import check_head, vocab_size
 
@@ -99,6 +109,8 @@ class _Plan:
     streams: list[int]
     eos: frozenset[int]
     max_batch: int
+    prefill_tokens: int
+    buckets: tuple[int, ...]
     slots: int
     cuda_graph: bool
     device: torch.device
@@ -244,9 +256,21 @@ def _check_model(model: nn.Module) -> None:
                          "row's keys sit in the cache, which the patched attention is)")
 
 
+def step_batches(max_batch: int, smallest: int = 8) -> tuple[int, ...]:
+    """The batch sizes a decode step runs at: the powers of two from ``smallest`` below
+    ``max_batch``, and ``max_batch`` itself."""
+    sizes = []
+    b = max(1, smallest)
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_batch)
+
+
 def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, temperature: float, do_sample: bool,
           seed: int | None, streams: object, eos_token_id: object, max_batch: int | None, cuda_graph: bool | None,
-          return_entropy: bool, slots: int | None) -> _Plan:
+          return_entropy: bool, slots: int | None, smallest_step_batch: int = 8,
+          prefill_tokens: int = 8192) -> _Plan:
     """Every argument checked (errors name ``rlkernels.rollout``), before any compute."""
     check_head(OP, model)
     if not _is_int(n) or n < 1:
@@ -292,102 +316,107 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
         max_batch = _auto_max_batch(model, device, slots, samples, dtype) if samples else 1
     if seed is None:
         seed = int(torch.randint(0, 1 << 62, (1,))) if not greedy else 0  # generate's draw of a seed
+    max_batch = max(1, min(max_batch, samples))
     return _Plan(prompts=ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
-                 seed=seed, streams=stream_ids, eos=eos, max_batch=max(1, min(max_batch, samples)), slots=slots,
+                 seed=seed, streams=stream_ids, eos=eos, max_batch=max_batch, prefill_tokens=prefill_tokens,
+                 buckets=step_batches(max_batch, smallest_step_batch), slots=slots,
                  cuda_graph=no_graph is None if cuda_graph is None else bool(cuda_graph), device=device,
                  return_entropy=bool(return_entropy))
 
 
-class _Sample:
-    """A sample's progress: its prompt, stream and prompt length, the tokens drawn so far
-    (the last one not yet in the cache) and where its draws are in the rollout's pool."""
-
-    __slots__ = ("prompt", "stream", "length", "drawn", "last", "pool_rows", "finished", "done")
-
-    def __init__(self, prompt: int, stream: int, length: int) -> None:
-        self.prompt = prompt
-        self.stream = stream
-        self.length = length
-        self.drawn = 0
-        self.last = 0
-        self.pool_rows: list[int] = []
-        self.finished = False  # ended by an EOS token
-        self.done = False
-
-
 class _Rollout:
-    """The slot cache, the step's buffers and the host bookkeeping of one rollout."""
+    """The slot cache, the step's buffers and the host bookkeeping of one rollout.
+
+    The bookkeeping is arrays, so that a step's host work is a few vectorized operations
+    whatever the batch: per sample (in the results' order) its prompt length, stream,
+    tokens drawn so far, last token (drawn, not yet in the cache), and whether it ended
+    (by EOS, or by either EOS or ``max_new_tokens``); per cache row the sample it holds
+    (-1: none). Every draw's (token, log-prob, entropy) goes into a pool, with the sample
+    each of its rows belongs to; the results gather each sample's rows in draw order.
+    """
 
     def __init__(self, model: nn.Module, plan: _Plan) -> None:
         self.plan = plan
         self.decoder = decoder_of(model)
         self.head = model.get_output_embeddings()
         dev, B, S = plan.device, plan.max_batch, plan.slots
+        self.model = model
         self.cache = decode.new_cache(model, S)
-        # Each prompt's prefill runs alone in a cache of its own (rewound for the next prompt).
-        self.prefill_cache = decode.new_cache(model, plan.longest + plan.max_new_tokens)
-        self.prefill_mask = torch.zeros(1, plan.longest + plan.max_new_tokens, dtype=torch.long, device=dev)
-        self.prefilled: int | None = None
+        # The last prefill: its cache, and each of its prompts' (row there, length).
+        self.prefill_cache: Any = None
+        self.prefilled: dict[int, tuple[int, int]] = {}
         # The step's inputs: one fixed buffer each (a captured step reads them), filled from
         # one host staging tensor per step (rows: token, position, stream, 1 for a row in use).
         self.inputs = torch.zeros(4, B, dtype=torch.long, device=dev)
         self.staging = torch.zeros(4, B, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.staging_view = self.staging.numpy()  # the same memory, written element by element
+        self.staging_view = self.staging.numpy()  # the same memory
         self.ids = self.inputs[0].view(B, 1)
         self.positions = self.inputs[1].view(B, 1)
         self.streams = self.inputs[2]
         self.in_use = self.inputs[3]
         self.mask = torch.zeros(B, S, dtype=torch.long, device=dev)
         self.seed = torch.full((), plan.seed, dtype=torch.long, device=dev)
-        self.graph = decode.DecodeGraph(None, self.cache, None) if plan.cuda_graph else None
+        # Per step batch size b (plan.buckets): the cache's first b rows (views) and, with
+        # cuda_graph, the step captured at b. The graphs never replay together: one pool.
+        self.caches: dict[int, Any] = {}
+        self.graphs: dict[int, decode.DecodeGraph] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if plan.cuda_graph else None
         self.counters: list[torch.Tensor] = []
         self.counter = 0  # the host's copy of the cache's write position c
-        self.rows: list[_Sample | None] = [None] * B
-        self.samples = [_Sample(s // plan.n, stream, len(plan.prompts[s // plan.n]))
-                        for s, stream in enumerate(plan.streams)]
-        # Every draw's (token, log-prob, entropy), in the order drawn; samples index into them.
+        count = len(plan.streams)
+        self.prompt_of = np.arange(count) // plan.n
+        self.length = np.array([len(p) for p in plan.prompts], dtype=np.int64)[self.prompt_of]
+        self.stream = np.array(plan.streams, dtype=np.int64)
+        self.drawn = np.zeros(count, dtype=np.int64)
+        self.last = np.zeros(count, dtype=np.int64)
+        self.finished = np.zeros(count, dtype=bool)
+        self.done = np.zeros(count, dtype=bool)
+        self.eos = np.array(sorted(plan.eos), dtype=np.int64)
+        self.row_sample = np.full(B, -1, dtype=np.int64)
         self.pool: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.pool_size = 0
+        self.pool_owner: list[np.ndarray] = []
 
     # ----------------------------------------------------------------- drawing
-    def _record(self, drawn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, list[int]]:
-        """Keep a draw in the pool; (its first index there, its tokens on the host)."""
-        start = self.pool_size
+    def _take(self, drawn: tuple[torch.Tensor, torch.Tensor, torch.Tensor], owner: np.ndarray) -> None:
+        """Keep a draw in the pool and give row k's token to sample ``owner[k]`` (-1: no
+        sample); a sample ends at an EOS or at max_new_tokens."""
         self.pool.append(drawn)
-        self.pool_size += drawn[0].shape[0]
-        return start, drawn[0].tolist()
+        self.pool_owner.append(owner)
+        tokens = drawn[0].cpu().numpy()
+        taken = owner >= 0
+        samples, tokens = owner[taken], tokens[taken]
+        self.drawn[samples] += 1
+        self.last[samples] = tokens
+        self.finished[samples] = np.isin(tokens, self.eos)
+        self.done[samples] = self.finished[samples] | (self.drawn[samples] == self.plan.max_new_tokens)
 
-    def _take(self, sample: _Sample, token: int, index: int) -> None:
-        """Append a drawn token to ``sample``; it ends at an EOS or at max_new_tokens."""
-        sample.drawn += 1
-        sample.last = token
-        sample.pool_rows.append(index)
-        sample.finished = token in self.plan.eos
-        sample.done = sample.finished or sample.drawn == self.plan.max_new_tokens
-
-    def _prefill(self, prompt: int) -> None:
-        """``generate``'s prefill of ``prompt`` alone ([1, L]), then the first draw of each of its n samples."""
+    def _prefill(self, prompts: list[int]) -> None:
+        """``generate``'s prefill of ``prompts`` as one left-padded batch (each row's bits are
+        its prompt's alone), in a cache of their own, then the first draw of each of their n
+        samples."""
         plan = self.plan
-        ids = plan.prompts[prompt]
-        L = len(ids)
-        if self.prefilled is not None:
-            decode.rewind(self.prefill_cache)
-        self.prefilled = prompt
-        self.prefill_mask.zero_()
-        self.prefill_mask[:, :L] = 1
         dev = plan.device
-        hidden = decode.last_hidden(self.decoder, self.prefill_cache, torch.tensor([ids], device=dev),
-                                    self.prefill_mask, torch.arange(L, device=dev)[None])
+        lengths = [len(plan.prompts[p]) for p in prompts]
+        width = max(lengths)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, (p, L) in enumerate(zip(prompts, lengths)):
+            ids[i, width - L:] = torch.tensor(plan.prompts[p])
+            mask[i, width - L:] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        self.prefill_cache = decode.new_cache(self.model, width)
+        self.prefilled = {p: (i, L) for i, (p, L) in enumerate(zip(prompts, lengths))}
+        hidden = decode.last_hidden(self.decoder, self.prefill_cache, ids, mask,
+                                    (mask.cumsum(-1) - 1).clamp(min=0))
         n = plan.n
-        streams = torch.tensor(plan.streams[prompt * n:(prompt + 1) * n], dtype=torch.long, device=dev)
+        owner = (np.asarray(prompts)[:, None] * n + np.arange(n)).reshape(-1)
         # One hidden row per sample: rows are independent in the draw, keyed by each one's stream.
-        drawn = linear_sample(hidden.expand(n, -1).contiguous(), self.head.weight, getattr(self.head, "bias", None),
-                              temperature=plan.temperature, seed=self.seed, streams=streams,
-                              positions=torch.full((n,), L, dtype=torch.long, device=dev), greedy=plan.greedy,
+        drawn = linear_sample(hidden.repeat_interleave(n, dim=0), self.head.weight,
+                              getattr(self.head, "bias", None), temperature=plan.temperature, seed=self.seed,
+                              streams=torch.from_numpy(self.stream[owner]).to(dev),
+                              positions=torch.tensor(lengths, device=dev).repeat_interleave(n), greedy=plan.greedy,
                               return_entropy=True)
-        start, tokens = self._record(drawn)
-        for j in range(n):
-            self._take(self.samples[prompt * n + j], tokens[j], start + j)
+        self._take(drawn, owner)
 
     # ----------------------------------------------------------------- the slot cache
     def _allocate(self) -> None:
@@ -407,23 +436,31 @@ class _Rollout:
             counter.fill_(value)
         self.counter = value
 
-    def _place(self, rows: list[int], length: int) -> None:
-        """Copy the prefilled prompt's keys and values into ``rows`` at slots [c - L, c) and unmask them."""
+    def _place(self, prompt: int, rows: list[int]) -> None:
+        """Copy a prefilled prompt's keys and values into ``rows`` at slots [c - L, c) and unmask them."""
         if not self.counters:
             self._allocate()
         c = self.counter
+        source_row, L = self.prefilled[prompt]
+        end = self.prefill_cache.layers[0].keys.shape[2]  # the prefill is left-padded: it ends at its last slot
         index = torch.tensor(rows, dtype=torch.long, device=self.plan.device)
         for layer, source in zip(self.cache.layers, self.prefill_cache.layers):
-            layer.keys[index, :, c - length:c] = source.keys[:, :, :length]
-            layer.values[index, :, c - length:c] = source.values[:, :, :length]
+            layer.keys[index, :, c - L:c] = source.keys[source_row, :, end - L:end]
+            layer.values[index, :, c - L:c] = source.values[source_row, :, end - L:end]
         self.mask[index] = 0
-        self.mask[index, c - length:c] = 1
+        self.mask[index, c - L:c] = 1
+
+    def _window(self, rows: np.ndarray) -> int:
+        """The longest key window among ``rows``' samples: prompt and every drawn token but the last."""
+        samples = self.row_sample[rows]
+        return int((self.length[samples] + self.drawn[samples] - 1).max())
 
     def compact(self) -> None:
         """Move every row's keys, values and mask left by c - w, w the longest window in use (at
         least the longest prompt), and the counter with them: the windows keep their ends
         aligned at the counter, and the next steps have S - w free slots. Copies only."""
-        width = max([self.plan.longest] + [s.length + s.drawn - 1 for s in self.rows if s is not None])
+        used = np.flatnonzero(self.row_sample >= 0)
+        width = max(self.plan.longest, self._window(used)) if used.size else self.plan.longest
         c = self.counter
         shift = c - width
         for layer in self.cache.layers:
@@ -433,65 +470,111 @@ class _Rollout:
         self.mask[:, width:] = 0
         self._set_counter(width)
 
+    def pack(self) -> None:
+        """Move the samples of rows at or past a (the rows in use) into the free rows below a,
+        so that the next steps run at the smallest step batch that holds them. Copies only:
+        a row's keys, values and mask move to the same slots of another row."""
+        used = np.flatnonzero(self.row_sample >= 0)
+        sources = used[used >= used.size]
+        if not sources.size:
+            return
+        targets = np.flatnonzero(self.row_sample[:used.size] < 0)
+        c = self.counter
+        start = c - self._window(sources)  # the widest window's first slot
+        dev = self.plan.device
+        src, dst = (torch.from_numpy(rows).to(dev) for rows in (sources, targets))
+        for layer in self.cache.layers:
+            layer.keys[dst, :, start:c] = layer.keys[src, :, start:c]
+            layer.values[dst, :, start:c] = layer.values[src, :, start:c]
+        self.mask[dst] = self.mask[src]
+        self.row_sample[targets] = self.row_sample[sources]
+        self.row_sample[sources] = -1
+
     # ----------------------------------------------------------------- the loop
+    def _group(self, waiting: deque[int], free: int) -> list[int]:
+        """The prompts to prefill together: the waiting ones in order, from the first, while
+        their samples fit in ``free`` rows and the padded batch in ``prefill_tokens``
+        (at least one prompt)."""
+        plan = self.plan
+        group: list[int] = []
+        samples = width = 0
+        for sample in waiting:
+            prompt = int(self.prompt_of[sample])
+            if group and prompt == group[-1]:
+                continue
+            samples += plan.n
+            width = max(width, len(plan.prompts[prompt]))
+            if group and (samples > free or (len(group) + 1) * width > plan.prefill_tokens):
+                break
+            group.append(prompt)
+        return group
+
     def _admit(self, waiting: deque[int]) -> None:
         """Fill the free rows with waiting samples, prompt-major; a sample whose first draw ends it takes none."""
-        free = [r for r, s in enumerate(self.rows) if s is None]
-        placing: list[int] = []  # rows taking the prefilled prompt's samples
+        free = deque(np.flatnonzero(self.row_sample < 0).tolist())
+        placing: dict[int, list[int]] = {}  # prompt -> the rows taking its samples
         while waiting and free:
-            sample = self.samples[waiting.popleft()]
-            if sample.prompt != self.prefilled:
-                if placing:  # the prefill cache is about to hold the next prompt
-                    self._place(placing, len(self.plan.prompts[self.prefilled]))
-                    placing = []
-                self._prefill(sample.prompt)
-            if sample.done:
+            sample = waiting[0]
+            prompt = int(self.prompt_of[sample])
+            if prompt not in self.prefilled:
+                for p, rows in placing.items():  # the prefill cache is about to hold other prompts
+                    self._place(p, rows)
+                placing = {}
+                self._prefill(self._group(waiting, len(free)))
+            waiting.popleft()
+            if self.done[sample]:
                 continue
-            row = free.pop(0)
-            self.rows[row] = sample
-            placing.append(row)
-        if placing:
-            self._place(placing, len(self.plan.prompts[self.prefilled]))
+            row = free.popleft()
+            self.row_sample[row] = sample
+            placing.setdefault(prompt, []).append(row)
+        for p, rows in placing.items():
+            self._place(p, rows)
 
     def _step(self) -> None:
-        """One decode step of every row; each row in use takes its drawn token."""
+        """One decode step of the first b rows, b the smallest step batch holding every row in
+        use; each row in use takes its drawn token."""
         if self.counter == self.plan.slots:
             self.compact()
-        staging = self.staging_view
+        top = int(np.flatnonzero(self.row_sample >= 0)[-1]) + 1
+        b = next(b for b in self.plan.buckets if b >= top)
+        owner = self.row_sample[:b].copy()
+        used = owner >= 0
+        samples = owner[used]
+        staging = self.staging_view[:, :b]
         staging.fill(0)
-        for r, sample in enumerate(self.rows):
-            if sample is not None:
-                # The fed token is the sample's last drawn one, at position L + drawn - 1.
-                staging[0, r] = sample.last
-                staging[1, r] = sample.length + sample.drawn - 1
-                staging[2, r] = sample.stream
-                staging[3, r] = 1
-        self.inputs.copy_(self.staging, non_blocking=True)
+        # The fed token is the sample's last drawn one, at position L + drawn - 1.
+        staging[0, used] = self.last[samples]
+        staging[1, used] = self.length[samples] + self.drawn[samples] - 1
+        staging[2, used] = self.stream[samples]
+        staging[3, used] = 1
+        self.inputs[:, :b].copy_(self.staging[:, :b], non_blocking=True)
         c = self.counter
-        self.mask.mul_(self.in_use[:, None])  # rows not in use: only the slot written now
-        self.mask[:, c] = 1
-        drawn = self._forward()
+        self.mask[:b].mul_(self.in_use[:b, None])  # rows not in use: only the slot written now
+        self.mask[:b, c] = 1
+        drawn = self._forward(b)
         self.counter = c + 1
-        start, tokens = self._record(drawn)
-        for r, sample in enumerate(self.rows):
-            if sample is not None:
-                self._take(sample, tokens[r], start + r)
-                if sample.done:
-                    self.rows[r] = None
+        self._take(drawn, owner)
+        ended = np.flatnonzero(used)[self.done[samples]]
+        self.row_sample[ended] = -1
 
-    def _forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode step of the cache's first ``b`` rows: eager, or replayed from the graph
+        captured at ``b`` (captured on its second use: the first, eager, compiled every kernel)."""
         plan = self.plan
+        if b not in self.caches:
+            self.caches[b] = self.cache if b == plan.max_batch else static_cache.first_rows(self.cache, b)
+        cache = self.caches[b]
 
         def step():
-            return decode.decode_step(self.decoder, self.head, self.cache, self.ids, self.mask, self.positions,
-                                      temperature=plan.temperature, greedy=plan.greedy, seed=self.seed,
-                                      streams=self.streams)
+            return decode.decode_step(self.decoder, self.head, cache, self.ids[:b], self.mask[:b],
+                                      self.positions[:b], temperature=plan.temperature, greedy=plan.greedy,
+                                      seed=self.seed, streams=self.streams[:b])
 
-        graph = self.graph
-        if graph is None:
+        if not plan.cuda_graph:
             return step()
+        graph = self.graphs.setdefault(b, decode.DecodeGraph(None, cache, None))
         if graph.graph is None and graph.warm:
-            graph.capture(step)  # an eager step compiled every kernel: record one, replay it from here on
+            graph.capture(step, self.graph_pool)
         if graph.graph is not None:
             graph.graph.replay()
             return tuple(x.clone() for x in graph.graph_out)
@@ -502,29 +585,35 @@ class _Rollout:
     def run(self) -> list[RolloutSample]:
         plan = self.plan
         if plan.max_new_tokens > 0:
-            waiting = deque(range(len(self.samples)))
+            waiting = deque(range(len(self.stream)))
             while True:
                 self._admit(waiting)
-                if all(s is None for s in self.rows):
+                if not (self.row_sample >= 0).any():
                     break
+                if not waiting:  # nothing will take the free rows: shrink the step
+                    self.pack()
                 self._step()
         return self._results()
 
     def _results(self) -> list[RolloutSample]:
         plan = self.plan
         dev = plan.device
-        lengths = [len(s.pool_rows) for s in self.samples]
+        count = len(self.stream)
         if self.pool:
-            order = torch.tensor([i for s in self.samples for i in s.pool_rows], dtype=torch.long, device=dev)
+            owner = np.concatenate(self.pool_owner)
+            kept = np.flatnonzero(owner >= 0)
+            # Each sample's draws, in the order drawn: a stable sort by sample of the pool's rows.
+            order = torch.from_numpy(kept[np.argsort(owner[kept], kind="stable")]).to(dev)
+            lengths = np.bincount(owner[kept], minlength=count).tolist()
             tokens, logps, entropies = (torch.cat(part)[order].split(lengths) for part in zip(*self.pool))
         else:
-            empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(self.samples)
-            tokens = empty
-            logps = entropies = [torch.zeros(0, dtype=torch.float32, device=dev)] * len(self.samples)
-        return [RolloutSample(prompt=s.prompt, sample=i % plan.n, stream=s.stream, tokens=tokens[i],
-                              logprobs=logps[i], entropy=entropies[i] if plan.return_entropy else None,
-                              finished=s.finished)
-                for i, s in enumerate(self.samples)]
+            tokens = [torch.zeros(0, dtype=torch.long, device=dev)] * count
+            logps = entropies = [torch.zeros(0, dtype=torch.float32, device=dev)] * count
+        return [RolloutSample(prompt=int(self.prompt_of[i]), sample=i % plan.n, stream=int(self.stream[i]),
+                              tokens=tokens[i], logprobs=logps[i],
+                              entropy=entropies[i] if plan.return_entropy else None,
+                              finished=bool(self.finished[i]))
+                for i in range(count)]
 
 
 def _run(model: nn.Module, plan: _Plan, batch_invariant: bool | None) -> list[RolloutSample]:
@@ -536,15 +625,19 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
              temperature: float = 1.0, do_sample: bool = True, seed: int | None = None,
              streams: Sequence[int] | torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
              max_batch: int | None = None, cuda_graph: bool | None = None, return_entropy: bool = False,
-             slots: int | None = None, batch_invariant: bool | None = None) -> list[RolloutSample]:
+             slots: int | None = None, smallest_step_batch: int = 8, prefill_tokens: int = 8192,
+             batch_invariant: bool | None = None) -> list[RolloutSample]:
     """:func:`rollout` on any model, patched or not (``batch_invariant`` as in
     :func:`rlkernels.token_logprobs`), with the slot cache's length ``slots`` (None: 2 x
     (longest prompt + ``max_new_tokens``); at least the longest prompt plus
-    ``max_new_tokens``). For comparisons and tuning: only a patched model's samples are
-    their prompts' decodes alone."""
+    ``max_new_tokens``), the smallest batch a decode step runs at (:func:`step_batches`) and
+    the padded tokens a batch of prompts prefilled together may hold (at least one prompt).
+    For comparisons and tuning: only a patched model's samples are their prompts' decodes
+    alone."""
     plan = _plan(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
                  seed=seed, streams=streams, eos_token_id=eos_token_id, max_batch=max_batch,
-                 cuda_graph=cuda_graph, return_entropy=return_entropy, slots=slots)
+                 cuda_graph=cuda_graph, return_entropy=return_entropy, slots=slots,
+                 smallest_step_batch=smallest_step_batch, prefill_tokens=prefill_tokens)
     if not plan.prompts:
         return []
     return fsdp.run_as_forward(model, _run, model, plan, batch_invariant)

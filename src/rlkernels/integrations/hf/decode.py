@@ -128,11 +128,12 @@ class DecodeGraph:
         self.calls = 0
         self.in_use = False
 
-    def capture(self, step: Callable[[], Drawn]) -> None:
+    def capture(self, step: Callable[[], Drawn], pool: tuple | None = None) -> None:
         """Record ``step`` (recording runs nothing: the cache's write counter advances only
-        when the graph replays)."""
+        when the graph replays). ``pool``: a ``torch.cuda.graph_pool_handle()`` shared with
+        other graphs that never replay concurrently with this one (None: a pool of its own)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             out = step()
         self.graph, self.graph_out = graph, out
         self.captures += 1

@@ -13,6 +13,7 @@ keys and values in the cache are the same bits.
 """
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -57,3 +58,23 @@ def count_once(cache: Any) -> bool:
     for layer in layers:
         layer.update = functools.partial(_update, layer, counter, layer is layers[-1])
     return True
+
+
+def first_rows(cache: Any, rows: int) -> Any:
+    """A cache over the first ``rows`` rows of ``cache`` -- a written :func:`count_once` cache --
+    whose layers' keys and values are views of ``cache``'s and whose writes advance the same
+    device counter: a forward of ``rows`` rows on it reads and writes those rows only."""
+    layers = cache.layers
+    if not all(layer.is_initialized for layer in layers) or not 0 < rows <= layers[0].keys.shape[0]:
+        raise ValueError(f"first_rows: needs a written cache of at least {rows} rows")
+    counter = _Counter()
+    counter.slots = layers[0].cumulative_length
+    view = copy.copy(cache)
+    view.layers = []
+    for layer in layers:
+        part = copy.copy(layer)
+        part.keys, part.values = layer.keys[:rows], layer.values[:rows]
+        part.batch_size = rows
+        part.update = functools.partial(_update, part, counter, layer is layers[-1])
+        view.layers.append(part)
+    return view
