@@ -20,6 +20,8 @@ def _tiny(arch: str, dtype=torch.float32, device="cpu", **over):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
     elif arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg))
+    elif arch == "mistral":  # MistralConfig's own sliding_window (4096) unless given
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**cfg))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
     return model.to(device=device, dtype=dtype).eval()

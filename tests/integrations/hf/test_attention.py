@@ -165,8 +165,10 @@ def test_attention_refuses_what_it_does_not_compute():
     model = _model("qwen3")
     attn = model.model.layers[0].self_attn
     q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
-    with pytest.raises(ValueError, match="sliding_window=4 is not supported"):
+    with pytest.raises(ValueError, match="sliding_window=4 with 5 key slots is not supported"):
         attention.rlkernels_attention_forward(attn, q, k, k, None, sliding_window=4)
+    with pytest.raises(ValueError, match="softcap=50.0 is not supported"):
+        attention.rlkernels_attention_forward(attn, q, k, k, None, softcap=50.0)
     attn.train()
     with pytest.raises(ValueError, match="attention dropout"):
         attention.rlkernels_attention_forward(attn, q, k, k, None, dropout=0.1)
@@ -174,6 +176,33 @@ def test_attention_refuses_what_it_does_not_compute():
     holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     with pytest.raises(ValueError, match="row 0 of the attention mask has padding between real tokens"):
         attention.rlkernels_attention_forward(attn, q, k, k, holes)
+
+
+def test_mistral_with_its_default_sliding_window_is_exact_where_the_window_holds_every_key():
+    model = _tiny("mistral", tie_word_embeddings=False)
+    assert model.config.sliding_window == 4096  # what MistralConfig and Mistral-7B ship
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # a trained model's logit spread
+    rlkernels.patch_model(model)
+    assert rlkernels.is_patched(model)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, model.config.vocab_size, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    logp = token_logprobs(model, ids, mask)
+    seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=4, do_sample=True, seed=3)
+    samples = rlkernels.rollout(model, [ids[0], ids[1, 5:]], max_new_tokens=4, seed=3, eos_token_id=[])
+    model.config.sliding_window = None  # the window holds every key: without it, the same bits
+    try:
+        assert torch.equal(token_logprobs(model, ids, mask), logp)
+        seq0, lp0 = rlkernels.generate(model, ids, mask, max_new_tokens=4, do_sample=True, seed=3)
+        assert torch.equal(seq0, seq) and torch.equal(lp0, lp)
+        assert torch.equal(samples[0].tokens, seq[0, 12:]) and torch.equal(samples[0].logprobs, lp[0])
+        model.config.sliding_window = 8  # a window shorter than the sequence: refused, not approximated
+        with pytest.raises(ValueError, match="sliding_window=8 with 12 key slots is not supported"):
+            token_logprobs(model, ids, mask)
+    finally:
+        model.config.sliding_window = 4096
 
 
 def test_registered_for_from_config_and_set_attn_implementation():

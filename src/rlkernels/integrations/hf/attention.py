@@ -156,7 +156,7 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
     [B, Hkv, S, D] (the cache already appended) -> ([B, Lq, Hq, D], None)."""
     if dropout and module.training:
         raise ValueError(f"rlkernels attention: attention dropout ({dropout}) is not supported")
-    for unsupported in ("sliding_window", "softcap", "s_aux"):
+    for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"rlkernels attention: {unsupported}={kwargs[unsupported]!r} is not supported "
                              "(the invariant chain covers plain causal attention)")
@@ -164,6 +164,13 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
         raise ValueError("rlkernels attention: non-causal attention is not supported")
     b, hq, lq, d = query.shape
     s = key.shape[2]
+    window = kwargs.get("sliding_window")
+    # A query sees the keys less than `window` positions before it (transformers' rule): with
+    # at most `window` key slots that is every key, and the window changes nothing.
+    if window is not None and s > window:
+        raise ValueError(f"rlkernels attention: sliding_window={window!r} with {s} key slots is not supported: "
+                         f"the invariant chain covers a sliding window only where every key fits in it "
+                         f"(sequences, or a static cache, of at most {window} slots)")
     dev = query.device
     q_rows = query.transpose(1, 2).reshape(b * lq, hq, d)
     # Keys stay where the cache keeps them ([B, Hkv, S, D]): the kernels take batch and head
