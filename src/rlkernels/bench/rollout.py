@@ -7,10 +7,12 @@
 The workload is an RL step's: P prompts (lengths uniform in [LO, HI]) × N samples each,
 drawn at T = 1 until EOS or T new tokens. A random-weight model's EOS token would almost
 never be drawn, so the EOS row of the LM head is replaced by ``s · u``, u the unit mean of
-the final hidden states at the positions a sampled decode of 16 probe prompts reaches (32
-tokens each), with s found by bisection so that their mean EOS probability is 1 / M:
-responses then end after about M tokens on average (cut at T), as RL responses do; the
-JSON's rows give the tokens actually drawn. The same head serves every side.
+the final hidden states along sampled decodes of the first 16 prompts (T tokens each, no
+EOS), with s found by bisection so that a sample along those decodes would end after M
+tokens on average (the EOS row moves only the EOS probability, so a decode that has not
+ended is one of these): responses then end after about M tokens on average (cut at T), as
+RL responses do; the JSON's rows give the tokens actually drawn. The same head serves
+every side.
 
 Rows (tokens/s counts the new tokens each side kept, EOS included, up to each sample's end):
 
@@ -86,41 +88,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _decode_hidden(model: nn.Module, prompts: list[torch.Tensor], steps: int) -> torch.Tensor:
-    """Final hidden states where a sampled decode goes: each prompt alone, ``steps`` tokens
-    drawn at T = 1 (the model has no EOS yet), the positions that draw them: [P * steps, D] fp32."""
-    rows = []
+    """Final hidden states along sampled decodes: ``prompts`` as one left-padded batch,
+    ``steps`` tokens drawn at T = 1 with no EOS, the hidden state that draws each of them:
+    [P, steps, D] fp32."""
+    device = prompts[0].device
+    ids, mask = _left_padded(prompts, device)
     with torch.no_grad():
-        for i, p in enumerate(prompts):
-            seq, _ = rlk_generate(model, p[None], max_new_tokens=steps, do_sample=True, seed=i)
-            out = model(seq, output_hidden_states=True)
-            rows.append(out.hidden_states[-1][0, len(p) - 1:-1].float())
-    return torch.cat(rows)
+        seq, _ = rlk_generate(model, ids, mask, max_new_tokens=steps, do_sample=True, seed=0, eos_token_id=[])
+        full = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], dim=1)
+        hidden = model.get_decoder()(input_ids=seq, attention_mask=full).last_hidden_state
+    return hidden[:, ids.shape[1] - 1:-1].float()
 
 
+@torch.no_grad()
 def scale_eos_row(models: list[nn.Module], prompts: list[torch.Tensor], eos: int, mean_len: int,
-                  steps: int = 32) -> float:
+                  steps: int) -> float:
     """Set the EOS row of each model's LM head to ``s · u`` (u the unit mean of the final hidden
-    states a decode of ``prompts`` reaches), s such that the mean EOS probability over those
-    positions is 1 / ``mean_len``. The first model decodes; all share the returned row."""
-    h = _decode_hidden(models[0], prompts, steps)
-    u = h.mean(0)
+    states along sampled decodes of ``prompts``, ``steps`` tokens each), s such that a sample
+    along those decodes ends after ``mean_len`` tokens on average (cut at ``steps``). The EOS
+    row moves only the EOS probability: a decode that has not ended draws the others from the
+    same distribution, so those decodes are what the benchmark's samples run through. The
+    first model decodes; all share the returned row."""
+    h = _decode_hidden(models[0], prompts, steps)  # [P, T, D]
+    u = h.mean((0, 1))
     u = u / u.norm()
-    head = models[0].get_output_embeddings().weight
-    others = (h @ head.float().t()).index_fill_(1, torch.tensor([eos], device=h.device), float("-inf"))
-    lse_rest = torch.logsumexp(others, dim=-1)
-    proj = h @ u
-    target = 1.0 / mean_len
+    head = models[0].get_output_embeddings().weight.float()
+    lse_rest = []
+    for row in h:  # [T, V] logits, one prompt at a time
+        logits = row @ head.t()
+        logits[:, eos] = float("-inf")
+        lse_rest.append(torch.logsumexp(logits, dim=-1))
+    lse_rest = torch.stack(lse_rest).double()
+    proj = (h @ u).double()
+
+    def mean_length(scale: float) -> float:
+        p_end = torch.sigmoid(scale * proj - lse_rest)
+        # A sample draws token t where none of tokens 0 .. t-1 was EOS.
+        alive = torch.cumprod(torch.cat([torch.ones_like(p_end[:, :1]), 1 - p_end[:, :-1]], dim=1), dim=1)
+        return float(alive.sum(1).mean())
+
     lo, hi = 0.0, 1.0
-    while torch.sigmoid(hi * proj - lse_rest).mean() < target and hi < 1e6:
+    while mean_length(hi) > mean_len and hi < 1e6:
         hi *= 2
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if torch.sigmoid(mid * proj - lse_rest).mean() < target else (lo, mid)
+        lo, hi = (mid, hi) if mean_length(mid) > mean_len else (lo, mid)
     scale = (lo + hi) / 2
-    with torch.no_grad():
-        for m in models:
-            w = m.get_output_embeddings().weight
-            w[eos] = (scale * u).to(w.dtype)
+    for m in models:
+        w = m.get_output_embeddings().weight
+        w[eos] = (scale * u).to(w.dtype)
     return scale
 
 
@@ -313,7 +329,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(whole.SEED)
     lengths = torch.randint(lo, hi + 1, (prompts_n,), generator=g).tolist()
     prompts = [torch.randint(3, vocab, (n,), generator=g).to(device) for n in lengths]
-    scale = scale_eos_row([patched, stock], prompts[:16], eos, mean_len)
+    scale = scale_eos_row([patched, stock], prompts[:16], eos, mean_len, max_new)
     rows = [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device),
             _generate_row(patched, prompts, args.n, max_new, eos, device)]
     if args.peers:

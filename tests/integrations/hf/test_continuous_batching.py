@@ -200,6 +200,28 @@ def test_prefilling_prompts_together_changes_no_bit(monkeypatch):
         assert [len(g) for (g,) in groups] == sizes and _same(got, reference), budget
 
 
+def test_the_engine_a_call_keeps_is_reused_and_changes_no_bit():
+    model = _model("qwen3")
+    prompts = _prompts()
+    reference = _by_key(_reference("qwen3"), prompts)
+    decode.release_decode_graphs(model)
+    try:
+        first = _by_key(_rollout(model, prompts, max_batch=4, keep=True, **KW), prompts)
+        engine = decode.kept_state("rollout", model)
+        assert _same(first, reference) and engine.max_batch == 4 and not engine.in_use
+        # Shorter prompts, max_batch None: the kept engine's rows and slots, its stale slots masked.
+        short = _prompts((4, 2, 6), seed=9)
+        again = _by_key(_rollout(model, short, keep=True, **KW), short)
+        assert decode.kept_state("rollout", model) is engine
+        assert _same(again, _by_key(_rollout(model, short, max_batch=2, **KW), short))
+        # Another temperature is another step: the kept engine is replaced.
+        _rollout(model, short, keep=True, **KW | dict(temperature=0.5))
+        assert decode.kept_state("rollout", model) not in (None, engine)
+    finally:
+        decode.release_decode_graphs(model)
+    assert decode.kept_state("rollout", model) is None
+
+
 def test_a_stock_model_run_on_the_same_schedule_is_not_its_prompts_alone():
     # The control: the same slots, windows and batch on the unpatched model (SDPA, stock
     # matmuls): some sample's log-probs differ from its prompt's decode alone.
@@ -301,6 +323,10 @@ def test_graphed_rollout_is_the_eager_rollout_bit_for_bit_gpu(sample, monkeypatc
     graphed = rlkernels.rollout(model, prompts, cuda_graph=True, **kw)
     assert 1 <= len(captures) <= 2  # the step at 16 rows and, once few samples are left, at 8
     graphed_captures = len(captures)
+    # The next call replays the engine the first one kept: no eager step, no capture.
+    again = rlkernels.rollout(model, prompts, cuda_graph=True, **kw)
+    assert len(captures) == graphed_captures
+    rlkernels.release_decode_graphs(model)
     auto = rlkernels.rollout(model, prompts, **kw | dict(max_batch=None))  # graphed: one row per sample
     assert len(captures) > graphed_captures and not compactions
     # Compacted while graphed: every sample runs to max_new_tokens in the fewest slots that fit.
@@ -308,8 +334,8 @@ def test_graphed_rollout_is_the_eager_rollout_bit_for_bit_gpu(sample, monkeypatc
     free = rlkernels.rollout(model, prompts, cuda_graph=False, eos_token_id=[], **kw)
     tight = _rollout(model, prompts, cuda_graph=True, eos_token_id=[], slots=longest + 40, **kw)
     assert len(compactions) >= 2
-    for e, g, a in zip(eager, graphed, auto):
-        for x in (g, a):
+    for e, g, k, a in zip(eager, graphed, again, auto):
+        for x in (g, k, a):
             assert torch.equal(e.tokens, x.tokens) and torch.equal(e.logprobs, x.logprobs) and e.finished == x.finished
     for e, t in zip(free, tight):
         assert torch.equal(e.tokens, t.tokens) and torch.equal(e.logprobs, t.logprobs)

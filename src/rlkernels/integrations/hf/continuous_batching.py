@@ -113,6 +113,7 @@ class _Plan:
     buckets: tuple[int, ...]
     slots: int
     cuda_graph: bool
+    keep: bool
     device: torch.device
     return_entropy: bool
 
@@ -270,7 +271,7 @@ def step_batches(max_batch: int, smallest: int = 8) -> tuple[int, ...]:
 def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, temperature: float, do_sample: bool,
           seed: int | None, streams: object, eos_token_id: object, max_batch: int | None, cuda_graph: bool | None,
           return_entropy: bool, slots: int | None, smallest_step_batch: int = 8,
-          prefill_tokens: int = 8192) -> _Plan:
+          prefill_tokens: int = 8192, keep: bool | None = None) -> _Plan:
     """Every argument checked (errors name ``rlkernels.rollout``), before any compute."""
     check_head(OP, model)
     if not _is_int(n) or n < 1:
@@ -305,32 +306,64 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
                          "pass cuda_graph=False (or None)")
     longest = max((len(p) for p in ids), default=0)
     window = longest + max_new_tokens
-    if slots is None:
-        slots = 2 * window
-        # A sliding window holds every key of a cache no longer than it (the attention refuses
-        # a longer one): keep the slots within it where the rollout's windows fit.
-        sliding = getattr(config, "sliding_window", None)
-        if _is_int(sliding) and window <= sliding < slots:
-            slots = sliding
-    elif slots < window:
-        i = next(i for i, p in enumerate(ids) if len(p) == longest)
-        raise ValueError(f"rlkernels.rollout: prompts[{i}] ({longest} tokens) plus max_new_tokens "
-                         f"({max_new_tokens}) does not fit in {slots} cache slots")
     samples = len(ids) * n
-    if max_batch is None:
-        max_batch = _auto_max_batch(model, device, slots, samples, dtype) if samples else 1
+    graphed = no_graph is None if cuda_graph is None else bool(cuda_graph)
+    keep = graphed if keep is None else bool(keep)
+    kept = decode.kept_state("rollout", model) if keep else None
+    if (slots is None and kept is not None and not kept.in_use and kept.slots >= window
+            and max_batch in (None, kept.max_batch)):
+        # The engine a graphed call kept fits: its rows and slots, so its graphs replay.
+        slots, max_batch = kept.slots, kept.max_batch
+    else:
+        if slots is None:
+            slots = 2 * window
+            # A sliding window holds every key of a cache no longer than it (the attention refuses
+            # a longer one): keep the slots within it where the rollout's windows fit.
+            sliding = getattr(config, "sliding_window", None)
+            if _is_int(sliding) and window <= sliding < slots:
+                slots = sliding
+        elif slots < window:
+            i = next(i for i, p in enumerate(ids) if len(p) == longest)
+            raise ValueError(f"rlkernels.rollout: prompts[{i}] ({longest} tokens) plus max_new_tokens "
+                             f"({max_new_tokens}) does not fit in {slots} cache slots")
+        if max_batch is None:
+            max_batch = _auto_max_batch(model, device, slots, samples, dtype) if samples else 1
+        max_batch = max(1, min(max_batch, samples))
     if seed is None:
         seed = int(torch.randint(0, 1 << 62, (1,))) if not greedy else 0  # generate's draw of a seed
-    max_batch = max(1, min(max_batch, samples))
     return _Plan(prompts=ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
                  seed=seed, streams=stream_ids, eos=eos, max_batch=max_batch, prefill_tokens=prefill_tokens,
                  buckets=step_batches(max_batch, smallest_step_batch), slots=slots,
-                 cuda_graph=no_graph is None if cuda_graph is None else bool(cuda_graph), device=device,
+                 cuda_graph=graphed, keep=keep, device=device,
                  return_entropy=bool(return_entropy))
 
 
+class _Engine:
+    """What a rollout decodes on, kept across graphed calls (``decode.acquire("rollout",
+    ...)``, keyed by :func:`~rlkernels.integrations.hf.decode.decode_key` of its rows and
+    slots): the slot cache, the step's input buffers (token, position, stream and in-use
+    rows, filled from a pinned staging tensor; the mask over every slot; the seed), and per
+    step batch b the cache's first b rows and, once captured, the step's graph, every
+    graph in one memory pool."""
+
+    def __init__(self, key: tuple | None, model: nn.Module, plan: _Plan) -> None:
+        dev, B, S = plan.device, plan.max_batch, plan.slots
+        self.key = key
+        self.in_use = False
+        self.max_batch, self.slots = B, S
+        self.cache = decode.new_cache(model, S)
+        self.counters: list[torch.Tensor] = []  # the cache's shared write counter, once it has storage
+        self.inputs = torch.zeros(4, B, dtype=torch.long, device=dev)
+        self.staging = torch.zeros(4, B, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.mask = torch.zeros(B, S, dtype=torch.long, device=dev)
+        self.seed = torch.zeros((), dtype=torch.long, device=dev)
+        self.caches: dict[int, Any] = {}
+        self.graphs: dict[int, decode.DecodeGraph] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if plan.cuda_graph else None
+
+
 class _Rollout:
-    """The slot cache, the step's buffers and the host bookkeeping of one rollout.
+    """The host bookkeeping of one rollout, on an :class:`_Engine`.
 
     The bookkeeping is arrays, so that a step's host work is a few vectorized operations
     whatever the batch: per sample (in the results' order) its prompt length, stream,
@@ -340,34 +373,27 @@ class _Rollout:
     each of its rows belongs to; the results gather each sample's rows in draw order.
     """
 
-    def __init__(self, model: nn.Module, plan: _Plan) -> None:
+    def __init__(self, model: nn.Module, plan: _Plan, engine: _Engine) -> None:
         self.plan = plan
+        self.model = model
         self.decoder = decoder_of(model)
         self.head = model.get_output_embeddings()
-        dev, B, S = plan.device, plan.max_batch, plan.slots
-        self.model = model
-        self.cache = decode.new_cache(model, S)
-        # The last prefill: its cache, and each of its prompts' (row there, length).
-        self.prefill_cache: Any = None
-        self.prefilled: dict[int, tuple[int, int]] = {}
-        # The step's inputs: one fixed buffer each (a captured step reads them), filled from
-        # one host staging tensor per step (rows: token, position, stream, 1 for a row in use).
-        self.inputs = torch.zeros(4, B, dtype=torch.long, device=dev)
-        self.staging = torch.zeros(4, B, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.engine = e = engine
+        self.cache, self.inputs, self.staging, self.mask, self.seed = e.cache, e.inputs, e.staging, e.mask, e.seed
         self.staging_view = self.staging.numpy()  # the same memory
+        B = plan.max_batch
         self.ids = self.inputs[0].view(B, 1)
         self.positions = self.inputs[1].view(B, 1)
         self.streams = self.inputs[2]
         self.in_use = self.inputs[3]
-        self.mask = torch.zeros(B, S, dtype=torch.long, device=dev)
-        self.seed = torch.full((), plan.seed, dtype=torch.long, device=dev)
-        # Per step batch size b (plan.buckets): the cache's first b rows (views) and, with
-        # cuda_graph, the step captured at b. The graphs never replay together: one pool.
-        self.caches: dict[int, Any] = {}
-        self.graphs: dict[int, decode.DecodeGraph] = {}
-        self.graph_pool = torch.cuda.graph_pool_handle() if plan.cuda_graph else None
-        self.counters: list[torch.Tensor] = []
+        # The last prefill: its cache, and each of its prompts' (row there, length).
+        self.prefill_cache: Any = None
+        self.prefilled: dict[int, tuple[int, int]] = {}
         self.counter = 0  # the host's copy of the cache's write position c
+        self.mask.zero_()
+        self.seed.fill_(plan.seed)
+        if e.counters:  # a kept engine's cache: every admitted prompt ends at the longest's length
+            self._set_counter(plan.longest)
         count = len(plan.streams)
         self.prompt_of = np.arange(count) // plan.n
         self.length = np.array([len(p) for p in plan.prompts], dtype=np.int64)[self.prompt_of]
@@ -433,17 +459,17 @@ class _Rollout:
             k, v = like.keys, like.values
             layer.update(k.new_zeros(B, k.shape[1], 1, k.shape[3]), v.new_zeros(B, v.shape[1], 1, v.shape[3]))
         counters = {id(layer.cumulative_length): layer.cumulative_length for layer in self.cache.layers}
-        self.counters = list(counters.values())
+        self.engine.counters = list(counters.values())
         self._set_counter(self.plan.longest)
 
     def _set_counter(self, value: int) -> None:
-        for counter in self.counters:
+        for counter in self.engine.counters:
             counter.fill_(value)
         self.counter = value
 
     def _place(self, prompt: int, rows: list[int]) -> None:
         """Copy a prefilled prompt's keys and values into ``rows`` at slots [c - L, c) and unmask them."""
-        if not self.counters:
+        if not self.engine.counters:
             self._allocate()
         c = self.counter
         source_row, L = self.prefilled[prompt]
@@ -565,10 +591,10 @@ class _Rollout:
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decode step of the cache's first ``b`` rows: eager, or replayed from the graph
         captured at ``b`` (captured on its second use: the first, eager, compiled every kernel)."""
-        plan = self.plan
-        if b not in self.caches:
-            self.caches[b] = self.cache if b == plan.max_batch else static_cache.first_rows(self.cache, b)
-        cache = self.caches[b]
+        plan, engine = self.plan, self.engine
+        if b not in engine.caches:
+            engine.caches[b] = self.cache if b == plan.max_batch else static_cache.first_rows(self.cache, b)
+        cache = engine.caches[b]
 
         def step():
             return decode.decode_step(self.decoder, self.head, cache, self.ids[:b], self.mask[:b],
@@ -577,9 +603,9 @@ class _Rollout:
 
         if not plan.cuda_graph:
             return step()
-        graph = self.graphs.setdefault(b, decode.DecodeGraph(None, cache, None))
+        graph = engine.graphs.setdefault(b, decode.DecodeGraph(None, cache, None))
         if graph.graph is None and graph.warm:
-            graph.capture(step, self.graph_pool)
+            graph.capture(step, engine.graph_pool)
         if graph.graph is not None:
             graph.graph.replay()
             return tuple(x.clone() for x in graph.graph_out)
@@ -623,7 +649,23 @@ class _Rollout:
 
 def _run(model: nn.Module, plan: _Plan, batch_invariant: bool | None) -> list[RolloutSample]:
     with torch.no_grad(), mode_for(model, batch_invariant):
-        return _Rollout(model, plan).run()
+        # A graphed rollout keeps its engine for the next call whose steps launch the same
+        # kernels on the same memory (generate's rule: decode.decode_key); an eager one keeps nothing.
+        key = (decode.decode_key(model, plan.max_batch, plan.slots, plan.device, plan.temperature, plan.greedy)
+               if plan.keep else None)
+
+        def make() -> _Engine:
+            return _Engine(key, model, plan)
+
+        engine, kept = decode.acquire("rollout", model, key, make) if plan.keep else (make(), False)
+        try:
+            return _Rollout(model, plan, engine).run()
+        except BaseException:
+            if kept:
+                decode.drop("rollout", model, engine)
+            raise
+        finally:
+            engine.in_use = False
 
 
 def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], *, n: int = 1, max_new_tokens: int,
@@ -631,18 +673,20 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
              streams: Sequence[int] | torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
              max_batch: int | None = None, cuda_graph: bool | None = None, return_entropy: bool = False,
              slots: int | None = None, smallest_step_batch: int = 8, prefill_tokens: int = 8192,
-             batch_invariant: bool | None = None) -> list[RolloutSample]:
+             keep: bool | None = None, batch_invariant: bool | None = None) -> list[RolloutSample]:
     """:func:`rollout` on any model, patched or not (``batch_invariant`` as in
     :func:`rlkernels.token_logprobs`), with the slot cache's length ``slots`` (None: 2 x
     (longest prompt + ``max_new_tokens``); at least the longest prompt plus
     ``max_new_tokens``), the smallest batch a decode step runs at (:func:`step_batches`) and
     the padded tokens a batch of prompts prefilled together may hold (at least one prompt).
+    ``keep`` (None: as the step is graphed): decode on the engine kept for the model and
+    keep it for the next call (:class:`_Engine`); on the CPU, for tests of that reuse.
     For comparisons and tuning: only a patched model's samples are their prompts' decodes
     alone."""
     plan = _plan(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
                  seed=seed, streams=streams, eos_token_id=eos_token_id, max_batch=max_batch,
                  cuda_graph=cuda_graph, return_entropy=return_entropy, slots=slots,
-                 smallest_step_batch=smallest_step_batch, prefill_tokens=prefill_tokens)
+                 smallest_step_batch=smallest_step_batch, prefill_tokens=prefill_tokens, keep=keep)
     if not plan.prompts:
         return []
     return fsdp.run_as_forward(model, _run, model, plan, batch_invariant)
@@ -678,7 +722,11 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], *
     The samples share ``max_batch`` rows of one ``StaticCache`` of S = 2 x (longest prompt
     + ``max_new_tokens``) slots (module docstring): the keys and values take at most
     ``max_batch`` x S slots per layer. ``max_batch`` None: on CUDA, the rows half the free
-    memory holds (logged at debug level), elsewhere 64; never more rows than samples.
+    memory holds (logged at debug level), elsewhere 64; never more rows than samples. A
+    graphed call keeps its cache and captured steps for the next call that fits them (the
+    same T and sampling mode, the longest prompt plus ``max_new_tokens`` within its slots,
+    ``max_batch`` None or the same), which then replays them;
+    :func:`rlkernels.release_decode_graphs` frees them.
     ``cuda_graph`` None: the decode step is replayed as a CUDA graph on CUDA (eager for an
     FSDP2 model or a mixture-of-experts model on the torch backend, which
     ``cuda_graph=True`` refuses), eager elsewhere; graphed and eager give the same bits.

@@ -139,28 +139,36 @@ class DecodeGraph:
         self.captures += 1
 
 
-# One DecodeGraph per model, kept while the model lives (the entry holds no reference
-# to the model: the cache, buffers and graph only).
-_GRAPHS: "weakref.WeakKeyDictionary[nn.Module, DecodeGraph]" = weakref.WeakKeyDictionary()
+# The decode state kept per model while the model lives, one entry per kind: "generate"'s
+# DecodeGraph and "rollout"'s engine (:mod:`.continuous_batching`). An entry holds no
+# reference to the model: caches, buffers and graphs only.
+_KEPT: dict[str, "weakref.WeakKeyDictionary[nn.Module, Any]"] = {
+    "generate": weakref.WeakKeyDictionary(), "rollout": weakref.WeakKeyDictionary()}
 _GRAPHS_LOCK = threading.Lock()
 
 
 def decode_graph(model: nn.Module) -> DecodeGraph | None:
     """The :class:`DecodeGraph` kept for ``model``, or None."""
+    return kept_state("generate", model)
+
+
+def kept_state(kind: str, model: nn.Module) -> Any:
+    """The state of ``kind`` ("generate" or "rollout") kept for ``model``, or None."""
     with _GRAPHS_LOCK:
-        return _GRAPHS.get(model)
+        return _KEPT[kind].get(model)
 
 
 def release_decode_graphs(model: nn.Module | None = None) -> None:
-    """Drop the decode state ``generate(..., cuda_graph=True)`` keeps for ``model`` (None:
-    for every model): its ``StaticCache`` and captured graph are freed once no call uses
-    them (to torch's caching allocator; ``torch.cuda.empty_cache()`` hands them back to
-    the device). The next graphed call captures again."""
+    """Drop the decode state ``generate(..., cuda_graph=True)`` and ``rollout`` keep for
+    ``model`` (None: for every model): their ``StaticCache`` and captured graphs are freed
+    once no call uses them (to torch's caching allocator; ``torch.cuda.empty_cache()``
+    hands them back to the device). The next graphed call captures again."""
     with _GRAPHS_LOCK:
-        if model is None:
-            _GRAPHS.clear()
-        else:
-            _GRAPHS.pop(model, None)
+        for store in _KEPT.values():
+            if model is None:
+                store.clear()
+            else:
+                store.pop(model, None)
 
 
 def _autocast_state(device: torch.device) -> tuple:
@@ -241,24 +249,34 @@ def _check_streams(streams: object, batch: int, device: torch.device) -> torch.T
     return streams
 
 
-def _acquire(model: nn.Module, key: tuple, make: Callable[[], DecodeGraph]) -> tuple[DecodeGraph, bool]:
-    """(the model's DecodeGraph for ``key``, whether it is the kept one), marked in use.
+def acquire(kind: str, model: nn.Module, key: tuple, make: Callable[[], Any]) -> tuple[Any, bool]:
+    """(the model's kept state of ``kind`` for ``key``, whether it is the kept one), marked
+    in use (``state.in_use``; the caller clears it). A state has a ``key`` attribute.
 
     A kept entry with another key is replaced. While a call (another thread's, or one
     this call runs inside) uses the model's entry, this call decodes with a state of its
     own, not kept."""
+    store = _KEPT[kind]
     with _GRAPHS_LOCK:
-        state = _GRAPHS.get(model)
+        state = store.get(model)
         if state is not None and state.in_use:
             state = make()
             kept = False
         else:
             if state is None or state.key != key:
-                _GRAPHS.pop(model, None)  # the old cache and graph go before the new cache fills
-                state = _GRAPHS[model] = make()
+                store.pop(model, None)  # the old cache and graph go before the new cache fills
+                state = store[model] = make()
             kept = True
         state.in_use = True
         return state, kept
+
+
+def drop(kind: str, model: nn.Module, state: Any) -> None:
+    """Forget ``state`` if it is the model's kept one: a call that failed part-way (a
+    capture, a refusal) leaves nothing to reuse."""
+    with _GRAPHS_LOCK:
+        if _KEPT[kind].get(model) is state:
+            del _KEPT[kind][model]
 
 
 def new_cache(model: nn.Module, length: int) -> Any:
@@ -360,16 +378,14 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     def make() -> DecodeGraph:
         return DecodeGraph(key, new_cache(model, total), _StepBuffers(B, total, dev, slot_buffer))
 
-    state, kept = _acquire(model, key, make) if keep else (make(), False)
+    state, kept = acquire("generate", model, key, make) if keep else (make(), False)
     try:
         return _decode(state, model, decoder, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                        greedy=greedy, temperature=temperature, seed=seed, streams=streams,
                        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, cuda_graph=cuda_graph)
     except BaseException:
-        if kept:  # a call that failed part-way (a capture, a refusal) leaves nothing to reuse
-            with _GRAPHS_LOCK:
-                if _GRAPHS.get(model) is state:
-                    del _GRAPHS[model]
+        if kept:
+            drop("generate", model, state)
         raise
     finally:
         state.in_use = False
