@@ -292,7 +292,7 @@ def test_the_kernels_flag_a_call_with_a_refused_row(gen):
     (dict(seed=torch.tensor([-3])), ValueError, r"seed must be in \[0, 2\^63\), got -3"),
     (dict(streams=torch.arange(4, dtype=torch.int32)), ValueError, r"streams must be int64, got torch.int32"),
     (dict(streams=torch.arange(3)), ValueError, r"streams shape \(3,\) must equal hidden's leading shape \(4,\)"),
-    (dict(streams=None), TypeError, r"streams must be an int64 tensor, got NoneType"),
+    (dict(streams=None), TypeError, r"sampling needs streams, an int64 tensor of hidden's leading shape \(4,\)"),
     (dict(positions=torch.tensor([0, 1, -1, 2])), ValueError, r"positions must lie in \[0, 2\^32\), got -1 at flat row 2"),
     (dict(positions=torch.tensor([0, 1, 2, 1 << 32])), ValueError, r"positions must lie in \[0, 2\^32\)"),
     (dict(temperature=0.0), ValueError, r"temperature must be a finite number > 0"),
@@ -306,6 +306,19 @@ def test_bad_inputs_are_refused_naming_the_op(kwargs, err, match, gen):
     call.update(kwargs)
     with pytest.raises(err, match=rf"rlkernels.linear_sample: {match}"):
         linear_sample(h, w, b, **call)
+
+
+def test_meta_tensors_give_the_results_shapes_and_dtypes():
+    # As torch's ops do on meta tensors (a shape pass, a fake-tensor trace): no values, no
+    # kernel; an operator without a meta kernel was reached before.
+    for dtype, logp_dtype in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        h = torch.empty(3, 5, 16, dtype=dtype, device="meta")
+        w = torch.empty(40, 16, dtype=dtype, device="meta")
+        streams = torch.empty(3, 5, dtype=torch.int64, device="meta")
+        token, logp, ent = linear_sample(h, w, seed=1, streams=streams, return_entropy=True)
+        assert all(t.is_meta and t.shape == (3, 5) for t in (token, logp, ent))
+        assert (token.dtype, logp.dtype, ent.dtype) == (torch.int64, logp_dtype, logp_dtype)
+        assert linear_sample(h, w, greedy=True)[0].shape == (3, 5)
 
 
 def test_head_shape_mismatches_are_refused(gen):

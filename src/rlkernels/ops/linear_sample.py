@@ -104,6 +104,9 @@ def validate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if greedy:
         return
     validate_seed(seed, hidden.device)
+    if streams is None:
+        raise TypeError(f"rlkernels.{OP}: sampling needs streams, an int64 tensor of hidden's leading shape "
+                        f"{lead} (which sequence each row is); greedy=True needs none")
     _check_counter("streams", streams, lead, hidden.device)
     if positions is not None:
         # Their values are checked from each row's status after the draw (check_status).
@@ -442,6 +445,10 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
     if sample_backend is None:
         sample_backend = backend_object(OP, hidden.device, name)
     lead = hidden.shape[:-1]
+    if hidden.is_meta:  # shapes only, as torch's ops give on meta tensors: no values to draw from
+        token = torch.empty(lead, dtype=torch.int64, device=hidden.device)
+        logp = hidden.new_empty(lead, dtype=accumulator_dtype(hidden.dtype))
+        return (token, logp, torch.empty_like(logp)) if return_entropy else (token, logp)
     flat = len(lead) == 1  # a [N, D] call: no reshapes (an eager decode step is host-bound)
     n = lead[0] if flat else math.prod(lead)
     h2 = hidden if flat else hidden.reshape(n, hidden.shape[-1])

@@ -29,6 +29,27 @@ def test_generate_refuses_prompts_it_cannot_continue_as_the_trainer_scores():
         rlkernels.generate(model, ids, right[:, :3], max_new_tokens=2)
 
 
+def test_bad_token_ids_and_an_empty_prompt_are_refused_naming_generate():
+    model = patch_model(_tiny("qwen3"))
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    for kwargs, err, match in [
+            (dict(pad_token_id="x"), TypeError, r"pad_token_id must be an int \(or None\), got 'x'"),
+            (dict(pad_token_id=2.0), TypeError, r"pad_token_id must be an int \(or None\), got 2.0"),
+            (dict(eos_token_id="x"), TypeError, r"eos_token_id must be an int or a list of ints, got 'x'"),
+            (dict(eos_token_id=[2, None]), TypeError, r"eos_token_id must be an int or a list of ints, got None"),
+            (dict(eos_token_id=torch.tensor([1.0])), TypeError, r"eos_token_id .*got a torch.float32 tensor")]:
+        with pytest.raises(err, match=rf"rlkernels.generate: {match}"):
+            rlkernels.generate(model, ids, max_new_tokens=2, **kwargs)
+    with pytest.raises(ValueError, match=r"rlkernels.generate: input_ids has no tokens \(\[B, 0\]\)"):
+        rlkernels.generate(model, ids[:, :0], max_new_tokens=2)
+    # An EOS given as a tensor or a tuple is the same EOS as the int.
+    seq, _ = rlkernels.generate(model, ids, max_new_tokens=3)
+    eos = int(seq[0, 3])
+    for given in (eos, (eos,), torch.tensor([eos])):
+        out, _ = rlkernels.generate(model, ids, max_new_tokens=3, eos_token_id=given, pad_token_id=0)
+        assert int(out[0, 3]) == eos and out[0, 4:].tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("call", ["generate", "token_logprobs"])
 def test_temperature_must_be_a_python_number(call):
     model = patch_model(_tiny("qwen3"))

@@ -63,7 +63,7 @@ from ...ops.linear_sample import SEED_LIMIT, linear_sample
 from ..trainers import fsdp
 from . import decode, moe, static_cache
 from .coverage import decoder_of, is_patched, mode_for
-from .scoring import check_head, vocab_size
+from .scoring import check_head, eos_token_ids, vocab_size
 
 OP = "rollout"
 logger = logging.getLogger(__name__)
@@ -199,20 +199,6 @@ def _stream_ids(streams: object, count: int) -> list[int]:
     return values
 
 
-def _eos_ids(model: nn.Module, eos_token_id: object) -> frozenset[int]:
-    if eos_token_id is None:
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos_token_id is None:
-        return frozenset()
-    values = [eos_token_id] if not isinstance(eos_token_id, (list, tuple, torch.Tensor)) else eos_token_id
-    if isinstance(values, torch.Tensor):
-        values = values.reshape(-1).tolist()
-    bad = next((v for v in values if not _is_int(v)), None)
-    if bad is not None:
-        raise TypeError(f"rlkernels.rollout: eos_token_id must be an int or a list of ints, got {bad!r}")
-    return frozenset(int(v) for v in values)
-
-
 def _text_config(model: nn.Module) -> Any:
     config = getattr(model, "config", None)
     getter = getattr(config, "get_text_config", None)
@@ -289,7 +275,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
     if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
         kind = TypeError if not _is_int(seed) else ValueError
         raise kind(f"rlkernels.rollout: seed must be a Python int in [0, 2^63) (or None), got {seed!r}")
-    eos = _eos_ids(model, eos_token_id)
+    eos = frozenset(eos_token_ids(OP, model, eos_token_id))
     device, dtype = _model_device(model)
     decoder = decoder_of(model)
     if decode.takes_cache_position(decoder):

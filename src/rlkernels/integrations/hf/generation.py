@@ -9,6 +9,8 @@ and the decode is run, as the root's forward where the model is sharded by FSDP2
 """
 from __future__ import annotations
 
+import numbers
+
 from typing import Any
 
 import torch
@@ -18,12 +20,7 @@ from ...ops._validate import require_temperature
 from ..trainers import fsdp
 from . import decode, moe
 from .coverage import is_patched
-from .scoring import check_head, check_ids, check_mask
-
-
-def _eos_ids(model: nn.Module, generate_kwargs: dict[str, Any]) -> list[int]:
-    eos = generate_kwargs.get("eos_token_id", getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    return [eos] if isinstance(eos, int) else list(eos or [])
+from .scoring import check_head, check_ids, check_mask, eos_token_ids
 
 
 # Options that would draw from another distribution than the one whose log-probs are
@@ -182,6 +179,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                          "backend: the torch backend runs one GEMM per expert that received tokens, sized on the "
                          "host every step (a host sync a graph cannot capture); decode eagerly (cuda_graph=False)")
     check_head("generate", model)
+    if input_ids.shape[1] == 0:
+        raise ValueError("rlkernels.generate: input_ids has no tokens ([B, 0]); every prompt needs at least one")
     check_ids("generate", model, input_ids)
     _check_prompt_mask(input_ids, attention_mask)
     config = getattr(model, "generation_config", None)
@@ -198,6 +197,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         raise ValueError(f"rlkernels.generate: cache_len must be an int >= the prompt length plus max_new_tokens "
                          f"({input_ids.shape[1]} + {max_new}), got {cache_len!r}")
     do_sample, temperature = _sampling(config, generate_kwargs, temperature)
+    eos = eos_token_ids("generate", model, generate_kwargs.get("eos_token_id"))
+    pad = generate_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):
+        raise TypeError(f"rlkernels.generate: pad_token_id must be an int (or None), got {pad!r}")
     B = input_ids.shape[0]
     if do_sample:
         if seed is None:
@@ -208,11 +211,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         empty = torch.zeros(B, 0, dtype=torch.float32, device=input_ids.device)
         out = (input_ids, empty, empty.clone())
     else:
-        pad = generate_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
         out = fsdp.run_as_forward(
             model, decode.decode_under_mode, model, input_ids, mask, batch_invariant,
             dict(max_new_tokens=max_new, greedy=not do_sample, temperature=temperature, seed=seed or 0,
-                 streams=streams, pad_token_id=pad, eos_token_ids=_eos_ids(model, generate_kwargs),
+                 streams=streams, pad_token_id=pad, eos_token_ids=eos,
                  cuda_graph=cuda_graph, cache_len=cache_len))
     sequences, logp, ent = out
     return (sequences, logp, ent) if return_entropy else (sequences, logp)

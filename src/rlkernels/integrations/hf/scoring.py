@@ -11,6 +11,8 @@ which their errors name.
 """
 from __future__ import annotations
 
+import numbers
+
 import warnings
 from typing import Any
 
@@ -137,6 +139,27 @@ def check_ids(op: str, model: nn.Module, input_ids: torch.Tensor) -> None:
         b, i = (int(v) for v in bad.nonzero()[0])
         raise ValueError(f"rlkernels.{op}: input_ids[{b}, {i}] = {int(input_ids[b, i])} is outside "
                          f"the model's vocabulary [0, {vocab}) (first bad id, at batch {b}, index {i})")
+
+
+def eos_token_ids(op: str, model: nn.Module, eos_token_id: object) -> list[int]:
+    """The EOS ids a decode ends at: ``eos_token_id`` (an int, or a list, tuple or integer
+    tensor of them; None: the model's ``generation_config``'s), checked: TypeError naming
+    ``rlkernels.<op>`` for anything else."""
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, torch.Tensor):
+        if eos_token_id.dtype.is_floating_point or eos_token_id.dtype.is_complex or eos_token_id.dtype == torch.bool:
+            raise TypeError(f"rlkernels.{op}: eos_token_id must be an int or a list of ints, got a "
+                            f"{eos_token_id.dtype} tensor")
+        values = eos_token_id.reshape(-1).tolist()
+    else:
+        values = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"rlkernels.{op}: eos_token_id must be an int or a list of ints, got {v!r}")
+    return [int(v) for v in values]
 
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
