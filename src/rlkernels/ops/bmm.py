@@ -49,6 +49,7 @@ from ..kernels.bmm import bmm_tiny_kernel
 from ..gemm.triton import triton_gemm
 from ..runtime.device import sm_count
 from ..runtime.launcher import cached_launcher
+from ..runtime.opaque import opaque_to_compile
 
 OP = "bmm"
 TINY_MAX_DIM = 64
@@ -353,7 +354,7 @@ class _BmmOp(OpImpl):
 register_backends(OP, _BmmOp, {"triton": None, "torch": None})
 
 
-@torch.compiler.disable
+@opaque_to_compile
 def bmm(a: torch.Tensor, b: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """Batch-invariant batched matmul.
 

@@ -53,6 +53,7 @@ from .lm_head.config import kernel_operands, temperature_scaling
 from .lm_head.statistics import TORCH_ROW_CHUNK, TorchHeadStatistics, TritonHeadStatistics, torch_logits
 from .lm_head.validate import head_backend, validate_head, validate_targets
 from .matmul import gemm_backend_for, main_grad_target
+from ..runtime.opaque import opaque_to_compile
 
 OP = "linear_logprob"
 
@@ -344,7 +345,7 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
     return (logp, ent) if return_entropy else logp
 
 
-@torch.compiler.disable
+@opaque_to_compile
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                    bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
                    return_entropy: bool = False, backend: str | None = None):

@@ -40,6 +40,7 @@ from .lm_head.config import fused_config, temperature_scaling
 from .lm_head.lse import LSE_TILE
 from .lm_head.statistics import TileRecord, TorchHeadStatistics, TritonHeadStatistics, torch_logits
 from .lm_head.validate import head_backend, validate_head
+from ..runtime.opaque import opaque_to_compile
 
 OP = "linear_sample"
 
@@ -466,7 +467,7 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
     return (token, logp, ent) if return_entropy else (token, logp)
 
 
-@torch.compiler.disable
+@opaque_to_compile
 def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   temperature: float = 1.0, seed: int | torch.Tensor | None = None,
                   streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,

@@ -18,6 +18,7 @@ from . import _validate as V
 from ..gemm.chain import accumulator_dtype
 from ..gemm.backends import TorchGemmBackend, TritonGemmBackend
 from ..registry import OpImpl, backend_object, register_backends
+from ..runtime.opaque import opaque_to_compile
 
 # Token granularity of the dW/dbias chain: the tensor-core K step for 16-bit
 # inputs (measured on H100: splits at multiples of 16 tokens reproduce the
@@ -187,9 +188,8 @@ def _run(op: str, a, b, bias, weight_nk: bool, out_dtype,
 
 
 # Under torch.compile each call is a graph break (a Triton launch through a cached
-# launcher and cuBLASLt's flag handling are not traceable). Eager calls skip the
-# disable wrapper, which costs a few microseconds of host time per call.
-_run_opaque = torch.compiler.disable(_run)
+# launcher and cuBLASLt's flag handling are not traceable); eager calls run _run itself.
+_run_opaque = opaque_to_compile(_run)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -200,15 +200,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     None, all one dtype and device; any strides. Returns [..., N] in ``out_dtype``
     (default a.dtype). Each output row is a function of its own input row alone.
     """
-    if torch.compiler.is_compiling():
-        return _run_opaque("matmul", a, b, bias, False, out_dtype, backend)
-    return _run("matmul", a, b, bias, False, out_dtype, backend)
+    return _run_opaque("matmul", a, b, bias, False, out_dtype, backend)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``F.linear``: x [..., K], weight [N, K], bias [N] -> [..., N] in
     ``out_dtype`` (default x.dtype; fp32 keeps the canonical chain's sums unrounded)."""
-    if torch.compiler.is_compiling():
-        return _run_opaque("linear", x, weight, bias, True, out_dtype, backend)
-    return _run("linear", x, weight, bias, True, out_dtype, backend)
+    return _run_opaque("linear", x, weight, bias, True, out_dtype, backend)

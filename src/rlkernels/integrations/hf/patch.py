@@ -27,6 +27,7 @@ from ...nn import RMSNorm
 from ...nn import SiLU
 from . import attention, coverage, mlp, moe, rotary
 from .coverage import decoder_of, is_silu
+from ...runtime.opaque import opaque_to_compile
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
@@ -105,7 +106,7 @@ def _forward_eagerly(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 # Bound per decoder as its ``forward``: ``copy.deepcopy`` rebinds a bound method to the
 # copy (a closure over the original's method would run the original's weights).
 _forward_eagerly.__name__ = "forward"
-_EAGER_FORWARD = torch.compiler.disable(_forward_eagerly)
+_EAGER_FORWARD = opaque_to_compile(_forward_eagerly)
 
 
 def _keep_out_of_compile(model: nn.Module) -> None:

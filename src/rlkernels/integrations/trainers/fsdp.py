@@ -11,12 +11,12 @@ one-GPU forward's, bit for bit.
 """
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.utils._pytree import tree_map_only
 
 R = TypeVar("R")
@@ -32,8 +32,11 @@ def _call(self: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 
 def is_fsdp(model: nn.Module) -> bool:
-    """Whether ``model`` is managed by FSDP2 (``fully_shard``)."""
-    return isinstance(model, FSDPModule)
+    """Whether ``model`` is managed by FSDP2 (``fully_shard``). Read without importing
+    ``torch.distributed.fsdp`` (most of a second): a model that is an FSDP module was
+    made by it, so it is imported already wherever the answer is yes."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def run_as_forward(model: nn.Module, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
@@ -42,6 +45,8 @@ def run_as_forward(model: nn.Module, fn: Callable[..., R], *args: Any, **kwargs:
     if not is_fsdp(model):
         return fn(*args, **kwargs)
     if METHOD not in model.__dict__:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
         setattr(model, METHOD, types.MethodType(_call, model))
         register_fsdp_forward_method(model, METHOD)
     return getattr(model, METHOD)(fn, *args, **kwargs)
