@@ -137,9 +137,11 @@ def test_stock_sampler_and_trainer_disagree():
     model = _model("qwen3", patched=False, **STOCK_DIFFERS)
     prompts = _prompts()
     ids, mask = _pad(prompts, left=True)
-    seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=6, temperature=TEMPERATURE)
+    # Both sides warn that an unpatched model's SDPA is not invariant (generate once did not).
+    with pytest.warns(UserWarning, match=r"rlkernels.generate: attention implementation 'sdpa' is not batch-inv"):
+        seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=6, temperature=TEMPERATURE)
     full = torch.cat([mask, torch.ones(len(prompts), seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
-    with pytest.warns(UserWarning, match="not batch-invariant"):
+    with pytest.warns(UserWarning, match="rlkernels.token_logprobs: attention implementation 'sdpa' is not"):
         trainer = token_logprobs(model, seq, full, temperature=TEMPERATURE)
     assert not torch.equal(trainer[:, ids.shape[1] - 1:], lp)
 

@@ -20,7 +20,7 @@ from ...ops._validate import require_temperature
 from ..trainers import fsdp
 from . import decode, moe
 from .coverage import is_patched
-from .scoring import check_head, check_ids, check_mask, eos_token_ids
+from .scoring import check_head, check_ids, check_mask, eos_token_ids, warn_attention
 
 
 # Options that would draw from another distribution than the one whose log-probs are
@@ -197,6 +197,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         raise ValueError(f"rlkernels.generate: cache_len must be an int >= the prompt length plus max_new_tokens "
                          f"({input_ids.shape[1]} + {max_new}), got {cache_len!r}")
     do_sample, temperature = _sampling(config, generate_kwargs, temperature)
+    warn_attention("generate", model, batch_invariant, stacklevel=2)
     eos = eos_token_ids("generate", model, generate_kwargs.get("eos_token_id"))
     pad = generate_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):

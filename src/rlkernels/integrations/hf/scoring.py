@@ -141,6 +141,16 @@ def check_ids(op: str, model: nn.Module, input_ids: torch.Tensor) -> None:
                          f"the model's vocabulary [0, {vocab}) (first bad id, at batch {b}, index {i})")
 
 
+def warn_attention(op: str, model: nn.Module, batch_invariant: bool | None, stacklevel: int) -> None:
+    """Warn (at ``stacklevel`` above the caller of this), naming ``rlkernels.<op>``, where the model's attention implementation is
+    neither the patched one nor eager (which the mode covers), unless the caller left the
+    mode alone (``batch_invariant=False``): that attention's sums depend on the batch."""
+    impl = attention_implementation(model)
+    if batch_invariant is not False and impl not in (None, "eager", attention.NAME):
+        warnings.warn(f"rlkernels.{op}: attention implementation {impl!r} is not batch-invariant; "
+                      "call rlkernels.patch_model(model) first", stacklevel=stacklevel + 1)
+
+
 def eos_token_ids(op: str, model: nn.Module, eos_token_id: object) -> list[int]:
     """The EOS ids a decode ends at: ``eos_token_id`` (an int, or a list, tuple or integer
     tensor of them; None: the model's ``generation_config``'s), checked: TypeError naming
@@ -202,10 +212,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
                              device=input_ids.device)
         return logprobs_from_hidden(model, hidden, input_ids[:, 1:], temperature=temperature,
                                     return_entropy=return_entropy)
-    impl = attention_implementation(model)
-    if batch_invariant is not False and impl not in (None, "eager", attention.NAME):
-        warnings.warn(f"rlkernels.token_logprobs: attention implementation {impl!r} is not batch-invariant; "
-                      "call rlkernels.patch_model(model) first", stacklevel=2)
+    warn_attention("token_logprobs", model, batch_invariant, stacklevel=2)
     # An FSDP2 root gathers its own parameters (embedding, final norm, head) around this call.
     return fsdp.run_as_forward(model, _score, model, input_ids, attention_mask, temperature, return_entropy,
                                batch_invariant)
