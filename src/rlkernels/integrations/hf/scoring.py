@@ -142,9 +142,10 @@ def check_ids(op: str, model: nn.Module, input_ids: torch.Tensor) -> None:
 
 
 def warn_attention(op: str, model: nn.Module, batch_invariant: bool | None, stacklevel: int) -> None:
-    """Warn (at ``stacklevel`` above the caller of this), naming ``rlkernels.<op>``, where the model's attention implementation is
-    neither the patched one nor eager (which the mode covers), unless the caller left the
-    mode alone (``batch_invariant=False``): that attention's sums depend on the batch."""
+    """Warn, naming ``rlkernels.<op>`` and pointing ``stacklevel`` frames above the caller,
+    where the model's attention implementation is neither the patched one nor eager (which
+    the mode covers), unless the caller left the mode alone (``batch_invariant=False``):
+    that attention's sums depend on the batch."""
     impl = attention_implementation(model)
     if batch_invariant is not False and impl not in (None, "eager", attention.NAME):
         warnings.warn(f"rlkernels.{op}: attention implementation {impl!r} is not batch-invariant; "
