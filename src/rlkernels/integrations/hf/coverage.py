@@ -179,8 +179,9 @@ def mode_for(model: nn.Module, batch_invariant: bool | None = None) -> contextli
     return set_batch_invariant_mode(True) if on else contextlib.nullcontext()
 
 
-def describe_gaps(model: nn.Module, limit: int = 6) -> str | None:
-    """What :func:`uncovered_modules` finds, in words (one place of each type), or None.
+def describe_gaps(model: nn.Module, limit: int = 6) -> list[str] | None:
+    """What :func:`uncovered_modules` finds, one line per kind of gap (one place of each
+    module type), or None.
 
     Modules that hold parameters the library does not patch come first (``Conv1D``,
     ``LayerNorm``, 3-D expert weights); then the parameter-free modules of families
@@ -208,7 +209,7 @@ def describe_gaps(model: nn.Module, limit: int = 6) -> str | None:
     if unread:
         parts.append("modules of families whose forwards are not verified: "
                      + "; ".join(f"{family!r}: {listed(kinds)}" for family, kinds in unread.items()))
-    return "; ".join(parts)
+    return parts
 
 
 def logit_transforms(model: nn.Module) -> list[str]:

@@ -91,10 +91,11 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     _keep_out_of_compile(model)
     gaps = coverage.describe_gaps(model)
     if gaps is not None:
-        warnings.warn(f"rlkernels.patch_model: {type(model).__name__} is only partly covered ({gaps}). "
-                      "Their ops may reduce across features or tokens with stock kernels: "
-                      "rlkernels.is_patched(model) is False, and token_logprobs / generate run the model under "
-                      "the batch-invariant mode", stacklevel=2)
+        lines = "".join(f"\n  - {gap}" for gap in gaps)
+        warnings.warn(f"rlkernels.patch_model: {type(model).__name__} is only partly covered, so "
+                      f"rlkernels.is_patched(model) is False:{lines}\n"
+                      "Their ops may reduce across features or tokens with stock kernels; token_logprobs and "
+                      "generate run the model under the batch-invariant mode.", stacklevel=2)
     return model
 
 
