@@ -42,6 +42,10 @@ def test_bad_token_ids_and_an_empty_prompt_are_refused_naming_generate():
             rlkernels.generate(model, ids, max_new_tokens=2, **kwargs)
     with pytest.raises(ValueError, match=r"rlkernels.generate: input_ids has no tokens \(\[B, 0\]\)"):
         rlkernels.generate(model, ids[:, :0], max_new_tokens=2)
+    limit = model.config.max_position_embeddings
+    with pytest.warns(UserWarning, match=rf"the prompt \(3 tokens\) plus max_new_tokens \({limit - 2}\) exceeds "
+                                         rf"the model's max_position_embeddings \({limit}\)"):
+        rlkernels.generate(model, ids[:1], max_new_tokens=limit - 2, eos_token_id=[], cuda_graph=False)
     # An EOS given as a tensor or a tuple is the same EOS as the int.
     seq, _ = rlkernels.generate(model, ids, max_new_tokens=3)
     eos = int(seq[0, 3])

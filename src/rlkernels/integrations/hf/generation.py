@@ -10,6 +10,7 @@ and the decode is run, as the root's forward where the model is sharded by FSDP2
 from __future__ import annotations
 
 import numbers
+import warnings
 
 from typing import Any
 
@@ -198,6 +199,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                          f"({input_ids.shape[1]} + {max_new}), got {cache_len!r}")
     do_sample, temperature = _sampling(config, generate_kwargs, temperature)
     warn_attention("generate", model, batch_invariant, stacklevel=2)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and input_ids.shape[1] + max_new > limit:
+        # Hugging Face's generate warns too: positions past the limit were never trained.
+        warnings.warn(f"rlkernels.generate: the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens "
+                      f"({max_new}) exceeds the model's max_position_embeddings ({limit})", stacklevel=2)
     eos = eos_token_ids("generate", model, generate_kwargs.get("eos_token_id"))
     pad = generate_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):
