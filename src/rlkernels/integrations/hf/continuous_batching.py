@@ -453,19 +453,29 @@ class _Rollout:
             counter.fill_(value)
         self.counter = value
 
-    def _place(self, prompt: int, rows: list[int]) -> None:
-        """Copy a prefilled prompt's keys and values into ``rows`` at slots [c - L, c) and unmask them."""
+    def _place(self, placing: dict[int, list[int]]) -> None:
+        """Copy each prefilled prompt's keys and values into its rows (``placing``: prompt ->
+        rows) so that they end at the counter c, and unmask its L slots [c - L, c).
+
+        One copy per layer for all of them: the prefill's whole width W (its longest prompt;
+        c >= W) goes to slots [c - W, c), a shorter prompt's left padding included, which
+        its mask leaves out of the chain."""
+        if not placing:
+            return
         if not self.engine.counters:
             self._allocate()
         c = self.counter
-        source_row, L = self.prefilled[prompt]
-        end = self.prefill_cache.layers[0].keys.shape[2]  # the prefill is left-padded: it ends at its last slot
-        index = torch.tensor(rows, dtype=torch.long, device=self.plan.device)
+        width = self.prefill_cache.layers[0].keys.shape[2]
+        rows = [r for p in placing for r in placing[p]]
+        sources = [self.prefilled[p][0] for p in placing for _ in placing[p]]
+        lengths = [self.prefilled[p][1] for p in placing for _ in placing[p]]
+        dev = self.plan.device
+        rows_t, sources_t, lengths_t = (torch.tensor(v, dtype=torch.long, device=dev) for v in (rows, sources, lengths))
         for layer, source in zip(self.cache.layers, self.prefill_cache.layers):
-            layer.keys[index, :, c - L:c] = source.keys[source_row, :, end - L:end]
-            layer.values[index, :, c - L:c] = source.values[source_row, :, end - L:end]
-        self.mask[index] = 0
-        self.mask[index, c - L:c] = 1
+            layer.keys[rows_t, :, c - width:c] = source.keys[sources_t]
+            layer.values[rows_t, :, c - width:c] = source.values[sources_t]
+        slots = torch.arange(self.mask.shape[1], device=dev)
+        self.mask[rows_t] = ((slots >= c - lengths_t[:, None]) & (slots < c)).to(self.mask.dtype)
 
     def _window(self, rows: np.ndarray) -> int:
         """The longest key window among ``rows``' samples: prompt and every drawn token but the last."""
@@ -534,8 +544,7 @@ class _Rollout:
             sample = waiting[0]
             prompt = int(self.prompt_of[sample])
             if prompt not in self.prefilled:
-                for p, rows in placing.items():  # the prefill cache is about to hold other prompts
-                    self._place(p, rows)
+                self._place(placing)  # the prefill cache is about to hold other prompts
                 placing = {}
                 self._prefill(self._group(waiting, len(free)))
             waiting.popleft()
@@ -544,8 +553,7 @@ class _Rollout:
             row = free.popleft()
             self.row_sample[row] = sample
             placing.setdefault(prompt, []).append(row)
-        for p, rows in placing.items():
-            self._place(p, rows)
+        self._place(placing)
 
     def _step(self) -> None:
         """One decode step of the first b rows, b the smallest step batch holding every row in
