@@ -48,7 +48,7 @@ def _reward(completions, **kwargs):
     return [float(sum(c in "aeiou" for c in text)) for text in completions]
 
 
-def _trainer(cls, tmp_path, *, max_steps=2, bf16=None):
+def _trainer(cls, tmp_path, *, max_steps=2, bf16=None, rollout=None, **over):
     tokenizer = _tokenizer()
     dataset = datasets.Dataset.from_dict({"prompt": ["what is the sky", "hi"]})
     args = trl.GRPOConfig(
@@ -59,9 +59,10 @@ def _trainer(cls, tmp_path, *, max_steps=2, bf16=None):
         # reusing the training forward's: the first step's two micro-batches score the same
         # policy the old log-probs came from, shuffled into other row pairings.
         steps_per_generation=4, gradient_accumulation_steps=2, max_completion_length=8, temperature=0.9,
-        top_k=0, top_p=1.0, beta=0.0, dataloader_num_workers=0, **({} if bf16 is None else {"bf16": bf16}))
+        beta=0.0, dataloader_num_workers=0, **({} if bf16 is None else {"bf16": bf16}),
+        **(dict(top_k=0, top_p=1.0) | over))
     return cls(model=_model(tokenizer), reward_funcs=_reward, args=args, train_dataset=dataset,
-               processing_class=tokenizer)
+               processing_class=tokenizer, **({} if rollout is None else {"rollout": rollout}))
 
 
 def _run_and_capture(trainer):
@@ -103,6 +104,51 @@ def test_grpo_ratio_is_exactly_one_under_rlkernels(tmp_path):
     # The steps trained: parameters moved, and the second step's ratio moved off 1.
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     assert all(not torch.equal(new[mask], old[mask]) for old, new, mask in pairs[2:])
+
+
+def test_completions_come_from_rollout_each_its_prompt_alone(tmp_path, monkeypatch):
+    import copy
+
+    import rlkernels
+    from rlkernels.integrations.hf import continuous_batching
+
+    trainer = _trainer(RLKGRPOTrainer, tmp_path, max_steps=1)
+    initial = copy.deepcopy(trainer.model)  # the policy the first generation samples
+    calls = []
+    inner = continuous_batching.rollout
+
+    def spy(model, prompts, **kwargs):
+        out = inner(model, prompts, **kwargs)
+        calls.append((prompts, kwargs, [s.tokens.clone() for s in out]))
+        return out
+
+    monkeypatch.setattr(continuous_batching, "rollout", spy)
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn",
+                        lambda *a, **k: pytest.fail("TRL's own generation ran"))
+    trainer.train()
+    assert len(calls) == 1
+    prompts, kwargs, completions = calls[0]
+    assert len(prompts) == 2 * GROUP and kwargs["temperature"] == 0.9 and kwargs["max_new_tokens"] == 8
+    assert kwargs["streams"] == list(range(2 * GROUP))
+    eos = trainer.processing_class.eos_token_id
+    for prompt, stream, tokens in zip(prompts, kwargs["streams"], completions):
+        seq, _ = rlkernels.generate(initial, torch.tensor([prompt]), seed=kwargs["seed"],
+                                    streams=torch.tensor([stream]), temperature=0.9, max_new_tokens=8,
+                                    do_sample=True, eos_token_id=eos)
+        alone = seq[0, len(prompt):]
+        ends = (alone == eos).nonzero()
+        assert torch.equal(tokens, alone[:int(ends[0]) + 1] if ends.numel() else alone)
+    # The GROUP samples of a prompt differ: one stream each.
+    assert len({tuple(t.tolist()) for t in completions[:GROUP]}) > 1
+
+
+def test_rollout_refuses_sampling_options_it_would_not_score(tmp_path):
+    for name, value in (("top_p", 0.9), ("top_k", 20), ("repetition_penalty", 1.1)):
+        with pytest.raises(ValueError, match=rf"rlkernels.integrations.trainers.trl: {name}={value} is not "
+                                             r"supported when completions come from rlkernels.rollout"):
+            _trainer(RLKGRPOTrainer, tmp_path, **{name: value})
+        # rollout=False keeps TRL's own generation, which takes them.
+        assert _trainer(RLKGRPOTrainer, tmp_path, rollout=False, **{name: value}) is not None
 
 
 def test_stock_grpo_on_the_same_setup(tmp_path):

@@ -143,24 +143,82 @@ def _install_forward(model: nn.Module, temperature: float) -> None:
     model.forward = types.MethodType(forward, model)
 
 
+# GRPOConfig's sampling options and the value at which each leaves the distribution alone:
+# anything else draws from a distribution whose log-probs the trainer does not score.
+_NEUTRAL_SAMPLING = {"top_k": (0, None), "top_p": (1.0,), "min_p": (None, 0.0), "repetition_penalty": (1.0, None),
+                     "generation_kwargs": (None, {})}
+
+
+def _check_rollout_args(trainer: Any) -> None:
+    for name, neutral in _NEUTRAL_SAMPLING.items():
+        value = getattr(trainer.args, name, None)
+        if value not in neutral:
+            raise ValueError(f"rlkernels.{OP}: {name}={value!r} is not supported when completions come from "
+                             f"rlkernels.rollout (it would draw from a distribution the trainer does not score); "
+                             f"set it to {neutral[0]!r}, or pass rollout=False to keep TRL's own generation")
+    if getattr(trainer, "use_vllm", False):
+        raise ValueError(f"rlkernels.{OP}: use_vllm=True and rollout=True: completions come from one of them; "
+                         "pass rollout=False to keep vLLM's")
+
+
+def _generate_by_rollout(self: GRPOTrainer, prompt_ids: list[list[int]], images: Any, multimodal_fields: Any,
+                         num_generations: int, has_tool_images: bool = False) -> tuple[list[list[int]], None]:
+    """``GRPOTrainer._generate_single_turn`` through :func:`rlkernels.rollout`: one sample per
+    entry of ``prompt_ids`` (TRL repeats each prompt ``num_generations`` times already), at the
+    trainer's temperature, up to ``max_completion_length`` tokens, ending at its EOS ids.
+
+    A call's draws are keyed by a seed made from ``args.seed`` and the number of rollouts
+    this trainer ran, and streams numbered per process, so every completion of a run has its
+    own (seed, stream). Returns (completion ids, each with its EOS where one was drawn; None:
+    TRL scores the old log-probs itself, the same bits)."""
+    if images is not None or multimodal_fields:
+        raise ValueError(f"rlkernels.{OP}: rollout generation takes text prompts only; pass rollout=False")
+    from trl.models.utils import unwrap_model_for_generation
+
+    from ..hf.continuous_batching import rollout
+
+    calls = self.__dict__.get("_rlkernels_rollouts", 0)
+    self._rlkernels_rollouts = calls + 1
+    seed = (int(self.args.seed) * 1_000_003 + calls) % (1 << 62)
+    first = self.accelerator.process_index * len(prompt_ids)
+    with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                     gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                                     gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+                                     ) as unwrapped, torch.no_grad(), \
+            self._dist.summon_full_params(self.model_wrapped, recurse=False):
+        samples = rollout(_base(unwrapped), prompt_ids, max_new_tokens=self.max_completion_length,
+                          temperature=float(self.temperature), seed=seed,
+                          streams=list(range(first, first + len(prompt_ids))), eos_token_id=list(self.eos_token_ids))
+    return [s.tokens.tolist() for s in samples], None
+
+
 def _base(model: nn.Module) -> nn.Module:
     get_base = getattr(model, "get_base_model", None)  # PEFT: the patched forward lives on the base model
     return get_base() if callable(get_base) else model
 
 
-def patch_grpo_trainer(trainer: GRPOTrainer) -> GRPOTrainer:
-    """Make ``trainer``'s per-token log-probs rlkernels' fused, batch-invariant ones; in place, returns it.
+def patch_grpo_trainer(trainer: GRPOTrainer, *, rollout: bool = True) -> GRPOTrainer:
+    """Make ``trainer``'s per-token log-probs rlkernels' fused, batch-invariant ones and, with
+    ``rollout``, its completions :func:`rlkernels.rollout`'s; in place, returns it.
 
     Patches the policy (and the reference model, if any) with
     :func:`rlkernels.patch_model` (Linear, RMSNorm, the invariant attention; parameters
     shared, so an optimizer already built is unaffected) and routes the fused
     log-prob forward that ``GRPOTrainer._get_per_token_logps_and_entropies`` calls to
-    :func:`rlkernels.linear_logprob` at ``trainer.temperature``. Call it before
-    training starts. Raises RuntimeError for a TRL without that method or without its
-    fused LM head, ValueError for ``cast_lm_head_to_fp32=True``.
+    :func:`rlkernels.linear_logprob` at ``trainer.temperature``. With ``rollout`` (the
+    default), TRL's generation (``_generate_single_turn``) becomes continuous batching
+    through :func:`rlkernels.rollout` (:func:`_generate_by_rollout`): every completion is
+    drawn from the distribution the trainer scores, and is what its prompt alone gives.
+    ``rollout=False`` keeps TRL's generation (transformers' ``generate``, or vLLM).
+    Call it before training starts. Raises RuntimeError for a TRL without that method or
+    without its fused LM head, ValueError for ``cast_lm_head_to_fp32=True`` and, with
+    ``rollout``, for a sampling option other than its neutral value (``top_k``, ``top_p``,
+    ``min_p``, ``repetition_penalty``, ``generation_kwargs``) or ``use_vllm``.
     """
     _check_trainer(trainer)
     _fused_output_type()
+    if rollout:
+        _check_rollout_args(trainer)
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is None:
             continue
@@ -169,12 +227,16 @@ def patch_grpo_trainer(trainer: GRPOTrainer) -> GRPOTrainer:
             raise TypeError(f"rlkernels.{OP}: {type(base).__name__} has no base decoder (expected a *ForCausalLM)")
         patch_model(base)
         _install_forward(base, float(trainer.temperature))
+    if rollout:
+        trainer._generate_single_turn = types.MethodType(_generate_by_rollout, trainer)
     return trainer
 
 
 class RLKGRPOTrainer(GRPOTrainer):
-    """``trl.GRPOTrainer`` whose per-token log-probs are rlkernels' (see :func:`patch_grpo_trainer`)."""
+    """``trl.GRPOTrainer`` whose per-token log-probs are rlkernels' and whose completions come
+    from :func:`rlkernels.rollout` (``rollout=False``: TRL's own generation); see
+    :func:`patch_grpo_trainer`."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, rollout: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        patch_grpo_trainer(self)
+        patch_grpo_trainer(self, rollout=rollout)
