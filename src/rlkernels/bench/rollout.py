@@ -6,11 +6,12 @@
 
 The workload is an RL step's: P prompts (lengths uniform in [LO, HI]) × N samples each,
 drawn at T = 1 until EOS or T new tokens. A random-weight model's EOS token would almost
-never be drawn, so the EOS row of the LM head is replaced (:func:`scale_eos_row`) by a row
-fitted along sampled decodes of the first 16 prompts (T tokens each, no EOS) so that the
-EOS probability is about the same at every position, at the rate that ends a sample after
-M tokens on average (cut at T), as RL responses do; the JSON's rows give the tokens
-actually drawn. The same head serves every side.
+never be drawn, so the EOS row of the LM head is zeroed and the head given a bias, b at
+EOS and 0 elsewhere (:func:`scale_eos_row`): p(EOS) is then about the same at every
+position, and b is set, along sampled decodes of the first 16 prompts (T tokens each, no
+EOS), to the rate that ends a sample after M tokens on average (cut at T), as RL
+responses do; the JSON's rows give the tokens actually drawn. The same head serves every
+side.
 
 Rows (tokens/s counts the new tokens each side kept, EOS included, up to each sample's end):
 
@@ -101,50 +102,45 @@ def _decode_hidden(model: nn.Module, prompts: list[torch.Tensor], steps: int) ->
 @torch.no_grad()
 def scale_eos_row(models: list[nn.Module], prompts: list[torch.Tensor], eos: int, mean_len: int,
                   steps: int) -> float:
-    """Set the EOS row of each model's LM head so that samples end after ``mean_len`` tokens
-    on average (cut at ``steps``), at a nearly constant rate per token, as a geometric
-    length would. Returns the EOS logit's offset c (below).
+    """Make EOS end samples after ``mean_len`` tokens on average (cut at ``steps``), at about
+    the same rate at every position, as a geometric length would. Returns the EOS logit b.
 
-    Along sampled decodes of ``prompts`` (``steps`` tokens each, no EOS: the EOS row moves
-    only the EOS probability, so a decode that has not ended is one of these), the row w
-    is fitted by ridge regression so that the EOS logit h · w follows c + the log-sum-exp
-    of the other logits at every position h: then p(EOS) is about sigmoid(c) everywhere,
-    where a row along the hidden states' mean direction would end some prompts at once
-    and others never. c is found by bisection on the mean length along those decodes. The
-    first model decodes; all share the row."""
-    h = _decode_hidden(models[0], prompts, steps).flatten(0, 1).double()  # [P * T, D]
-    head = models[0].get_output_embeddings().weight
+    The EOS row of each model's LM head is zeroed and the head gets a bias that is b at EOS
+    and 0 elsewhere (the other logits keep their bits), so p(EOS) = sigmoid(b - the
+    log-sum-exp of the other logits): the final hidden states are RMS-normed, so that
+    log-sum-exp moves little from one position to the next, where a row of the head would
+    follow the hidden state's direction and end some prompts at once and others never. b
+    is found by bisection on the mean length along sampled decodes of ``prompts`` (``steps``
+    tokens each, no EOS: EOS moves only its own probability, so a decode that has not ended
+    is one of these). The first model decodes; all share the head's EOS logit."""
+    h = _decode_hidden(models[0], prompts, steps)  # [P, T, D]
+    weight = models[0].get_output_embeddings().weight
     lse_rest = []
-    for rows in h.split(1024):
-        logits = rows.float() @ head.float().t()
+    for rows in h:  # [T, V] logits, one prompt at a time
+        logits = rows @ weight.float().t()
         logits[:, eos] = float("-inf")
-        lse_rest.append(torch.logsumexp(logits, dim=-1).double())
-    lse_rest = torch.cat(lse_rest)
-    gram = h.t() @ h
-    ridge = 1e-3 * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    # w(c) = w_rest + c * w_one: the fit of lse_rest + c, by linearity.
-    w_rest, w_one = torch.linalg.solve(gram + ridge, h.t() @ torch.stack([lse_rest, torch.ones_like(lse_rest)], 1)).t()
-    per_row = h.shape[0] // len(prompts)
+        lse_rest.append(torch.logsumexp(logits, dim=-1))
+    lse_rest = torch.stack(lse_rest).double()
 
-    def logit_gap(c: float) -> torch.Tensor:
-        w = (w_rest + c * w_one).to(head.dtype).double()  # as the head will hold it
-        return (h @ w - lse_rest).view(len(prompts), per_row)
-
-    def mean_length(c: float) -> float:
-        p_end = torch.sigmoid(logit_gap(c))
+    def mean_length(b: float) -> float:
+        p_end = torch.sigmoid(b - lse_rest)
         # A sample draws token t where none of tokens 0 .. t-1 was EOS.
         alive = torch.cumprod(torch.cat([torch.ones_like(p_end[:, :1]), 1 - p_end[:, :-1]], dim=1), dim=1)
         return float(alive.sum(1).mean())
 
-    lo, hi = -40.0, 10.0
+    lo, hi = float(lse_rest.min()) - 40.0, float(lse_rest.max()) + 10.0
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if mean_length(mid) > mean_len else (lo, mid)
-    c = (lo + hi) / 2
+    b = (lo + hi) / 2
     for m in models:
-        w = m.get_output_embeddings().weight
-        w[eos] = (w_rest + c * w_one).to(w.dtype)
-    return c
+        head = m.get_output_embeddings()
+        head.weight[eos] = 0
+        if head.bias is None:
+            head.bias = nn.Parameter(head.weight.new_zeros(head.weight.shape[0]), requires_grad=False)
+        head.bias.zero_()
+        head.bias[eos] = b
+    return b
 
 
 def _release(device: torch.device) -> None:
@@ -354,7 +350,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if steps:
         print_table("decode step vs the HBM floor", steps,
                     ["batch", "prompt", "step_ms", "floor_ms", "floor_ratio", "launches_per_layer"])
-    write_json(args.json, "rollout", rows, dict(config=name, eos_token_id=eos, eos_logit_offset=scale,
+    write_json(args.json, "rollout", rows, dict(config=name, eos_token_id=eos, eos_logit=scale,
                                                 mean_len_target=mean_len, prompts=prompts_n, n=args.n,
                                                 prompt_lens=[lo, hi], max_new_tokens=max_new))
     return rows
