@@ -38,7 +38,7 @@ def _build(kind: str, **over) -> torch.nn.Module:
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE, head_dim=8))
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DENSE))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DENSE, **over))
     return model.eval()
 
 
@@ -151,3 +151,28 @@ def test_uncovered_models_run_under_the_mode_on_the_gpu(kind):
         batched = rlkernels.token_logprobs(model, ids.cuda(), mask.cuda())
         alone = [rlkernels.token_logprobs(model, s[None].cuda())[0] for s in seqs]
     assert all(torch.equal(a, batched[i, :len(s) - 1]) for i, (a, s) in enumerate(zip(alone, seqs)))
+
+
+def test_a_rotary_table_that_follows_the_batch_is_not_claimed():
+    # transformers recomputes a "dynamic" rope table from the largest position of the call.
+    rope = dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)
+    stock = _build("llama", rope_parameters=rope, max_position_embeddings=16)
+    g = torch.Generator().manual_seed(1)
+    short, long = torch.randint(1, VOCAB, (10,), generator=g), torch.randint(1, VOCAB, (30,), generator=g)
+    ids = torch.zeros(2, 30, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    ids[0, :10], mask[0, :10], ids[1], mask[1] = short, 1, long, 1
+    with torch.no_grad():
+        alone = stock(short[None]).logits[0]
+        beside = stock(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[0, :10]
+    assert not torch.equal(alone, beside)  # stock: a row's logits move with the longest row beside it
+    model = _build("llama", rope_parameters=rope, max_position_embeddings=16)
+    with pytest.warns(UserWarning, match="(?s)only partly covered.*LlamaRotaryEmbedding \\(rope_type 'dynamic'"):
+        rlkernels.patch_model(model)
+    assert not rlkernels.is_patched(model)
+    # A rope table fixed by the config (llama3, linear, yarn) stays covered.
+    fixed = _build("llama", rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rlkernels.patch_model(fixed)
+    assert rlkernels.is_patched(fixed)

@@ -141,10 +141,24 @@ def is_silu(module: object) -> bool:
     return kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
 
 
+def batch_dependent_rope(module: nn.Module) -> str | None:
+    """The rope type of a rotary embedding whose table depends on the batch, or None.
+
+    transformers recomputes a ``"dynamic"`` (NTK) or ``"longrope"`` table from the largest
+    position id of the whole call, so a row's rotary angles -- and every bit after them --
+    change with the longest row beside it, and between a decode step and the trainer's
+    full sequence."""
+    rope = getattr(module, "rope_type", None)
+    for kind in (rope.values() if isinstance(rope, dict) else [rope]):
+        if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+            return kind
+    return None
+
+
 def _covered(module: nn.Module) -> bool:
     if isinstance(module, (Linear, RMSNorm, SiLU, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT)):
         return True
-    if type(module).__name__.endswith(STOCK_MOE_SUFFIXES):
+    if type(module).__name__.endswith(STOCK_MOE_SUFFIXES) or batch_dependent_rope(module) is not None:
         return False
     owns_parameters = next(module.parameters(recurse=False), None) is not None
     return family_of(module) in VERIFIED_FAMILIES and not owns_parameters
@@ -183,26 +197,35 @@ def describe_gaps(model: nn.Module, limit: int = 6) -> list[str] | None:
     """What :func:`uncovered_modules` finds, one line per kind of gap (one place of each
     module type), or None.
 
-    Modules that hold parameters the library does not patch come first (``Conv1D``,
-    ``LayerNorm``, 3-D expert weights); then the parameter-free modules of families
-    whose forwards are not verified."""
+    Rotary embeddings whose table depends on the batch (:func:`batch_dependent_rope`) come
+    first, then modules that hold parameters the library does not patch (``Conv1D``,
+    ``LayerNorm``, 3-D expert weights), then the parameter-free modules of families whose
+    forwards are not verified."""
     unpatched: dict[str, str] = {}
     unread: dict[str, list[str]] = {}
+    ropes: dict[str, str] = {}
     for name, module in uncovered_modules(model):
         kind = type(module).__name__
-        if next(module.parameters(recurse=False), None) is not None:
+        rope = batch_dependent_rope(module)
+        if rope is not None:
+            ropes.setdefault(f"{kind} (rope_type {rope!r}, e.g. {name})", name)
+        elif next(module.parameters(recurse=False), None) is not None:
             unpatched.setdefault(kind, name)
         else:
             family = unread.setdefault(family_of(module) or type(module).__module__, [])
             if kind not in family:
                 family.append(kind)
-    if not unpatched and not unread:
+    if not unpatched and not unread and not ropes:
         return None
 
     def listed(items: list[str]) -> str:
         return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
     parts = []
+    if ropes:
+        parts.append("rotary embeddings whose table follows the longest position in the batch, which the mode "
+                     "does not fix: "
+                     + listed(list(ropes)))
     if unpatched:
         parts.append("modules holding weights the library does not patch: "
                      + listed([f"{kind} (e.g. {where})" for kind, where in unpatched.items()]))
