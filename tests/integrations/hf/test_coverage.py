@@ -1,6 +1,7 @@
 """is_patched claims only what the library covers; heads that scale or cap logits are refused."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -37,6 +38,9 @@ def _build(kind: str, **over) -> torch.nn.Module:
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**DENSE, sliding_window=None))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE, head_dim=8))
+    elif kind == "phi3":  # Phi-3 / Phi-4: fused qkv and gate_up projections
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            **DENSE, pad_token_id=0, bos_token_id=1, eos_token_id=2, **over))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DENSE, **over))
     return model.eval()
@@ -60,7 +64,7 @@ def _rows_equal_alone_and_batched(model: torch.nn.Module, batch_invariant: bool 
                            batched[i, :len(s) - 1]) for i, s in enumerate(seqs))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "qwen3_moe"])
 def test_verified_families_are_patched_without_a_warning(kind):
     model = _build(kind)
     with warnings.catch_warnings():
@@ -176,3 +180,25 @@ def test_a_rotary_table_that_follows_the_batch_is_not_claimed():
         warnings.simplefilter("error")
         rlkernels.patch_model(fixed)
     assert rlkernels.is_patched(fixed)
+
+
+@pytest.mark.parametrize("over", [{}, dict(partial_rotary_factor=0.5), dict(sliding_window=64)])
+def test_phi3_scores_as_its_own_forward_and_samples_what_it_scores(over):
+    # Phi-3 and Phi-4 (Phi3ForCausalLM); Phi-4-mini rotates part of each head, Phi-3-mini-4k
+    # has a window (here holding every key).
+    stock = _build("phi3", **over)
+    with torch.no_grad():
+        stock.lm_head.weight.mul_(60.0)  # a trained model's logit spread
+    reference = copy.deepcopy(stock).double()
+    model = rlkernels.patch_model(stock)
+    assert rlkernels.is_patched(model)
+    seqs, ids, mask = _ragged()
+    logp = rlkernels.token_logprobs(model, ids, mask)
+    with torch.no_grad():
+        logits = reference(ids, attention_mask=mask).logits[:, :-1]
+    want = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
+    assert logits.std() > 3 and float((logp.detach().double() - want).abs().max()) <= 1e-4
+    assert _rows_equal_alone_and_batched(model, None) == len(seqs)
+    prompts = torch.stack([s[:3] for s in seqs])
+    seq, lp = rlkernels.generate(model, prompts, max_new_tokens=6, do_sample=True, seed=4, temperature=0.8)
+    assert torch.equal(rlkernels.token_logprobs(model, seq, temperature=0.8)[:, 2:], lp)

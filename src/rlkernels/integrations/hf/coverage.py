@@ -51,9 +51,11 @@ from .attention import NAME as ATTENTION
 # attention (through the attention interface) and a gated MLP or a mixture-of-experts
 # block (the MoE families: their attention, decoder layer and model forward are the dense
 # family's, Mistral's for Mixtral), RMSNorms, a rotary table, and an LM head whose output is
-# returned unchanged.
-VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                                               "qwen3_moe"})
+# returned unchanged. Phi-3's fused qkv_proj and gate_up_proj are Linears whose outputs are
+# sliced; its MLP multiplies up by SiLU(gate), its rotary may leave part of a head unrotated
+# (a slice and a concatenation), all elementwise; its RMSNorm is Llama's formula.
+VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral",
+                                               "qwen2_moe", "qwen3_moe"})
 
 # Class-name endings of transformers' MoE modules: uncovered wherever they appear (the
 # block itself holds no parameter, so the family rule alone would let it through).
@@ -176,8 +178,8 @@ def is_patched(model: nn.Module) -> bool:
     attention is selected and every module is covered
     (:func:`~rlkernels.integrations.hf.coverage.uncovered_modules` finds none): the
     library's Linear, RMSNorm and MoE block, gathers and elementwise modules, and the
-    parameter-free modules of the verified families (Llama, Mistral, Qwen2, Qwen3 and the
-    MoE Qwen3-MoE, Qwen2-MoE, Mixtral), whose other ops do
+    parameter-free modules of the verified families (Llama, Mistral, Qwen2, Qwen3, Phi-3 and
+    the MoE Qwen3-MoE, Qwen2-MoE, Mixtral), whose other ops do
     not reduce across tokens (embedding gathers, rotary tables from a one-term product,
     elementwise activations and residual adds).
     """
