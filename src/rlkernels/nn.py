@@ -51,18 +51,22 @@ class LMHead(Linear):
 
 
 class RMSNorm(nn.Module):
-    """Drop-in for HF ``*RMSNorm`` modules (``weight``, ``variance_epsilon``)."""
+    """Drop-in for HF ``*RMSNorm`` modules (``weight``, ``variance_epsilon``): Llama's
+    ``weight * xhat.to(x.dtype)``, or with ``weight_in_fp32`` OLMo 2's ``(weight * xhat).to(x.dtype)``
+    (:func:`rlkernels.ops.norms.rms_norm`)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, weight_in_fp32: bool = False, device=None,
+                 dtype=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
+        self.weight_in_fp32 = weight_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon)
+        return rms_norm(x, self.weight, self.variance_epsilon, weight_in_fp32=self.weight_in_fp32)
 
     @classmethod
-    def from_module(cls, module: nn.Module) -> "RMSNorm":
+    def from_module(cls, module: nn.Module, *, weight_in_fp32: bool = False) -> "RMSNorm":
         """An ``RMSNorm`` sharing ``module.weight`` (no copy); eps from ``variance_epsilon``/``eps``."""
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if eps is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -71,10 +75,12 @@ class RMSNorm(nn.Module):
         nn.Module.__init__(new)
         new.weight = module.weight
         new.variance_epsilon = float(eps)
+        new.weight_in_fp32 = weight_in_fp32
         return new
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        order = ", weight_in_fp32=True" if self.weight_in_fp32 else ""
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{order}"
 
 
 class SiLU(nn.Module):

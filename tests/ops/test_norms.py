@@ -146,6 +146,34 @@ def test_rms_norm_module_from_hf_like():
     assert testing.rel_error(mod(x), reference.rms_norm_ref(x, src.weight, 1e-5)) < 2e-6
 
 
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16, torch.bfloat16)))
+def test_rms_norm_weight_in_fp32_rounds_once_after_the_weight(backend, dtype, gen):
+    # OLMo 2's order: (weight * xhat).to(x.dtype), the product in fp32. Bitwise the fp32
+    # normalized rows times the weight, rounded once; within the contract of an fp64 reference.
+    x = randn(9, 131, dtype=dtype, generator=gen, scale=3.0).requires_grad_()
+    w = (1 + 0.1 * randn(131, generator=gen)).to(dtype).requires_grad_()
+    y = norms.rms_norm(x, w, 1e-6, weight_in_fp32=True, backend=backend)
+    xhat = implementation("rms_norm", backend)().forward_fp32(x.detach(), None, 1e-6)
+    assert y.dtype == dtype and torch.equal(y, (w.detach().float() * xhat).to(dtype))
+    with torch.no_grad():
+        assert torch.equal(norms.rms_norm(x, w, 1e-6, weight_in_fp32=True, backend=backend), y)  # the fused path
+        xd = x.double()
+        want = (w.double() * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6))).to(dtype)
+    assert testing.rel_error(y, want) <= TOL[dtype]
+    if dtype != torch.float32:  # Llama's order rounds twice: the two differ somewhere
+        assert not torch.equal(y, norms.rms_norm(x, w, 1e-6, backend=backend))
+    g = randn(9, 131, dtype=dtype, generator=gen)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    gx64, gw64 = torch.autograd.grad(y64, (x64, w64), g.double())
+    assert gx.dtype == dtype and gw.dtype == dtype
+    assert testing.rel_error(gx, gx64) <= TOL[dtype] and testing.rel_error(gw, gw64) <= TOL[dtype]
+    rows = [norms.rms_norm(x[i:i + 1].detach(), w.detach(), 1e-6, weight_in_fp32=True, backend=backend)
+            for i in range(9)]
+    assert torch.equal(torch.cat(rows), y.detach())  # a row alone: the same bits
+
+
 def test_invalid_inputs():
     with pytest.raises(ValueError):
         norms.rms_norm(torch.randn(3, 4), torch.randn(5))

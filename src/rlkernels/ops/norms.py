@@ -115,24 +115,29 @@ class _RMSNormFunction(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *, weight_in_fp32: bool = False,
              backend: str | None = None) -> torch.Tensor:
     """Batch-invariant RMSNorm over the last dim (HF Llama/Qwen semantics, forward and backward).
 
     x: [..., N] (bf16/fp16/fp32; fp64 on the torch backend); weight: [N] or None.
     The statistics are fp32 (fp64 for fp64); the output is ``weight * xhat.to(x.dtype)``
     with torch's type promotion (an fp32 weight gives an fp32 output, as in HF).
+    ``weight_in_fp32``: ``(weight * xhat).to(x.dtype)`` instead, the product in the
+    statistics' dtype and rounded once (OLMo 2's order); the same in fp32.
     """
     _check_rms("rms_norm", x, weight)
     reduction_backend = reduction_backend_for("rms_norm", x.device, backend)
+    keep = bool(weight_in_fp32)
     if not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))) \
             and reduction_backend.fuses_rms_norm(x, weight):
         # Inference (a decode step runs four norms per layer): the one fused launch, without
         # an autograd node -- the forward the Function would run, so the same bits.
         N = x.shape[-1]
-        y, _ = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), False)
-        return y.reshape(*x.shape[:-1], N)
-    return _RMSNormFunction.apply(x, weight, float(eps), reduction_backend, False)
+        y, _ = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), keep)
+        y = y.reshape(*x.shape[:-1], N)
+    else:
+        y = _RMSNormFunction.apply(x, weight, float(eps), reduction_backend, keep)
+    return y.to(x.dtype) if keep else y
 
 
 def _check_rms(op: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:

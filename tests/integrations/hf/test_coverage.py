@@ -38,6 +38,9 @@ def _build(kind: str, **over) -> torch.nn.Module:
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**DENSE, sliding_window=None))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE, head_dim=8))
+    elif kind == "olmo2":  # post-norms, q/k norms over all heads, its own RMSNorm order
+        model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+            **DENSE, pad_token_id=0, bos_token_id=1, eos_token_id=2, **over))
     elif kind == "phi3":  # Phi-3 / Phi-4: fused qkv and gate_up projections
         model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
             **DENSE, pad_token_id=0, bos_token_id=1, eos_token_id=2, **over))
@@ -64,7 +67,7 @@ def _rows_equal_alone_and_batched(model: torch.nn.Module, batch_invariant: bool 
                            batched[i, :len(s) - 1]) for i, s in enumerate(seqs))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe"])
 def test_verified_families_are_patched_without_a_warning(kind):
     model = _build(kind)
     with warnings.catch_warnings():
@@ -182,11 +185,12 @@ def test_a_rotary_table_that_follows_the_batch_is_not_claimed():
     assert rlkernels.is_patched(fixed)
 
 
-@pytest.mark.parametrize("over", [{}, dict(partial_rotary_factor=0.5), dict(sliding_window=64)])
-def test_phi3_scores_as_its_own_forward_and_samples_what_it_scores(over):
-    # Phi-3 and Phi-4 (Phi3ForCausalLM); Phi-4-mini rotates part of each head, Phi-3-mini-4k
-    # has a window (here holding every key).
-    stock = _build("phi3", **over)
+@pytest.mark.parametrize("kind, over", [("phi3", {}), ("phi3", dict(partial_rotary_factor=0.5)),
+                                        ("phi3", dict(sliding_window=64)), ("olmo2", {})])
+def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, over):
+    # Phi-3 and Phi-4 (Phi3ForCausalLM): Phi-4-mini rotates part of each head, Phi-3-mini-4k
+    # has a window (here holding every key). OLMo 2.
+    stock = _build(kind, **over)
     with torch.no_grad():
         stock.lm_head.weight.mul_(60.0)  # a trained model's logit spread
     reference = copy.deepcopy(stock).double()
@@ -202,3 +206,28 @@ def test_phi3_scores_as_its_own_forward_and_samples_what_it_scores(over):
     prompts = torch.stack([s[:3] for s in seqs])
     seq, lp = rlkernels.generate(model, prompts, max_new_tokens=6, do_sample=True, seed=4, temperature=0.8)
     assert torch.equal(rlkernels.token_logprobs(model, seq, temperature=0.8)[:, 2:], lp)
+
+
+def test_rms_norms_are_swapped_only_for_a_formula_the_library_computes():
+    olmo2, llama = _build("olmo2"), _build("llama")
+    rlkernels.patch_model(olmo2)
+    rlkernels.patch_model(llama)
+    norms = [m for m in olmo2.modules() if isinstance(m, rlkernels.RMSNorm)]
+    assert norms and all(m.weight_in_fp32 for m in norms)  # OLMo 2: (weight * xhat).to(dtype)
+    assert not any(m.weight_in_fp32 for m in llama.modules() if isinstance(m, rlkernels.RMSNorm))
+
+    class OffsetRMSNorm(torch.nn.Module):  # another formula under the same kind of name: left alone
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(32))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, hidden_states):
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            return (1 + self.weight) * hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+    model = _build("llama")
+    model.model.norm = OffsetRMSNorm()
+    with pytest.warns(UserWarning, match="(?s)only partly covered.*OffsetRMSNorm"):
+        rlkernels.patch_model(model)
+    assert type(model.model.norm) is OffsetRMSNorm and not rlkernels.is_patched(model)

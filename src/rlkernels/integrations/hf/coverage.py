@@ -53,8 +53,10 @@ from .attention import NAME as ATTENTION
 # family's, Mistral's for Mixtral), RMSNorms, a rotary table, and an LM head whose output is
 # returned unchanged. Phi-3's fused qkv_proj and gate_up_proj are Linears whose outputs are
 # sliced; its MLP multiplies up by SiLU(gate), its rotary may leave part of a head unrotated
-# (a slice and a concatenation), all elementwise; its RMSNorm is Llama's formula.
-VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral",
+# (a slice and a concatenation), all elementwise; its RMSNorm is Llama's formula. OLMo 2
+# norms q and k over all heads and the sublayers' outputs before the residual adds, with
+# its own RMSNorm order (weight times the fp32 rows, then rounded: patch.py reads which).
+VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "mixtral",
                                                "qwen2_moe", "qwen3_moe"})
 
 # Class-name endings of transformers' MoE modules: uncovered wherever they appear (the
@@ -178,8 +180,8 @@ def is_patched(model: nn.Module) -> bool:
     attention is selected and every module is covered
     (:func:`~rlkernels.integrations.hf.coverage.uncovered_modules` finds none): the
     library's Linear, RMSNorm and MoE block, gathers and elementwise modules, and the
-    parameter-free modules of the verified families (Llama, Mistral, Qwen2, Qwen3, Phi-3 and
-    the MoE Qwen3-MoE, Qwen2-MoE, Mixtral), whose other ops do
+    parameter-free modules of the verified families (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+    OLMo 2 and the MoE Qwen3-MoE, Qwen2-MoE, Mixtral), whose other ops do
     not reduce across tokens (embedding gathers, rotary tables from a one-term product,
     elementwise activations and residual adds).
     """

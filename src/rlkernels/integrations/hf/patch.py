@@ -14,6 +14,8 @@ forward then covers is read by :mod:`.coverage`.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 import warnings
 from typing import Any
@@ -30,12 +32,34 @@ from .coverage import decoder_of, is_silu
 from ...runtime.opaque import opaque_to_compile
 
 
-def _is_rms_norm(module: nn.Module) -> bool:
-    return (type(module).__name__.endswith("RMSNorm") and not isinstance(module, RMSNorm)
-            and isinstance(getattr(module, "weight", None), torch.Tensor)
-            and (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))
-            # Gemma-style (1 + weight) norms compute a different formula: leave them alone.
-            and "Gemma" not in type(module).__name__)
+# The last line of transformers' RMSNorm forwards the library computes, and whether the
+# weight multiplies in fp32 (OLMo 2) or after the rounding to the input's dtype (Llama's).
+_RMS_NORM_RETURNS = {"return self.weight * hidden_states.to(input_dtype)": False,
+                     "return (self.weight * hidden_states).to(input_dtype)": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _rms_norm_order(module_type: type) -> bool | None:
+    """``weight_in_fp32`` for a transformers RMSNorm class whose forward is one of the two
+    formulas (its source read), else None: another formula -- Gemma's ``(1 + weight)``, a
+    gated or offset norm -- is left alone, not replaced by one that computes something else."""
+    try:
+        lines = [line.strip() for line in inspect.getsource(module_type.forward).splitlines()]
+    except (OSError, TypeError):
+        return None
+    if "variance = hidden_states.pow(2).mean(-1, keepdim=True)" not in lines:
+        return None
+    found = {_RMS_NORM_RETURNS[line] for line in lines if line in _RMS_NORM_RETURNS}
+    return found.pop() if len(found) == 1 and sum(line.startswith("return") for line in lines) == 1 else None
+
+
+def _rms_norm_swap(module: nn.Module) -> bool | None:
+    """``weight_in_fp32`` where ``module`` is a stock RMSNorm the library computes, else None."""
+    if (not type(module).__name__.endswith("RMSNorm") or isinstance(module, RMSNorm)
+            or not isinstance(getattr(module, "weight", None), torch.Tensor)
+            or not (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))):
+        return None
+    return _rms_norm_order(type(module))
 
 
 def patch_model(model: nn.Module, *, attn_implementation: str | None = attention.NAME) -> nn.Module:
@@ -80,8 +104,8 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
             # Exact type: subclasses (quantized / LoRA / parallel linears) compute something else.
             if type(child) is nn.Linear:
                 setattr(parent, name, (LMHead if child is head else Linear).from_torch(child))
-            elif _is_rms_norm(child):
-                setattr(parent, name, RMSNorm.from_module(child))
+            elif (weight_in_fp32 := _rms_norm_swap(child)) is not None:
+                setattr(parent, name, RMSNorm.from_module(child, weight_in_fp32=weight_in_fp32))
             elif is_silu(child):
                 setattr(parent, name, SiLU())
     if attn_implementation is not None:
