@@ -231,3 +231,14 @@ def test_rms_norms_are_swapped_only_for_a_formula_the_library_computes():
     with pytest.warns(UserWarning, match="(?s)only partly covered.*OffsetRMSNorm"):
         rlkernels.patch_model(model)
     assert type(model.model.norm) is OffsetRMSNorm and not rlkernels.is_patched(model)
+
+
+@pytest.mark.parametrize("family", sorted(coverage.VERIFIED_FAMILIES))
+def test_every_verified_familys_rms_norm_is_a_formula_the_library_computes(family):
+    import importlib
+
+    from rlkernels.integrations.hf.patch import _rms_norm_order
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    norms = [getattr(module, name) for name in dir(module) if name.endswith("RMSNorm")]
+    assert norms and all(_rms_norm_order(cls) == (family == "olmo2") for cls in norms)
