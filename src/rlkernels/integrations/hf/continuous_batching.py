@@ -25,9 +25,9 @@ L - 1, then L + t for its t-th new token), as in a left-padded row of ``generate
 waiting prompts whose samples the free rows take are prefilled together, one left-padded
 batch in a cache of its own (each row is its prompt's prefill alone, bit for bit: padding
 and batch-mates change no bit); a prompt's n samples' first tokens are drawn from its one
-forward and its keys and values are copied into each sample's row. A decode step feeds every row its last token,
-writes slot c of every row and advances c by one; a row without a sample is fed token
-0 with only slot c unmasked (finite, discarded). When c reaches S, every row's keys
+forward and its keys and values are copied into each sample's row. A decode step feeds
+every row its last token, writes slot c of every row and advances c by one; a row
+without a sample is fed token 0 with only slot c unmasked (finite, discarded). When c reaches S, every row's keys
 are moved left so that the longest window starts at slot 0 and the counter moves back
 with them (copies only). The memory the keys and values take is therefore bounded by
 ``max_batch`` x S slots per layer, S = 2 x (longest prompt + ``max_new_tokens``).
@@ -110,7 +110,7 @@ class _Plan:
     eos: frozenset[int]
     max_batch: int
     prefill_tokens: int
-    buckets: tuple[int, ...]
+    step_batches: tuple[int, ...]  # the batch sizes a decode step runs at, ascending
     slots: int
     cuda_graph: bool
     keep: bool
@@ -319,7 +319,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
         seed = int(torch.randint(0, 1 << 62, (1,))) if not greedy else 0  # generate's draw of a seed
     return _Plan(prompts=ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
                  seed=seed, streams=stream_ids, eos=eos, max_batch=max_batch, prefill_tokens=prefill_tokens,
-                 buckets=step_batches(max_batch, smallest_step_batch), slots=slots,
+                 step_batches=step_batches(max_batch, smallest_step_batch), slots=slots,
                  cuda_graph=graphed, keep=keep, device=device,
                  return_entropy=bool(return_entropy))
 
@@ -561,7 +561,7 @@ class _Rollout:
         if self.counter == self.plan.slots:
             self.compact()
         top = int(np.flatnonzero(self.row_sample >= 0)[-1]) + 1
-        b = next(b for b in self.plan.buckets if b >= top)
+        b = next(b for b in self.plan.step_batches if b >= top)
         owner = self.row_sample[:b].copy()
         used = owner >= 0
         samples = owner[used]
