@@ -49,7 +49,6 @@ compaction write in place.
 from __future__ import annotations
 
 import logging
-import numbers
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -63,7 +62,7 @@ from ...ops.linear_sample import SEED_LIMIT, linear_sample
 from ..trainers import fsdp
 from . import decode, moe, static_cache
 from .coverage import decoder_of, is_patched, mode_for
-from .scoring import check_head, eos_token_ids, vocab_size
+from .scoring import check_head, eos_token_ids, is_int, vocab_size
 
 OP = "rollout"
 logger = logging.getLogger(__name__)
@@ -122,10 +121,6 @@ class _Plan:
         return max(len(p) for p in self.prompts)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _prompt_ids(prompts: object, vocab: int | None, max_positions: int | None) -> list[list[int]]:
     """Each prompt as a list of ids, checked: no padding is possible, so no 2-D tensor."""
     if isinstance(prompts, torch.Tensor):
@@ -147,7 +142,7 @@ def _prompt_ids(prompts: object, vocab: int | None, max_positions: int | None) -
                 raise TypeError(f"rlkernels.rollout: prompts[{i}] must hold integer token ids, got {prompt.dtype}")
             ids = prompt.tolist()
         elif isinstance(prompt, (list, tuple)):
-            bad = next((v for v in prompt if not _is_int(v)), None)
+            bad = next((v for v in prompt if not is_int(v)), None)
             if bad is not None:
                 raise TypeError(f"rlkernels.rollout: prompts[{i}] must hold integer token ids, got "
                                 f"{type(bad).__name__} {bad!r}")
@@ -178,7 +173,7 @@ def _stream_ids(streams: object, count: int) -> list[int]:
                              f"{streams.dtype} {tuple(streams.shape)}")
         values = streams.tolist()
     elif isinstance(streams, (list, tuple)):
-        bad = next((v for v in streams if not _is_int(v)), None)
+        bad = next((v for v in streams if not is_int(v)), None)
         if bad is not None:
             raise TypeError(f"rlkernels.rollout: streams must be ints, got {type(bad).__name__} {bad!r}")
         values = [int(v) for v in streams]
@@ -260,20 +255,20 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
           prefill_tokens: int = 8192, keep: bool | None = None) -> _Plan:
     """Every argument checked (errors name ``rlkernels.rollout``), before any compute."""
     check_head(OP, model)
-    if not _is_int(n) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"rlkernels.rollout: n must be an int >= 1, got {n!r}")
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"rlkernels.rollout: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     temperature = require_temperature(OP, temperature)
-    if max_batch is not None and (not _is_int(max_batch) or max_batch < 1):
+    if max_batch is not None and (not is_int(max_batch) or max_batch < 1):
         raise ValueError(f"rlkernels.rollout: max_batch must be an int >= 1 (or None), got {max_batch!r}")
     config = _text_config(model)
     max_positions = getattr(config, "max_position_embeddings", None)
-    ids = _prompt_ids(prompts, vocab_size(model), max_positions if _is_int(max_positions) else None)
+    ids = _prompt_ids(prompts, vocab_size(model), max_positions if is_int(max_positions) else None)
     stream_ids = _stream_ids(streams, len(ids) * n)
     greedy = not bool(do_sample)
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
-        kind = TypeError if not _is_int(seed) else ValueError
+    if seed is not None and (not is_int(seed) or not 0 <= seed < SEED_LIMIT):
+        kind = TypeError if not is_int(seed) else ValueError
         raise kind(f"rlkernels.rollout: seed must be a Python int in [0, 2^63) (or None), got {seed!r}")
     eos = frozenset(eos_token_ids(OP, model, eos_token_id))
     device, dtype = _model_device(model)
@@ -306,7 +301,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
             # A sliding window holds every key of a cache no longer than it (the attention refuses
             # a longer one): keep the slots within it where the rollout's windows fit.
             sliding = getattr(config, "sliding_window", None)
-            if _is_int(sliding) and window <= sliding < slots:
+            if is_int(sliding) and window <= sliding < slots:
                 slots = sliding
         elif slots < window:
             i = next(i for i, p in enumerate(ids) if len(p) == longest)

@@ -9,9 +9,7 @@ and the decode is run, as the root's forward where the model is sharded by FSDP2
 """
 from __future__ import annotations
 
-import numbers
 import warnings
-
 from typing import Any
 
 import torch
@@ -21,7 +19,7 @@ from ...ops._validate import require_temperature
 from ..trainers import fsdp
 from . import decode, moe
 from .coverage import is_patched
-from .scoring import check_head, check_ids, check_mask, eos_token_ids, warn_attention
+from .scoring import check_head, check_ids, check_mask, eos_token_ids, is_int, warn_attention
 
 
 # Options that would draw from another distribution than the one whose log-probs are
@@ -206,7 +204,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                       f"({max_new}) exceeds the model's max_position_embeddings ({limit})", stacklevel=2)
     eos = eos_token_ids("generate", model, generate_kwargs.get("eos_token_id"))
     pad = generate_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
-    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):
+    if pad is not None and not is_int(pad):
         raise TypeError(f"rlkernels.generate: pad_token_id must be an int (or None), got {pad!r}")
     B = input_ids.shape[0]
     if do_sample:

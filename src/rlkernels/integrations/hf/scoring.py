@@ -141,6 +141,11 @@ def check_ids(op: str, model: nn.Module, input_ids: torch.Tensor) -> None:
                          f"the model's vocabulary [0, {vocab}) (first bad id, at batch {b}, index {i})")
 
 
+def is_int(value: object) -> bool:
+    """An integer id or count: any ``numbers.Integral`` (numpy's too) but a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def warn_attention(op: str, model: nn.Module, batch_invariant: bool | None, stacklevel: int) -> None:
     """Warn, naming ``rlkernels.<op>`` and pointing ``stacklevel`` frames above the caller,
     where the model's attention implementation is neither the patched one nor eager (which
@@ -168,7 +173,7 @@ def eos_token_ids(op: str, model: nn.Module, eos_token_id: object) -> list[int]:
     else:
         values = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        if not is_int(v):
             raise TypeError(f"rlkernels.{op}: eos_token_id must be an int or a list of ints, got {v!r}")
     return [int(v) for v in values]
 
