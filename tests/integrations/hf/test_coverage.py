@@ -201,7 +201,7 @@ def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, ove
     with torch.no_grad():
         logits = reference(ids, attention_mask=mask).logits[:, :-1]
     want = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
-    assert logits.std() > 3 and float((logp.detach().double() - want).abs().max()) <= 1e-4
+    assert logits.std() >= 5 and float((logp.detach().double() - want).abs().max()) <= 1e-4
     assert _rows_equal_alone_and_batched(model, None) == len(seqs)
     prompts = torch.stack([s[:3] for s in seqs])
     seq, lp = rlkernels.generate(model, prompts, max_new_tokens=6, do_sample=True, seed=4, temperature=0.8)
