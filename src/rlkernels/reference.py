@@ -22,16 +22,23 @@ def bmm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def linear_logprob_ref(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                        bias: torch.Tensor | None = None, *, temperature: float = 1.0,
-                       ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp, entropy) in float64, each shaped like ``target``; ignored positions give 0."""
+                       ignore_index: int = -100,
+                       logit_threshold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) in float64, each shaped like ``target``; ignored positions give 0.
+    ``logit_threshold``: the truncated distribution over each row's logits >= it."""
     logits = matmul_ref(hidden.reshape(-1, hidden.shape[-1]), weight.t(), bias) / temperature
+    finite = logits  # p * logits for the entropy: masked logits enter as 0, not -inf (0 * inf)
+    if logit_threshold is not None:
+        left_out = logits < logit_threshold.reshape(-1, 1).double()
+        finite = torch.where(left_out, 0.0, logits)
+        logits = torch.where(left_out, -torch.inf, logits)
     logz = torch.logsumexp(logits, dim=-1)
     t = target.reshape(-1)
     valid = t != ignore_index
     picked = logits.gather(1, torch.where(valid, t, 0).long()[:, None])[:, 0]
     logp = torch.where(valid, picked - logz, torch.zeros_like(logz))
     p = torch.softmax(logits, dim=-1)
-    entropy = torch.where(valid, logz - (p * logits).sum(-1), torch.zeros_like(logz))
+    entropy = torch.where(valid, logz - (p * finite).sum(-1), torch.zeros_like(logz))
     return logp.reshape(target.shape), entropy.reshape(target.shape)
 
 

@@ -224,6 +224,102 @@ def test_large_logits_stay_finite(gen):
     assert (ent.double() - re).abs().max().item() <= 1e-6 * scale
 
 
+# ------------------------------------------------------------------- truncated (logit_threshold)
+
+
+def _thresholds(h, w, b, keep, temperature=TEMP):
+    """Per row: midway between the keep-th and (keep+1)-th largest float64 scaled logits (no
+    logit near it, so fp32 rounding cannot move the kept set); -inf on every third row."""
+    z = linear_logprob_ref_logits(h, w, b, temperature)
+    top = z.topk(keep + 1, dim=-1).values
+    tau = ((top[..., keep - 1] + top[..., keep]) / 2).to(F64 if h.dtype == F64 else F32)
+    tau.view(-1)[::3] = -math.inf
+    return tau
+
+
+def linear_logprob_ref_logits(h, w, b, temperature):
+    z = h.double().reshape(-1, h.shape[-1]) @ w.double().T + (b.double() if b is not None else 0)
+    return (z / temperature).reshape(*h.shape[:-1], w.shape[0])
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F16, BF16, F64)))
+def test_truncated_forward_accuracy(backend, dtype, gen):
+    h, w, b, _ = _data(7, 40, 100, dtype, gen)
+    tau = _thresholds(h, w, b, 12)
+    z = linear_logprob_ref_logits(h, w, b, TEMP)
+    # Targets inside each row's kept set (ignored rows aside): what a sampler drew.
+    t = torch.multinomial(torch.softmax(torch.where(z < tau.double()[:, None], -math.inf, z), -1), 1,
+                          generator=gen)[:, 0]
+    t[1] = -100
+    lp, ent = _check_forward(h, w, b, t, backend, temperature=TEMP, logit_threshold=tau)
+    full = linear_logprob(h, w, t, b, temperature=TEMP, backend=backend)
+    truncated = torch.isfinite(tau) & (t >= 0)
+    assert (lp[truncated] > full[truncated]).all()
+    # -inf keeps every logit: the untruncated log-prob's bits.
+    assert torch.equal(lp[~torch.isfinite(tau)], full[~torch.isfinite(tau)])
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F16, F64)))
+def test_truncated_backward_matches_float64_autograd(backend, dtype, gen):
+    h, w, b, _ = _data(9, 24, 70, dtype, gen)
+    tau = _thresholds(h, w, b, 8)
+    z = linear_logprob_ref_logits(h, w, b, TEMP)
+    t = z.argmax(dim=-1)
+    t[2] = -100
+    gl, ge = randn(9, generator=gen, dtype=F64), randn(9, generator=gen, dtype=F64)
+    hh, ww, bb = (x.detach().clone().requires_grad_() for x in (h, w, b))
+    lp, ent = linear_logprob(hh, ww, t, bb, temperature=TEMP, return_entropy=True, logit_threshold=tau,
+                             backend=backend)
+    (lp.double() * gl + ent.double() * ge).sum().backward()
+    rh, rw, rb = (x.detach().double().requires_grad_() for x in (h, w, b))
+    rl, re = linear_logprob_ref(rh, rw, t, rb, temperature=TEMP, logit_threshold=tau)
+    (rl * gl + re * ge).sum().backward()
+    tol = LINEAR_LOGPROB_GRAD_REL[dtype]
+    for got, want in ((hh.grad, rh.grad), (ww.grad, rw.grad), (bb.grad, rb.grad)):
+        assert torch.isfinite(got).all()
+        assert rel_error(got, want) <= tol
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32,)))
+def test_a_target_outside_its_kept_set_gets_minus_inf_and_no_gradient(backend, dtype, gen):
+    h, w, b, _ = _data(4, 16, 50, dtype, gen)
+    z = linear_logprob_ref_logits(h, w, b, 1.0)
+    tau = _thresholds(h, w, b, 5, 1.0)
+    tau[0] = z[0].max().float()  # row 0 keeps its largest logit only
+    t = z.argmin(dim=-1)  # never kept where tau is finite
+    hh = h.clone().requires_grad_()
+    lp = linear_logprob(hh, w, t, b, logit_threshold=tau, backend=backend)
+    assert torch.isneginf(lp[torch.isfinite(tau)]).all() and torch.isfinite(lp[~torch.isfinite(tau)]).all()
+    lp[~torch.isfinite(tau)].sum().backward()
+    assert torch.isfinite(hh.grad).all() and (hh.grad[torch.isfinite(tau)] == 0).all()
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F16)))
+def test_truncated_rows_are_batch_invariant(backend, dtype, gen):
+    h, w, b, t = _data(13, 24, 90, dtype, gen, ignore=False)
+    tau = _thresholds(h, w, b, 10)
+    full = linear_logprob(h, w, t, b, temperature=TEMP, return_entropy=True, logit_threshold=tau, backend=backend)
+    for rows in (torch.tensor([5]), torch.tensor([12, 0, 5]), torch.randperm(13, generator=gen)):
+        part = linear_logprob(h[rows], w, t[rows], b, temperature=TEMP, return_entropy=True,
+                              logit_threshold=tau[rows], backend=backend)
+        for got, want in zip(part, full):
+            assert torch.equal(got.view(torch.int32), want[rows].view(torch.int32))
+
+
+@pytest.mark.parametrize("threshold, err, match", [
+    ([0.0] * 4, TypeError, r"logit_threshold must be a tensor, got list"),
+    (torch.zeros(3), ValueError, r"logit_threshold shape \(3,\) must equal hidden's leading shape \(4,\)"),
+    (torch.zeros(4, dtype=torch.float64), ValueError, r"logit_threshold must be torch.float32 .*got torch.float64"),
+    (torch.zeros(4, dtype=torch.bfloat16), ValueError, r"logit_threshold must be torch.float32"),
+    (torch.tensor([0.0, float("nan"), 0.0, 0.0]), ValueError, r"logit_threshold is NaN at flat position 1"),
+    (torch.zeros(4, device="meta"), ValueError, r"logit_threshold is on meta, hidden on cpu"),
+])
+def test_bad_thresholds_are_refused_naming_the_op(threshold, err, match, gen):
+    h, w, b, t = _data(4, 8, 30, F32, gen, ignore=False)
+    with pytest.raises(err, match=rf"rlkernels.linear_logprob: {match}"):
+        linear_logprob(h, w, t, b, logit_threshold=threshold)
+
+
 # ----------------------------------------------------------------------------- invariance
 
 def _row_fn(h, w, b, t, backend, **kw):

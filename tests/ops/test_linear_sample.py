@@ -225,6 +225,124 @@ def test_draws_follow_the_fp32_distribution_and_not_the_bf16_rounded_one():
     assert stat_bf16 > critical(df_bf16), (stat_bf16, critical(df_bf16))
 
 
+# ------------------------------------------------------------------ top-k and top-p
+
+TRUNCATIONS = [dict(top_k=5), dict(top_p=0.9), dict(top_k=40, top_p=0.8)]
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+@pytest.mark.parametrize("truncation", TRUNCATIONS, ids=["top_k", "top_p", "both"])
+def test_truncated_logp_is_linear_logprobs_with_the_threshold(backend, dtype, truncation, gen):
+    n, d, v = 9, 40, 257
+    h, w, b = _head(n, d, v, dtype, gen)
+    streams, positions = _counters(n, gen)
+    tok, lp, ent, tau = linear_sample(h, w, b, temperature=0.7, seed=SEED, streams=streams, positions=positions,
+                                      return_entropy=True, return_threshold=True, backend=backend, **truncation)
+    assert tau.dtype == F32 and tau.shape == (n,) and torch.isfinite(tau).all()
+    z = linear_logprob  # the kept set as the trainer sees it: the token is inside it
+    ref_lp, ref_ent = z(h, w, tok, b, temperature=0.7, return_entropy=True, logit_threshold=tau, backend=backend)
+    assert torch.equal(_bits(lp), _bits(ref_lp)) and torch.equal(_bits(ent), _bits(ref_ent))
+    full_lp = linear_logprob(h, w, tok, b, temperature=0.7, backend=backend)
+    assert (lp >= full_lp).all() and (lp > full_lp).any()  # renormalised over fewer tokens
+    greedy, glp, gtau = linear_sample(h, w, b, temperature=0.7, greedy=True, return_threshold=True, backend=backend,
+                                      **truncation)
+    assert torch.equal(_bits(gtau), _bits(tau))  # the threshold does not depend on the draw
+    assert torch.equal(_bits(glp), _bits(linear_logprob(h, w, greedy, b, temperature=0.7, logit_threshold=tau,
+                                                        backend=backend)))
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32, F16)))
+def test_a_truncated_draw_is_the_same_alone_in_any_batch_and_order(backend, dtype, gen):
+    n, d, v = 11, 24, 197
+    h, w, b = _head(n, d, v, dtype, gen)
+    streams, positions = _counters(n, gen)
+
+    def draw(rows):
+        return linear_sample(h[rows], w, b, temperature=0.8, seed=SEED, streams=streams[rows],
+                             positions=positions[rows], return_entropy=True, return_threshold=True,
+                             top_k=30, top_p=0.9, backend=backend)
+
+    full = draw(torch.arange(n))
+    for rows in (torch.tensor([4]), torch.tensor([10, 0, 3]), torch.randperm(n, generator=gen)):
+        for got, want in zip(draw(rows), full):
+            assert torch.equal(got.view(torch.int64) if got.dtype == torch.int64 else _bits(got), _bits(want[rows]))
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
+def test_neutral_truncation_gives_the_untruncated_bits(backend, dtype, gen):
+    n, d, v = 7, 16, 131
+    h, w, b = _head(n, d, v, dtype, gen)
+    streams, positions = _counters(n, gen)
+    base = linear_sample(h, w, b, seed=SEED, streams=streams, positions=positions, return_entropy=True,
+                         backend=backend)
+    for neutral in (dict(top_k=0, top_p=1.0), dict(top_k=v), dict(top_k=10 * v, top_p=1)):
+        *got, tau = linear_sample(h, w, b, seed=SEED, streams=streams, positions=positions, return_entropy=True,
+                                  return_threshold=True, backend=backend, **neutral)
+        assert torch.isneginf(tau).all()
+        for x, y in zip(got, base):
+            assert torch.equal(x.view(torch.int64) if x.dtype == torch.int64 else _bits(x), _bits(y))
+
+
+def _two_term_head(v):
+    """Logits 8.0625 k - 0.5 |k - 8| +- 0.03 over k < v: none a bf16 value, a peaked distribution."""
+    k = torch.arange(v, dtype=torch.float64)
+    w = torch.stack([8.0 + 0.0625 * k - 0.5 * (k - 8).abs(), 0.03 * (-1.0) ** k], dim=1).float()
+    return torch.ones(1, 2), w
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=4), dict(top_p=0.7), dict(top_k=6, top_p=0.6)],
+                         ids=["top_k", "top_p", "both"])
+def test_truncated_draws_follow_the_truncated_fp64_distribution(truncation):
+    """Chi-square of 100k draws at T = 0.7 against the fp64 truncated distribution (the kept
+    set from the returned threshold, checked against the fp64 definition); the same draws
+    reject the untruncated distribution."""
+    v, n, T = 16, 100_000, 0.7
+    h, w = _two_term_head(v)
+    tok, _, tau = linear_sample(h.expand(n, 2), w, temperature=T, seed=SEED, streams=torch.arange(n),
+                                positions=torch.full((n,), 3), return_threshold=True, backend="torch", **truncation)
+    assert (tau == tau[0]).all()
+    # The fp32 scaled logits the op draws from (two exact products, one rounded add, / T),
+    # and the kept set on them; probabilities in fp64 of those values.
+    z32 = (w[:, 0] + w[:, 1]) / T
+    kept = z32 >= tau[0]
+    z = z32.double()
+    order = torch.sort(z, descending=True).values
+    k = truncation.get("top_k", 0)
+    floor = order[k - 1] if k else -math.inf
+    p_k = torch.softmax(torch.where(z >= floor, z, -math.inf), 0)
+    mass = torch.cumsum(torch.sort(p_k, descending=True).values, 0)
+    want = int((mass < truncation.get("top_p", 1.0) - 1e-12).sum()) + 1 if "top_p" in truncation else k
+    assert int(kept.sum()) == want  # the kept set is the fp64 definition's
+    truncated = torch.softmax(torch.where(kept, z, -math.inf), 0)
+    counts = torch.bincount(tok, minlength=v).double()
+    assert counts[~kept].sum() == 0
+
+    def chi2(p):
+        keep = p * n >= 5
+        return float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum()), int(keep.sum()) - 1
+
+    def critical(df, zq=3.719):  # Wilson-Hilferty: the chi-square quantile at p = 1e-4
+        return df * (1 - 2 / (9 * df) + zq * math.sqrt(2 / (9 * df))) ** 3
+
+    stat, df = chi2(truncated)
+    assert stat < critical(df), (stat, critical(df))
+    stat_full, df_full = chi2(torch.softmax(z, 0))
+    assert stat_full > critical(df_full), (stat_full, critical(df_full))
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(top_k=-1), ValueError, r"top_k must be >= 0"),
+    (dict(top_k=2.0), TypeError, r"top_k must be an int"),
+    (dict(top_p=0.0), ValueError, r"top_p must lie in \(0, 1\]"),
+    (dict(top_p=float("nan")), ValueError, r"top_p must lie in \(0, 1\]"),
+    (dict(top_p="high"), TypeError, r"top_p must be a number"),
+])
+def test_bad_truncation_is_refused_naming_the_op(kwargs, err, match, gen):
+    h, w, b = _head(4, 8, 40, F32, gen)
+    with pytest.raises(err, match=rf"rlkernels.linear_sample: {match}"):
+        linear_sample(h, w, b, seed=1, streams=torch.arange(4), **kwargs)
+
+
 # ------------------------------------------------------------------ edges and refusals
 
 

@@ -4,23 +4,25 @@ Host side: ``rlkernels.ops.linear_logprob``."""
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .lm_head import logits_tile, scale_by_temperature
+from .lm_head import keep_above, logits_tile, scale_by_temperature
 from .tiles import grouped_tile
 
 if triton is not None:
 
     @triton.jit
     def grad_logits_tile(
-        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
+        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr, tile_id,
         N, V, D, v0, v1, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_DESC: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_DESC: tl.constexpr, THRESHOLD: tl.constexpr,
     ):
         """g[:, v - v0] = dL/d(h W^T + b)[:, v] on one [BLOCK_M, BLOCK_V] tile, recomputing its logits.
 
-        With G_DESC, g_ptr is a TMA descriptor over the chunk's [N, v1 - v0] columns."""
+        With G_DESC, g_ptr is a TMA descriptor over the chunk's [N, v1 - v0] columns.
+        THRESHOLD: the gradient of the truncated distribution's log-prob (``keep_above``):
+        0 on every logit left out, the target's too where it was left out."""
         pid_m, pid_v = grouped_tile(tile_id, tl.cdiv(N, BLOCK_M), tl.cdiv(v1 - v0, BLOCK_V), GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -29,6 +31,7 @@ if triton is not None:
         z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v0 + pid_v * BLOCK_V, V, D,
                          temperature, stride_hn, stride_hd, stride_wv, stride_wd,
                          HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+        z = keep_above(z, threshold_ptr, rm, THRESHOLD)
         lp = z - tl.load(lse_ptr + rm)[:, None]
         p = tl.exp(lp)
         gl = tl.load(gl_ptr + rm)  # already zero on ignored rows
@@ -40,6 +43,8 @@ if triton is not None:
         g = -(p * coef)
         tgt = tl.load(t_ptr + rm).to(tl.int32)
         g = tl.where(offs_v[None, :] == tgt[:, None], g + gl[:, None], g)
+        if THRESHOLD:
+            g = tl.where(z == float("-inf"), 0.0, g)  # p * coef is 0 * inf there
         g = scale_by_temperature(g, temperature, TEMP, BLOCK_M, BLOCK_V)
         if G_DESC:
             # Through shared memory by TMA, clipped at the descriptor's [N, v1 - v0]: no
@@ -57,29 +62,29 @@ if triton is not None:
 
     @triton.jit
     def grad_logits_kernel(
-        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr,
+        h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr,
         N, V, D, v0, v1, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
-        G_DESC: tl.constexpr,
+        G_DESC: tl.constexpr, THRESHOLD: tl.constexpr,
     ):
         """g for the chunk [v0, v1): one tile per program, or NUM_SMS programs walking the
         tiles (a tile's arithmetic is the same whichever program computes it)."""
         if PERSISTENT:
             num_tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(v1 - v0, BLOCK_V)
             for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=False):
-                grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tile_id,
-                                  N, V, D, v0, v1, temperature,
+                grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr,
+                                  tile_id, N, V, D, v0, v1, temperature,
                                   stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
                                   HAS_BIAS, TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
-                                  G_DESC)
+                                  G_DESC, THRESHOLD)
         else:
-            grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, tl.program_id(0),
-                              N, V, D, v0, v1, temperature,
+            grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr,
+                              tl.program_id(0), N, V, D, v0, v1, temperature,
                               stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
                               HAS_BIAS, TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
-                              G_DESC)
+                              G_DESC, THRESHOLD)
 else:  # pragma: no cover - the torch backend still imports without Triton
     grad_logits_tile = grad_logits_kernel = None

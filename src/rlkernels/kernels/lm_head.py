@@ -68,13 +68,24 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def online_stats(m_i, s_i, u_i, z, col_ok):
+    def keep_above(z, threshold_ptr, rm, THRESHOLD: tl.constexpr):
+        """z with the logits below each row's threshold (``threshold_ptr[rm]``, fp32) set
+        to -inf where THRESHOLD: the kept set {v : z_v >= tau}, the truncated distribution's
+        support. A NaN logit is never below it, so a NaN row stays NaN (and refused)."""
+        if THRESHOLD:
+            tau = tl.load(threshold_ptr + rm)
+            z = tl.where(z < tau[:, None], float("-inf"), z)
+        return z
+
+    @triton.jit
+    def online_stats(m_i, s_i, u_i, z, live):
         """The running (max m, s = sum e^(z-m), u = sum e^(z-m) (z-m)) of each row after one
-        tile of logits ``z`` (-inf on columns past V, ``col_ok`` False there), and the tile's
-        own mass: (m, s) by the LSE chain's step, u beside it with its tile sum in fixed
-        point too (e (z - m) lies in [-1/e, 0]), so no sum follows the register layout."""
+        tile of logits ``z`` (-inf on columns past V or below a threshold, ``live`` [BLOCK_M
+        or 1, BLOCK_V] False there), and the tile's own mass: (m, s) by the LSE chain's step,
+        u beside it with its tile sum in fixed point too (e (z - m) lies in [-1/e, 0]), so no
+        sum follows the register layout."""
         m_new, m_ref, alpha, e, d, mass, s_new = lse_step(m_i, s_i, z)
-        ed = e * tl.where(col_ok[None, :], d, 0.0)
+        ed = e * tl.where(live, d, 0.0)
         # Before the first tile s == 0 and m_i = -inf: the rescale term must be 0, not NaN.
         shift = tl.where(s_i > 0, m_i - m_ref, 0.0)
         u_i = alpha * (u_i + shift * s_i) + tile_mass(ed)
@@ -82,13 +93,13 @@ if triton is not None:
 
     @triton.jit
     def fwd_partial_kernel(
-        h_ptr, w_ptr, b_ptr, z_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, tile_m_ptr, tile_s_ptr,
+        h_ptr, w_ptr, b_ptr, z_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, tile_m_ptr, tile_s_ptr, threshold_ptr,
         N, V, D, temperature,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_zn,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_TILES: tl.constexpr, ENTROPY: tl.constexpr,
-        LOGITS: tl.constexpr, TARGET: tl.constexpr,
+        LOGITS: tl.constexpr, TARGET: tl.constexpr, THRESHOLD: tl.constexpr,
     ):
         """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target.
 
@@ -98,7 +109,9 @@ if triton is not None:
         Without ENTROPY, u is not computed (stored as 0): (m, s) are the same chain.
         STORE_TILES: every tile's running max after it and its own sum of e^(z - that max)
         too, at [row, split * SPLIT_V / BLOCK_V + tile] (the sampler's first level).
-        Without TARGET (the sampler, which has none yet), ``t_ptr`` and ``zt_ptr`` are unused."""
+        Without TARGET (the sampler, which has none yet), ``t_ptr`` and ``zt_ptr`` are unused.
+        THRESHOLD: the statistics of the truncated distribution, each row's logits below
+        ``threshold_ptr[row]`` left out (``keep_above``); a target left out has logit -inf."""
         # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
         pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
 
@@ -128,13 +141,18 @@ if triton is not None:
                 z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
                                 temperature, stride_hn, stride_hd, stride_wv, stride_wd,
                                 HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+            z = keep_above(z, threshold_ptr, rm, THRESHOLD)
             # At most one column matches: the sum is that logit exactly. Taken first so
             # z's registers can be reused by the statistics below.
             if TARGET:
                 zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
             z = tl.where(col_ok[None, :], z, float("-inf"))
             if ENTROPY:
-                m_i, s_i, u_i, tile_sum = online_stats(m_i, s_i, u_i, z, col_ok)
+                if THRESHOLD:
+                    live = col_ok[None, :] & (z != float("-inf"))
+                else:
+                    live = col_ok[None, :]
+                m_i, s_i, u_i, tile_sum = online_stats(m_i, s_i, u_i, z, live)
             else:
                 m_i, m_ref, alpha, e, d, tile_sum, s_i = lse_step(m_i, s_i, z)
             if STORE_TILES:
@@ -208,5 +226,6 @@ if triton is not None:
         tl.store(ent_ptr + rows, ent, mask=ok)
         tl.store(lse_ptr + rows, lse, mask=ok)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    scale_by_temperature = logits_tile = online_stats = fwd_partial_kernel = merge_splits = finish_row = None
+    scale_by_temperature = logits_tile = keep_above = online_stats = fwd_partial_kernel = merge_splits = None
+    finish_row = None
     logprob_combine_kernel = None

@@ -14,7 +14,7 @@ at each replay instead of keeping the scalars it recorded.
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .lm_head import finish_row, logits_tile, merge_splits
+from .lm_head import finish_row, keep_above, logits_tile, merge_splits
 
 if triton is not None:
 
@@ -150,12 +150,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
     def sample_in_block_kernel(
         h_ptr, w_ptr, b_ptr, block_ptr, stream_ptr, pos_ptr, seed_ptr, m_ptr, s_ptr, u_ptr,
-        token_ptr, logp_ptr, ent_ptr, status_ptr, ok_ptr,
+        token_ptr, logp_ptr, ent_ptr, status_ptr, ok_ptr, threshold_ptr,
         N, V, D, n_split, temperature, seed_lo, seed_hi,
         stride_hn, stride_hd, stride_wv, stride_wd,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         NOISE: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, POSITIONS: tl.constexpr, ENTROPY: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """One row per program: its sample block's BLOCK_V logits by the same chain (the row in
         all BLOCK_M lanes of the dot), then the Gumbel-max (or the argmax) inside the block,
@@ -164,7 +164,10 @@ if triton is not None:
         target's; and the row's status: 1 where its log-prob is NaN (no distribution to
         draw from), 2 where its position lies outside [0, 2^32), 0 otherwise. A refused
         row clears the flag at ``ok_ptr`` (an atomic AND of 0: order-free, and no value of
-        the draw is reduced through it), so the host checks the call with one element."""
+        the draw is reduced through it), so the host checks the call with one element.
+        THRESHOLD: the draw is from the truncated distribution, the block's logits below
+        the row's ``threshold_ptr[row]`` left out (``keep_above``), as the statistics pass
+        that recorded the masses and (m, s, u) left them out."""
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK_M)
         rm = tl.zeros((BLOCK_M,), tl.int64) + row
@@ -173,6 +176,7 @@ if triton is not None:
         z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, 0, v_lo, V, D, temperature,
                         stride_hn, stride_hd, stride_wv, stride_wd,
                         HAS_BIAS, TEMP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
+        z = keep_above(z, threshold_ptr, rm, THRESHOLD)
         col_ok = offs_v < V
         bad_position = rm < 0  # all False
         if NOISE:

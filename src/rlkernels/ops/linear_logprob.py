@@ -38,6 +38,8 @@ the widest with g in dW's rows not yet written (:func:`main_loop_schedule`).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _validate as V_
@@ -50,8 +52,8 @@ from ..runtime.launcher import cached_launcher
 from .lm_head.backward_schedule import (backward_chunk, dw_tail_rows, last_chunk_start, main_loop_chunk,
                                         main_loop_schedule)
 from .lm_head.config import kernel_operands, temperature_scaling
-from .lm_head.statistics import TORCH_ROW_CHUNK, TorchHeadStatistics, TritonHeadStatistics, torch_logits
-from .lm_head.validate import head_backend, validate_head, validate_targets
+from .lm_head.statistics import TORCH_ROW_CHUNK, TorchHeadStatistics, TritonHeadStatistics, keep_above, torch_logits
+from .lm_head.validate import head_backend, validate_head, validate_targets, validate_threshold
 from .matmul import gemm_backend_for, main_grad_target
 from ..runtime.opaque import opaque_to_compile
 
@@ -68,11 +70,14 @@ class TorchLinearLogprobBackend(TorchHeadStatistics):
 
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
-                    temperature: float, v0: int, v1: int, out: torch.Tensor) -> None:
-        """out[:, :] = dL/d(raw logits)[:, v0:v1] in out.dtype (see :func:`_grad_formula`)."""
+                    temperature: float, v0: int, v1: int, out: torch.Tensor,
+                    threshold: torch.Tensor | None = None) -> None:
+        """out[:, :] = dL/d(raw logits)[:, v0:v1] in out.dtype; with ``threshold``, of the
+        truncated distribution's log-prob (0 on the logits left out)."""
         for r0 in range(0, h2.shape[0], TORCH_ROW_CHUNK):
             rows = slice(r0, r0 + TORCH_ROW_CHUNK)
-            z = torch_logits(h2[rows], weight, bias, v0, v1, temperature)
+            z = keep_above(torch_logits(h2[rows], weight, bias, v0, v1, temperature),
+                           None if threshold is None else threshold[rows])
             t = tgt[rows]
             lp = z - lse[rows].to(z.dtype)[:, None]
             p = torch.exp(lp)
@@ -81,6 +86,8 @@ class TorchLinearLogprobBackend(TorchHeadStatistics):
             g = -(p * coef)
             cols = torch.arange(v0, v1, device=z.device)
             g = torch.where(cols[None, :] == t[:, None], g + gl, g)
+            if threshold is not None:
+                g = torch.where(z == -math.inf, 0.0, g)  # p * coef is 0 * inf there
             if temperature != 1.0:
                 g = g / temperature
             out[rows].copy_(g)
@@ -95,7 +102,8 @@ class TritonLinearLogprobBackend(TritonHeadStatistics):
 
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
-                    temperature: float, v0: int, v1: int, out: torch.Tensor) -> None:
+                    temperature: float, v0: int, v1: int, out: torch.Tensor,
+                    threshold: torch.Tensor | None = None) -> None:
         N, D = h2.shape
         if N == 0 or v1 <= v0:
             return
@@ -112,12 +120,13 @@ class TritonLinearLogprobBackend(TritonHeadStatistics):
         _launch_grad_logits(
             grid,
             (h_arg, w_arg, bias if bias is not None else h2, tgt, lse, ent, g_logp,
-             g_ent if g_ent is not None else g_logp, g_arg,
+             g_ent if g_ent is not None else g_logp, g_arg, threshold if threshold is not None else lse,
              N, weight.shape[0], D, v0, v1, temp_arg,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1)),
             dict(HAS_BIAS=bias is not None, TEMP=temp_mode, HAS_GE=g_ent is not None, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-                 GROUP_M=cfg.group_m, PERSISTENT=cfg.persistent, NUM_SMS=sms, G_DESC=g_desc),
+                 GROUP_M=cfg.group_m, PERSISTENT=cfg.persistent, NUM_SMS=sms, G_DESC=g_desc,
+                 THRESHOLD=threshold is not None),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -131,11 +140,11 @@ class LinearLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h2, weight, bias, tgt, temperature: float,  # type: ignore[override]
-                logprob_backend, gemm_backend, entropy: bool = True):
+                logprob_backend, gemm_backend, entropy: bool = True, threshold=None):
         # Without entropy its sums are skipped and the output is NaN: the caller drops it,
         # and the backward then never reads it (no gradient reaches an output not returned).
-        logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt, temperature, entropy)
-        ctx.save_for_backward(h2, weight, bias, tgt, lse, ent)
+        logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt, temperature, entropy, threshold)
+        ctx.save_for_backward(h2, weight, bias, tgt, lse, ent, threshold)
         ctx.temperature, ctx.logprob_backend, ctx.gemm_backend = temperature, logprob_backend, gemm_backend
         ctx.set_materialize_grads(False)
         return logp, ent
@@ -159,11 +168,11 @@ class LinearLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def _grads(ctx, saved, grad_logp, grad_ent):
-        h2, weight, bias, tgt, lse, ent = saved
+        h2, weight, bias, tgt, lse, ent, threshold = saved
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if grad_logp is None and grad_ent is None or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         N, D = h2.shape
         vocab = weight.shape[0]
         dev, acc_dt = h2.device, lse.dtype
@@ -198,7 +207,7 @@ class LinearLogprobFunction(torch.autograd.Function):
 
         def grad_logits(g_buf: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
             g = g_buf[:, :v1 - v0]
-            logprob_backend.grad_logits(h2, weight, bias, tgt, lse, ent, g_logp, g_ent, T, v0, v1, g)
+            logprob_backend.grad_logits(h2, weight, bias, tgt, lse, ent, g_logp, g_ent, T, v0, v1, g, threshold)
             return g
 
         def weight_grads(g: torch.Tensor, v0: int, v1: int) -> None:
@@ -257,7 +266,7 @@ class LinearLogprobFunction(torch.autograd.Function):
                 v1 = min(kept, v0 + g_buf.shape[1])
                 weight_grads(grad_logits(g_buf, v0, v1), v0, v1)
         grad_b = db.to(bias.dtype) if need_b and b_main is None else None
-        return grad_h, dw, grad_b, None, None, None, None, None
+        return grad_h, dw, grad_b, None, None, None, None, None, None
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -286,16 +295,17 @@ class _LinearLogprobOp(OpImpl):
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
-                return_entropy: bool = False):
+                return_entropy: bool = False, logit_threshold: torch.Tensor | None = None):
         return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, self.backend,
-                    self.backend_impl)
+                    self.backend_impl, logit_threshold)
 
     def forward_fp32(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                      bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
-                     return_entropy: bool = False):
+                     return_entropy: bool = False, logit_threshold: torch.Tensor | None = None):
         # Outputs are fp32 already (fp64 for fp64 inputs): the same path.
         return self.forward(hidden, weight, target, bias, temperature=temperature,
-                            ignore_index=ignore_index, return_entropy=return_entropy)
+                            ignore_index=ignore_index, return_entropy=return_entropy,
+                            logit_threshold=logit_threshold)
 
     def invariance_case(self, device: torch.device, dtype: torch.dtype, generator: torch.Generator):
         n, d, v = (33, 40, 257) if device.type == "cpu" else (256, 1024, 32003)
@@ -325,7 +335,8 @@ def backends_for(op: str, hidden: torch.Tensor, backend: str | None = None, logp
     return logprob_backend, gemm_backend_for(hidden.device, name)
 
 
-def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend, logprob_backend=None):
+def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend, logprob_backend=None,
+         logit_threshold=None):
     V_.require_tensor(OP, "hidden", hidden)
     V_.require_tensor(OP, "weight", weight)
     if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor) and hidden.is_floating_point() \
@@ -333,14 +344,18 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
     validate_head(OP, hidden, weight, bias, temperature)
     validate_targets(OP, hidden, weight, target, bias, ignore_index)
+    if logit_threshold is not None:
+        validate_threshold(OP, hidden, logit_threshold)
     logprob_backend, gemm_backend = backends_for(OP, hidden, backend, logprob_backend)
     lead = target.shape
     h2 = hidden.reshape(target.numel(), hidden.shape[-1])  # explicit N: -1 is ambiguous when D = 0
     t1 = target.reshape(-1).to(torch.int64)
     # Kernels see -1 for ignored rows (ignore_index may itself be a valid id in [0, V)).
     tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
+    # The threshold is data (the sampler's kept set), never differentiated.
+    threshold = logit_threshold.detach().reshape(-1).contiguous() if logit_threshold is not None else None
     logp, ent = LinearLogprobFunction.apply(h2, weight, bias, tgt, float(temperature), logprob_backend, gemm_backend,
-                                            bool(return_entropy))
+                                            bool(return_entropy), threshold)
     logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp
 
@@ -348,7 +363,8 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
 @opaque_to_compile
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                    bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
-                   return_entropy: bool = False, backend: str | None = None):
+                   return_entropy: bool = False, logit_threshold: torch.Tensor | None = None,
+                   backend: str | None = None):
     """Per-token log-prob (and entropy) of ``target`` under ``softmax((hidden @ weight.T + bias) / T)``.
 
     hidden: [..., D] bf16/fp16/fp32 (fp64 on the torch backend); weight: [V, D]
@@ -361,5 +377,14 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
     gives logits equal to the bias (all 0 without one, so logp = -log V).
     First-order gradients only: differentiating them again (double backward after
     ``create_graph=True``) raises RuntimeError.
+
+    ``logit_threshold``: a tensor of target's shape, fp32 (fp64 for fp64 inputs): each
+    row's truncation threshold tau, as :func:`rlkernels.linear_sample` returns it with
+    ``top_k``/``top_p``. The log-prob (and entropy) are then those of the truncated
+    distribution ``softmax`` over the kept set ``{v : z_v >= tau}`` (z the scaled logits),
+    bitwise the sampler's, and the gradient flows through the kept logits only; a target
+    outside its row's kept set gets -inf. -inf keeps every logit (the untruncated
+    log-prob's value); NaN is refused. Without it, the untruncated log-prob.
     """
-    return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend)
+    return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend,
+                logit_threshold=logit_threshold)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from . import _validate as V_
+from .._env import triton_interpret
 from .._versions import fast_path
 from ..gemm.chain import accumulator_dtype
 from ..kernels._triton import cdiv
@@ -38,13 +39,16 @@ from ..runtime.device import can_read_back
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .lm_head.config import fused_config, temperature_scaling
 from .lm_head.lse import LSE_TILE
-from .lm_head.statistics import TileRecord, TorchHeadStatistics, TritonHeadStatistics, torch_logits
+from .lm_head.statistics import TileRecord, TorchHeadStatistics, TritonHeadStatistics, keep_above, torch_logits
+from .lm_head.truncation import top_k_floor, torch_top_p, triton_top_p, truncates, validate_truncation
 from .lm_head.validate import head_backend, validate_head
 from ..runtime.opaque import opaque_to_compile
 
 OP = "linear_sample"
 
 SEED_LIMIT = 1 << 63
+# Rows per block of a truncated draw: its [rows, V] fp32 logits are materialised.
+TRUNCATED_ROWS = 256
 POSITION_LIMIT = 1 << 32
 # The first level draws one of the vocabulary's blocks of this many ids (the last may be
 # shorter), the second a token inside it: the LSE order's tile, whose masses the forward records.
@@ -120,14 +124,16 @@ STATUS_OK, STATUS_NOT_A_DISTRIBUTION, STATUS_BAD_POSITION = 0, 1, 2
 
 class SampleResult(NamedTuple):
     """A backend's draw: token int64 [N], logp and entropy fp32 [N] (fp64 for fp64), each
-    row's status int32 [N] (STATUS_*), and ``ok``, an int32 [1] that is 1 where every row's
-    status is STATUS_OK (None: the host reduces ``status`` itself)."""
+    row's status int32 [N] (STATUS_*), ``ok``, an int32 [1] that is 1 where every row's
+    status is STATUS_OK (None: the host reduces ``status`` itself), and each row's
+    truncation threshold [N] (None where the call does not truncate)."""
 
     token: torch.Tensor
     logp: torch.Tensor
     entropy: torch.Tensor
     status: torch.Tensor
     ok: torch.Tensor | None
+    threshold: torch.Tensor | None = None
 
 
 # The asynchronous device-side check torch.multinomial makes on CUDA (a private torch name:
@@ -278,9 +284,13 @@ class TorchLinearSampleBackend:
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
-               greedy: bool, entropy: bool = True) -> SampleResult:
+               greedy: bool, entropy: bool = True, top_k: int = 0, top_p: float = 1.0) -> SampleResult:
         stats_backend = TorchHeadStatistics()
         N, vocab = h2.shape[0], weight.shape[0]
+        threshold = None
+        if truncates(top_k, top_p, vocab):
+            z = torch_logits(h2, weight, bias, 0, vocab, temperature)
+            threshold = truncation_threshold(z, top_k, top_p, torch_top_p)
         checked_positions = positions
         if not greedy and positions is None:
             positions = torch.zeros_like(streams)
@@ -288,7 +298,8 @@ class TorchLinearSampleBackend:
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
         tiles = TileRecord(torch.empty(N, n_tiles, dtype=adt, device=dev),
                            torch.empty(N, n_tiles, dtype=adt, device=dev))
-        m, s, u, _ = stats_backend.tile_statistics(h2, weight, bias, temperature, tiles, entropy=entropy)
+        m, s, u, _ = stats_backend.tile_statistics(h2, weight, bias, temperature, tiles, entropy=entropy,
+                                                   threshold=threshold)
         no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
         _, _, lse = stats_backend.finish(m, s, u, torch.zeros_like(m), no_target, entropy=False)
         blocks = pick_blocks(*tiles, lse, None if greedy else tile_uniform(seed, streams, positions), vocab,
@@ -298,7 +309,8 @@ class TorchLinearSampleBackend:
         for b in torch.unique(blocks).tolist():
             rows = (blocks == b).nonzero()[:, 0]
             v0, v1 = b * SAMPLE_BLOCK, min(vocab, (b + 1) * SAMPLE_BLOCK)
-            z = torch_logits(h2[rows], weight, bias, v0, v1, temperature)
+            z = keep_above(torch_logits(h2[rows], weight, bias, v0, v1, temperature),
+                           None if threshold is None else threshold[rows])
             key = z
             if not greedy:
                 key = z + gumbel_from_words(noise_words(seed, streams[rows], positions[rows], v0, v1)).to(adt)
@@ -311,15 +323,26 @@ class TorchLinearSampleBackend:
         if checked_positions is not None and not greedy:
             bad = (positions < 0) | (positions >= POSITION_LIMIT)
             status = torch.where(bad & (status == STATUS_OK), STATUS_BAD_POSITION, status).to(torch.int32)
-        return SampleResult(token, logp, ent, status, None)
+        return SampleResult(token, logp, ent, status, None, threshold)
+
+
+def truncation_threshold(z: torch.Tensor, top_k: int, top_p: float, top_p_threshold) -> torch.Tensor:
+    """Each row's kept-set threshold tau [N] (``ops.lm_head.truncation``) from its scaled
+    logits ``z`` [N, V]: the k-th largest, then the nucleus of the distribution top-k leaves."""
+    floor = top_k_floor(z, top_k)
+    if float(top_p) >= 1.0:
+        return floor
+    return top_p_threshold(z, floor, top_k, top_p)
 
 
 _launch_block = cached_launcher(sample_block_kernel) if sample_block_kernel is not None else None
 _launch_in_block = cached_launcher(sample_in_block_kernel) if sample_in_block_kernel is not None else None
 
-# Blocks per step of the first level's scan; lanes of the second level's dot (its smallest M).
+# Blocks per step of the first level's scan; lanes of the second level's dot (its smallest M;
+# one under the interpreter, whose numpy dot rounds a row by its place in the tile, as the
+# interpreter's fused config has one-row tiles).
 SCAN_BLOCKS = 512
-IN_BLOCK_LANES = 16
+IN_BLOCK_LANES = 1 if triton_interpret() else 16
 
 
 def _signed32(word: int) -> int:
@@ -345,7 +368,7 @@ class TritonLinearSampleBackend:
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
-               greedy: bool, entropy: bool = True) -> SampleResult:
+               greedy: bool, entropy: bool = True, top_k: int = 0, top_p: float = 1.0) -> SampleResult:
         stats_backend = TritonHeadStatistics()
         N, D = h2.shape
         vocab = weight.shape[0]
@@ -356,7 +379,15 @@ class TritonLinearSampleBackend:
         # int32: the call's all-rows-fine flag (padded to 16 bytes), each row's sample block and status.
         ok, _, blocks, status = torch.empty(4 + 2 * N, dtype=torch.int32, device=dev).split([1, 3, N, N])
         if N == 0:
-            return SampleResult(token, logp, ent, status, None)
+            return SampleResult(token, logp, ent, status, None,
+                                logp.clone() if truncates(top_k, top_p, vocab) else None)
+        threshold = raw = None
+        if truncates(top_k, top_p, vocab):
+            # The [N, V] fp32 logits once, by the GEMM (the fused tiles' chain): the
+            # threshold is found over them and both statistics passes read them.
+            raw = stats_backend.raw_logits(h2, weight, bias)
+            z = raw / temperature if temperature != 1.0 else raw  # torch's division: the kernels' z
+            threshold = truncation_threshold(z, top_k, top_p, triton_top_p)
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
         n_split = cdiv(vocab, cfg.split_v)
         # fp32 workspace: the forward's per-split (m, s, u) [n_split, N] and each tile's
@@ -365,7 +396,7 @@ class TritonLinearSampleBackend:
         m, s, u, tile_m, tile_s = torch.empty(3 * parts + 2 * tiles, dtype=torch.float32, device=dev).split(
             [parts, parts, parts, tiles, tiles])
         stats_backend.tile_statistics(h2, weight, bias, temperature, TileRecord(tile_m, tile_s), entropy=entropy,
-                                      partials=(m, s, u))
+                                      partials=(m, s, u), threshold=threshold, logits=raw)
         # A seed tensor is read by the kernels (a CUDA graph replays with its current value);
         # an int seed goes in as two int32 scalars of the same bits, and the pointer is unread.
         seed_in_memory = isinstance(seed, torch.Tensor)
@@ -387,15 +418,16 @@ class TritonLinearSampleBackend:
         _launch_in_block(
             (N,),
             (h2, weight, bias if bias is not None else h2, blocks, stream_arg, pos_arg, seed_ptr, m, s, u,
-             token, logp, ent, status, ok, N, vocab, D, n_split, temp_arg, *seeds,
+             token, logp, ent, status, ok, threshold if threshold is not None else logp,
+             N, vocab, D, n_split, temp_arg, *seeds,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
             dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, NOISE=noise, SEED_IN_MEMORY=seed_in_memory,
-                 POSITIONS=has_positions, ENTROPY=entropy,
+                 POSITIONS=has_positions, ENTROPY=entropy, THRESHOLD=threshold is not None,
                  BLOCK_M=IN_BLOCK_LANES, BLOCK_V=SAMPLE_BLOCK, BLOCK_K=cfg.block_k),
             num_warps=4, num_stages=DEFAULT_NUM_STAGES,
         )
-        return SampleResult(token, logp, ent, status, ok)
+        return SampleResult(token, logp, ent, status, ok, threshold)
 
 
 # ---------------------------------------------------------------------------------------
@@ -409,9 +441,10 @@ class _LinearSampleOp(OpImpl):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 temperature: float = 1.0, seed: int | torch.Tensor | None = None,
                 streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                return_entropy: bool = False, greedy: bool = False):
+                return_entropy: bool = False, greedy: bool = False, top_k: int = 0, top_p: float = 1.0,
+                return_threshold: bool = False):
         return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy,
-                    self.backend, self.backend_impl)
+                    self.backend, self.backend_impl, top_k, top_p, return_threshold)
 
     def forward_fp32(self, *args, **kwargs):
         return self.forward(*args, **kwargs)  # the log-probs are fp32 already
@@ -436,42 +469,63 @@ register_backends(OP, _LinearSampleOp, {"triton": TritonLinearSampleBackend(), "
 
 
 def _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend,
-         sample_backend=None):
+         sample_backend=None, top_k=0, top_p=1.0, return_threshold=False):
     V_.require_tensor(OP, "hidden", hidden)
     V_.require_tensor(OP, "weight", weight)
     if hidden.is_floating_point() and weight.is_floating_point():
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
     validate(hidden, weight, bias, temperature, seed, streams, positions, greedy)
+    validate_truncation(OP, top_k, top_p)
+    top_k, top_p = int(top_k), float(top_p)
     name = head_backend(OP, OP, hidden, backend)
     if sample_backend is None:
         sample_backend = backend_object(OP, hidden.device, name)
     lead = hidden.shape[:-1]
+    adt = accumulator_dtype(hidden.dtype)
     if hidden.is_meta:  # shapes only, as torch's ops give on meta tensors: no values to draw from
         token = torch.empty(lead, dtype=torch.int64, device=hidden.device)
-        logp = hidden.new_empty(lead, dtype=accumulator_dtype(hidden.dtype))
-        return (token, logp, torch.empty_like(logp)) if return_entropy else (token, logp)
+        logp = hidden.new_empty(lead, dtype=adt)
+        out = (token, logp, torch.empty_like(logp)) if return_entropy else (token, logp)
+        return out + (torch.empty_like(logp),) if return_threshold else out
     flat = len(lead) == 1  # a [N, D] call: no reshapes (an eager decode step is host-bound)
     n = lead[0] if flat else math.prod(lead)
     h2 = hidden if flat else hidden.reshape(n, hidden.shape[-1])
     if not greedy and not flat:
         streams = streams.reshape(n)
         positions = positions.reshape(n) if positions is not None else None
+    truncating = truncates(top_k, top_p, weight.shape[0])
     with torch.no_grad():
-        result = sample_backend.sample(
-            h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy,
-            bool(return_entropy))
+        if truncating and n > TRUNCATED_ROWS:
+            # The threshold is found over [rows, V] fp32 logits: a bounded block of rows at
+            # a time (each row's draw is its own, so the blocks change no bit).
+            parts = []
+            for r0 in range(0, n, TRUNCATED_ROWS):
+                rows = slice(r0, r0 + TRUNCATED_ROWS)
+                parts.append(sample_backend.sample(
+                    h2[rows], weight, bias, float(temperature), seed if not greedy else 0,
+                    None if greedy else streams[rows], None if greedy or positions is None else positions[rows],
+                    greedy, bool(return_entropy), top_k, top_p))
+            result = SampleResult(*(torch.cat(field) if field[0] is not None else None for field in zip(*parts)))
+            result = result._replace(ok=None)
+        else:
+            result = sample_backend.sample(
+                h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy,
+                bool(return_entropy), top_k, top_p)
     check_status(result, positions)
     token, logp, ent = result.token, result.logp, result.entropy
+    tau = result.threshold if truncating else torch.full((n,), -math.inf, dtype=adt, device=hidden.device)
     if not flat:
-        token, logp, ent = token.reshape(lead), logp.reshape(lead), ent.reshape(lead)
-    return (token, logp, ent) if return_entropy else (token, logp)
+        token, logp, ent, tau = token.reshape(lead), logp.reshape(lead), ent.reshape(lead), tau.reshape(lead)
+    out = (token, logp, ent) if return_entropy else (token, logp)
+    return out + (tau,) if return_threshold else out
 
 
 @opaque_to_compile
 def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   temperature: float = 1.0, seed: int | torch.Tensor | None = None,
                   streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                  return_entropy: bool = False, greedy: bool = False, backend: str | None = None):
+                  return_entropy: bool = False, greedy: bool = False, top_k: int = 0, top_p: float = 1.0,
+                  return_threshold: bool = False, backend: str | None = None):
     """One token per row drawn exactly from ``softmax((hidden @ weight.T + bias) / T)`` in fp32.
 
     hidden: [..., D] bf16/fp16/fp32 (fp64 on the torch backend); weight: [V, D] (lm_head
@@ -493,5 +547,17 @@ def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     [0, 2^32), is refused as ``torch.multinomial`` refuses a bad row: on a CUDA device by
     an asynchronous device-side assert (no host sync; a captured graph checks at each
     replay), elsewhere by a ValueError naming the row.
+
+    ``top_k`` (an int >= 0; 0 keeps every token) and ``top_p`` (in (0, 1]; 1 keeps every
+    token) truncate the distribution in Hugging Face's order: z / T, then the k largest
+    (ties at the k-th kept), then the smallest set of the largest probabilities of the
+    top-k-renormalised distribution whose mass reaches p (ties at the border kept). The
+    kept set is ``{v : z_v >= tau}``, tau the smallest kept scaled logit (fp32 per row; -inf
+    without truncation), returned last with ``return_threshold``. The token is drawn exactly
+    from the renormalised kept distribution with the same keys, and ``logp``/``entropy``
+    are that distribution's: bitwise ``linear_logprob(..., logit_threshold=tau)``. Neutral
+    values give the untruncated draw's bits. While truncating, the rows' fp32 logits are
+    materialised, :data:`TRUNCATED_ROWS` rows at a time ([rows, V] fp32).
     """
-    return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend)
+    return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend,
+                top_k=top_k, top_p=top_p, return_threshold=return_threshold)

@@ -65,6 +65,15 @@ class TileRecord(NamedTuple):
     mass: torch.Tensor
 
 
+def keep_above(z: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """``z`` [R, C] with each row's logits below ``threshold`` [R] set to -inf: the kept set
+    {v : z_v >= tau} of a truncated distribution (``kernels.lm_head.keep_above``); z itself
+    where ``threshold`` is None. A NaN logit is never below it."""
+    if threshold is None:
+        return z
+    return torch.where(z < threshold.to(z.dtype)[:, None], -math.inf, z)
+
+
 def torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  v0: int, v1: int, temperature: float) -> torch.Tensor:
     """z = (h W[v0:v1]^T + b) / T for a block of rows, fp32 (fp64 for fp64), ascending D-chain;
@@ -92,19 +101,22 @@ class TorchHeadStatistics:
         return cdiv(vocab, LSE_SPLIT) * (LSE_SPLIT // LSE_TILE)
 
     def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                   temperature: float, entropy: bool = True) -> RowStatistics:
+                   temperature: float, entropy: bool = True, threshold: torch.Tensor | None = None) -> RowStatistics:
         """Each row's (m, s, u, zt) [N] over the whole vocabulary; ``tgt`` [N] int64 ids (-1
-        where there is none: zt is then 0)."""
-        return self._pass(h2, weight, bias, tgt, temperature, entropy, None)
+        where there is none: zt is then 0). ``threshold`` [N] (the accumulator dtype): the
+        truncated distribution's, each row's logits below it left out (:func:`keep_above`)."""
+        return self._pass(h2, weight, bias, tgt, temperature, entropy, None, threshold)
 
     def tile_statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        temperature: float, tiles: TileRecord, entropy: bool = True) -> RowStatistics:
+                        temperature: float, tiles: TileRecord, entropy: bool = True,
+                        threshold: torch.Tensor | None = None) -> RowStatistics:
         """The sampler's pass: (m, s, u) as :meth:`statistics` gives them (zt None: no target
         yet), and every tile's running max and mass written into ``tiles`` [N, n_tiles]."""
-        return self._pass(h2, weight, bias, None, temperature, entropy, tiles)
+        return self._pass(h2, weight, bias, None, temperature, entropy, tiles, threshold)
 
     def _pass(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor | None,
-              temperature: float, entropy: bool, tiles: TileRecord | None) -> RowStatistics:
+              temperature: float, entropy: bool, tiles: TileRecord | None,
+              threshold: torch.Tensor | None) -> RowStatistics:
         N = h2.shape[0]
         vocab = weight.shape[0]
         adt = accumulator_dtype(h2.dtype)
@@ -122,7 +134,8 @@ class TorchHeadStatistics:
             ztr = torch.zeros(R, dtype=adt, device=dev)
             for k in range(n_split):
                 v0, v1 = k * LSE_SPLIT, min(vocab, (k + 1) * LSE_SPLIT)
-                z_split = torch_logits(h_rows, weight, bias, v0, v1, temperature)
+                z_split = keep_above(torch_logits(h_rows, weight, bias, v0, v1, temperature),
+                                     None if threshold is None else threshold[rows])
                 mr = torch.full((R,), -math.inf, dtype=adt, device=dev)
                 sr = torch.zeros(R, dtype=adt, device=dev)
                 ur = torch.zeros(R, dtype=adt, device=dev)
@@ -132,8 +145,9 @@ class TorchHeadStatistics:
                     # u = sum e^(z-m) (z-m), kept relative to the running max: rescaled by
                     # alpha * (u + (m_old - m_new) s); 0 before the first tile (s == 0).
                     if entropy:
+                        ed = e * d if threshold is None else e * torch.where(z == -math.inf, 0.0, d)
                         ur = torch.where(sr > 0, alpha * (ur + (mr - m_ref) * sr), torch.zeros_like(ur)) \
-                            + tile_mass(e * d)
+                            + tile_mass(ed)
                     mr, sr = m_new, s_new
                     if tiles is not None:
                         tiles.running_max[rows, k * per_split + i] = mr
@@ -161,10 +175,12 @@ class TorchHeadStatistics:
         return torch.where(valid, (zt - m) - log_s, zero), ent, m + log_s
 
     def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                temperature: float, entropy: bool = True,
+                threshold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logp, entropy, lse) [N] in fp32 (fp64 for fp64 inputs); tgt is -1 where ignored;
-        without ``entropy`` the entropy is NaN and its sums are skipped."""
-        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy), tgt, entropy)
+        without ``entropy`` the entropy is NaN and its sums are skipped. ``threshold`` [N]:
+        those of the truncated distribution (:meth:`statistics`)."""
+        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy, threshold), tgt, entropy)
 
 
 class TritonHeadStatistics:
@@ -189,24 +205,36 @@ class TritonHeadStatistics:
         return cdiv(vocab, cfg.split_v) * (cfg.split_v // cfg.block_v)
 
     def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                   temperature: float, entropy: bool = True) -> RowStatistics:
+                   temperature: float, entropy: bool = True, threshold: torch.Tensor | None = None,
+                   logits: torch.Tensor | None = None) -> RowStatistics:
         """Per-split (m, s, u) [n_split, N] (u is 0 without ``entropy``) and zt [N]; ``tgt``
-        [N] int64 ids (-1 where there is none)."""
-        return self._pass(h2, weight, bias, tgt, temperature, entropy, None, None)
+        [N] int64 ids (-1 where there is none). ``threshold`` [N] fp32: the truncated
+        distribution's (``kernels.lm_head.keep_above``). ``logits``: the raw logits [N, V]
+        fp32 already computed by the GEMM backend (read instead of computed; same bits)."""
+        return self._pass(h2, weight, bias, tgt, temperature, entropy, None, None, threshold, logits)
 
     def tile_statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         temperature: float, tiles: TileRecord, entropy: bool = True,
-                        partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> RowStatistics:
+                        partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                        threshold: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> RowStatistics:
         """The sampler's pass: per-split (m, s, u) as :meth:`statistics` gives them (zt None:
         no target yet, and its kernel code is compiled out), and every tile's running max
         and mass written into ``tiles`` (``STORE_TILES``). ``partials``: flat (m, s, u)
         buffers of n_split * N fp32 to fill instead of new ones (the sampler carves them and
         ``tiles`` from one allocation)."""
-        return self._pass(h2, weight, bias, None, temperature, entropy, tiles, partials)
+        return self._pass(h2, weight, bias, None, temperature, entropy, tiles, partials, threshold, logits)
+
+    def raw_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """h2 W^T + b [N, V] fp32 by the GEMM backend: the logits the pass reads at N <=
+        ``small_n`` (the fused tiles' canonical chain, the same bits)."""
+        bias = bias.contiguous() if bias is not None else None
+        return gemm_backend_for(h2.device, "triton").gemm(h2, weight, bias=bias, out_dtype=torch.float32,
+                                                          b_transposed=True)
 
     def _pass(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor | None,
               temperature: float, entropy: bool, tiles: TileRecord | None,
-              partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> RowStatistics:
+              partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+              threshold: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> RowStatistics:
         N, D = h2.shape
         vocab = weight.shape[0]
         dev = h2.device
@@ -225,9 +253,9 @@ class TritonHeadStatistics:
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
         tile_m, tile_s = tiles if tiles is not None else (m, m)
-        if N <= cfg.small_n:
-            logits = gemm_backend_for(h2.device, "triton").gemm(h2, weight, bias=bias, out_dtype=torch.float32,
-                                                                b_transposed=True)
+        if logits is not None or N <= cfg.small_n:
+            if logits is None:
+                logits = self.raw_logits(h2, weight, bias)
             h_arg, w_arg, tma, block_m, group_m = h2, weight, False, cfg.small_block_m, 1
             num_warps, num_stages = 4, 2
         else:
@@ -237,13 +265,13 @@ class TritonHeadStatistics:
         _launch_fwd_partial(
             (cdiv(N, block_m) * n_split,),
             (h_arg, w_arg, bias if bias is not None else h2, logits, tgt if tgt is not None else m, m, s, u,
-             zt if zt is not None else m, tile_m, tile_s,
+             zt if zt is not None else m, tile_m, tile_s, threshold if threshold is not None else m,
              N, vocab, D, temp_arg,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), logits.stride(0)),
             dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=block_m, BLOCK_V=cfg.block_v,
                  BLOCK_K=cfg.block_k, GROUP_M=group_m, STORE_TILES=tiles is not None, ENTROPY=entropy,
-                 LOGITS=logits is not m, TARGET=tgt is not None),
+                 LOGITS=logits is not m, TARGET=tgt is not None, THRESHOLD=threshold is not None),
             num_warps=num_warps, num_stages=num_stages,
         )
         return RowStatistics(m, s, u, zt)
@@ -263,7 +291,9 @@ class TritonHeadStatistics:
         return logp, ent, lse
 
     def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                temperature: float, entropy: bool = True,
+                threshold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logp, entropy, lse) [N] fp32; tgt is -1 where ignored; without ``entropy`` the
-        entropy is NaN and its sums are skipped."""
-        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy), tgt, entropy)
+        entropy is NaN and its sums are skipped. ``threshold`` [N]: those of the truncated
+        distribution (:meth:`statistics`)."""
+        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy, threshold), tgt, entropy)

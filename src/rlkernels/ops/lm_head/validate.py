@@ -96,3 +96,24 @@ def head_backend(registry_op: str, op: str, hidden: torch.Tensor, backend: str |
     if name == "triton" and hidden.dtype == torch.float64:
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
     return name
+
+
+def validate_threshold(op: str, hidden: torch.Tensor, threshold: object, name: str = "logit_threshold") -> None:
+    """A truncated distribution's per-row threshold: a tensor of hidden's leading shape in the
+    log-probs' dtype (fp32; fp64 for fp64 inputs) on hidden's device, no value NaN (checked
+    where reading costs no device sync: a CPU tensor). -inf keeps every logit."""
+    if not isinstance(threshold, torch.Tensor):
+        raise TypeError(f"rlkernels.{op}: {name} must be a tensor, got {type(threshold).__name__}")
+    lead = tuple(hidden.shape[:-1])
+    if tuple(threshold.shape) != lead:
+        raise ValueError(f"rlkernels.{op}: {name} shape {tuple(threshold.shape)} must equal hidden's leading "
+                         f"shape {lead} (one threshold per token row)")
+    want = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    if threshold.dtype != want:
+        raise ValueError(f"rlkernels.{op}: {name} must be {want} (a scaled logit, as the sampler returns it), "
+                         f"got {threshold.dtype}")
+    if threshold.device != hidden.device:
+        raise ValueError(f"rlkernels.{op}: {name} is on {threshold.device}, hidden on {hidden.device}")
+    if threshold.device.type == "cpu" and threshold.numel() and bool(torch.isnan(threshold).any()):
+        pos = int(torch.isnan(threshold.reshape(-1)).nonzero()[0, 0])
+        raise ValueError(f"rlkernels.{op}: {name} is NaN at flat position {pos} (use -inf to keep every logit)")

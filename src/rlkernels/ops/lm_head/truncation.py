@@ -1,0 +1,150 @@
+"""Top-k and top-p truncation of the LM head's distribution: each row's threshold tau.
+
+The order is Hugging Face's and vLLM's: temperature, then top-k, then top-p over the
+top-k-renormalised distribution. Over the scaled logits z of a row:
+
+* top-k keeps ``{v : z_v >= z_(k)}``, z_(k) the k-th largest (ties at it kept);
+* top-p keeps the smallest set of the largest probabilities of that distribution whose
+  mass reaches p, and every logit equal to the smallest kept one (ties at the border);
+* the kept set is ``{v : z_v >= tau}``, tau the smallest kept logit: one fp32 per row,
+  which the sampler returns and the trainer hands back (``logit_threshold``). -inf keeps
+  every logit.
+
+Each row's tau is a function of that row's logits alone. The k-th largest value comes
+from ``torch.topk``'s values (which do not depend on how it finds them). The top-p masses
+are ``exp(z - max)`` in fp64 and p is taken of their total over the top-k set, so the
+nucleus is resolved to fp64 precision even for p near 1; they are summed over the row's
+largest values in descending order (the nucleus's candidates, :data:`TOP_P_CANDIDATES`
+of them), and where those do not reach p the threshold is searched over the whole row
+(``kernels.truncation``). The torch backend sums by a prefix scan of elementwise adds and
+pairwise trees, whose orders are fixed by the counts.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import struct
+
+import torch
+
+from ...kernels.truncation import top_p_threshold_kernel
+from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
+from .lse import tree_rowsum
+
+# How many of a row's largest logits the nucleus is first looked for in (a function of
+# nothing but this constant and V); rows whose nucleus is wider are searched in full.
+TOP_P_CANDIDATES = 1024
+# The Triton kernel's block over the candidates and over V.
+TOP_P_BLOCK = 1024
+
+_launch_top_p = cached_launcher(top_p_threshold_kernel) if top_p_threshold_kernel is not None else None
+
+
+def validate_truncation(op: str, top_k: object, top_p: object) -> None:
+    """``top_k`` an int >= 0 (0: off), ``top_p`` a real number in (0, 1] (1: off); raises
+    TypeError/ValueError naming ``op``."""
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise TypeError(f"rlkernels.{op}: top_k must be an int (0 keeps every token), got {top_k!r}")
+    if top_k < 0:
+        raise ValueError(f"rlkernels.{op}: top_k must be >= 0 (0 keeps every token), got {top_k}")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+        raise TypeError(f"rlkernels.{op}: top_p must be a number in (0, 1] (1 keeps every token), got {top_p!r}")
+    if math.isnan(float(top_p)) or not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"rlkernels.{op}: top_p must lie in (0, 1] (1 keeps every token), got {top_p}")
+
+
+def truncates(top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether (top_k, top_p) can leave out any of ``vocab`` logits."""
+    return 0 < top_k < vocab or float(top_p) < 1.0
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def split_p(top_p: float) -> tuple[float, float]:
+    """p as two fp32 values whose fp64 sum holds its leading 48 bits: the kernels' p (a
+    Triton float argument is fp32), and the torch backend's the same way."""
+    hi = _f32(float(top_p))
+    return hi, _f32(float(top_p) - hi)
+
+
+def top_k_floor(z: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The k-th largest of each row of ``z`` [N, V] (-inf where top-k keeps every logit)."""
+    N, V = z.shape
+    if not 0 < top_k < V:
+        return torch.full((N,), -math.inf, dtype=z.dtype, device=z.device)
+    return torch.topk(z, top_k, dim=1).values[:, -1].contiguous()
+
+
+def candidates(z: torch.Tensor, top_k: int) -> tuple[torch.Tensor, bool]:
+    """(each row's largest logits [N, C] descending, whether they hold the whole top-k set
+    but for ties at its threshold): the top-k set where it is at most TOP_P_CANDIDATES
+    wide, else TOP_P_CANDIDATES (or V) values."""
+    V = z.shape[1]
+    covers = 0 < top_k <= TOP_P_CANDIDATES
+    count = min(V, top_k if covers else TOP_P_CANDIDATES)
+    return torch.topk(z, count, dim=1).values.contiguous(), covers or count == V
+
+
+def torch_top_p(z: torch.Tensor, floor: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Each row's top-p threshold (at least ``floor``) on the torch backend, elementwise ops
+    only: ``kernels.truncation``'s definition. ``z`` [N, V] the scaled logits, ``floor`` [N]
+    the top-k threshold (-inf without top-k)."""
+    vals, covers = candidates(z, top_k)
+    if not z.shape[0]:
+        return floor.clone()
+    hi, lo = split_p(top_p)
+    top = vals[:, :1].to(torch.float64)
+    keys, floor_key = _order_key(z), _order_key(floor)
+    e_row = torch.exp(z.to(torch.float64) - top)
+    target = (torch.tensor(hi, dtype=torch.float64) + lo).item() * _mass_above(keys, e_row, floor_key)
+    cum = torch.exp(vals.to(torch.float64) - top)
+    step = 1
+    while step < cum.shape[1]:  # inclusive prefix sums: Hillis-Steele, an order fixed by the count
+        cum = torch.cat([cum[:, :step], cum[:, step:] + cum[:, :-step]], dim=1)
+        step *= 2
+    hit = cum >= target[:, None]
+    found = hit.any(dim=1)
+    tau = vals.gather(1, hit.int().argmax(dim=1)[:, None])[:, 0]
+    if covers:
+        return torch.maximum(torch.where(found, tau, floor), floor)
+    rest = (~found).nonzero()[:, 0]
+    if rest.numel():
+        tau[rest] = _torch_search(z[rest], keys[rest], e_row[rest], floor_key[rest], target[rest])
+    return torch.maximum(tau, floor)
+
+
+def _order_key(z: torch.Tensor) -> torch.Tensor:
+    """``kernels.truncation.order_key`` (of z rounded to fp32), in int64."""
+    bits = z.to(torch.float32).view(torch.int32).to(torch.int64)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def _mass_above(keys: torch.Tensor, e: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Each row's mass ``e`` [R, V] over the logits whose key is >= t [R] (a pairwise tree)."""
+    return tree_rowsum(torch.where(keys >= t[:, None], e, torch.zeros_like(e)))
+
+
+def _torch_search(z: torch.Tensor, keys: torch.Tensor, e: torch.Tensor, lo: torch.Tensor,
+                  target: torch.Tensor) -> torch.Tensor:
+    """The whole-row bisection of ``kernels.truncation`` for rows whose candidates fall short."""
+    hi = torch.full_like(lo, 1 << 31)
+    while bool((hi - lo > 1).any()):
+        mid = torch.div(lo + hi, 2, rounding_mode="floor")
+        reach = _mass_above(keys, e, mid) >= target
+        lo, hi = torch.where(reach, mid, lo), torch.where(reach, hi, mid)
+    return torch.where(keys >= lo[:, None], z, torch.full_like(z, math.inf)).amin(dim=1)
+
+
+def triton_top_p(z: torch.Tensor, floor: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """:func:`torch_top_p` by ``kernels.truncation.top_p_threshold_kernel`` (fp32 z)."""
+    N, V = z.shape
+    vals, covers = candidates(z, top_k)
+    out = torch.empty(N, dtype=torch.float32, device=z.device)
+    if N == 0:
+        return out
+    hi, lo = split_p(top_p)
+    _launch_top_p((N,), (vals, z, floor, out, vals.shape[1], V, vals.stride(0), z.stride(0), hi, lo),
+                  dict(COVERS=covers, BLOCK=TOP_P_BLOCK), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+    return out
