@@ -95,6 +95,14 @@ def dense_cases(device: str, dt: torch.dtype) -> dict[str, str]:
                                         positions=positions, return_entropy=True)
         greedy = rlkernels.linear_sample(h.detach(), w.detach() * 6, temperature=0.8, greedy=True)
         out[f"linear_sample {name} {nn_}x{d}x{v}"] = _digest(*draws, *greedy)
+        # Truncated draws, and the trainer's log-prob (and gradients) under their thresholds.
+        tok, tlp, tent, tau = rlkernels.linear_sample(h.detach(), w.detach() * 6, temperature=0.8, seed=11,
+                                                      streams=streams, positions=positions, return_entropy=True,
+                                                      top_k=50, top_p=0.9, return_threshold=True)
+        h.grad = w.grad = None
+        lp_t = rlkernels.linear_logprob(h, w * 6, tok, temperature=0.8, logit_threshold=tau)
+        lp_t.sum().backward()
+        out[f"linear_sample top_k top_p {name} {nn_}x{d}x{v}"] = _digest(tok, tlp, tent, tau, lp_t, h.grad, w.grad)
     for rows, r in [(7, 1000), (4096, 2048), (33, 16385)]:
         x = _rand(rows, r, dtype=dt, seed=r, grad=True, device=device)
         wn = _rand(r, dtype=dt, seed=5, grad=True, device=device)
@@ -223,6 +231,10 @@ def model_cases(device: str, dt: torch.dtype) -> dict[str, str]:
                 out[f"model {arch} {name} generate sampled {how}"] = _digest(seq, lp)
                 seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=16, cuda_graph=graph)
                 out[f"model {arch} {name} generate greedy {how}"] = _digest(seq, lp)
+                seq, lp, tau = rlkernels.generate(model, ids, mask, max_new_tokens=16, do_sample=True, seed=11,
+                                                  temperature=0.8, cuda_graph=graph, top_p=0.9,
+                                                  return_thresholds=True)
+                out[f"model {arch} {name} generate top_p {how}"] = _digest(seq, lp, tau)
                 # Continuous batching: 10 samples through 3 slots, so rows are refilled mid-run.
                 prompts = [ids[i, width - n:] for i, n in enumerate(lens)]
                 samples = rlkernels.rollout(model, prompts, n=2, max_new_tokens=16, seed=11, temperature=0.8,

@@ -308,11 +308,11 @@ def test_truncated_rows_are_batch_invariant(backend, dtype, gen):
 
 @pytest.mark.parametrize("threshold, err, match", [
     ([0.0] * 4, TypeError, r"logit_threshold must be a tensor, got list"),
-    (torch.zeros(3), ValueError, r"logit_threshold shape \(3,\) must equal hidden's leading shape \(4,\)"),
+    (torch.zeros(3), ValueError, r"logit_threshold shape \(3,\) must equal \(4,\) \(one threshold per scored token\)"),
     (torch.zeros(4, dtype=torch.float64), ValueError, r"logit_threshold must be torch.float32 .*got torch.float64"),
     (torch.zeros(4, dtype=torch.bfloat16), ValueError, r"logit_threshold must be torch.float32"),
     (torch.tensor([0.0, float("nan"), 0.0, 0.0]), ValueError, r"logit_threshold is NaN at flat position 1"),
-    (torch.zeros(4, device="meta"), ValueError, r"logit_threshold is on meta, hidden on cpu"),
+    (torch.zeros(4, device="meta"), ValueError, r"logit_threshold is on meta, the tokens on cpu"),
 ])
 def test_bad_thresholds_are_refused_naming_the_op(threshold, err, match, gen):
     h, w, b, t = _data(4, 8, 30, F32, gen, ignore=False)

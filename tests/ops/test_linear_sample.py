@@ -578,3 +578,57 @@ def test_gpu_bad_positions_and_nan_rows_are_refused_as_multinomial_refuses():
         assert out.returncode != 0 and "finished" not in out.stdout, (case, out.stdout, out.stderr[-2000:])
         refused = "rlkernels.linear_sample: a row's logits are not a distribution"
         assert refused in out.stderr, (case, out.stderr[-2000:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n, d, v", [(1, 2048, 151936), (37, 4096, 32003), (300, 1024, 50257)])
+@pytest.mark.parametrize("truncation", TRUNCATIONS + [dict(top_p=0.999)], ids=["top_k", "top_p", "both", "p999"])
+def test_gpu_truncated_logp_is_the_thresholded_linear_logprob_and_rows_are_invariant(dtype, n, d, v, truncation,
+                                                                                     gen):
+    h, w, b = _head(n, d, v, dtype, gen, device="cuda")
+    streams, positions = _counters(n, gen, device="cuda")
+    kw = dict(temperature=0.7, seed=SEED, return_entropy=True, return_threshold=True, **truncation)
+    tok, lp, ent, tau = linear_sample(h, w, b, streams=streams, positions=positions, **kw)
+    ref_lp, ref_ent = linear_logprob(h, w, tok, b, temperature=0.7, return_entropy=True, logit_threshold=tau)
+    assert torch.equal(_bits(lp), _bits(ref_lp)) and torch.equal(_bits(ent), _bits(ref_ent))
+    assert torch.isfinite(lp).all() and torch.isfinite(tau).all()
+    for rows in (torch.tensor([n - 1]), torch.randperm(n, generator=gen)):
+        rows = rows.cuda()
+        got = linear_sample(h[rows], w, b, streams=streams[rows], positions=positions[rows], **kw)
+        for x, y in zip(got, (tok, lp, ent, tau)):
+            assert torch.equal(x if x.dtype == torch.int64 else _bits(x), y[rows] if y.dtype == torch.int64
+                               else _bits(y[rows]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.999), (50, 0.95), (2000, 0.99)])
+def test_gpu_top_p_kernel_is_the_torch_definition_through_candidates_and_search(top_k, top_p, gen, monkeypatch):
+    from rlkernels.ops.lm_head import truncation as TR
+
+    z = randn(64, 151936, generator=gen, scale=6.0, device="cuda")
+    z[:8] *= 0.05  # flat rows: their nucleus is wider than the candidates, so the kernel searches the row
+    floor = TR.top_k_floor(z, top_k)
+    got = TR.triton_top_p(z, floor, top_k, top_p)
+    want = TR.torch_top_p(z, floor, top_k, top_p)
+    # fp64 sums in two orders: equal away from a border within ~1e-15 of p, where no random row sits.
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    monkeypatch.setattr(TR, "TOP_P_CANDIDATES", 4)
+    assert torch.equal(TR.triton_top_p(z, floor, top_k, top_p).view(torch.int32), got.view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_a_truncated_draw_is_the_same_eager_and_in_a_graph(gen):
+    n, d, v = 16, 2048, 151936
+    h, w, b = _head(n, d, v, BF16, gen, device="cuda")
+    streams, positions = _counters(n, gen, device="cuda")
+    kw = dict(temperature=0.7, streams=streams, positions=positions, return_entropy=True, return_threshold=True,
+              top_k=40, top_p=0.9)
+    want = linear_sample(h, w, b, seed=SEED, **kw)
+    seed = torch.tensor(SEED, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_sample(h, w, b, seed=seed, **kw)
+    graph.replay()
+    for x, y in zip(out, want):
+        assert torch.equal(x if x.dtype == torch.int64 else _bits(x), y if y.dtype == torch.int64 else _bits(y))

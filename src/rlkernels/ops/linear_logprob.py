@@ -345,7 +345,7 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
     validate_head(OP, hidden, weight, bias, temperature)
     validate_targets(OP, hidden, weight, target, bias, ignore_index)
     if logit_threshold is not None:
-        validate_threshold(OP, hidden, logit_threshold)
+        validate_threshold(OP, logit_threshold, tuple(hidden.shape[:-1]), hidden.dtype, hidden.device)
     logprob_backend, gemm_backend = backends_for(OP, hidden, backend, logprob_backend)
     lead = target.shape
     h2 = hidden.reshape(target.numel(), hidden.shape[-1])  # explicit N: -1 is ambiguous when D = 0

@@ -157,6 +157,35 @@ def test_greedy_samples_are_the_greedy_decode_alone():
         assert torch.equal(results[2 * i].tokens, results[2 * i + 1].tokens)
 
 
+@pytest.mark.parametrize("truncation", [dict(top_k=6), dict(top_p=0.85), dict(top_k=30, top_p=0.9)],
+                         ids=["top_k", "top_p", "both"])
+def test_truncated_samples_are_their_prompts_truncated_generate_and_carry_the_trainers_thresholds(truncation):
+    model = _model("qwen3")
+    prompts = _prompts()
+    results = rlkernels.rollout(model, prompts, max_batch=4, **KW, **truncation)
+    full = _reference("qwen3")
+    assert any(not torch.equal(r.tokens, f.tokens) for r, f in zip(results, full))  # truncation draws other tokens
+    for k, r in enumerate(results):
+        streams = torch.tensor([r.stream])
+        seq, lp, tau = rlkernels.generate(model, prompts[r.prompt][None], seed=7, streams=streams, max_new_tokens=12,
+                                          temperature=0.8, do_sample=True, return_thresholds=True, **truncation)
+        T = r.tokens.numel()
+        assert torch.equal(r.tokens, seq[0, len(prompts[r.prompt]):][:T]) and torch.equal(r.logprobs, lp[0, :T])
+        assert torch.equal(r.thresholds, tau[0, :T]) and torch.isfinite(r.thresholds).all(), k
+        sequence = torch.cat([prompts[r.prompt], r.tokens])[None]
+        threshold = torch.full((1, sequence.shape[1] - 1), float("-inf"))
+        threshold[0, -T:] = r.thresholds
+        trainer = rlkernels.token_logprobs(model, sequence, temperature=0.8, logit_threshold=threshold)
+        assert torch.equal(trainer[0, -T:], r.logprobs), k
+    # Another batch size and order give the same bits; greedy and untruncated samples carry none.
+    again = rlkernels.rollout(model, prompts, max_batch=2, **KW, **truncation)
+    assert all(torch.equal(a.tokens, r.tokens) and torch.equal(a.thresholds, r.thresholds)
+               for a, r in zip(again, results))
+    assert all(r.thresholds is None for r in full)
+    greedy = rlkernels.rollout(model, prompts[:2], n=1, max_new_tokens=4, do_sample=False, **truncation)
+    assert all(r.thresholds is None for r in greedy)
+
+
 def test_compacting_the_cache_changes_no_bit(monkeypatch):
     model = _model("qwen3")
     prompts = _prompts()
@@ -281,6 +310,8 @@ REFUSALS = [
     (dict(max_batch=0), ValueError, r"max_batch must be an int >= 1"),
     (dict(seed=-1), ValueError, r"seed must be a Python int in \[0, 2\^63\)"),
     (dict(cuda_graph=True), ValueError, r"cuda_graph=True cannot capture the decode step here: the model is on cpu"),
+    (dict(top_k=-1), ValueError, r"top_k must be >= 0"),
+    (dict(top_p=0.0), ValueError, r"top_p must lie in \(0, 1\]"),
 ]
 
 
@@ -343,3 +374,29 @@ def test_graphed_rollout_is_the_eager_rollout_bit_for_bit_gpu(sample, monkeypatc
         tokens, lp, _ = _alone(model, prompts[r.prompt], r.stream, max_new_tokens=40, temperature=0.9, seed=11,
                                do_sample=sample)
         assert torch.equal(r.tokens, tokens) and torch.equal(r.logprobs, lp)
+
+
+@pytest.mark.gpu
+def test_gpu_a_truncated_graphed_rollout_is_the_eager_rollout_and_generate_alone():
+    model = _tiny("qwen3", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
+                  tie_word_embeddings=False)
+    _scale_head(model, 4.0)
+    rlkernels.patch_model(model)
+    rng = random.Random(1)
+    prompts = [torch.randint(1, 32000, (rng.randint(1, 90),)).cuda() for _ in range(10)]
+    kw = dict(n=4, max_new_tokens=32, temperature=0.9, seed=13, max_batch=16, top_k=50, top_p=0.9)
+    eager = rlkernels.rollout(model, prompts, cuda_graph=False, **kw)
+    graphed = rlkernels.rollout(model, prompts, cuda_graph=True, **kw)
+    assert any(r.finished for r in eager)
+    for e, g in zip(eager, graphed):
+        assert torch.equal(e.tokens, g.tokens) and torch.equal(e.logprobs, g.logprobs)
+        assert torch.equal(e.thresholds, g.thresholds)
+    for r in eager[::7]:
+        seq, lp, tau = rlkernels.generate(model, prompts[r.prompt][None], seed=13, streams=torch.tensor([r.stream]).cuda(),
+                                          max_new_tokens=32, temperature=0.9, do_sample=True, top_k=50, top_p=0.9,
+                                          return_thresholds=True)
+        T = r.tokens.numel()
+        assert torch.equal(r.tokens, seq[0, len(prompts[r.prompt]):][:T]) and torch.equal(r.logprobs, lp[0, :T])
+        assert torch.equal(r.thresholds, tau[0, :T])
+    rlkernels.release_decode_graphs(model)

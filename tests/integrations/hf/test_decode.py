@@ -482,3 +482,29 @@ def test_gpu_a_new_parameter_object_captures_again_instead_of_replaying_stale_po
     assert decode.decode_graph(model) is state and count_captures[0] == before
     assert _same(got, _static(model, ids1, mask1, **kw))
     del old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("truncation", [dict(top_k=40), dict(top_p=0.9), dict(top_k=100, top_p=0.95)],
+                         ids=["top_k", "top_p", "both"])
+def test_gpu_a_truncated_graphed_decode_is_the_eager_one_and_the_thresholded_trainer(truncation):
+    model = _gpu_model(torch.bfloat16)
+    with torch.no_grad():  # a trained model's logit spread
+        model.get_output_embeddings().weight.mul_(40.0)
+    decode.release_decode_graphs(model)
+    (ids, mask), _ = _batches("cuda")
+    kw = dict(max_new_tokens=24, greedy=False, temperature=0.9, seed=5,
+              streams=torch.tensor([3, 1, 4, 1 << 35], device="cuda"), return_thresholds=True, **truncation)
+    graphed = _graphed(model, ids, mask, **kw)
+    again = _graphed(model, ids, mask, **kw)  # replayed from the kept graph
+    eager = _static(model, ids, mask, **kw)
+    assert _same(graphed, eager) and _same(again, eager)
+    seq, lp, _, tau = graphed
+    assert torch.isfinite(tau).all()
+    L = ids.shape[1]
+    full_mask = torch.cat([mask, torch.ones_like(seq[:, L:])], dim=1)
+    threshold = torch.full((seq.shape[0], seq.shape[1] - 1), float("-inf"), device="cuda")
+    threshold[:, L - 1:] = tau
+    trainer = token_logprobs(model, seq, full_mask, temperature=0.9, logit_threshold=threshold)[:, L - 1:]
+    assert torch.equal(trainer, lp)
+    decode.release_decode_graphs(model)

@@ -72,7 +72,6 @@ def test_temperature_must_be_a_python_number(call):
 
 
 @pytest.mark.parametrize("option, value, why", [
-    ("top_k", 20, "truncated distribution"), ("top_p", 0.9, "truncated distribution"),
     ("min_new_tokens", 3, "without it"), ("generator", torch.Generator(), "seed=, streams="),
     ("repetition_penalty", 1.2, "not supported"),
 ])
@@ -149,10 +148,17 @@ def test_generation_config_sampling_is_read_with_its_temperature():
     assert torch.equal(seq, seq_t) and torch.equal(lp, lp_t)
     trainer = rlkernels.token_logprobs(model, seq, temperature=0.3)[:, ids.shape[1] - 1:]
     assert torch.equal(trainer, lp)
-    # A filter the config sets is refused, naming it; passing do_sample samples without it.
-    model.generation_config.top_p = 0.95
-    with pytest.raises(ValueError, match=r"generation_config samples with top_p=0.95, which is not supported"):
+    # The config's top_p is taken as Hugging Face takes it; the truncated log-probs need the
+    # kept sets, so a call that would drop them is refused. Passing do_sample samples without it.
+    model.generation_config.top_k, model.generation_config.top_p = 0, 0.95
+    with pytest.raises(ValueError, match=r"generation_config samples with top_k=0, top_p=0.95: .*"
+                                         r"pass return_thresholds=True"):
         rlkernels.generate(model, ids, max_new_tokens=4, seed=1)
+    seq_c, lp_c, tau_c = rlkernels.generate(model, ids, max_new_tokens=4, seed=1, return_thresholds=True)
+    seq_e, lp_e, tau_e = rlkernels.generate(model, ids, max_new_tokens=4, seed=1, do_sample=True, temperature=0.3,
+                                            top_p=0.95, return_thresholds=True)
+    assert torch.equal(seq_c, seq_e) and torch.equal(lp_c, lp_e) and torch.equal(tau_c, tau_e)
+    assert torch.isfinite(tau_c).all()
     seq_f, _ = rlkernels.generate(model, ids, max_new_tokens=4, seed=1, do_sample=True, temperature=0.3)
     assert torch.equal(seq_f, seq_t)
 
@@ -164,3 +170,68 @@ def test_neutral_repetition_penalty_is_taken_and_another_is_refused():
     assert torch.equal(rlkernels.generate(model, ids, max_new_tokens=2, repetition_penalty=1.0)[0], base[0])
     with pytest.raises(ValueError, match=r"repetition_penalty=1.2 is not supported"):
         rlkernels.generate(model, ids, max_new_tokens=2, repetition_penalty=1.2)
+
+
+def _trained_head(model):
+    with torch.no_grad():  # a trained model's logit spread (std ~6)
+        model.get_output_embeddings().weight.mul_(50.0)
+    return model
+
+
+def _positions_thresholds(seq, prompt_len, tau):
+    """token_logprobs' [B, L-1] logit_threshold: each new token's draw threshold at its
+    position, -inf at the prompt's."""
+    out = torch.full((seq.shape[0], seq.shape[1] - 1), float("-inf"))
+    out[:, prompt_len - 1:] = tau
+    return out
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=5), dict(top_p=0.8), dict(top_k=20, top_p=0.9)],
+                         ids=["top_k", "top_p", "both"])
+def test_truncated_generate_is_the_thresholded_trainer_and_each_row_is_its_prompt_alone(truncation):
+    model = _trained_head(_model("qwen3"))
+    prompts = _prompts((3, 7, 5))
+    ids, mask = _pad(prompts, left=True)
+    kw = dict(max_new_tokens=6, do_sample=True, temperature=0.8, seed=11, return_thresholds=True, **truncation)
+    seq, lp, tau = rlkernels.generate(model, ids, mask, **kw)
+    assert tau.shape == lp.shape and tau.dtype == torch.float32 and torch.isfinite(tau).all()
+    L = ids.shape[1]
+    full_mask = torch.cat([mask, torch.ones_like(seq[:, L:])], dim=1)
+    trainer = rlkernels.token_logprobs(model, seq, full_mask, temperature=0.8,
+                                       logit_threshold=_positions_thresholds(seq, L, tau))[:, L - 1:]
+    assert torch.equal(trainer, lp)
+    untruncated = rlkernels.token_logprobs(model, seq, full_mask, temperature=0.8)[:, L - 1:]
+    assert (lp >= untruncated).all() and (lp > untruncated).any()
+    for row, prompt in enumerate(prompts):
+        one, lp1, tau1 = rlkernels.generate(model, torch.as_tensor(prompt)[None], streams=torch.tensor([row]), **kw)
+        assert torch.equal(one[0, len(prompt):], seq[row, L:])
+        assert torch.equal(lp1[0], lp[row]) and torch.equal(tau1[0], tau[row])
+
+
+def test_thresholds_after_eos_keep_every_logit_and_greedy_truncates_nothing():
+    model = _trained_head(_model("qwen3"))
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    seq, lp, tau = rlkernels.generate(model, ids, max_new_tokens=8, do_sample=True, seed=3, top_p=0.9,
+                                      return_thresholds=True)
+    eos = int(seq[0, 4])  # the second new token of row 0 as EOS: the row ends there
+    seq_e, lp_e, tau_e = rlkernels.generate(model, ids, max_new_tokens=8, do_sample=True, seed=3, top_p=0.9,
+                                            return_thresholds=True, eos_token_id=eos, pad_token_id=0)
+    ended = (seq_e[:, 3:] == eos).int().cumsum(dim=1).roll(1, dims=1)
+    ended[:, 0] = 0
+    after = ended.bool()
+    assert after.any() and torch.isneginf(tau_e[after]).all() and (lp_e[after] == 0).all()
+    assert torch.equal(tau_e[~after], tau[:, :tau_e.shape[1]][~after])
+    greedy, glp, gtau = rlkernels.generate(model, ids, max_new_tokens=3, top_k=2, top_p=0.5, return_thresholds=True)
+    assert torch.isneginf(gtau).all()
+    assert torch.equal(greedy, rlkernels.generate(model, ids, max_new_tokens=3)[0])
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(top_k=-2), ValueError, r"rlkernels.generate: top_k must be >= 0"),
+    (dict(top_p=1.5), ValueError, r"rlkernels.generate: top_p must lie in \(0, 1\]"),
+    (dict(top_p=0.9), ValueError, r"rlkernels.generate: the call samples with top_k=0, top_p=0.9: .*return_thresholds"),
+])
+def test_bad_truncation_and_dropped_kept_sets_are_refused(kwargs, err, match):
+    model = _model("qwen3")
+    with pytest.raises(err, match=match):
+        rlkernels.generate(model, torch.tensor([[3, 4]]), max_new_tokens=2, do_sample=True, seed=1, **kwargs)

@@ -59,6 +59,7 @@ from torch import nn
 
 from ...ops._validate import require_temperature
 from ...ops.linear_sample import SEED_LIMIT, linear_sample
+from ...ops.lm_head.truncation import truncates, validate_truncation
 from ..trainers import fsdp
 from . import decode, moe, static_cache
 from .coverage import decoder_of, is_patched, mode_for
@@ -83,7 +84,9 @@ class RolloutSample:
     was drawn); ``logprobs``: fp32 [T], each token's log-prob at the rollout's
     temperature, no autograd graph; ``entropy``: fp32 [T] with ``return_entropy``, else
     None; ``finished``: True where the sample ended with an EOS token (False where it
-    ran to ``max_new_tokens``).
+    ran to ``max_new_tokens``); ``thresholds``: fp32 [T] where the rollout truncates
+    (``top_k``/``top_p``), each draw's kept-set threshold (the ``logit_threshold`` under
+    which :func:`rlkernels.token_logprobs` gives ``logprobs``), else None.
     """
 
     prompt: int
@@ -93,6 +96,7 @@ class RolloutSample:
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     finished: bool
+    thresholds: torch.Tensor | None = None
 
 
 @dataclass
@@ -115,6 +119,12 @@ class _Plan:
     keep: bool
     device: torch.device
     return_entropy: bool
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def truncating(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
     @property
     def longest(self) -> int:
@@ -252,9 +262,10 @@ def step_batches(max_batch: int, smallest: int = 8) -> tuple[int, ...]:
 def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, temperature: float, do_sample: bool,
           seed: int | None, streams: object, eos_token_id: object, max_batch: int | None, cuda_graph: bool | None,
           return_entropy: bool, slots: int | None, smallest_step_batch: int = 8,
-          prefill_tokens: int = 8192, keep: bool | None = None) -> _Plan:
+          prefill_tokens: int = 8192, keep: bool | None = None, top_k: int = 0, top_p: float = 1.0) -> _Plan:
     """Every argument checked (errors name ``rlkernels.rollout``), before any compute."""
-    check_head(OP, model)
+    head = check_head(OP, model)
+    validate_truncation(OP, top_k, top_p)
     if not is_int(n) or n < 1:
         raise ValueError(f"rlkernels.rollout: n must be an int >= 1, got {n!r}")
     if not is_int(max_new_tokens) or max_new_tokens < 0:
@@ -267,6 +278,9 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
     ids = _prompt_ids(prompts, vocab_size(model), max_positions if is_int(max_positions) else None)
     stream_ids = _stream_ids(streams, len(ids) * n)
     greedy = not bool(do_sample)
+    # Greedy draws truncate nothing (the argmax is always kept); neutral values are no truncation.
+    if greedy or not truncates(int(top_k), float(top_p), head.weight.shape[0]):
+        top_k, top_p = 0, 1.0
     if seed is not None and (not is_int(seed) or not 0 <= seed < SEED_LIMIT):
         kind = TypeError if not is_int(seed) else ValueError
         raise kind(f"rlkernels.rollout: seed must be a Python int in [0, 2^63) (or None), got {seed!r}")
@@ -316,7 +330,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
                  seed=seed, streams=stream_ids, eos=eos, max_batch=max_batch, prefill_tokens=prefill_tokens,
                  step_batches=step_batches(max_batch, smallest_step_batch), slots=slots,
                  cuda_graph=graphed, keep=keep, device=device,
-                 return_entropy=bool(return_entropy))
+                 return_entropy=bool(return_entropy), top_k=int(top_k), top_p=float(top_p))
 
 
 class _Engine:
@@ -427,7 +441,8 @@ class _Rollout:
                               getattr(self.head, "bias", None), temperature=plan.temperature, seed=self.seed,
                               streams=torch.from_numpy(self.stream[owner]).to(dev),
                               positions=torch.tensor(lengths, device=dev).repeat_interleave(n), greedy=plan.greedy,
-                              return_entropy=True)
+                              return_entropy=True, top_k=plan.top_k, top_p=plan.top_p,
+                              return_threshold=plan.truncating)
         self._take(drawn, owner)
 
     # ----------------------------------------------------------------- the slot cache
@@ -588,7 +603,7 @@ class _Rollout:
         def step():
             return decode.decode_step(self.decoder, self.head, cache, self.ids[:b], self.mask[:b],
                                       self.positions[:b], temperature=plan.temperature, greedy=plan.greedy,
-                                      seed=self.seed, streams=self.streams[:b])
+                                      seed=self.seed, streams=self.streams[:b], top_k=plan.top_k, top_p=plan.top_p)
 
         if not plan.cuda_graph:
             return step()
@@ -625,14 +640,17 @@ class _Rollout:
             # Each sample's draws, in the order drawn: a stable sort by sample of the pool's rows.
             order = torch.from_numpy(kept[np.argsort(owner[kept], kind="stable")]).to(dev)
             lengths = np.bincount(owner[kept], minlength=count).tolist()
-            tokens, logps, entropies = (torch.cat(part)[order].split(lengths) for part in zip(*self.pool))
+            tokens, logps, entropies, *thresholds = (torch.cat(part)[order].split(lengths)
+                                                     for part in zip(*self.pool))
         else:
             tokens = [torch.zeros(0, dtype=torch.long, device=dev)] * count
             logps = entropies = [torch.zeros(0, dtype=torch.float32, device=dev)] * count
+            thresholds = [logps] if plan.truncating else []
         return [RolloutSample(prompt=int(self.prompt_of[i]), sample=i % plan.n, stream=int(self.stream[i]),
                               tokens=tokens[i], logprobs=logps[i],
                               entropy=entropies[i] if plan.return_entropy else None,
-                              finished=bool(self.finished[i]))
+                              finished=bool(self.finished[i]),
+                              thresholds=thresholds[0][i] if plan.truncating else None)
                 for i in range(count)]
 
 
@@ -640,8 +658,8 @@ def _run(model: nn.Module, plan: _Plan, batch_invariant: bool | None) -> list[Ro
     with torch.no_grad(), mode_for(model, batch_invariant):
         # A graphed rollout keeps its engine for the next call whose steps launch the same
         # kernels on the same memory (generate's rule: decode.decode_key); an eager one keeps nothing.
-        key = (decode.decode_key(model, plan.max_batch, plan.slots, plan.device, plan.temperature, plan.greedy)
-               if plan.keep else None)
+        key = (decode.decode_key(model, plan.max_batch, plan.slots, plan.device, plan.temperature, plan.greedy,
+                                 plan.top_k, plan.top_p) if plan.keep else None)
 
         def make() -> _Engine:
             return _Engine(key, model, plan)
@@ -662,7 +680,8 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
              streams: Sequence[int] | torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
              max_batch: int | None = None, cuda_graph: bool | None = None, return_entropy: bool = False,
              slots: int | None = None, smallest_step_batch: int = 8, prefill_tokens: int = 8192,
-             keep: bool | None = None, batch_invariant: bool | None = None) -> list[RolloutSample]:
+             keep: bool | None = None, batch_invariant: bool | None = None, top_k: int = 0,
+             top_p: float = 1.0) -> list[RolloutSample]:
     """:func:`rollout` on any model, patched or not (``batch_invariant`` as in
     :func:`rlkernels.token_logprobs`), with the slot cache's length ``slots`` (None: 2 x
     (longest prompt + ``max_new_tokens``); at least the longest prompt plus
@@ -675,7 +694,8 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
     plan = _plan(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
                  seed=seed, streams=streams, eos_token_id=eos_token_id, max_batch=max_batch,
                  cuda_graph=cuda_graph, return_entropy=return_entropy, slots=slots,
-                 smallest_step_batch=smallest_step_batch, prefill_tokens=prefill_tokens, keep=keep)
+                 smallest_step_batch=smallest_step_batch, prefill_tokens=prefill_tokens, keep=keep,
+                 top_k=top_k, top_p=top_p)
     if not plan.prompts:
         return []
     return fsdp.run_as_forward(model, _run, model, plan, batch_invariant)
@@ -685,7 +705,7 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], *
             temperature: float = 1.0, do_sample: bool = True, seed: int | None = None,
             streams: Sequence[int] | torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
             max_batch: int | None = None, cuda_graph: bool | None = None,
-            return_entropy: bool = False) -> list[RolloutSample]:
+            return_entropy: bool = False, top_k: int = 0, top_p: float = 1.0) -> list[RolloutSample]:
     """Draw ``n`` samples of each prompt by continuous batching; each sample bitwise its prompt's decode alone.
 
     ``prompts``: a list of prompts, each a list of token ids or a 1-D integer tensor,
@@ -706,7 +726,11 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], *
     ``seed``: a Python int in [0, 2^63) (None: drawn from torch's default generator, as
     ``generate`` draws one; greedy needs none). ``do_sample=False`` takes each step's argmax
     (ties to the lowest id). ``eos_token_id``: an int or a list (None: the model's
-    ``generation_config``'s).
+    ``generation_config``'s). ``top_k`` (0: off) and ``top_p`` (1: off) draw each sampled
+    token from the truncated distribution (:func:`rlkernels.linear_sample`): its log-prob is
+    that distribution's, and each sample carries its draws' ``thresholds``, the
+    ``logit_threshold`` under which ``token_logprobs`` gives those log-probs bitwise
+    (``generate(..., top_k=, top_p=, return_thresholds=True)`` gives the same tokens).
 
     The samples share ``max_batch`` rows of one ``StaticCache`` of S = 2 x (longest prompt
     + ``max_new_tokens``) slots (module docstring): the keys and values take at most
@@ -725,10 +749,11 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], *
     linear layer, a 2-D tensor or anything but a list of prompts, an empty prompt, an id
     outside [0, vocab), a prompt longer than the model's ``max_position_embeddings``,
     ``n`` < 1, ``max_new_tokens`` < 0, a temperature that is not a finite number > 0,
-    a seed outside [0, 2^63), ``streams`` of the wrong length or with a repeated stream,
+    ``top_k`` < 0 or not an int, ``top_p`` outside (0, 1], a seed outside [0, 2^63), ``streams`` of the wrong length or with a repeated stream,
     ``max_batch`` < 1, and ``cuda_graph=True`` off CUDA or where the step cannot be captured.
     """
     _check_model(model)
     return _rollout(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                     do_sample=do_sample, seed=seed, streams=streams, eos_token_id=eos_token_id,
-                    max_batch=max_batch, cuda_graph=cuda_graph, return_entropy=return_entropy)
+                    max_batch=max_batch, cuda_graph=cuda_graph, return_entropy=return_entropy,
+                    top_k=top_k, top_p=top_p)

@@ -70,6 +70,7 @@ returns, until the model goes, a call with another key replaces it, or
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 import weakref
 from typing import Any, Callable
@@ -79,6 +80,7 @@ from torch import nn
 
 from ..._env import SWITCHES, env_get
 from ...ops.linear_sample import linear_sample, validate_seed
+from ...ops.lm_head.truncation import truncates
 from ..aten_mode import is_batch_invariant_mode_enabled
 from . import static_cache
 from .coverage import cache_kwargs, decoder_of, mode_for
@@ -88,8 +90,9 @@ OP = "generate"
 # What the loop knows how to do; anything else in generate_kwargs is refused.
 SUPPORTED_OPTIONS = frozenset({"max_new_tokens", "do_sample", "pad_token_id", "eos_token_id"})
 
-# One step's draw: (token [B] int64, logp [B] fp32, entropy [B] fp32).
-Drawn = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# One step's draw: (token [B] int64, logp [B] fp32, entropy [B] fp32), and each row's
+# truncation threshold [B] fp32 where the draw truncates (top_k / top_p).
+Drawn = tuple[torch.Tensor, ...]
 
 
 class _StepBuffers:
@@ -194,13 +197,13 @@ def _memory_fingerprint(model: nn.Module) -> tuple:
 
 
 def decode_key(model: nn.Module, batch: int, total: int, device: torch.device, temperature: float,
-               greedy: bool) -> tuple:
+               greedy: bool, top_k: int = 0, top_p: float = 1.0) -> tuple:
     """Everything a captured decode step bakes in, for :class:`DecodeGraph` reuse: shapes
-    (B, cache length), device, T, greedy vs sampled, the model's attention implementation,
+    (B, cache length), device, T, greedy vs sampled, top-k and top-p, the model's attention implementation,
     the batch-invariant mode, autocast, training mode, the ``RLKERNELS_*`` / Triton
     switches, and :func:`_memory_fingerprint`. Not the prompt length, seed or streams
     (read from buffers at replay)."""
-    return (batch, total, device, float(temperature), bool(greedy),
+    return (batch, total, device, float(temperature), bool(greedy), int(top_k), float(top_p),
             getattr(getattr(model, "config", None), "_attn_implementation", None),
             is_batch_invariant_mode_enabled(), model.training, _autocast_state(device),
             tuple([env_get(name) for name in SWITCHES]), _memory_fingerprint(model))
@@ -302,7 +305,8 @@ def last_hidden(decoder: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.T
 
 def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.Tensor,
                 positions: torch.Tensor, *, temperature: float, greedy: bool, seed: torch.Tensor,
-                streams: torch.Tensor, cache_position: torch.Tensor | None = None) -> Drawn:
+                streams: torch.Tensor, cache_position: torch.Tensor | None = None, top_k: int = 0,
+                top_p: float = 1.0) -> Drawn:
     """One forward of a patched decoder on a static cache, then the draw of each row's next token.
 
     ``ids`` [B, Lq] long are fed at ``positions`` [B, Lq] long; their keys and values are
@@ -312,14 +316,17 @@ def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tens
     ``temperature``, the argmax (``greedy``) or a draw keyed by ``seed`` (an int64 [] tensor),
     the row's stream (``streams``, int64 [B]) and its position ``positions[:, -1] + 1``.
     ``cache_position`` [Lq] long: the slots written, for transformers 4.x (5.x counts them
-    on the device). Returns (token [B] int64, logp [B] fp32, entropy [B] fp32). No host
-    sync: the step can be captured into a CUDA graph whose inputs are these tensors.
+    on the device). ``top_k``/``top_p`` truncate the draw (:func:`rlkernels.linear_sample`).
+    Returns (token [B] int64, logp [B] fp32, entropy [B] fp32), and each row's threshold
+    [B] fp32 where (top_k, top_p) truncate. No host sync: the step can be captured into a
+    CUDA graph whose inputs are these tensors.
     """
     hidden = last_hidden(decoder, cache, ids, mask, positions, cache_position)
     # The token drawn here is the row's next one: its position follows the last fed token's.
     return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
                          seed=seed, streams=streams, positions=positions[:, -1] + 1,
-                         greedy=greedy, return_entropy=True)
+                         greedy=greedy, return_entropy=True, top_k=top_k, top_p=top_p,
+                         return_threshold=truncates(top_k, top_p, head.weight.shape[0]))
 
 
 def decode_under_mode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -336,8 +343,8 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
                     max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, seed: int = 0,
                     streams: torch.Tensor | None = None, pad_token_id: int | None = None,
                     eos_token_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
-                    keep: bool | None = None, cache_len: int | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    keep: bool | None = None, cache_len: int | None = None, top_k: int = 0, top_p: float = 1.0,
+                    return_thresholds: bool = False) -> tuple[torch.Tensor, ...]:
     """Decode up to ``max_new_tokens`` tokens after left-padded prompts with a ``StaticCache``.
 
     input_ids, attention_mask: [B, L] (long; left padding). ``decoder`` is the model's base
@@ -346,10 +353,13 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
     precedes it: the argmax of the fp32 logits / T (``greedy``), or a
     draw keyed by (``seed``, the row's stream, the token's position counted from the row's
     first real token), so left padding and batch-mates change nothing. ``seed``: a Python
-    int in [0, 2^63); ``streams``: int64 [B] (None: ``arange(B)``). Returns ``(sequences
-    [B, L + T], logp [B, T], entropy [B, T])``: the prompts followed by the new tokens
-    (``pad_token_id`` after a row's EOS, with log-prob and entropy 0), and each new
-    token's log-prob and entropy at T, bitwise ``linear_logprob``'s. T < ``max_new_tokens``
+    int in [0, 2^63); ``streams``: int64 [B] (None: ``arange(B)``). ``top_k``/``top_p``
+    truncate each draw (:func:`rlkernels.linear_sample`). Returns ``(sequences [B, L + T],
+    logp [B, T], entropy [B, T])``: the prompts followed by the new tokens (``pad_token_id``
+    after a row's EOS, with log-prob and entropy 0), each new token's log-prob and entropy
+    at T, bitwise ``linear_logprob``'s (with the draw's threshold as ``logit_threshold``
+    where truncating); with ``return_thresholds`` also each draw's threshold [B, T] (-inf
+    after a row's EOS, and everywhere where nothing is truncated). T < ``max_new_tokens``
     only where every row has ended.
 
     ``cuda_graph``: replay decode steps from one captured graph (CUDA only); False runs
@@ -373,16 +383,21 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
         validate_seed(seed, dev)
         streams = torch.arange(B, device=dev) if streams is None else _check_streams(streams, B, dev)
     slot_buffer = takes_cache_position(decoder)
-    key = decode_key(model, B, total, dev, temperature, greedy) if keep else None
+    key = decode_key(model, B, total, dev, temperature, greedy, top_k, top_p) if keep else None
 
     def make() -> DecodeGraph:
         return DecodeGraph(key, new_cache(model, total), _StepBuffers(B, total, dev, slot_buffer))
 
     state, kept = acquire("generate", model, key, make) if keep else (make(), False)
     try:
-        return _decode(state, model, decoder, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+        out = _decode(state, model, decoder, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                        greedy=greedy, temperature=temperature, seed=seed, streams=streams,
-                       pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, cuda_graph=cuda_graph)
+                       pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, cuda_graph=cuda_graph,
+                       top_k=top_k, top_p=top_p)
+        if not return_thresholds:
+            return out[:3]
+        thresholds = out[3] if out[3] is not None else torch.full_like(out[1], -math.inf)
+        return (*out[:3], thresholds)
     except BaseException:
         if kept:
             drop("generate", model, state)
@@ -394,7 +409,8 @@ def static_generate(model: nn.Module, decoder: nn.Module, input_ids: torch.Tenso
 def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids: torch.Tensor,
             attention_mask: torch.Tensor, *, max_new_tokens: int, greedy: bool, temperature: float, seed: int,
             streams: torch.Tensor | None, pad_token_id: int | None, eos_token_ids: list[int] | tuple[int, ...],
-            cuda_graph: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            cuda_graph: bool, top_k: int = 0, top_p: float = 1.0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The loop of :func:`static_generate` on ``state``'s cache and buffers."""
     B, L = input_ids.shape
     dev = input_ids.device
@@ -416,7 +432,8 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
 
     def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Drawn:
         return decode_step(decoder, head, cache, ids, mask, positions, temperature=temperature, greedy=greedy,
-                           seed=buffers.seed, streams=buffers.streams, cache_position=cache_position)
+                           seed=buffers.seed, streams=buffers.streams, cache_position=cache_position,
+                           top_k=top_k, top_p=top_p)
 
     def step() -> Drawn:
         return forward(buffers.ids, buffers.mask, buffers.positions)
@@ -432,12 +449,15 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
         new_tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
         entropies: list[torch.Tensor] = []
+        thresholds: list[torch.Tensor] = []
         for t in range(max_new_tokens):
-            token, logp, ent = drawn
+            token, logp, ent = drawn[:3]
             zero = torch.zeros((), dtype=logp.dtype, device=dev)
             new_tokens.append(torch.where(unfinished, token, torch.full_like(token, pad)))
             logps.append(torch.where(unfinished, logp, zero))
             entropies.append(torch.where(unfinished, ent, zero))
+            if len(drawn) > 3:  # a padded position keeps every logit: nothing was drawn there
+                thresholds.append(torch.where(unfinished, drawn[3], torch.full_like(drawn[3], -math.inf)))
             if eos is not None:
                 unfinished &= ~torch.isin(token, eos)
                 if not bool(unfinished.any()):
@@ -463,4 +483,5 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
                 drawn = step()
                 state.warm = True
     sequences = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
-    return sequences, torch.stack(logps, dim=1), torch.stack(entropies, dim=1)
+    return (sequences, torch.stack(logps, dim=1), torch.stack(entropies, dim=1),
+            torch.stack(thresholds, dim=1) if thresholds else None)

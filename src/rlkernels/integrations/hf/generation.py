@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...ops._validate import require_temperature
+from ...ops.lm_head.truncation import truncates, validate_truncation
 from ..trainers import fsdp
 from . import decode, moe
 from .coverage import is_patched
@@ -25,25 +26,20 @@ from .scoring import check_head, check_ids, check_mask, eos_token_ids, is_int, w
 # Options that would draw from another distribution than the one whose log-probs are
 # returned and trained (softmax of the fp32 logits / T), with why.
 _REFUSED_OPTIONS = {
-    "top_k": "a top-k filter draws from a truncated distribution whose log-probs the trainer does not score",
-    "top_p": "a nucleus filter draws from a truncated distribution whose log-probs the trainer does not score",
     "min_new_tokens": "forbidding EOS draws from a distribution without it, which the trainer does not score",
     "generator": "the draws are keyed by seed=, streams= and each token's position, not a torch.Generator",
     "repetition_penalty": "a penalty draws from reweighted logits whose log-probs the trainer does not score",
 }
 # What the model's generation_config says about sampling, read when the call does not pass
-# do_sample (as Hugging Face's generate reads it): its temperature is taken, and a filter it
-# sets is refused rather than left out.
-_CONFIG_FILTERS = ("top_k", "top_p", "min_new_tokens", "repetition_penalty")
+# do_sample (as Hugging Face's generate reads it): its temperature, top_k and top_p are
+# taken, and a filter it sets that the library does not draw with is refused rather than
+# left out.
+_CONFIG_FILTERS = ("min_new_tokens", "repetition_penalty")
 
 
 def _is_neutral(option: str, value: Any) -> bool:
     if value is None:
         return True
-    if option == "top_k":
-        return value == 0
-    if option == "top_p":
-        return value == 1.0
     if option == "min_new_tokens":
         return value == 0
     if option == "repetition_penalty":
@@ -51,21 +47,34 @@ def _is_neutral(option: str, value: Any) -> bool:
     return False
 
 
-def _sampling(config: Any, generate_kwargs: dict[str, Any], temperature: float | None) -> tuple[bool, float]:
-    """(do_sample, T): the call's own when it passes ``do_sample`` (T: ``temperature``, else 1);
-    otherwise the model's generation_config's, its temperature included where the call passes
-    none, refusing a filter the config sets (its draws would not be the config's)."""
+def _sampling(config: Any, generate_kwargs: dict[str, Any], temperature: float | None, top_k: int | None,
+              top_p: float | None) -> tuple[bool, float, int, float, str]:
+    """(do_sample, T, top_k, top_p, where the truncation came from): the call's own when it
+    passes ``do_sample`` (T: ``temperature``, else 1; top-k and top-p: the call's, else
+    none); otherwise the model's generation_config's, its temperature, top_k and top_p
+    included where the call passes none, refusing a filter the config sets that the draw
+    would leave out. Greedy decoding truncates nothing (the argmax is always kept)."""
     if "do_sample" in generate_kwargs or not getattr(config, "do_sample", False):
-        return bool(generate_kwargs.get("do_sample", False)), 1.0 if temperature is None else temperature
-    for option in _CONFIG_FILTERS:
-        value = getattr(config, option, None)
-        if not _is_neutral(option, value):
-            raise ValueError(f"rlkernels.generate: the model's generation_config samples with {option}={value!r}, "
-                             f"which is not supported ({_REFUSED_OPTIONS[option]}); pass do_sample=True to sample "
-                             f"from the full distribution, or unset generation_config.{option}")
-    if temperature is None:
-        temperature = require_temperature("generate", getattr(config, "temperature", None) or 1.0)
-    return True, temperature
+        do_sample = bool(generate_kwargs.get("do_sample", False))
+        temperature = 1.0 if temperature is None else temperature
+        source = "the call"
+    else:
+        for option in _CONFIG_FILTERS:
+            value = getattr(config, option, None)
+            if not _is_neutral(option, value):
+                raise ValueError(f"rlkernels.generate: the model's generation_config samples with "
+                                 f"{option}={value!r}, which is not supported ({_REFUSED_OPTIONS[option]}); pass "
+                                 f"do_sample=True to sample without it, or unset generation_config.{option}")
+        do_sample = True
+        if temperature is None:
+            temperature = require_temperature("generate", getattr(config, "temperature", None) or 1.0)
+        top_k = getattr(config, "top_k", None) if top_k is None else top_k
+        top_p = getattr(config, "top_p", None) if top_p is None else top_p
+        source = "the model's generation_config"
+    top_k = 0 if top_k is None else top_k
+    top_p = 1.0 if top_p is None else top_p
+    validate_truncation("generate", top_k, top_p)
+    return do_sample, temperature, int(top_k), float(top_p), source
 
 
 def _check_decode_options(generate_kwargs: dict[str, Any]) -> None:
@@ -108,7 +117,8 @@ def _check_prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              temperature: float | None = None, return_entropy: bool = False, batch_invariant: bool | None = None,
              cuda_graph: bool = False, seed: int | None = None, streams: torch.Tensor | None = None,
-             cache_len: int | None = None, **generate_kwargs: Any):
+             cache_len: int | None = None, top_k: int | None = None, top_p: float | None = None,
+             return_thresholds: bool = False, **generate_kwargs: Any):
     """Decode left-padded prompts, drawing every token from the distribution the trainer scores.
 
     Returns ``(sequences, logprobs)`` (and ``entropy`` with ``return_entropy``):
@@ -132,14 +142,24 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     [B] (None: ``arange(B)``; pass each prompt's own id to reproduce it in any batch).
 
     Sampling settings: a call that passes ``do_sample`` samples (or not) at ``temperature``
-    (None: 1). A call that does not takes the model's ``generation_config`` as Hugging
-    Face's generate does: its ``do_sample`` and, where ``temperature`` is None, its
-    temperature; a filter the config sets (``top_k``, ``top_p``, ``min_new_tokens``,
-    ``repetition_penalty`` other than neutral) is refused, naming it, since the draws would
-    not be the ones it asks for. Greedy decoding reports log-probs at ``temperature`` too.
+    (None: 1) with its own ``top_k``/``top_p`` (None: none). A call that does not takes
+    the model's ``generation_config`` as Hugging Face's generate does: its ``do_sample``
+    and, where the call passes none, its temperature, ``top_k`` and ``top_p``; a filter the
+    config sets that the draw would leave out (``min_new_tokens``, ``repetition_penalty``
+    other than neutral) is refused, naming it. Greedy decoding reports log-probs at
+    ``temperature`` too, and truncates nothing.
+
+    Truncated sampling: ``top_k`` (0: off) and ``top_p`` (1: off) draw each token exactly
+    from the truncated fp32 distribution, in Hugging Face's order (:func:`rlkernels.linear_sample`),
+    and its log-prob is that distribution's. The trainer scores the same distribution from
+    the kept sets: ``return_thresholds=True`` returns each draw's threshold tau last,
+    [B, T] fp32 (-inf after a row's EOS), and :func:`rlkernels.token_logprobs` with
+    ``logit_threshold`` (tau at the new tokens' positions, -inf elsewhere) gives these
+    log-probs bitwise. A call that truncates without ``return_thresholds`` is refused:
+    its log-probs could not be scored again.
 
     Options: ``max_new_tokens``, ``do_sample``, ``pad_token_id``, ``eos_token_id``.
-    ``top_k``, ``top_p``, ``min_new_tokens``, ``repetition_penalty`` (other than their neutral values) and
+    ``min_new_tokens``, ``repetition_penalty`` (other than their neutral values) and
     ``generator`` are refused, naming why; beam search and any other option are refused
     too. The decode loop keeps a ``StaticCache`` (:mod:`rlkernels.integrations.hf.decode`);
     ``cuda_graph=True`` (a patched model on CUDA) replays each step, the draw included,
@@ -195,7 +215,15 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                                   or cache_len < input_ids.shape[1] + max_new):
         raise ValueError(f"rlkernels.generate: cache_len must be an int >= the prompt length plus max_new_tokens "
                          f"({input_ids.shape[1]} + {max_new}), got {cache_len!r}")
-    do_sample, temperature = _sampling(config, generate_kwargs, temperature)
+    do_sample, temperature, top_k, top_p, source = _sampling(config, generate_kwargs, temperature, top_k, top_p)
+    truncating = do_sample and truncates(top_k, top_p, model.get_output_embeddings().weight.shape[0])
+    if truncating and not return_thresholds:
+        raise ValueError(f"rlkernels.generate: {source} samples with top_k={top_k}, top_p={top_p}: the tokens are "
+                         "drawn from the truncated distribution, whose log-probs the trainer scores only with each "
+                         "draw's kept set; pass return_thresholds=True (and hand them to token_logprobs as "
+                         "logit_threshold), or do_sample=True without top_k/top_p to sample the full distribution")
+    if not truncating:
+        top_k, top_p = 0, 1.0
     warn_attention("generate", model, batch_invariant, stacklevel=2)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and input_ids.shape[1] + max_new > limit:
@@ -214,12 +242,13 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     mask = attention_mask.long() if attention_mask is not None else torch.ones_like(input_ids)
     if max_new == 0 or B == 0:
         empty = torch.zeros(B, 0, dtype=torch.float32, device=input_ids.device)
-        out = (input_ids, empty, empty.clone())
+        out = (input_ids, empty, empty.clone(), empty.clone())
     else:
         out = fsdp.run_as_forward(
             model, decode.decode_under_mode, model, input_ids, mask, batch_invariant,
             dict(max_new_tokens=max_new, greedy=not do_sample, temperature=temperature, seed=seed or 0,
                  streams=streams, pad_token_id=pad, eos_token_ids=eos,
-                 cuda_graph=cuda_graph, cache_len=cache_len))
-    sequences, logp, ent = out
-    return (sequences, logp, ent) if return_entropy else (sequences, logp)
+                 cuda_graph=cuda_graph, cache_len=cache_len, top_k=top_k, top_p=top_p, return_thresholds=True))
+    sequences, logp, ent, thresholds = out
+    result = (sequences, logp, ent) if return_entropy else (sequences, logp)
+    return result + (thresholds,) if return_thresholds else result

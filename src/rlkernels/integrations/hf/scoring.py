@@ -21,6 +21,7 @@ from torch import nn
 
 from ...ops._validate import require_temperature
 from ...ops.linear_logprob import linear_logprob
+from ...ops.lm_head.validate import validate_threshold
 from ..trainers import fsdp
 from . import attention, coverage
 from .coverage import attention_implementation, cache_kwargs, decoder_of, mode_for
@@ -105,13 +106,17 @@ def check_head(op: str, model: nn.Module) -> nn.Module:
 
 
 def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.Tensor, *,
-                         temperature: float = 1.0, return_entropy: bool = False, op: str = "token_logprobs"):
-    """linear_logprob of ``target`` [B, T] from ``hidden`` [B, T, H] through the LM head."""
+                         temperature: float = 1.0, return_entropy: bool = False, op: str = "token_logprobs",
+                         logit_threshold: torch.Tensor | None = None):
+    """linear_logprob of ``target`` [B, T] from ``hidden`` [B, T, H] through the LM head
+    (``logit_threshold`` [B, T]: each position's truncated distribution)."""
     head = check_head(op, model)
     B, T = target.shape
     h2 = hidden.reshape(B * T, hidden.shape[-1])
+    threshold = logit_threshold.reshape(B * T) if logit_threshold is not None else None
     out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None),
-                         temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=return_entropy)
+                         temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=return_entropy,
+                         logit_threshold=threshold)
     if return_entropy:
         logp, ent = out
         return logp.reshape(B, T), ent.reshape(B, T)
@@ -180,7 +185,7 @@ def eos_token_ids(op: str, model: nn.Module, eos_token_id: object) -> list[int]:
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    temperature: float = 1.0, return_entropy: bool = False,
-                   batch_invariant: bool | None = None):
+                   batch_invariant: bool | None = None, logit_threshold: torch.Tensor | None = None):
     """Per-token log-probs of ``input_ids`` under ``model``: [B, L-1] float32.
 
     Position t scores ``input_ids[:, t+1]`` given ``input_ids[:, :t+1]``; targets
@@ -198,6 +203,13 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     all of them go through the embedding) must lie in ``[0, vocab)``, the rows of the
     input embedding; the first one outside raises ValueError with its (batch, index),
     before the model runs.
+
+    ``logit_threshold``: [B, L-1] fp32 (fp64 for an fp64 model), the kept sets of a
+    truncated sampler (top-k / top-p): position t scores ``input_ids[:, t+1]`` under the
+    distribution over the logits ``>= logit_threshold[:, t]`` (-inf: every logit), and the
+    gradient flows through the kept logits only (:func:`rlkernels.linear_logprob`). With
+    :func:`rlkernels.generate`'s ``return_thresholds`` placed at the new tokens' positions,
+    these are the sampler's log-probs bitwise.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"rlkernels.token_logprobs: input_ids must be [B, L], got {tuple(input_ids.shape)}")
@@ -206,6 +218,8 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     check_head("token_logprobs", model)
     check_ids("token_logprobs", model, input_ids)
     B, L = input_ids.shape
+    if logit_threshold is not None:
+        _check_threshold(model, input_ids, logit_threshold)
     if L < 2:
         empty = torch.zeros(B, 0, dtype=torch.float32, device=input_ids.device)
         return (empty, empty.clone()) if return_entropy else empty
@@ -217,17 +231,25 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         hidden = torch.zeros(0, L - 1, width, dtype=head.weight.dtype if width else torch.float32,
                              device=input_ids.device)
         return logprobs_from_hidden(model, hidden, input_ids[:, 1:], temperature=temperature,
-                                    return_entropy=return_entropy)
+                                    return_entropy=return_entropy, logit_threshold=logit_threshold)
     warn_attention("token_logprobs", model, batch_invariant, stacklevel=2)
     # An FSDP2 root gathers its own parameters (embedding, final norm, head) around this call.
     return fsdp.run_as_forward(model, _score, model, input_ids, attention_mask, temperature, return_entropy,
-                               batch_invariant)
+                               batch_invariant, logit_threshold)
+
+
+def _check_threshold(model: nn.Module, input_ids: torch.Tensor, logit_threshold: object) -> None:
+    """token_logprobs' ``logit_threshold``: linear_logprob's checks, for the [B, L-1] scored
+    positions, before the model runs."""
+    B, L = input_ids.shape
+    validate_threshold("token_logprobs", logit_threshold, (B, max(L - 1, 0)),
+                       model.get_output_embeddings().weight.dtype, input_ids.device)
 
 
 def _score(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float,
-           return_entropy: bool, batch_invariant: bool | None):
+           return_entropy: bool, batch_invariant: bool | None, logit_threshold: torch.Tensor | None = None):
     with mode_for(model, batch_invariant):
         hidden = hidden_states(model, input_ids, attention_mask)
         target = next_token_targets(input_ids, attention_mask)
         return logprobs_from_hidden(model, hidden[:, :-1], target, temperature=temperature,
-                                    return_entropy=return_entropy)
+                                    return_entropy=return_entropy, logit_threshold=logit_threshold)

@@ -98,22 +98,23 @@ def head_backend(registry_op: str, op: str, hidden: torch.Tensor, backend: str |
     return name
 
 
-def validate_threshold(op: str, hidden: torch.Tensor, threshold: object, name: str = "logit_threshold") -> None:
-    """A truncated distribution's per-row threshold: a tensor of hidden's leading shape in the
-    log-probs' dtype (fp32; fp64 for fp64 inputs) on hidden's device, no value NaN (checked
-    where reading costs no device sync: a CPU tensor). -inf keeps every logit."""
+def validate_threshold(op: str, threshold: object, lead: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device, name: str = "logit_threshold") -> None:
+    """A truncated distribution's per-row threshold for token rows of shape ``lead`` whose
+    hidden states are ``dtype`` on ``device``: a tensor of that shape in the log-probs'
+    dtype (fp32; fp64 for fp64) on that device, no value NaN (checked where reading costs
+    no device sync: a CPU tensor). -inf keeps every logit."""
     if not isinstance(threshold, torch.Tensor):
         raise TypeError(f"rlkernels.{op}: {name} must be a tensor, got {type(threshold).__name__}")
-    lead = tuple(hidden.shape[:-1])
-    if tuple(threshold.shape) != lead:
-        raise ValueError(f"rlkernels.{op}: {name} shape {tuple(threshold.shape)} must equal hidden's leading "
-                         f"shape {lead} (one threshold per token row)")
-    want = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    if tuple(threshold.shape) != tuple(lead):
+        raise ValueError(f"rlkernels.{op}: {name} shape {tuple(threshold.shape)} must equal {tuple(lead)} "
+                         f"(one threshold per scored token)")
+    want = torch.float64 if dtype == torch.float64 else torch.float32
     if threshold.dtype != want:
         raise ValueError(f"rlkernels.{op}: {name} must be {want} (a scaled logit, as the sampler returns it), "
                          f"got {threshold.dtype}")
-    if threshold.device != hidden.device:
-        raise ValueError(f"rlkernels.{op}: {name} is on {threshold.device}, hidden on {hidden.device}")
+    if threshold.device != device:
+        raise ValueError(f"rlkernels.{op}: {name} is on {threshold.device}, the tokens on {device}")
     if threshold.device.type == "cpu" and threshold.numel() and bool(torch.isnan(threshold).any()):
         pos = int(torch.isnan(threshold.reshape(-1)).nonzero()[0, 0])
         raise ValueError(f"rlkernels.{op}: {name} is NaN at flat position {pos} (use -inf to keep every logit)")
