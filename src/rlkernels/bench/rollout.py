@@ -2,7 +2,8 @@
 
     rlkernels bench rollout [--config qwen3-1.7b|qwen3-8b|tiny|PATH.json] [--layers N] [--device cuda|cpu]
         [--prompts P] [--n N] [--prompt-lens LO,HI] [--max-new T] [--mean-len M] [--max-batch B]
-        [--peers generate_batch,compiled] [--peer-prompts P] [--step-batches 16,64,256] [--json PATH] [--quick]
+        [--peers generate_batch,compiled] [--peer-prompts P] [--step-batches 16,64,256] [--step-spacing 256]
+        [--json PATH] [--quick]
 
 The workload is an RL step's: P prompts (lengths uniform in [LO, HI]) × N samples each,
 drawn at T = 1 until EOS or T new tokens. A random-weight model's EOS token would almost
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from ..integrations.hf import generate as rlk_generate, release_decode_graphs
-from ..integrations.hf.continuous_batching import rollout as rlk_rollout
+from ..integrations.hf.continuous_batching import _rollout as rlk_rollout_impl
 from . import model as whole
 from .common import only_arg, print_table, write_json
 
@@ -81,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "generate_batch,compiled (or none)")
     parser.add_argument("--peer-prompts", type=whole._positive, default=16, help="prompts the peers run")
     parser.add_argument("--step-batches", type=_ints, default=(16, 64, 256), help="decode-step batches (CUDA)")
+    parser.add_argument("--step-spacing", type=_ints, default=(), help="rollout variants timed beside the default: "
+                        "its step batches spaced by each of these (e.g. 256 for powers of two up to 256)")
 
 
 # ---------------------------------------------------------------- the workload
@@ -184,15 +187,21 @@ def _row(engine: str, samples: int, tokens: int, ms: float, **extra: Any) -> dic
                 tok_per_s=round(tokens / (ms / 1e3), 1), **extra)
 
 
-def _rollout_row(model, prompts, n, max_new, eos, max_batch, device) -> dict[str, Any]:
+def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=None) -> dict[str, Any]:
+    """``rollout``'s row; ``spacing``: its step batches' spacing (None: the default), a
+    variant timed beside it."""
+    extra = {} if spacing is None else {"step_spacing": spacing}
+
     def call():
-        return rlk_rollout(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
-                           max_batch=max_batch)
+        return rlk_rollout_impl(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
+                                max_batch=max_batch, **extra)
     call()  # compile, capture
     _release(device)  # the warm-up's cache, before the timed call allocates its own
     results, ms = _timed(device, call)
+    release_decode_graphs(model)
     _release(device)
-    return _row("rollout", len(results), sum(len(r.tokens) for r in results), ms,
+    name = "rollout" if spacing is None else f"rollout, step batches spaced {spacing}"
+    return _row(name, len(results), sum(len(r.tokens) for r in results), ms,
                 finished=sum(r.finished for r in results), max_batch=max_batch)
 
 
@@ -335,6 +344,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     scale = scale_eos_row([patched, stock], prompts[:16], eos, mean_len, max_new)
     rows = [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device),
             _generate_row(patched, prompts, args.n, max_new, eos, device)]
+    rows += [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device, spacing)
+             for spacing in args.step_spacing]
     if args.peers:
         rows += _peer_rows(stock, prompts[: args.peer_prompts], args.n, max_new, eos, device, args.peers)
     if not cpu and args.step_batches:

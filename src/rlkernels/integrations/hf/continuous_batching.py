@@ -248,20 +248,27 @@ def _check_model(model: nn.Module) -> None:
                          "row's keys sit in the cache, which the patched attention is)")
 
 
-def step_batches(max_batch: int, smallest: int = 8) -> tuple[int, ...]:
-    """The batch sizes a decode step runs at: the powers of two from ``smallest`` below
-    ``max_batch``, and ``max_batch`` itself."""
+def step_batches(max_batch: int, smallest: int = 8, spacing: int = 32) -> tuple[int, ...]:
+    """The batch sizes a decode step runs at: the powers of two from ``smallest`` up to
+    ``spacing``, then the multiples of ``spacing``, below ``max_batch``, and ``max_batch``
+    itself. A step of b rows costs about a fixed part plus b times a row's, so past
+    ``spacing`` rows the sizes grow by ``spacing`` rather than doubling: a step computes
+    fewer than ``spacing`` rows it does not use. Each size is one captured graph."""
     sizes = []
     b = max(1, smallest)
-    while b < max_batch:
+    while b < max_batch and b < spacing:
         sizes.append(b)
         b *= 2
+    b = max(b, spacing)
+    while b < max_batch:
+        sizes.append(b)
+        b += max(1, spacing)
     return (*sizes, max_batch)
 
 
 def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, temperature: float, do_sample: bool,
           seed: int | None, streams: object, eos_token_id: object, max_batch: int | None, cuda_graph: bool | None,
-          return_entropy: bool, slots: int | None, smallest_step_batch: int = 8,
+          return_entropy: bool, slots: int | None, smallest_step_batch: int = 8, step_spacing: int = 32,
           prefill_tokens: int = 8192, keep: bool | None = None, top_k: int = 0, top_p: float = 1.0) -> _Plan:
     """Every argument checked (errors name ``rlkernels.rollout``), before any compute."""
     head = check_head(OP, model)
@@ -328,7 +335,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
         seed = int(torch.randint(0, 1 << 62, (1,))) if not greedy else 0  # generate's draw of a seed
     return _Plan(prompts=ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
                  seed=seed, streams=stream_ids, eos=eos, max_batch=max_batch, prefill_tokens=prefill_tokens,
-                 step_batches=step_batches(max_batch, smallest_step_batch), slots=slots,
+                 step_batches=step_batches(max_batch, smallest_step_batch, step_spacing), slots=slots,
                  cuda_graph=graphed, keep=keep, device=device,
                  return_entropy=bool(return_entropy), top_k=int(top_k), top_p=float(top_p))
 
@@ -679,13 +686,14 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
              temperature: float = 1.0, do_sample: bool = True, seed: int | None = None,
              streams: Sequence[int] | torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
              max_batch: int | None = None, cuda_graph: bool | None = None, return_entropy: bool = False,
-             slots: int | None = None, smallest_step_batch: int = 8, prefill_tokens: int = 8192,
-             keep: bool | None = None, batch_invariant: bool | None = None, top_k: int = 0,
-             top_p: float = 1.0) -> list[RolloutSample]:
+             slots: int | None = None, smallest_step_batch: int = 8, step_spacing: int = 32,
+             prefill_tokens: int = 8192, keep: bool | None = None, batch_invariant: bool | None = None,
+             top_k: int = 0, top_p: float = 1.0) -> list[RolloutSample]:
     """:func:`rollout` on any model, patched or not (``batch_invariant`` as in
     :func:`rlkernels.token_logprobs`), with the slot cache's length ``slots`` (None: 2 x
     (longest prompt + ``max_new_tokens``); at least the longest prompt plus
-    ``max_new_tokens``), the smallest batch a decode step runs at (:func:`step_batches`) and
+    ``max_new_tokens``), the smallest batch a decode step runs at and the spacing of the
+    larger ones (:func:`step_batches`), and
     the padded tokens a batch of prompts prefilled together may hold (at least one prompt).
     ``keep`` (None: as the step is graphed): decode on the engine kept for the model and
     keep it for the next call (:class:`_Engine`); on the CPU, for tests of that reuse.
@@ -694,7 +702,8 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
     plan = _plan(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
                  seed=seed, streams=streams, eos_token_id=eos_token_id, max_batch=max_batch,
                  cuda_graph=cuda_graph, return_entropy=return_entropy, slots=slots,
-                 smallest_step_batch=smallest_step_batch, prefill_tokens=prefill_tokens, keep=keep,
+                 smallest_step_batch=smallest_step_batch, step_spacing=step_spacing,
+                 prefill_tokens=prefill_tokens, keep=keep,
                  top_k=top_k, top_p=top_p)
     if not plan.prompts:
         return []
