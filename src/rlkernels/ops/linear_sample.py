@@ -40,7 +40,8 @@ from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .lm_head.config import fused_config, temperature_scaling
 from .lm_head.lse import LSE_TILE
 from .lm_head.statistics import TileRecord, TorchHeadStatistics, TritonHeadStatistics, keep_above, torch_logits
-from .lm_head.truncation import top_k_floor, torch_top_p, triton_top_p, truncates, validate_truncation
+from .lm_head import truncation
+from .lm_head.truncation import truncates, validate_truncation
 from .lm_head.validate import head_backend, validate_head
 from ..runtime.opaque import opaque_to_compile
 
@@ -290,7 +291,7 @@ class TorchLinearSampleBackend:
         threshold = None
         if truncates(top_k, top_p, vocab):
             z = torch_logits(h2, weight, bias, 0, vocab, temperature)
-            threshold = truncation_threshold(z, top_k, top_p, torch_top_p)
+            threshold = truncation.threshold(z, top_k, top_p, "torch")
         checked_positions = positions
         if not greedy and positions is None:
             positions = torch.zeros_like(streams)
@@ -324,15 +325,6 @@ class TorchLinearSampleBackend:
             bad = (positions < 0) | (positions >= POSITION_LIMIT)
             status = torch.where(bad & (status == STATUS_OK), STATUS_BAD_POSITION, status).to(torch.int32)
         return SampleResult(token, logp, ent, status, None, threshold)
-
-
-def truncation_threshold(z: torch.Tensor, top_k: int, top_p: float, top_p_threshold) -> torch.Tensor:
-    """Each row's kept-set threshold tau [N] (``ops.lm_head.truncation``) from its scaled
-    logits ``z`` [N, V]: the k-th largest, then the nucleus of the distribution top-k leaves."""
-    floor = top_k_floor(z, top_k)
-    if float(top_p) >= 1.0:
-        return floor
-    return top_p_threshold(z, floor, top_k, top_p)
 
 
 _launch_block = cached_launcher(sample_block_kernel) if sample_block_kernel is not None else None
@@ -387,7 +379,7 @@ class TritonLinearSampleBackend:
             # threshold is found over them and both statistics passes read them.
             raw = stats_backend.raw_logits(h2, weight, bias)
             z = raw / temperature if temperature != 1.0 else raw  # torch's division: the kernels' z
-            threshold = truncation_threshold(z, top_k, top_p, triton_top_p)
+            threshold = truncation.threshold(z, top_k, top_p, "triton")
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
         n_split = cdiv(vocab, cfg.split_v)
         # fp32 workspace: the forward's per-split (m, s, u) [n_split, N] and each tile's

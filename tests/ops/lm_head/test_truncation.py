@@ -13,13 +13,11 @@ import torch
 
 from rlkernels._env import triton_interpret
 from rlkernels.ops.lm_head import truncation as TR
-from rlkernels.ops.lm_head.truncation import (split_p, top_k_floor, torch_top_p, triton_top_p, truncates,
-                                              validate_truncation)
+from rlkernels.ops.lm_head.truncation import split_p, threshold, top_k_floor, truncates, validate_truncation
 
 from ...conftest import randn
 
-BACKENDS = [pytest.param(torch_top_p, id="torch")] + (
-    [pytest.param(triton_top_p, id="triton_interp")] if triton_interpret() else [])
+BACKENDS = ["torch"] + (["triton"] if triton_interpret() else [])
 
 
 def reference_threshold(z: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,15 +51,14 @@ def _scaled_logits(n, v, gen, std=6.0):
     return randn(n, v, generator=gen, scale=std)
 
 
-@pytest.mark.parametrize("top_p_threshold", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("candidates", [1024, 4])
 @pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.9), (0, 0.5), (40, 0.8), (3, 0.999), (0, 0.999999),
                                           (0, 1e-6), (1, 0.9)])
-def test_the_threshold_is_the_sorted_references(top_p_threshold, candidates, top_k, top_p, gen, monkeypatch):
+def test_the_threshold_is_the_sorted_references(backend, candidates, top_k, top_p, gen, monkeypatch):
     monkeypatch.setattr(TR, "TOP_P_CANDIDATES", candidates)
     z = _scaled_logits(37, 257, gen)
-    floor = top_k_floor(z, top_k)
-    tau = top_p_threshold(z, floor, top_k, top_p) if top_p < 1.0 else floor
+    tau = threshold(z, top_k, top_p, backend)
     want, margin = reference_threshold(z, top_k, top_p)
     clear = margin > 1e-12
     assert clear.sum() >= 30
@@ -72,28 +69,27 @@ def test_the_threshold_is_the_sorted_references(top_p_threshold, candidates, top
         assert (kept.sum(dim=1) <= top_k).all()  # no ties at these values
 
 
-@pytest.mark.parametrize("top_p_threshold", BACKENDS)
-def test_ties_at_the_border_are_kept(top_p_threshold):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_at_the_border_are_kept(backend):
     z = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0, 0.0, -2.0, -7.0]])
     floor = top_k_floor(z, 2)
     assert floor.tolist() == [3.0]
     assert (z >= floor[:, None]).sum() == 4  # the k-th's ties are kept
     # Masses 0.70, 0.095 each for the 3.0s: p = 0.8 is reached at the second 3.0, and the
     # third, its tie, is kept too; nothing below.
-    tau = top_p_threshold(z, torch.full((1,), -math.inf), 0, 0.8)
-    assert tau.tolist() == [3.0]
-    tau = top_p_threshold(z, torch.full((1,), -math.inf), 0, 0.01)
-    assert tau.tolist() == [5.0]  # at least the largest
+    assert threshold(z, 0, 0.8, backend).tolist() == [3.0]
+    assert threshold(z, 0, 0.01, backend).tolist() == [5.0]  # at least the largest
+    assert threshold(z, 2, 0.99, backend).tolist() == [3.0]  # top-p over the top-k set, ties kept
 
 
-@pytest.mark.parametrize("top_p_threshold", BACKENDS)
-def test_a_rows_threshold_is_the_same_alone_and_in_any_batch(top_p_threshold, gen, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rows_threshold_is_the_same_alone_and_in_any_batch(backend, gen, monkeypatch):
     for candidates in (1024, 4):
         monkeypatch.setattr(TR, "TOP_P_CANDIDATES", candidates)
         z = _scaled_logits(19, 301, gen, std=3.0)
-        full = top_p_threshold(z, top_k_floor(z, 0), 0, 0.95)
+        full = threshold(z, 0, 0.95, backend)
         for rows in (torch.tensor([7]), torch.tensor([18, 0, 7, 7]), torch.randperm(19, generator=gen)):
-            part = top_p_threshold(z[rows], top_k_floor(z[rows], 0), 0, 0.95)
+            part = threshold(z[rows], 0, 0.95, backend)
             assert torch.equal(part.view(torch.int32), full[rows].view(torch.int32))
 
 

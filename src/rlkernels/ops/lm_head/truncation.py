@@ -77,23 +77,36 @@ def top_k_floor(z: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.topk(z, top_k, dim=1).values[:, -1].contiguous()
 
 
-def candidates(z: torch.Tensor, top_k: int) -> tuple[torch.Tensor, bool]:
-    """(each row's largest logits [N, C] descending, whether they hold the whole top-k set
-    but for ties at its threshold): the top-k set where it is at most TOP_P_CANDIDATES
-    wide, else TOP_P_CANDIDATES (or V) values."""
-    V = z.shape[1]
-    covers = 0 < top_k <= TOP_P_CANDIDATES
-    count = min(V, top_k if covers else TOP_P_CANDIDATES)
-    return torch.topk(z, count, dim=1).values.contiguous(), covers or count == V
+def candidates(z: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(each row's largest logits [N, C] descending, the top-k threshold [N], whether the
+    candidates hold the whole top-k set but for ties at its threshold), by one ``topk``:
+    the top-k set itself where top-k truncates, else TOP_P_CANDIDATES (or V) values."""
+    N, V = z.shape
+    k = top_k if 0 < top_k < V else 0
+    count = k or min(V, TOP_P_CANDIDATES)
+    vals = torch.topk(z, count, dim=1).values.contiguous()
+    floor = vals[:, k - 1].contiguous() if k else torch.full((N,), -math.inf, dtype=z.dtype, device=z.device)
+    return vals, floor, bool(k) or count == V
 
 
-def torch_top_p(z: torch.Tensor, floor: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Each row's top-p threshold (at least ``floor``) on the torch backend, elementwise ops
-    only: ``kernels.truncation``'s definition. ``z`` [N, V] the scaled logits, ``floor`` [N]
-    the top-k threshold (-inf without top-k)."""
-    vals, covers = candidates(z, top_k)
+def threshold(z: torch.Tensor, top_k: int, top_p: float, backend: str) -> torch.Tensor:
+    """Each row's kept-set threshold tau [N] from its scaled logits ``z`` [N, V] (fp32; fp64
+    on the torch backend): the k-th largest, then the nucleus of the distribution top-k
+    leaves, on the ``"torch"`` or ``"triton"`` backend."""
+    if float(top_p) >= 1.0:
+        return top_k_floor(z, top_k)
+    vals, floor, covers = candidates(z, top_k)
     if not z.shape[0]:
-        return floor.clone()
+        return floor
+    if backend == "triton":
+        return _triton_top_p(z, vals, floor, covers, top_p)
+    return _torch_top_p(z, vals, floor, covers, top_p)
+
+
+def _torch_top_p(z: torch.Tensor, vals: torch.Tensor, floor: torch.Tensor, covers: bool,
+                 top_p: float) -> torch.Tensor:
+    """The top-p threshold (at least ``floor``) on the torch backend, elementwise ops only:
+    ``kernels.truncation``'s definition."""
     hi, lo = split_p(top_p)
     top = vals[:, :1].to(torch.float64)
     keys, floor_key = _order_key(z), _order_key(floor)
@@ -137,13 +150,11 @@ def _torch_search(z: torch.Tensor, keys: torch.Tensor, e: torch.Tensor, lo: torc
     return torch.where(keys >= lo[:, None], z, torch.full_like(z, math.inf)).amin(dim=1)
 
 
-def triton_top_p(z: torch.Tensor, floor: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """:func:`torch_top_p` by ``kernels.truncation.top_p_threshold_kernel`` (fp32 z)."""
+def _triton_top_p(z: torch.Tensor, vals: torch.Tensor, floor: torch.Tensor, covers: bool,
+                  top_p: float) -> torch.Tensor:
+    """:func:`_torch_top_p` by ``kernels.truncation.top_p_threshold_kernel`` (fp32 z)."""
     N, V = z.shape
-    vals, covers = candidates(z, top_k)
     out = torch.empty(N, dtype=torch.float32, device=z.device)
-    if N == 0:
-        return out
     hi, lo = split_p(top_p)
     _launch_top_p((N,), (vals, z, floor, out, vals.shape[1], V, vals.stride(0), z.stride(0), hi, lo),
                   dict(COVERS=covers, BLOCK=TOP_P_BLOCK), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
