@@ -259,6 +259,18 @@ def test_truncated_forward_accuracy(backend, dtype, gen):
     assert torch.equal(lp[~torch.isfinite(tau)], full[~torch.isfinite(tau)])
 
 
+@pytest.mark.parametrize("backend,dtype", _cases((F32, F64)))
+def test_a_kept_set_inside_one_vocabulary_split_gives_a_finite_entropy(backend, dtype, gen):
+    """V = 5000 spans three 2048-id splits; keeping 6 logits leaves whole splits without one
+    (their max -inf and mass 0), which the splits' merge must add as nothing."""
+    h, w, b, _ = _data(5, 8, 5000, dtype, gen)
+    b[:10] += 40.0  # the largest logits all in the first split
+    tau = _thresholds(h, w, b, 6)
+    t = linear_logprob_ref_logits(h, w, b, TEMP).argmax(dim=-1)
+    lp, ent = _check_forward(h, w, b, t, backend, temperature=TEMP, logit_threshold=tau)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+
+
 @pytest.mark.parametrize("backend,dtype", _cases((F32, F16, F64)))
 def test_truncated_backward_matches_float64_autograd(backend, dtype, gen):
     h, w, b, _ = _data(9, 24, 70, dtype, gen)

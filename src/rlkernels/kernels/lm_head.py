@@ -191,7 +191,9 @@ if triton is not None:
             a = tl.exp(mk - mx)
             if ENTROPY:
                 uk = tl.load(u_ptrs, mask=ok, other=0.0)
-                u += a * (uk + (mk - mx) * sk)
+                # A split with no logit kept (a truncated distribution's) has s = 0 and m = -inf:
+                # its term is 0, not (-inf) * 0.
+                u += a * (uk + tl.where(sk > 0, (mk - mx) * sk, 0.0))
             s = merge_mass(s, a, sk)
             m_ptrs += N
             s_ptrs += N

@@ -75,7 +75,8 @@ def merge_splits(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None = None
     for k in range(m.shape[0]):
         a = torch.exp(m[k] - mx)
         if u is not None:
-            u_total = u_total + a * (u[k] + (m[k] - mx) * s[k])
+            # A split with no logit kept has s = 0 and m = -inf: its term is 0, not (-inf) * 0.
+            u_total = u_total + a * (u[k] + torch.where(s[k] > 0, (m[k] - mx) * s[k], 0.0))
         total = total + a * s[k]
     return (mx, total) if u is None else (mx, total, u_total)
 
