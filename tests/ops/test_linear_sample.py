@@ -39,6 +39,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == F32 else t.view(torch.int64)
 
 
+def _chi_square(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
+    """(Pearson's statistic of ``counts`` [V] against probabilities ``p`` [V] over the ids
+    expected 5+ times, its critical value at p = 1e-4 by Wilson-Hilferty)."""
+    n = float(counts.sum())
+    keep = p * n >= 5
+    df = int(keep.sum()) - 1
+    stat = float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum())
+    return stat, df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _accepts(counts: torch.Tensor, p: torch.Tensor) -> bool:
+    stat, critical = _chi_square(counts, p)
+    return stat < critical
+
+
 # ------------------------------------------------------------------ the generator
 
 
@@ -147,14 +162,16 @@ def test_logp_and_entropy_are_linear_logprobs_bits(backend, dtype, n, d, v, bias
 
 
 @pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
-def test_a_rows_token_is_the_same_alone_in_any_batch_and_order(backend, dtype, gen):
+@pytest.mark.parametrize("truncation", [{}, dict(top_k=30, top_p=0.9, return_threshold=True)],
+                         ids=["full", "truncated"])
+def test_a_rows_token_is_the_same_alone_in_any_batch_and_order(backend, dtype, truncation, gen):
     n, d, v = 11, 24, 197
     h, w, b = _head(n, d, v, dtype, gen)
     streams, positions = _counters(n, gen)
 
     def draw(rows):
         return linear_sample(h[rows], w, b, temperature=0.8, seed=SEED, streams=streams[rows],
-                             positions=positions[rows], return_entropy=True, backend=backend)
+                             positions=positions[rows], return_entropy=True, backend=backend, **truncation)
 
     full = draw(torch.arange(n))
     for rows in (torch.tensor([4]), torch.tensor([10, 0, 3]), torch.randperm(n, generator=gen),
@@ -212,17 +229,8 @@ def test_draws_follow_the_fp32_distribution_and_not_the_bf16_rounded_one():
     exact = torch.stack([linear_logprob(h, w, torch.tensor([j]), backend="torch")[0] for j in range(v)]).double().exp()
     rounded = torch.softmax(z32.bfloat16().double(), 0)
 
-    def chi2(p):
-        keep = p * n >= 5
-        return float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum()), int(keep.sum()) - 1
-
-    def critical(df, z=3.719):  # Wilson-Hilferty: the chi-square quantile at p = 1e-4
-        return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-    stat, df = chi2(exact)
-    assert stat < critical(df), (stat, critical(df))
-    stat_bf16, df_bf16 = chi2(rounded)
-    assert stat_bf16 > critical(df_bf16), (stat_bf16, critical(df_bf16))
+    assert _accepts(counts, exact), _chi_square(counts, exact)
+    assert not _accepts(counts, rounded), _chi_square(counts, rounded)
 
 
 # ------------------------------------------------------------------ top-k and top-p
@@ -249,23 +257,6 @@ def test_truncated_logp_is_linear_logprobs_with_the_threshold(backend, dtype, tr
     assert torch.equal(_bits(gtau), _bits(tau))  # the threshold does not depend on the draw
     assert torch.equal(_bits(glp), _bits(linear_logprob(h, w, greedy, b, temperature=0.7, logit_threshold=tau,
                                                         backend=backend)))
-
-
-@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32, F16)))
-def test_a_truncated_draw_is_the_same_alone_in_any_batch_and_order(backend, dtype, gen):
-    n, d, v = 11, 24, 197
-    h, w, b = _head(n, d, v, dtype, gen)
-    streams, positions = _counters(n, gen)
-
-    def draw(rows):
-        return linear_sample(h[rows], w, b, temperature=0.8, seed=SEED, streams=streams[rows],
-                             positions=positions[rows], return_entropy=True, return_threshold=True,
-                             top_k=30, top_p=0.9, backend=backend)
-
-    full = draw(torch.arange(n))
-    for rows in (torch.tensor([4]), torch.tensor([10, 0, 3]), torch.randperm(n, generator=gen)):
-        for got, want in zip(draw(rows), full):
-            assert torch.equal(got.view(torch.int64) if got.dtype == torch.int64 else _bits(got), _bits(want[rows]))
 
 
 @pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
@@ -317,17 +308,9 @@ def test_truncated_draws_follow_the_truncated_fp64_distribution(truncation):
     counts = torch.bincount(tok, minlength=v).double()
     assert counts[~kept].sum() == 0
 
-    def chi2(p):
-        keep = p * n >= 5
-        return float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum()), int(keep.sum()) - 1
-
-    def critical(df, zq=3.719):  # Wilson-Hilferty: the chi-square quantile at p = 1e-4
-        return df * (1 - 2 / (9 * df) + zq * math.sqrt(2 / (9 * df))) ** 3
-
-    stat, df = chi2(truncated)
-    assert stat < critical(df), (stat, critical(df))
-    stat_full, df_full = chi2(torch.softmax(z, 0))
-    assert stat_full > critical(df_full), (stat_full, critical(df_full))
+    assert _accepts(counts, truncated), _chi_square(counts, truncated)
+    full = torch.softmax(z, 0)
+    assert not _accepts(counts, full), _chi_square(counts, full)
 
 
 @pytest.mark.parametrize("kwargs, err, match", [
@@ -512,16 +495,8 @@ def test_gpu_draws_follow_the_fp32_distribution_and_not_the_bf16_rounded_one():
     p = torch.stack([linear_logprob(h, w, torch.tensor([j], device="cuda"))[0] for j in range(v)]).double().exp().cpu()
     rounded = torch.softmax((h.cpu() @ w.cpu().T)[0].bfloat16().double(), 0)
 
-    def chi2(q):
-        keep = q * n >= 5
-        df = int(keep.sum()) - 1
-        stat = float(((counts[keep] - n * q[keep]) ** 2 / (n * q[keep])).sum())
-        return stat, df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3
-
-    stat, critical = chi2(p)
-    assert stat < critical, (stat, critical)
-    stat, critical = chi2(rounded)
-    assert stat > critical, (stat, critical)
+    assert _accepts(counts, p), _chi_square(counts, p)
+    assert not _accepts(counts, rounded), _chi_square(counts, rounded)
 
 
 _REFUSAL_SCRIPT = """

@@ -336,14 +336,19 @@ def test_bad_arguments_are_refused_before_any_compute():
             handle.remove()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("sample", [False, True])
-def test_graphed_rollout_is_the_eager_rollout_bit_for_bit_gpu(sample, monkeypatch):
+def _gpu_model():
+    """A patched bf16 Qwen3 of 32000 ids on CUDA, its head at a trained scale and EOS common."""
     model = _tiny("qwen3", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
                   tie_word_embeddings=False)
     _scale_head(model, 4.0)
-    rlkernels.patch_model(model)
+    return rlkernels.patch_model(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sample", [False, True])
+def test_graphed_rollout_is_the_eager_rollout_bit_for_bit_gpu(sample, monkeypatch):
+    model = _gpu_model()
     rng = random.Random(0)
     prompts = [torch.randint(1, 32000, (rng.randint(1, 120),)).cuda() for _ in range(12)]
     kw = dict(n=4, max_new_tokens=40, temperature=0.9, seed=11, do_sample=sample, max_batch=16)
@@ -378,11 +383,7 @@ def test_graphed_rollout_is_the_eager_rollout_bit_for_bit_gpu(sample, monkeypatc
 
 @pytest.mark.gpu
 def test_gpu_a_truncated_graphed_rollout_is_the_eager_rollout_and_generate_alone():
-    model = _tiny("qwen3", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
-                  tie_word_embeddings=False)
-    _scale_head(model, 4.0)
-    rlkernels.patch_model(model)
+    model = _gpu_model()
     rng = random.Random(1)
     prompts = [torch.randint(1, 32000, (rng.randint(1, 90),)).cuda() for _ in range(10)]
     kw = dict(n=4, max_new_tokens=32, temperature=0.9, seed=13, max_batch=16, top_k=50, top_p=0.9)
@@ -393,8 +394,9 @@ def test_gpu_a_truncated_graphed_rollout_is_the_eager_rollout_and_generate_alone
         assert torch.equal(e.tokens, g.tokens) and torch.equal(e.logprobs, g.logprobs)
         assert torch.equal(e.thresholds, g.thresholds)
     for r in eager[::7]:
-        seq, lp, tau = rlkernels.generate(model, prompts[r.prompt][None], seed=13, streams=torch.tensor([r.stream]).cuda(),
-                                          max_new_tokens=32, temperature=0.9, do_sample=True, top_k=50, top_p=0.9,
+        seq, lp, tau = rlkernels.generate(model, prompts[r.prompt][None], seed=13,
+                                          streams=torch.tensor([r.stream]).cuda(), max_new_tokens=32,
+                                          temperature=0.9, do_sample=True, top_k=50, top_p=0.9,
                                           return_thresholds=True)
         T = r.tokens.numel()
         assert torch.equal(r.tokens, seq[0, len(prompts[r.prompt]):][:T]) and torch.equal(r.logprobs, lp[0, :T])
