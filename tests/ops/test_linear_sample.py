@@ -274,6 +274,20 @@ def test_neutral_truncation_gives_the_untruncated_bits(backend, dtype, gen):
             assert torch.equal(x.view(torch.int64) if x.dtype == torch.int64 else _bits(x), _bits(y))
 
 
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32,)))
+def test_a_truncated_call_in_row_blocks_gives_the_one_block_bits(backend, dtype, gen, monkeypatch):
+    import rlkernels.ops.linear_sample as sampler
+
+    h, w, b = _head(13, 16, 97, dtype, gen)
+    streams, positions = _counters(13, gen)
+    kw = dict(seed=SEED, streams=streams, positions=positions, top_p=0.9, return_entropy=True,
+              return_threshold=True, backend=backend)
+    whole = linear_sample(h, w, b, **kw)
+    monkeypatch.setattr(sampler, "TRUNCATED_ROWS", 4)  # [rows, V] logits 4 rows at a time
+    for got, want in zip(linear_sample(h, w, b, **kw), whole):
+        assert torch.equal(got.view(torch.int64) if got.dtype == torch.int64 else _bits(got), _bits(want))
+
+
 def _two_term_head(v):
     """Logits 8.0625 k - 0.5 |k - 8| +- 0.03 over k < v: none a bf16 value, a peaked distribution."""
     k = torch.arange(v, dtype=torch.float64)
