@@ -6,6 +6,7 @@ ops (and planted wrong combines), and saves what it got to ``<dir>/rank<r>.pt``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 
@@ -119,15 +120,32 @@ def logprob_grads(n: int, dtype: torch.dtype = torch.float32):
     return torch.randn(n, generator=g), torch.randn(n, generator=g)
 
 
-def _vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: str) -> None:
+def logprob_thresholds(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bias with the 6 largest logits of every row in the first shard, each row's threshold
+    keeping them; -inf on every third row): a kept set that leaves whole shards empty."""
     h, w, b, t = logprob_inputs(dtype)
+    b = b.clone()
+    b[:6] += 30.0
+    z = (h.double() @ w.double().T + b.double()) / TEMPERATURE
+    top = z.topk(7, dim=1).values
+    tau = ((top[:, 5] + top[:, 6]) / 2).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    tau[::3] = -math.inf
+    return b.to(dtype), tau
+
+
+def _vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: str,
+                    truncated: bool = False) -> None:
+    h, w, b, t = logprob_inputs(dtype)
+    tau = None
+    if truncated:
+        b, tau = logprob_thresholds(dtype)
     vr = w.shape[0] // world
     rows = slice(rank * vr, (rank + 1) * vr)
     hs = h.clone().requires_grad_(True)
     ws = w[rows].clone().requires_grad_(True)
     bs = b[rows].clone().requires_grad_(True)
     lp, ent = vp.vocab_parallel_linear_logprob(hs, ws, t, bs, shards=SHARDS, temperature=TEMPERATURE,
-                                               return_entropy=True)
+                                               return_entropy=True, logit_threshold=tau)
     g_lp, g_ent = logprob_grads(t.numel())
     torch.autograd.backward((lp, ent), (g_lp, g_ent))
     for name, value in (("logp", lp.detach()), ("ent", ent.detach()), ("dh", hs.grad), ("dw", ws.grad),
@@ -215,6 +233,7 @@ def worker(rank: int, world: int, folder: str) -> None:
             name = str(dtype).replace("torch.", "")
             _row_parallel(rank, world, dtype, out, f"{name}/")
             _vocab_parallel(rank, world, dtype, out, f"{name}/")
+            _vocab_parallel(rank, world, dtype, out, f"{name}/truncated/", truncated=True)
         _empty_batches(rank, world, out)
         dtype = torch.float32
         combine, order = tree._combine_ranks, vp._shard_order

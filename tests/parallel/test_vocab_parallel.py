@@ -13,30 +13,40 @@ import torch
 from rlkernels import contract
 from rlkernels._env import triton_interpret
 from rlkernels.parallel import sharded_linear_logprob, vocab_parallel_linear_logprob
+from rlkernels.reference import linear_logprob_ref
 
 from . import _workers as W
 
 
-def _one_process(dtype: torch.dtype, backend: str | None = None):
-    """logp, entropy and the grads (dh, dW, db) of the one-process op on the workers' inputs."""
+def _one_process(dtype: torch.dtype, backend: str | None = None, truncated: bool = False):
+    """logp, entropy and the grads (dh, dW, db) of the one-process op on the workers' inputs
+    (``truncated``: with their thresholds, W.logprob_thresholds)."""
     h, w, b, t = W.logprob_inputs(dtype)
+    tau = None
+    if truncated:
+        b, tau = W.logprob_thresholds(dtype)
     h, w, b = (x.clone().requires_grad_(True) for x in (h, w, b))
     lp, ent = sharded_linear_logprob(h, w, t, b, shards=W.SHARDS, temperature=W.TEMPERATURE, return_entropy=True,
-                                     backend=backend)
+                                     backend=backend, logit_threshold=tau)
     torch.autograd.backward((lp, ent), W.logprob_grads(t.numel()))
     return {"logp": lp.detach(), "ent": ent.detach(), "dh": h.grad, "dw": w.grad, "db": b.grad}
 
 
 @pytest.mark.parametrize("dtype", W.dtypes(), ids=lambda d: str(d)[6:])
-def test_vocab_parallel_bitwise_across_tp(results, dtype):
-    one = _one_process(dtype)
+@pytest.mark.parametrize("truncated", [False, True], ids=["full", "truncated"])
+def test_vocab_parallel_bitwise_across_tp(results, dtype, truncated):
+    one = _one_process(dtype, truncated=truncated)
     vocab = one["dw"].shape[0]
+    tag = W.names(dtype) + ("truncated/" if truncated else "")
+    # Targets outside their kept set score -inf; nothing is NaN.
+    assert all(torch.isfinite(one[name]).all() for name in ("ent", "dh", "dw", "db"))
+    assert not torch.isnan(one["logp"]).any()
     for world in W.SIZES:
         for rank, out in enumerate(results[world]):
             rows = W.cols(vocab, world, rank)
             for name in ("logp", "ent", "dh", "db", "dw"):
                 want = one[name][rows] if name in ("dw", "db") else one[name]
-                assert torch.equal(out[W.names(dtype) + "vocab_" + name], want), (world, rank, name)
+                assert torch.equal(out[tag + "vocab_" + name], want), (world, rank, name)
 
 
 def test_empty_batch_at_every_tp(results):
@@ -84,6 +94,29 @@ def test_sharded_logprob_accuracy_vs_float64():
         torch.autograd.backward((ref_lp, ref_ent), (g_lp.double(), g_ent.double()))
         for name, want in (("dh", hd.grad), ("dw", wd.grad), ("db", bd.grad)):
             contract.check("linear_logprob_grad", dtype, got[name], want)
+
+
+def test_truncated_sharded_logprob_accuracy_vs_float64():
+    """A kept set inside the first of eight shards: the other shards keep nothing and must
+    merge as nothing, forward and backward."""
+    for dtype in W.dtypes():
+        h, w, _, _ = W.logprob_inputs(dtype)
+        b, tau = W.logprob_thresholds(dtype)
+        z = (h.double() @ w.double().T + b.double()) / W.TEMPERATURE
+        t = z.argmax(dim=1)
+        t[2] = -100
+        hs, ws, bs = (x.clone().requires_grad_(True) for x in (h, w, b))
+        lp, ent = sharded_linear_logprob(hs, ws, t, bs, shards=W.SHARDS, temperature=W.TEMPERATURE,
+                                         return_entropy=True, logit_threshold=tau)
+        g_lp, g_ent = W.logprob_grads(t.numel())
+        torch.autograd.backward((lp, ent), (g_lp, g_ent))
+        hd, wd, bd = (x.detach().double().requires_grad_(True) for x in (h, w, b))
+        ref_lp, ref_ent = linear_logprob_ref(hd, wd, t, bd, temperature=W.TEMPERATURE, logit_threshold=tau)
+        torch.autograd.backward((ref_lp, ref_ent), (g_lp.double(), g_ent.double()))
+        contract.check("linear_logprob", dtype, lp.detach(), ref_lp.detach())
+        contract.check("linear_logprob", dtype, ent.detach(), ref_ent.detach())
+        for got, want in ((hs.grad, hd.grad), (ws.grad, wd.grad), (bs.grad, bd.grad)):
+            contract.check("linear_logprob_grad", dtype, got, want)
 
 
 def test_sharded_logprob_batch_invariance():

@@ -182,13 +182,15 @@ if triton is not None:
             m_ptrs += N
         s = tl.zeros(rows.shape, tl.float32)
         u = tl.zeros(rows.shape, tl.float32)
+        # A row that keeps no logit at all (its max -inf) merges to s = 0, not exp(-inf + inf).
+        ref = tl.where(mx == float("-inf"), 0.0, mx)
         m_ptrs = m_ptr + rows
         s_ptrs = s_ptr + rows
         u_ptrs = u_ptr + rows
         for k in range(0, n_split):
             mk = tl.load(m_ptrs, mask=ok, other=0.0)
             sk = tl.load(s_ptrs, mask=ok, other=1.0)
-            a = tl.exp(mk - mx)
+            a = tl.exp(mk - ref)
             if ENTROPY:
                 uk = tl.load(u_ptrs, mask=ok, other=0.0)
                 # A split with no logit kept (a truncated distribution's) has s = 0 and m = -inf:

@@ -28,6 +28,7 @@ from :func:`rlkernels.linear_logprob`'s (that op cuts V differently): an opt-in 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from torch.autograd.function import once_differentiable
 from ..ops import _validate as V
 from ..ops.linear_logprob import backends_for
 from ..ops.lm_head.backward_schedule import backward_chunk
-from ..ops.lm_head.validate import HeadNames, validate_head, validate_targets
+from ..ops.lm_head.validate import HeadNames, validate_head, validate_targets, validate_threshold
 from .tree import combine_across_ranks, leaf_width, process_group_world, stack_tree
 
 # Default number of vocabulary shards (TP up to 8; V = 151936 gives shards of 18992 rows).
@@ -83,9 +84,10 @@ def local_targets(tgt: torch.Tensor, first_id: int, width: int) -> torch.Tensor:
 
 
 def shard_stats(logprob_backend, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                tgt_local: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[3, N] fp32 (fp64 for fp64): the shard's (lse, entropy, logp of the target within it)."""
-    logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt_local, temperature)
+                tgt_local: torch.Tensor, temperature: float, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """[3, N] fp32 (fp64 for fp64): the shard's (lse, entropy, logp of the target within it),
+    over its logits >= ``threshold`` [N] where given (lse -inf where it keeps none)."""
+    logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt_local, temperature, True, threshold)
     return torch.stack([lse, ent, logp])
 
 
@@ -102,9 +104,12 @@ def merge_shards(stats: list[torch.Tensor], tgt: torch.Tensor,
     ent = torch.zeros_like(big)
     logp = torch.zeros_like(big)
     for i, st in enumerate(stats):
-        ent = ent + torch.exp(st[0] - lse) * (st[1] + (lse - st[0]))
+        # A shard that keeps no logit of a truncated row (lse -inf) adds nothing to its entropy.
+        kept = st[0] > -math.inf
+        ent = ent + torch.where(kept, torch.exp(st[0] - lse) * (st[1] + (lse - st[0])), torch.zeros_like(big))
         inside = (tgt >= i * width) & (tgt < (i + 1) * width)
-        logp = torch.where(inside, st[2] + (st[0] - lse), logp)
+        # A target in a shard that keeps nothing is outside the kept set: -inf.
+        logp = torch.where(inside, torch.where(kept, st[2] + (st[0] - lse), -math.inf), logp)
     valid = tgt >= 0
     zero = torch.zeros_like(big)
     return torch.where(valid, logp, zero), torch.where(valid, ent, zero), lse
@@ -120,11 +125,11 @@ class _VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h2, weight, bias, tgt, layout: VocabLayout, temperature: float, group,  # type: ignore[override]
-                logprob_backend, gemm_backend):
+                logprob_backend, gemm_backend, threshold=None):
         w = layout.width
         local = [shard_stats(logprob_backend, h2, weight[i * w:(i + 1) * w],
                              bias[i * w:(i + 1) * w] if bias is not None else None,
-                             local_targets(tgt, layout.first_id(i), w), temperature)
+                             local_targets(tgt, layout.first_id(i), w), temperature, threshold)
                  for i in range(layout.per_rank)]
         if layout.world > 1:
             mine = torch.stack(local)
@@ -132,7 +137,7 @@ class _VocabParallelFunction(torch.autograd.Function):
             dist.all_gather(gathered, mine, group=group)
             local = _shard_order(gathered, layout.per_rank)
         logp, ent, lse = merge_shards(local, tgt, w)
-        ctx.save_for_backward(h2, weight, bias, tgt, lse, ent)
+        ctx.save_for_backward(h2, weight, bias, tgt, lse, ent, threshold)
         ctx.layout, ctx.temperature, ctx.group = layout, temperature, group
         ctx.logprob_backend, ctx.gemm_backend = logprob_backend, gemm_backend
         ctx.set_materialize_grads(False)
@@ -141,10 +146,10 @@ class _VocabParallelFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp, grad_ent):  # type: ignore[override]
-        h2, weight, bias, tgt, lse, ent = ctx.saved_tensors
+        h2, weight, bias, tgt, lse, ent, threshold = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        nothing = (None,) * 9
+        nothing = (None,) * 10
         if grad_logp is None and grad_ent is None or not (need_h or need_w or need_b):
             return nothing
         layout, T = ctx.layout, ctx.temperature
@@ -171,7 +176,7 @@ class _VocabParallelFunction(torch.autograd.Function):
             for v0 in range(0, w, cv):
                 v1 = min(w, v0 + cv)
                 g = g_buf[:, :v1 - v0]
-                logprob_backend.grad_logits(h2, w_i, b_i, t_i, lse, ent, g_logp, g_ent, T, v0, v1, g)
+                logprob_backend.grad_logits(h2, w_i, b_i, t_i, lse, ent, g_logp, g_ent, T, v0, v1, g, threshold)
                 if need_h and D > 0:
                     # One fp32 chain over the shard's columns, split at multiples of 256 (same bits).
                     gemm_backend.gemm(g, w_i[v0:v1], out=dh, accumulate=True)
@@ -195,17 +200,20 @@ class _VocabParallelFunction(torch.autograd.Function):
         if need_w and D == 0:
             dw.zero_()
         grad_b = db.to(bias.dtype) if need_b else None
-        return grad_h, dw, grad_b, None, None, None, None, None, None
+        return grad_h, dw, grad_b, None, None, None, None, None, None, None
 
 
 def _run(op: str, hidden, weight, target, bias, layout: VocabLayout, temperature, ignore_index, return_entropy,
-         group, backend):
+         group, backend, logit_threshold=None):
+    if logit_threshold is not None:
+        validate_threshold(op, logit_threshold, tuple(hidden.shape[:-1]), hidden.dtype, hidden.device)
     logprob_backend, gemm_backend = backends_for(op, hidden, backend)
     h2 = hidden.reshape(target.numel(), hidden.shape[-1])
     t1 = target.reshape(-1).to(torch.int64)
     tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
+    threshold = logit_threshold.detach().reshape(-1).contiguous() if logit_threshold is not None else None
     logp, ent = _VocabParallelFunction.apply(h2, weight, bias, tgt, layout, float(temperature), group,
-                                             logprob_backend, gemm_backend)
+                                             logprob_backend, gemm_backend, threshold)
     logp, ent = logp.reshape(target.shape), ent.reshape(target.shape)
     return (logp, ent) if return_entropy else logp
 
@@ -213,7 +221,7 @@ def _run(op: str, hidden, weight, target, bias, layout: VocabLayout, temperature
 def sharded_linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                            bias: torch.Tensor | None = None, *, shards: int = VOCAB_SHARDS,
                            temperature: float = 1.0, ignore_index: int = -100, return_entropy: bool = False,
-                           backend: str | None = None):
+                           logit_threshold: torch.Tensor | None = None, backend: str | None = None):
     """One-process :func:`vocab_parallel_linear_logprob`: the same shards, the same combines, the same bits.
 
     Arguments as :func:`rlkernels.linear_logprob` (hidden [..., D], weight [V, D], target
@@ -226,12 +234,14 @@ def sharded_linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: t
     validate_head(op, hidden, weight, bias, temperature)
     validate_targets(op, hidden, weight, target, bias, ignore_index)
     layout = vocab_layout(op, weight.shape[0], shards, 0, 1)
-    return _run(op, hidden, weight, target, bias, layout, temperature, ignore_index, return_entropy, None, backend)
+    return _run(op, hidden, weight, target, bias, layout, temperature, ignore_index, return_entropy, None, backend,
+                logit_threshold)
 
 
 def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
                                   bias_shard: torch.Tensor | None = None, *, shards: int = VOCAB_SHARDS,
                                   temperature: float = 1.0, ignore_index: int = -100, return_entropy: bool = False,
+                                  logit_threshold: torch.Tensor | None = None,
                                   group: dist.ProcessGroup | None = None, backend: str | None = None):
     """``linear_logprob`` with the lm head sharded on the vocabulary over ``group`` (TP = t ranks).
 
@@ -243,7 +253,9 @@ def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tens
     every rank), dW and dbias of this rank's rows, each bitwise the TP = 1 values.
     The collectives are ``all_gather`` (statistics [shards/t, 3, N] forward) and, backward,
     ``all_to_all`` of the fp32 [N, D] dhidden partials by column chunks and ``all_gather``
-    of the finished chunks: exact copies, never a sum.
+    of the finished chunks: exact copies, never a sum. ``logit_threshold`` (target's shape,
+    replicated): the truncated distribution's, as :func:`rlkernels.linear_logprob` takes it;
+    every shard leaves out its logits below it.
     """
     op = VOCAB_OP
     V.require_tensor(op, "hidden", hidden)
@@ -254,4 +266,4 @@ def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tens
     vocab = validate_targets(op, hidden, weight_shard, target, bias_shard, ignore_index, SHARD_NAMES, world)
     layout = vocab_layout(op, vocab, shards, rank, world)
     return _run(op, hidden, weight_shard, target, bias_shard, layout, temperature, ignore_index, return_entropy,
-                group, backend)
+                group, backend, logit_threshold)

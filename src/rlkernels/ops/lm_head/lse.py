@@ -70,10 +70,12 @@ def merge_splits(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None = None
     """(max, mass[, u]) [R] of per-split (m, s[, u]) [n_split, R], merged in ascending split
     order as the Triton combine merges them."""
     mx = m.amax(dim=0)  # max is exact: any order is fine
+    # A row that keeps no logit at all (its max -inf) merges to s = 0, not exp(-inf + inf).
+    ref = torch.where(mx == -math.inf, torch.zeros_like(mx), mx)
     total = torch.zeros_like(mx)
     u_total = torch.zeros_like(mx) if u is not None else None
     for k in range(m.shape[0]):
-        a = torch.exp(m[k] - mx)
+        a = torch.exp(m[k] - ref)
         if u is not None:
             # A split with no logit kept has s = 0 and m = -inf: its term is 0, not (-inf) * 0.
             u_total = u_total + a * (u[k] + torch.where(s[k] > 0, (m[k] - mx) * s[k], 0.0))
