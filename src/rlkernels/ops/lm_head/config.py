@@ -105,9 +105,9 @@ def temperature_scaling(temperature: float, device: torch.device) -> tuple[float
         # In doubles, then rounded to fp32: the correctly rounded fp32 quotient (a double
         # holds more than 2 * 24 + 2 bits, so the double rounding is innocuous), with no
         # tensor made on the host per call (decode calls are host-bound).
-        return _to_fp32(1.0 / _to_fp32(temperature)), TEMP_RECIPROCAL
+        return to_fp32(1.0 / to_fp32(temperature)), TEMP_RECIPROCAL
     return float(temperature), TEMP_DIVIDE
 
 
-def _to_fp32(x: float) -> float:
+def to_fp32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 
 import torch
 
 from ...kernels.truncation import top_p_threshold_kernel
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
+from .config import to_fp32
 from .lse import tree_rowsum
 
 # How many of a row's largest logits the nucleus is first looked for in (a function of
@@ -58,15 +58,11 @@ def truncates(top_k: int, top_p: float, vocab: int) -> bool:
     return 0 < top_k < vocab or float(top_p) < 1.0
 
 
-def _f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
 def split_p(top_p: float) -> tuple[float, float]:
     """p as two fp32 values whose fp64 sum holds its leading 48 bits: the kernels' p (a
     Triton float argument is fp32), and the torch backend's the same way."""
-    hi = _f32(float(top_p))
-    return hi, _f32(float(top_p) - hi)
+    hi = to_fp32(float(top_p))
+    return hi, to_fp32(float(top_p) - hi)
 
 
 def top_k_floor(z: torch.Tensor, top_k: int) -> torch.Tensor:
