@@ -194,8 +194,9 @@ if triton is not None:
             if ENTROPY:
                 uk = tl.load(u_ptrs, mask=ok, other=0.0)
                 # A split with no logit kept (a truncated distribution's) has s = 0 and m = -inf:
-                # its term is 0, not (-inf) * 0.
-                u += a * (uk + tl.where(sk > 0, (mk - mx) * sk, 0.0))
+                # its term is 0, not (-inf) * 0. The guard sits on the operand, so the product
+                # still contracts with uk into one FMA, as it does in every untruncated merge.
+                u += a * (uk + tl.where(sk > 0, mk - mx, 0.0) * sk)
             s = merge_mass(s, a, sk)
             m_ptrs += N
             s_ptrs += N

@@ -78,7 +78,7 @@ def merge_splits(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None = None
         a = torch.exp(m[k] - ref)
         if u is not None:
             # A split with no logit kept has s = 0 and m = -inf: its term is 0, not (-inf) * 0.
-            u_total = u_total + a * (u[k] + torch.where(s[k] > 0, (m[k] - mx) * s[k], 0.0))
+            u_total = u_total + a * (u[k] + torch.where(s[k] > 0, m[k] - mx, 0.0) * s[k])
         total = total + a * s[k]
     return (mx, total) if u is None else (mx, total, u_total)
 
