@@ -1,7 +1,7 @@
 """Top-k / top-p thresholds: the kept set against a float64 sort-based reference.
 
-Both backends (the Triton kernel under TRITON_INTERPRET=1), through the nucleus's
-candidates and through the whole-row search (a candidate count of 4 forces it).
+The torch backend, and the Triton kernels under TRITON_INTERPRET=1 against it, through the
+nucleus's candidates and through the whole-row search (a small candidate count forces it).
 Logits at a trained model's scale (std ~6).
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from rlkernels.ops.lm_head.truncation import split_p, threshold, top_k_floor, tr
 
 from ...conftest import randn
 
-BACKENDS = ["torch"] + (["triton"] if triton_interpret() else [])
+kernels_only = pytest.mark.skipif(not triton_interpret(), reason="the Triton kernels run under TRITON_INTERPRET=1")
+TRUNCATIONS = [(5, 1.0), (0, 0.9), (0, 0.5), (40, 0.8), (3, 0.999), (0, 0.999999), (0, 1e-6), (1, 0.9)]
 
 
 def reference_threshold(z: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,14 +52,20 @@ def _scaled_logits(n, v, gen, std=6.0):
     return randn(n, v, generator=gen, scale=std)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def _small_chunks(monkeypatch, candidates):
+    """The kernels' chunking at a test's size: chunks of 64 logits, each giving
+    ``candidates`` of them (several chunks per row, and rows whose nucleus is wider)."""
+    monkeypatch.setattr(TR, "TOP_P_CANDIDATES", candidates)
+    monkeypatch.setattr(TR, "CANDIDATE_CHUNK", 64)
+    monkeypatch.setattr(TR, "FINAL_CANDIDATES", 64)
+
+
 @pytest.mark.parametrize("candidates", [1024, 4])
-@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.9), (0, 0.5), (40, 0.8), (3, 0.999), (0, 0.999999),
-                                          (0, 1e-6), (1, 0.9)])
-def test_the_threshold_is_the_sorted_references(backend, candidates, top_k, top_p, gen, monkeypatch):
+@pytest.mark.parametrize("top_k, top_p", TRUNCATIONS)
+def test_the_threshold_is_the_sorted_references(candidates, top_k, top_p, gen, monkeypatch):
     monkeypatch.setattr(TR, "TOP_P_CANDIDATES", candidates)
     z = _scaled_logits(37, 257, gen)
-    tau = threshold(z, top_k, top_p, backend)
+    tau = threshold(z, top_k, top_p, "torch")
     want, margin = reference_threshold(z, top_k, top_p)
     clear = margin > 1e-12
     assert clear.sum() >= 30
@@ -69,27 +76,52 @@ def test_the_threshold_is_the_sorted_references(backend, candidates, top_k, top_
         assert (kept.sum(dim=1) <= top_k).all()  # no ties at these values
 
 
+@kernels_only
+@pytest.mark.parametrize("candidates", [4, 8])
+def test_the_kernels_threshold_is_the_torch_backends(candidates, gen, monkeypatch):
+    _small_chunks(monkeypatch, candidates)
+    z = _scaled_logits(4, 300, gen)
+    z[1] *= 0.02  # a flat row: its nucleus is wider than every chunk's candidates
+    z[3, 5:9] = z[3].max()  # ties at the top, in one chunk
+    for top_k, top_p in TRUNCATIONS:
+        got = TR._triton_threshold(z, top_k, top_p)
+        want, margin = reference_threshold(z, top_k, top_p)
+        clear = margin > 1e-12
+        assert clear.sum() >= 3
+        assert torch.equal(got.double()[clear], want[clear]), (top_k, top_p)
+        assert torch.equal(got[clear].view(torch.int32), threshold(z, top_k, top_p, "torch")[clear].view(torch.int32))
+
+
+BACKENDS = ["torch", pytest.param("kernels", marks=kernels_only)]
+
+
+def _threshold(backend, z, top_k, top_p):
+    return threshold(z, top_k, top_p, "torch") if backend == "torch" else TR._triton_threshold(z, top_k, top_p)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ties_at_the_border_are_kept(backend):
+def test_ties_at_the_border_are_kept(backend, monkeypatch):
+    _small_chunks(monkeypatch, 4)
     z = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0, 0.0, -2.0, -7.0]])
     floor = top_k_floor(z, 2)
     assert floor.tolist() == [3.0]
     assert (z >= floor[:, None]).sum() == 4  # the k-th's ties are kept
     # Masses 0.70, 0.095 each for the 3.0s: p = 0.8 is reached at the second 3.0, and the
     # third, its tie, is kept too; nothing below.
-    assert threshold(z, 0, 0.8, backend).tolist() == [3.0]
-    assert threshold(z, 0, 0.01, backend).tolist() == [5.0]  # at least the largest
-    assert threshold(z, 2, 0.99, backend).tolist() == [3.0]  # top-p over the top-k set, ties kept
+    assert _threshold(backend, z, 0, 0.8).tolist() == [3.0]
+    assert _threshold(backend, z, 0, 0.01).tolist() == [5.0]  # at least the largest
+    assert _threshold(backend, z, 2, 0.99).tolist() == [3.0]  # top-p over the top-k set, ties kept
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rows_threshold_is_the_same_alone_and_in_any_batch(backend, gen, monkeypatch):
-    for candidates in (1024, 4):
-        monkeypatch.setattr(TR, "TOP_P_CANDIDATES", candidates)
-        z = _scaled_logits(19, 301, gen, std=3.0)
-        full = threshold(z, 0, 0.95, backend)
-        for rows in (torch.tensor([7]), torch.tensor([18, 0, 7, 7]), torch.randperm(19, generator=gen)):
-            part = threshold(z[rows], 0, 0.95, backend)
+    for candidates in (1024, 4) if backend == "torch" else (4,):
+        _small_chunks(monkeypatch, candidates)
+        n = 19 if backend == "torch" else 5
+        z = _scaled_logits(n, 301, gen, std=3.0)
+        full = _threshold(backend, z, 0, 0.95)
+        for rows in (torch.tensor([n - 1]), torch.tensor([n - 1, 0, 2, 2]), torch.randperm(n, generator=gen)):
+            part = _threshold(backend, z[rows], 0, 0.95)
             assert torch.equal(part.view(torch.int32), full[rows].view(torch.int32))
 
 

@@ -15,9 +15,11 @@ from ``torch.topk``'s values (which do not depend on how it finds them). The top
 are ``exp(z - max)`` in fp64 and p is taken of their total over the top-k set, so the
 nucleus is resolved to fp64 precision even for p near 1; they are summed over the row's
 largest values in descending order (the nucleus's candidates, :data:`TOP_P_CANDIDATES`
-of them), and where those do not reach p the threshold is searched over the whole row
-(``kernels.truncation``). The torch backend sums by a prefix scan of elementwise adds and
-pairwise trees, whose orders are fixed by the counts.
+of them), and where those do not reach p the threshold is searched over the whole row.
+The Triton backend finds the candidates chunk by chunk (``kernels.truncation``: no sort of
+the row, one launch per level of chunks); the torch backend by ``torch.topk``, and it sums
+by a prefix scan of elementwise adds and pairwise trees, whose orders are fixed by the
+counts.
 """
 from __future__ import annotations
 
@@ -26,18 +28,30 @@ import numbers
 
 import torch
 
-from ...kernels.truncation import top_p_threshold_kernel
+from ..._env import triton_interpret
+from ...kernels._triton import cdiv
+from ...kernels.truncation import chunk_top_kernel, threshold_kernel
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .config import to_fp32
 from .lse import tree_rowsum
 
-# How many of a row's largest logits the nucleus is first looked for in (a function of
-# nothing but this constant and V); rows whose nucleus is wider are searched in full.
-TOP_P_CANDIDATES = 1024
-# The Triton kernel's block over the candidates and over V.
-TOP_P_BLOCK = 1024
+# How many of a row's largest logits the nucleus is first looked for in (a power of two);
+# rows whose nucleus is wider are searched in full. The threshold does not depend on it.
+TOP_P_CANDIDATES = 64
+# The Triton backend's smallest chunk of a row (a power of two): each yields its
+# TOP_P_CANDIDATES largest, and the row's mass is merged from the chunks', so its fp64
+# rounding is a function of V and these constants.
+CANDIDATE_CHUNK = 4096
+# The most candidates one program sorts (the chunks grow past CANDIDATE_CHUNK to fit), and
+# the whole-row search's block.
+FINAL_CANDIDATES = 4096
+SEARCH_BLOCK = 1024
+# Rows per program of the Triton kernels (they take a block of rows; one keeps every SM busy
+# at decode sizes).
+ROWS_PER_PROGRAM = 1
 
-_launch_top_p = cached_launcher(top_p_threshold_kernel) if top_p_threshold_kernel is not None else None
+_launch_chunk_top = cached_launcher(chunk_top_kernel) if chunk_top_kernel is not None else None
+_launch_threshold = cached_launcher(threshold_kernel) if threshold_kernel is not None else None
 
 
 def validate_truncation(op: str, top_k: object, top_p: object) -> None:
@@ -89,13 +103,15 @@ def threshold(z: torch.Tensor, top_k: int, top_p: float, backend: str) -> torch.
     """Each row's kept-set threshold tau [N] from its scaled logits ``z`` [N, V] (fp32; fp64
     on the torch backend): the k-th largest, then the nucleus of the distribution top-k
     leaves, on the ``"torch"`` or ``"triton"`` backend."""
+    if backend == "triton" and not triton_interpret():
+        return _triton_threshold(z, top_k, top_p)
+    # (The interpreter runs the kernels' sorting networks element by element in numpy, about
+    # a second per row: it takes the torch definition, whose thresholds are the kernels'.)
     if float(top_p) >= 1.0:
         return top_k_floor(z, top_k)
     vals, floor, covers = candidates(z, top_k)
     if not z.shape[0]:
         return floor
-    if backend == "triton":
-        return _triton_top_p(z, vals, floor, covers, top_p)
     return _torch_top_p(z, vals, floor, covers, top_p)
 
 
@@ -146,12 +162,37 @@ def _torch_search(z: torch.Tensor, keys: torch.Tensor, e: torch.Tensor, lo: torc
     return torch.where(keys >= lo[:, None], z, torch.full_like(z, math.inf)).amin(dim=1)
 
 
-def _triton_top_p(z: torch.Tensor, vals: torch.Tensor, floor: torch.Tensor, covers: bool,
-                  top_p: float) -> torch.Tensor:
-    """:func:`_torch_top_p` by ``kernels.truncation.top_p_threshold_kernel`` (fp32 z)."""
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _triton_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """:func:`_torch_top_p`'s threshold (or top-k's) by ``kernels.truncation`` (fp32 z): each
+    chunk's candidates, then the threshold from their sorted values."""
     N, V = z.shape
-    out = torch.empty(N, dtype=torch.float32, device=z.device)
+    k = top_k if 0 < top_k < V else 0
+    nucleus = float(top_p) < 1.0
+    out = torch.full((N,), -math.inf, dtype=torch.float32, device=z.device)
+    if not N or not (k or nucleus):
+        return out
+    count = min(TOP_P_CANDIDATES, _pow2(V))
+    # Chunks few enough that their candidates fit one sorted tile: a function of V alone.
+    chunk = max(CANDIDATE_CHUNK, count, _pow2(cdiv(V * count, FINAL_CANDIDATES)))
+    chunk = min(chunk, max(count, _pow2(V)))
+    n_chunks = cdiv(V, chunk)
+    floor_given = k > count
+    floor = top_k_floor(z, k) if floor_given else out
+    if floor_given and not nucleus:
+        return floor
+    top = torch.empty(N, n_chunks * count, dtype=torch.float32, device=z.device)
+    cm = torch.empty(N, n_chunks, dtype=torch.float32, device=z.device)
+    cs = torch.empty(N, n_chunks, dtype=torch.float64, device=z.device)
+    _launch_chunk_top((cdiv(N, ROWS_PER_PROGRAM), n_chunks), (z, top, cm, cs, N, V, z.stride(0), n_chunks),
+                      dict(CHUNK=chunk, C=count, BLOCK_R=ROWS_PER_PROGRAM, MASS=nucleus), num_warps=4,
+                      num_stages=DEFAULT_NUM_STAGES)
     hi, lo = split_p(top_p)
-    _launch_top_p((N,), (vals, z, floor, out, vals.shape[1], V, vals.stride(0), z.stride(0), hi, lo),
-                  dict(COVERS=covers, BLOCK=TOP_P_BLOCK), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+    _launch_threshold((cdiv(N, ROWS_PER_PROGRAM),),
+                      (top, cm, cs, z, floor, out, N, n_chunks, V, z.stride(0), 0 if floor_given else k, hi, lo),
+                      dict(FINAL=_pow2(n_chunks * count), C=count, BLOCK_R=ROWS_PER_PROGRAM, TOP_P=nucleus,
+                           FLOOR_GIVEN=floor_given, BLOCK=SEARCH_BLOCK), num_warps=8, num_stages=DEFAULT_NUM_STAGES)
     return out
