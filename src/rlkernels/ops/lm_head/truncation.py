@@ -17,7 +17,7 @@ nucleus is resolved to fp64 precision even for p near 1; they are summed over th
 largest values in descending order (the nucleus's candidates, :data:`TOP_P_CANDIDATES`
 of them), and where those do not reach p the threshold is searched over the whole row.
 The Triton backend finds the candidates chunk by chunk (``kernels.truncation``: no sort of
-the row, one launch per level of chunks); the torch backend by ``torch.topk``, and it sums
+the row, two launches); the torch backend by ``torch.topk``, and it sums
 by a prefix scan of elementwise adds and pairwise trees, whose orders are fixed by the
 counts.
 """
@@ -29,14 +29,15 @@ import numbers
 import torch
 
 from ..._env import triton_interpret
-from ...kernels._triton import cdiv
+from ...kernels._triton import cdiv, pow2_at_least
 from ...kernels.truncation import chunk_top_kernel, threshold_kernel
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .config import to_fp32
 from .lse import tree_rowsum
 
 # How many of a row's largest logits the nucleus is first looked for in (a power of two);
-# rows whose nucleus is wider are searched in full. The threshold does not depend on it.
+# rows whose nucleus is wider are searched in full. The threshold does not depend on it
+# (beyond the fp64 rounding of the Triton backend's chunk masses, through the chunk).
 TOP_P_CANDIDATES = 64
 # The Triton backend's smallest chunk of a row (a power of two): each yields its
 # TOP_P_CANDIDATES largest, and the row's mass is merged from the chunks', so its fp64
@@ -162,10 +163,6 @@ def _torch_search(z: torch.Tensor, keys: torch.Tensor, e: torch.Tensor, lo: torc
     return torch.where(keys >= lo[:, None], z, torch.full_like(z, math.inf)).amin(dim=1)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _triton_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """:func:`_torch_top_p`'s threshold (or top-k's) by ``kernels.truncation`` (fp32 z): each
     chunk's candidates, then the threshold from their sorted values."""
@@ -175,10 +172,10 @@ def _triton_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
     out = torch.full((N,), -math.inf, dtype=torch.float32, device=z.device)
     if not N or not (k or nucleus):
         return out
-    count = min(TOP_P_CANDIDATES, _pow2(V))
+    count = min(TOP_P_CANDIDATES, pow2_at_least(V))
     # Chunks few enough that their candidates fit one sorted tile: a function of V alone.
-    chunk = max(CANDIDATE_CHUNK, count, _pow2(cdiv(V * count, FINAL_CANDIDATES)))
-    chunk = min(chunk, max(count, _pow2(V)))
+    chunk = max(CANDIDATE_CHUNK, count, pow2_at_least(cdiv(V * count, FINAL_CANDIDATES)))
+    chunk = min(chunk, max(count, pow2_at_least(V)))
     n_chunks = cdiv(V, chunk)
     floor_given = k > count
     floor = top_k_floor(z, k) if floor_given else out
@@ -193,6 +190,6 @@ def _triton_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
     hi, lo = split_p(top_p)
     _launch_threshold((cdiv(N, ROWS_PER_PROGRAM),),
                       (top, cm, cs, z, floor, out, N, n_chunks, V, z.stride(0), 0 if floor_given else k, hi, lo),
-                      dict(FINAL=_pow2(n_chunks * count), C=count, BLOCK_R=ROWS_PER_PROGRAM, TOP_P=nucleus,
+                      dict(FINAL=pow2_at_least(n_chunks * count), C=count, BLOCK_R=ROWS_PER_PROGRAM, TOP_P=nucleus,
                            FLOOR_GIVEN=floor_given, BLOCK=SEARCH_BLOCK), num_warps=8, num_stages=DEFAULT_NUM_STAGES)
     return out
