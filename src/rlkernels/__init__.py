@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any, Callable
 
 from .integrations.aten_mode import is_batch_invariant_mode_enabled, set_batch_invariant_mode
 from .integrations.hf import (RolloutSample, generate, is_patched, patch_model, release_decode_graphs, rollout,
@@ -50,21 +51,29 @@ __all__ = [
     "select_backend",
     "set_batch_invariant_mode",
     "softmax",
+    "tensor_parallel",
     "token_logprobs",
 ]
 
 # Public submodules reached as attributes (``rlkernels.testing.assert_batch_invariant``)
 # but imported on first use, so that ``import rlkernels`` stays as light as it is.
 _LAZY_SUBMODULES = ("check", "contract", "parallel", "reference", "testing")
+# Public functions whose modules load a lazy submodule (``tensor_parallel``: rlkernels.parallel).
+_LAZY_FUNCTIONS = {"tensor_parallel": ".integrations.hf.tensor_parallel"}
 
 
-def __getattr__(name: str) -> ModuleType:
-    """PEP 562: import a public submodule the first time it is reached as an attribute."""
+def __getattr__(name: str) -> ModuleType | Callable[..., Any]:
+    """PEP 562: import a public submodule, or the module of a lazy function, the first time
+    it is reached as an attribute."""
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f".{name}", __name__)  # also binds it here: no second call
+    if name in _LAZY_FUNCTIONS:
+        value = getattr(importlib.import_module(_LAZY_FUNCTIONS[name], __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    """The module's names and the lazily imported submodules."""
-    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+    """The module's names and the lazily imported ones."""
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES) | set(_LAZY_FUNCTIONS))

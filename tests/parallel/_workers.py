@@ -42,6 +42,18 @@ def run_world(world: int, fn, start_method: str | None = None) -> list[dict]:
 
 
 @contextlib.contextmanager
+def gloo_group(rank: int, world: int, folder: str):
+    """One gloo rank of the CPU tests (one thread: the ranks share the machine's cores)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
+                            world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def nccl_group(rank: int, world: int, folder: str):
     """One NCCL rank on GPU ``rank`` for the ``gpu`` tests; yields its device."""
     torch.cuda.set_device(rank)
@@ -224,10 +236,7 @@ def _stock_vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, 
 
 
 def worker(rank: int, world: int, folder: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, folder):
         out: dict = {}
         for dtype in dtypes():
             name = str(dtype).replace("torch.", "")
@@ -248,5 +257,3 @@ def worker(rank: int, world: int, folder: str) -> None:
         vp._shard_order = order
         _stock_vocab_parallel(rank, world, dtype, out, "plant_all_reduce_stats/")
         torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()

@@ -5,9 +5,11 @@ per-module swaps :mod:`.attention`, :mod:`.moe`, :mod:`.rotary`, :mod:`.mlp` and
 :mod:`.static_cache`; :mod:`.coverage` says what a patched forward covers and reads a
 model's modules; :mod:`.scoring` is ``token_logprobs``; :mod:`.generation` is
 ``generate``'s host side and :mod:`.decode` its static-cache decode step and loop;
-:mod:`.continuous_batching` is ``rollout``: that step over a continuously refilled batch of samples.
+:mod:`.continuous_batching` is ``rollout``: that step over a continuously refilled batch of samples;
+:mod:`.tensor_parallel` shards a patched model over a process group (imported on first use,
+as ``rlkernels.tensor_parallel``: it loads ``rlkernels.parallel``).
 Calls go downward: generation -> decode -> coverage; continuous_batching -> decode and scoring;
-scoring -> coverage.
+scoring -> coverage; tensor_parallel -> coverage.
 """
 from .coverage import is_patched
 from .decode import release_decode_graphs

@@ -39,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
+import types
 from typing import Any, Iterator
 
 from torch import nn
@@ -159,8 +161,20 @@ def batch_dependent_rope(module: nn.Module) -> str | None:
     return None
 
 
+def parallel_modules() -> types.ModuleType | None:
+    """``rlkernels.parallel.modules`` (the tensor-parallel layers) where it is loaded: a
+    model can hold its layers only after ``rlkernels.tensor_parallel`` imported it, and
+    ``import rlkernels`` leaves ``rlkernels.parallel`` (and torch.distributed) unloaded."""
+    return sys.modules.get("rlkernels.parallel.modules")
+
+
+def _parallel_layers() -> tuple[type, ...]:
+    mods = parallel_modules()
+    return (mods.TreeRowParallelLinear, mods.VocabParallelEmbedding, mods.VocabParallelHead) if mods else ()
+
+
 def _covered(module: nn.Module) -> bool:
-    if isinstance(module, (Linear, RMSNorm, SiLU, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT)):
+    if isinstance(module, (Linear, RMSNorm, SiLU, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT, *_parallel_layers())):
         return True
     if type(module).__name__.endswith(STOCK_MOE_SUFFIXES) or batch_dependent_rope(module) is not None:
         return False

@@ -87,6 +87,12 @@ def next_token_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return target
 
 
+def _vocab_parallel(head: object) -> bool:
+    """``head`` is a tensor-parallel model's vocabulary-parallel LM head."""
+    mods = coverage.parallel_modules()
+    return mods is not None and isinstance(head, mods.VocabParallelHead)
+
+
 def check_head(op: str, model: nn.Module) -> nn.Module:
     """The LM head, where the model's logits are ``hidden @ head.weight.T (+ bias)``; else ValueError.
 
@@ -94,6 +100,12 @@ def check_head(op: str, model: nn.Module) -> nn.Module:
     (:data:`~rlkernels.integrations.hf.coverage.LOGIT_TRANSFORMS`) would be scored by
     another distribution than its own, so it is refused, naming the field."""
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if _vocab_parallel(head):
+        if op != "token_logprobs":
+            raise ValueError(f"rlkernels.{op}: the model is tensor-parallel (rlkernels.tensor_parallel): its "
+                             "vocabulary-parallel sampler is not built, and the unsharded sampler's log-probs sum "
+                             "in another order than its scores; only rlkernels.token_logprobs takes it")
+        return head
     if not isinstance(head, nn.Linear):
         raise TypeError(f"rlkernels.{op}: {type(model).__name__}'s output embedding is "
                         f"{type(head).__name__ if head is not None else 'missing'}, not a linear LM head")
@@ -114,9 +126,18 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
     B, T = target.shape
     h2 = hidden.reshape(B * T, hidden.shape[-1])
     threshold = logit_threshold.reshape(B * T) if logit_threshold is not None else None
-    out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None),
-                         temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=return_entropy,
-                         logit_threshold=threshold)
+    kw = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=return_entropy,
+              logit_threshold=threshold)
+    if _vocab_parallel(head):
+        from ...parallel.vocab_parallel import sharded_linear_logprob, vocab_parallel_linear_logprob
+
+        if head.group is not None:
+            out = vocab_parallel_linear_logprob(h2, head.weight, target.reshape(B * T), head.bias,
+                                                shards=head.shards, group=head.group, **kw)
+        else:
+            out = sharded_linear_logprob(h2, head.weight, target.reshape(B * T), head.bias, shards=head.shards, **kw)
+    else:
+        out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None), **kw)
     if return_entropy:
         logp, ent = out
         return logp.reshape(B, T), ent.reshape(B, T)
@@ -126,6 +147,9 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
 def vocab_size(model: nn.Module) -> int | None:
     """How many ids the model's input embedding can index (None where it cannot be read)."""
     emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    mods = coverage.parallel_modules()
+    if mods is not None and isinstance(emb, mods.VocabParallelEmbedding):
+        return emb.num_embeddings  # every rank's rows together
     weight = getattr(emb, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return weight.shape[0]  # the rows the embedding can index (may exceed config.vocab_size)
@@ -215,7 +239,12 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         raise ValueError(f"rlkernels.token_logprobs: input_ids must be [B, L], got {tuple(input_ids.shape)}")
     check_mask("token_logprobs", input_ids, attention_mask)
     temperature = require_temperature("token_logprobs", temperature)
-    check_head("token_logprobs", model)
+    head = check_head("token_logprobs", model)
+    if (_vocab_parallel(head) and head.world > 1 and torch.is_grad_enabled()
+            and any(p.requires_grad for p in model.parameters())):
+        raise ValueError(f"rlkernels.token_logprobs: the model is tensor-parallel over {head.world} ranks, where "
+                         "the backward is not built (its column-parallel inputs' gradients would need a sum "
+                         "across ranks); score under torch.no_grad(), or train the group=None layout")
     check_ids("token_logprobs", model, input_ids)
     B, L = input_ids.shape
     if logit_threshold is not None:

@@ -1,0 +1,90 @@
+"""The layers of a tensor-parallel model as modules: the K-tree's row-parallel linear, and
+the vocabulary-parallel embedding and LM head, each holding this rank's contiguous shard
+(Megatron's layout) and giving every rank the whole result by exact copies.
+
+``group=None`` is the one-process layout: whole parameters, the same K-tree and the same
+vocabulary shards, so its bits are those of every TP size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.matmul import linear
+from .row_parallel import TREE_SEGMENTS, row_parallel_tree_linear, tree_linear
+from .vocab_parallel import VOCAB_SHARDS
+
+
+def _gather_last(local: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+    """The ranks' ``local`` [..., n] side by side in rank order: [..., world * n] (copies)."""
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class TreeRowParallelLinear(nn.Module):
+    """``o_proj`` / ``down_proj`` of a tensor-parallel model: ``F.linear`` by the K-tree
+    (:func:`~rlkernels.parallel.row_parallel_tree_linear`), the same bits at every TP size.
+
+    weight: [N, K/t], this rank's columns (all K with ``group=None``); bias: [N]
+    (replicated) or None. Takes x [..., K/t] (this rank's columns of the input, as the
+    column-parallel layer before it leaves them) and returns y [..., N] on every rank."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: dist.ProcessGroup | None,
+                 segments: int = TREE_SEGMENTS) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.segments = group, segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return tree_linear(x, self.weight, self.bias, segments=self.segments)
+        return row_parallel_tree_linear(x, self.weight, self.bias, segments=self.segments, group=self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The input embedding over ``world`` contiguous vocabulary blocks: rank r holds rows
+    ``r*V/t .. (r+1)*V/t`` of the table (weight [V/t, D]). Each rank looks up the ids it
+    holds; every rank takes each id's row from the rank holding it (an all-gather and a
+    select: copies, never a sum). ``num_embeddings`` is the whole V."""
+
+    def __init__(self, weight: nn.Parameter, num_embeddings: int, group: dist.ProcessGroup | None, rank: int,
+                 world: int) -> None:
+        super().__init__()
+        self.weight = weight
+        self.num_embeddings, self.group, self.rank, self.world = num_embeddings, group, rank, world
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return F.embedding(ids, self.weight)
+        rows = self.weight.shape[0]
+        owner = torch.div(ids, rows, rounding_mode="floor")
+        local = ids - self.rank * rows
+        mine = owner == self.rank
+        found = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+        parts = [torch.empty_like(found) for _ in range(self.world)]
+        dist.all_gather(parts, found.contiguous(), group=self.group)
+        out = parts[0]
+        for r in range(1, self.world):
+            out = torch.where((owner == r)[..., None], parts[r], out)
+        return out
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head over ``world`` contiguous vocabulary blocks (weight [V/t, D], bias [V/t]
+    or None): its forward gives every rank the whole fp32 logits [..., V] (each rank's
+    block by the canonical chain, then all-gathered: copies). ``token_logprobs`` scores
+    it by :func:`~rlkernels.parallel.vocab_parallel_linear_logprob` with ``shards``
+    (:func:`~rlkernels.parallel.sharded_linear_logprob` with ``group=None``)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, vocab: int, group: dist.ProcessGroup | None,
+                 world: int, shards: int = VOCAB_SHARDS) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.vocab, self.group, self.world, self.shards = vocab, group, world, shards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = linear(x, self.weight, self.bias, out_dtype=torch.float32)
+        return local if self.world == 1 else _gather_last(local, self.group, self.world)

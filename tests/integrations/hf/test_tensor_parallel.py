@@ -1,0 +1,164 @@
+"""rlkernels.tensor_parallel: a patched model sharded over gloo processes (TP = 1, 2, 4, 8)
+scores every token with the bits of the one-process layout, at a trained model's logit scale.
+
+Every rank builds the same tiny model from a seed, patches and shards it, and saves its
+``token_logprobs`` (left-padded batch), entropies and forward logits; the parent compares
+them bitwise with ``tensor_parallel(model, None)`` and against a float64 stock forward.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rlkernels
+from rlkernels import contract
+
+from ...parallel._workers import gloo_group, run_world
+from ._models import _tiny
+
+SIZES = (1, 2, 4, 8)
+# Heads, kv heads, the attention width and the intermediate size divide by 8 (TP up to 8
+# and 8 segments); V = 384 makes 8 vocabulary shards of 48 rows.
+SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=8)
+CASES = [("qwen3", torch.float32, {}), ("llama", torch.float32, dict(attention_bias=True, tie_word_embeddings=False)),
+         ("qwen3", torch.bfloat16, {})]
+
+
+def _model(arch: str, dtype: torch.dtype, over: dict):
+    model = _tiny(arch, dtype, **SHAPE, **over)
+    with torch.no_grad():  # a trained head's logit scale (std ~6)
+        model.get_output_embeddings().weight.mul_(40.0)
+    return model
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, SHAPE["vocab_size"], (3, 13), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, :1] = 0
+    return ids, mask
+
+
+def _score(model):
+    ids, mask = _batch()
+    with torch.no_grad():
+        lp, ent = rlkernels.token_logprobs(model, ids, mask, temperature=0.7, return_entropy=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return lp, ent, logits
+
+
+def _worker(rank: int, world: int, folder: str) -> None:
+    with gloo_group(rank, world, folder):
+        out: dict = {}
+        for i, (arch, dtype, over) in enumerate(CASES):
+            model = rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), dist.group.WORLD)
+            out[i] = _score(model)
+            out[f"patched {i}"] = rlkernels.is_patched(model)
+            if i == 0:
+                ids, mask = _batch()
+                try:  # a backward across ranks is not built: refused, not wrong
+                    rlkernels.token_logprobs(model, ids, mask)
+                    out["grad"] = "ran"
+                except ValueError as e:
+                    out["grad"] = str(e)
+        few_kv = rlkernels.patch_model(_tiny("llama", **dict(SHAPE, num_key_value_heads=2)))
+        try:
+            rlkernels.tensor_parallel(few_kv, dist.group.WORLD)
+            out["kv"] = "sharded"
+        except ValueError as e:
+            out["kv"] = str(e)
+        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def worlds() -> dict[int, list[dict]]:
+    return {world: run_world(world, _worker) for world in SIZES}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32) if x.dtype == torch.float32 else x.view(torch.int16)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_every_rank_at_every_tp_size_scores_the_one_process_layouts_bits(worlds, case):
+    arch, dtype, over = CASES[case]
+    want = _score(rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), None))
+    for world, ranks in worlds.items():
+        for rank, out in enumerate(ranks):
+            assert out[f"patched {case}"]
+            for got, ref in zip(out[case], want):
+                assert got.shape == ref.shape
+                assert torch.equal(_bits(got), _bits(ref)), (world, rank)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_layouts_log_probs_are_the_models_own(case):
+    arch, dtype, over = CASES[case]
+    ids, mask = _batch()
+    scored = mask[:, :-1].bool() & mask[:, 1:].bool()
+    lp, _, _ = _score(rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), None))
+    tol = contract.tolerance("linear_logprob", dtype).tolerance
+    if dtype == torch.float32:  # against a float64 stock forward of the same weights
+        stock = _model(arch, dtype, over).double()
+        with torch.no_grad():
+            logits = stock(input_ids=ids, attention_mask=mask).logits[:, :-1] / 0.7
+        assert logits.std() > 4  # a trained model's scale
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        assert (lp.double() - ref)[scored].abs().max() <= tol
+    else:  # every layer rounds to bf16: against the unsharded patched model, the same roundings
+        plain, _, _ = _score(rlkernels.patch_model(_model(arch, dtype, over)))
+        assert (lp - plain)[scored].abs().max() <= 100 * tol
+
+
+def test_the_one_process_layout_trains_deterministically_and_as_the_patched_model():
+    ids, mask = _batch()
+    base = rlkernels.patch_model(_model("qwen3", torch.float32, {}))
+    grads = []
+    for model in (rlkernels.tensor_parallel(copy.deepcopy(base), None),
+                  rlkernels.tensor_parallel(copy.deepcopy(base), None), base):
+        rlkernels.token_logprobs(model, ids, mask, temperature=0.7).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(grads[0], grads[1]))
+    for a, b in zip(grads[0], grads[2]):  # the same math, another order of the sums
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()))
+
+
+def test_refusals_name_the_value_before_anything_moves(worlds):
+    for world, ranks in worlds.items():
+        for out in ranks:
+            if world == 1:
+                assert out["grad"] == "ran" and out["kv"] == "sharded"
+            else:
+                assert "backward is not built" in out["grad"]
+            if world in (4, 8):
+                assert f"num_key_value_heads (2) must divide by {world}" in out["kv"]
+    model = rlkernels.patch_model(_model("qwen3", torch.float32, {}))
+    weight = model.lm_head.weight
+    with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: segments \(3\) must be a power of two"):
+        rlkernels.tensor_parallel(model, None, segments=3)
+    with pytest.raises(ValueError, match=r"vocabulary \(384 rows of the LM head\) must divide by vocab_shards \(256\)"):
+        rlkernels.tensor_parallel(model, None, vocab_shards=256)
+    assert model.lm_head.weight is weight  # nothing moved
+    with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: LlamaForCausalLM is not patched"):
+        rlkernels.tensor_parallel(_model("llama", torch.float32, {}), None)
+    moe = rlkernels.patch_model(pytest.importorskip("transformers").Qwen3MoeForCausalLM(
+        pytest.importorskip("transformers").Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=64,
+                                                           moe_intermediate_size=16, num_experts=4,
+                                                           num_experts_per_tok=2, num_hidden_layers=1,
+                                                           num_attention_heads=4, num_key_value_heads=2,
+                                                           head_dim=8)))
+    with pytest.raises(ValueError, match=r"\(qwen3_moe\) is not covered"):
+        rlkernels.tensor_parallel(moe, None)
+    sharded = rlkernels.tensor_parallel(model, None)
+    with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: the model is tensor-parallel already"):
+        rlkernels.tensor_parallel(sharded, None)
+    ids, mask = _batch()
+    for call in (lambda: rlkernels.generate(sharded, ids, mask, max_new_tokens=2, seed=1),
+                 lambda: rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1)):
+        with pytest.raises(ValueError, match=r"the model is tensor-parallel \(rlkernels.tensor_parallel\)"):
+            call()
