@@ -174,7 +174,8 @@ def _parallel_layers() -> tuple[type, ...]:
 
 
 def _covered(module: nn.Module) -> bool:
-    if isinstance(module, (Linear, RMSNorm, SiLU, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT, *_parallel_layers())):
+    if isinstance(module, (Linear, RMSNorm, SiLU, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT,
+                           *_parallel_layers())):
         return True
     if type(module).__name__.endswith(STOCK_MOE_SUFFIXES) or batch_dependent_rope(module) is not None:
         return False
