@@ -132,8 +132,9 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     model's result, at TP = 1, 2, 4 and 8; the model's own forward gives every rank the
     whole fp32 logits. At TP > 1 scoring runs without gradients (a backward across the
     ranks is not built: the call refuses one); with ``group=None`` it trains.
-    ``rlkernels.generate`` and ``rollout`` refuse a tensor-parallel model: its vocabulary-parallel sampler is not built, and the unsharded one would draw
-    from another order of the sums than the one scored.
+    ``rlkernels.generate`` and ``rollout`` refuse a tensor-parallel model: its
+    vocabulary-parallel sampler is not built, and the unsharded one's log-probs would sum
+    in another order than the scores.
     Refusals (ValueError naming the value) come before any parameter moves: an unpatched
     model, a family other than Llama, Mistral, Qwen2 and Qwen3 (MoE included), or sizes
     the group, ``segments`` or ``vocab_shards`` do not divide.
