@@ -18,6 +18,7 @@ from rlkernels._env import triton_interpret
 from rlkernels.parallel import row_parallel as rp
 from rlkernels.parallel import tree
 from rlkernels.parallel import vocab_parallel as vp
+from rlkernels.parallel import vocab_parallel_sample as vps
 
 SEGMENTS = 8
 SHARDS = 8  # V = 384: shards of 48 rows
@@ -165,6 +166,24 @@ def _vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: s
         out[f"{tag}vocab_{name}"] = value
 
 
+def sample_inputs(dtype: torch.dtype):
+    """logprob_inputs' head and rows, with each row's (stream, position) and a seed."""
+    h, w, b, _ = logprob_inputs(dtype)
+    g = torch.Generator().manual_seed(99)
+    streams = torch.randint(0, 1 << 40, (h.shape[0],), generator=g)
+    positions = torch.randint(0, 4096, (h.shape[0],), generator=g)
+    return h, w, b, streams, positions, 1234
+
+
+def _vocab_parallel_sample(rank: int, world: int, dtype: torch.dtype, out: dict, tag: str) -> None:
+    h, w, b, streams, positions, seed = sample_inputs(dtype)
+    rows = cols(w.shape[0], world, rank)
+    tok, lp, ent = vps.vocab_parallel_linear_sample(h, w[rows], b[rows], shards=SHARDS, temperature=TEMPERATURE,
+                                                    seed=seed, streams=streams, positions=positions,
+                                                    return_entropy=True)
+    out[f"{tag}sample_token"], out[f"{tag}sample_logp"], out[f"{tag}sample_ent"] = tok, lp, ent
+
+
 def _empty_batches(rank: int, world: int, out: dict) -> None:
     """No tokens: both layers return empty results and zero weight gradients at every TP size."""
     x = torch.zeros(0, 128, requires_grad=True)
@@ -243,6 +262,7 @@ def worker(rank: int, world: int, folder: str) -> None:
             _row_parallel(rank, world, dtype, out, f"{name}/")
             _vocab_parallel(rank, world, dtype, out, f"{name}/")
             _vocab_parallel(rank, world, dtype, out, f"{name}/truncated/", truncated=True)
+            _vocab_parallel_sample(rank, world, dtype, out, f"{name}/")
         _empty_batches(rank, world, out)
         dtype = torch.float32
         combine, order = tree._combine_ranks, vp._shard_order

@@ -241,11 +241,14 @@ def gumbel_from_words(x: torch.Tensor) -> torch.Tensor:
 # linear_logprob's bits, and each row's status.
 # ---------------------------------------------------------------------------------------
 
-def tile_uniform(seed: int | torch.Tensor, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def tile_uniform(seed: int | torch.Tensor, streams: torch.Tensor, positions: torch.Tensor,
+                 counter: int = _U32) -> torch.Tensor:
     """The first level's uniform in (0, 1) per row, fp64 with 53 bits (Philox counter
-    (2^32 - 1, position, stream mod 2^32, stream >> 32), words 0 and 1)."""
+    (``counter``, position, stream mod 2^32, stream >> 32), words 0 and 1). The draw reads
+    counter 2^32 - 1 (and the noise words counters below V / 4); a caller's own uniform
+    takes another counter, independent of them."""
     shape = streams.shape
-    r0, r1, _, _ = philox4x32(torch.full(shape, _U32, dtype=torch.int64, device=streams.device), positions & _U32,
+    r0, r1, _, _ = philox4x32(torch.full(shape, counter, dtype=torch.int64, device=streams.device), positions & _U32,
                               streams & _U32, (streams >> 32) & _U32, *seed_words(seed))
     return ((r0 >> 5).double() * 67108864.0 + (r1 >> 6).double() + 0.5) * 1.1102230246251565e-16
 

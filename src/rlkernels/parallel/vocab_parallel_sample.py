@@ -1,0 +1,135 @@
+"""Vocab-parallel ``linear_sample`` whose token and log-prob do not depend on the TP size
+(opt-in contract): the sampler of :mod:`.vocab_parallel`'s distribution.
+
+The vocabulary is cut into the same ``shards`` as the scorer's, and a draw is two steps:
+
+* **The shard.** Each shard's log-sum-exp ``lse_s`` and entropy come from the fused
+  log-prob backend (:func:`~.vocab_parallel.shard_stats`, the scorer's numbers), gathered
+  in shard order. Shard k is picked by the inverse CDF of the fp64 masses
+  ``exp(lse_s - max)``, summed in shard order, at a uniform from the counter-based
+  generator keyed by (seed, stream, position) at a counter of its own
+  (:data:`SHARD_COUNTER`), independent of every word ``linear_sample`` reads.
+* **The token.** In every shard a rank holds, :func:`rlkernels.linear_sample` draws each
+  row's token from that shard's softmax with the same keys; the ranks' tokens are
+  all-gathered and each row takes shard k's.
+
+So ``P(v) = exp(lse_k - lse) exp(z_v - lse_k) = softmax(z)_v`` up to the fp32/fp64 rounding
+of the masses, as for ``linear_sample`` itself. The log-prob and entropy are the scorer's
+merge (:func:`~.vocab_parallel.merge_shards`) of the shards' statistics with shard k's
+in-shard log-prob, which ``linear_sample`` returns bitwise as ``linear_logprob``: they
+are bitwise :func:`~.vocab_parallel.vocab_parallel_linear_logprob` of the drawn token.
+Every collective is an ``all_gather`` (copies), so TP = 1, 2, 4 and 8 draw the same
+tokens with the same bits. It costs two passes over the head (the statistics, then the
+shards' draws) against one for ``linear_sample``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..ops import _validate as V
+from ..ops.linear_logprob import backends_for
+from ..ops.linear_sample import linear_sample, tile_uniform, validate
+from .tree import process_group_world
+from .vocab_parallel import VOCAB_SHARDS, VocabLayout, merge_shards, shard_stats, vocab_layout
+
+SHARDED_OP = "sharded_linear_sample"
+VOCAB_OP = "vocab_parallel_linear_sample"
+# The Philox counter of the shard's uniform: below linear_sample's tile counter (2^32 - 1)
+# and above its noise words' (< V / 4).
+SHARD_COUNTER = (1 << 32) - 2
+
+
+def _gather(local: torch.Tensor, layout: VocabLayout, group) -> torch.Tensor:
+    """This rank's [per_rank, ...] rows of a per-shard tensor -> all shards' [shards, ...]."""
+    if layout.world == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(layout.world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _pick_shard(lse: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's shard [N] int64: the first whose cumulative fp64 mass exp(lse_s - max)
+    (summed in shard order) exceeds u times the total; ``lse`` [shards, N]."""
+    big = lse.amax(dim=0)
+    masses = torch.exp((lse - big).double())
+    cum = [masses[0]]
+    for m in masses[1:]:
+        cum.append(cum[-1] + m)
+    cum = torch.stack(cum)
+    below = cum <= (u * cum[-1])[None, :]
+    return below.sum(dim=0).clamp(max=lse.shape[0] - 1)
+
+
+def _sample(op: str, hidden, weight, bias, layout: VocabLayout, temperature: float, seed, streams, positions,
+            return_entropy: bool, group, backend):
+    logprob_backend, _ = backends_for(op, hidden, backend)
+    N = hidden.shape[0]
+    w = layout.width
+    # Any target in the shard: its statistics' lse and entropy do not depend on it (and an
+    # ignored target, -1, gives 0s), and its log-prob is replaced by the drawn token's.
+    first = torch.zeros(N, dtype=torch.int64, device=hidden.device)
+    stats, tokens = [], []
+    with torch.no_grad():
+        for i in range(layout.per_rank):
+            w_i = weight[i * w:(i + 1) * w]
+            b_i = bias[i * w:(i + 1) * w] if bias is not None else None
+            lse_ent = shard_stats(logprob_backend, hidden, w_i, b_i, first, temperature)[:2]
+            tok, lp = linear_sample(hidden, w_i, b_i, temperature=temperature, seed=seed, streams=streams,
+                                    positions=positions, backend=backend)
+            stats.append(torch.cat([lse_ent, lp.to(lse_ent.dtype)[None]]))
+            tokens.append(tok + layout.first_id(i))
+        stats = _gather(torch.stack(stats), layout, group)      # [shards, 3, N]
+        tokens = _gather(torch.stack(tokens), layout, group)    # [shards, N]
+        pos = positions if positions is not None else torch.zeros_like(streams)
+        k = _pick_shard(stats[:, 0], tile_uniform(seed, streams, pos, SHARD_COUNTER))
+        token = tokens.gather(0, k[None, :])[0]
+        logp, ent, _ = merge_shards(list(stats), token, w)
+    return (token, logp, ent) if return_entropy else (token, logp)
+
+
+def _validate(op: str, hidden, weight, bias, temperature, seed, streams, positions):
+    V.require_tensor(op, "hidden", hidden)
+    if hidden.dim() != 2:
+        raise ValueError(f"rlkernels.{op}: hidden must be [N, D], got {tuple(hidden.shape)}")
+    validate(hidden, weight, bias, temperature, seed, streams, positions, False)
+
+
+def sharded_linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                          shards: int = VOCAB_SHARDS, temperature: float = 1.0, seed: int | torch.Tensor,
+                          streams: torch.Tensor, positions: torch.Tensor | None = None,
+                          return_entropy: bool = False, backend: str | None = None):
+    """One-process :func:`vocab_parallel_linear_sample`: the same shards, the same draw, the same bits.
+
+    hidden [N, D]; weight [V, D]; bias [V] or None; ``seed``, ``streams`` [N] and
+    ``positions`` [N] as :func:`rlkernels.linear_sample` takes them; ``shards`` a power of
+    two dividing V. Returns ``(token [N] int64, logp [N])`` (and entropy) with no autograd
+    graph: logp and entropy bitwise :func:`~rlkernels.parallel.sharded_linear_logprob` of
+    the token with the same ``shards``. Tokens and log-probs differ from ``linear_sample``'s
+    (another cut of the vocabulary): an opt-in mode.
+    """
+    _validate(SHARDED_OP, hidden, weight, bias, temperature, seed, streams, positions)
+    layout = vocab_layout(SHARDED_OP, weight.shape[0], shards, 0, 1)
+    return _sample(SHARDED_OP, hidden, weight, bias, layout, float(temperature), seed, streams, positions,
+                   return_entropy, None, backend)
+
+
+def vocab_parallel_linear_sample(hidden: torch.Tensor, weight_shard: torch.Tensor,
+                                 bias_shard: torch.Tensor | None = None, *, shards: int = VOCAB_SHARDS,
+                                 temperature: float = 1.0, seed: int | torch.Tensor, streams: torch.Tensor,
+                                 positions: torch.Tensor | None = None, return_entropy: bool = False,
+                                 group: dist.ProcessGroup | None = None, backend: str | None = None):
+    """``linear_sample`` with the LM head sharded on the vocabulary over ``group`` (TP = t ranks).
+
+    hidden [N, D], ``streams`` and ``positions`` replicated; rank r holds rows ``r*V/t ..
+    (r+1)*V/t`` of the head (weight_shard [V/t, D], bias_shard [V/t] or None), t dividing
+    ``shards``. Returns the same ``(token, logp[, entropy])`` on every rank, bitwise
+    :func:`sharded_linear_sample`'s with the same ``shards`` at every TP size.
+    """
+    V.require_tensor(VOCAB_OP, "weight_shard", weight_shard)
+    rank, world = process_group_world(VOCAB_OP, group, True)
+    _validate(VOCAB_OP, hidden, weight_shard, bias_shard, temperature, seed, streams, positions)
+    layout = vocab_layout(VOCAB_OP, weight_shard.shape[0] * world, shards, rank, world)
+    return _sample(VOCAB_OP, hidden, weight_shard, bias_shard, layout, float(temperature), seed, streams, positions,
+                   return_entropy, group, backend)
