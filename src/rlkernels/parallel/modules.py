@@ -15,6 +15,7 @@ from torch import nn
 from ..ops.matmul import linear
 from .row_parallel import TREE_SEGMENTS, row_parallel_tree_linear, tree_linear
 from .vocab_parallel import VOCAB_SHARDS
+from .vocab_parallel_sample import sharded_linear_sample, vocab_parallel_linear_sample
 
 
 def _gather_last(local: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
@@ -88,3 +89,14 @@ class VocabParallelHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = linear(x, self.weight, self.bias, out_dtype=torch.float32)
         return local if self.world == 1 else _gather_last(local, self.group, self.world)
+
+    def sample(self, hidden: torch.Tensor, *, temperature: float, seed: int | torch.Tensor, streams: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token, logp, entropy) [N] of rows ``hidden`` [N, D]: the vocabulary-parallel draw
+        (:func:`~rlkernels.parallel.vocab_parallel_linear_sample`), whose log-probs are the
+        ones ``token_logprobs`` scores this head with."""
+        kw = dict(shards=self.shards, temperature=temperature, seed=seed, streams=streams, positions=positions,
+                  return_entropy=True)
+        if self.group is None:
+            return sharded_linear_sample(hidden, self.weight, self.bias, **kw)
+        return vocab_parallel_linear_sample(hidden, self.weight, self.bias, group=self.group, **kw)

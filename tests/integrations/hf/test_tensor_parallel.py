@@ -52,12 +52,20 @@ def _score(model):
     return lp, ent, logits
 
 
+def _generate(model):
+    ids, mask = _batch()
+    with torch.no_grad():
+        return rlkernels.generate(model, ids, mask, max_new_tokens=5, do_sample=True, temperature=0.7, seed=17,
+                                  streams=torch.tensor([5, 1 << 40, 9]), eos_token_id=[], return_entropy=True)
+
+
 def _worker(rank: int, world: int, folder: str) -> None:
     with gloo_group(rank, world, folder):
         out: dict = {}
         for i, (arch, dtype, over) in enumerate(CASES):
             model = rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), dist.group.WORLD)
             out[i] = _score(model)
+            out[f"generate {i}"] = _generate(model)
             out[f"patched {i}"] = rlkernels.is_patched(model)
             if i == 0:
                 ids, mask = _batch()
@@ -87,13 +95,24 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_every_rank_at_every_tp_size_scores_the_one_process_layouts_bits(worlds, case):
     arch, dtype, over = CASES[case]
-    want = _score(rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), None))
+    model = rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), None)
+    want, drawn = _score(model), _generate(model)
+    # The draws' log-probs are the scorer's, bitwise (the generated positions of the sequence).
+    seq, lp, ent = drawn
+    ids, mask = _batch()
+    L = ids.shape[1]
+    full = torch.cat([mask, torch.ones_like(seq[:, L:])], dim=1)
+    with torch.no_grad():
+        scored, scored_ent = rlkernels.token_logprobs(model, seq, full, temperature=0.7, return_entropy=True)
+    assert torch.equal(_bits(scored[:, L - 1:]), _bits(lp)) and torch.equal(_bits(scored_ent[:, L - 1:]), _bits(ent))
     for world, ranks in worlds.items():
         for rank, out in enumerate(ranks):
             assert out[f"patched {case}"]
             for got, ref in zip(out[case], want):
                 assert got.shape == ref.shape
                 assert torch.equal(_bits(got), _bits(ref)), (world, rank)
+            for got, ref in zip(out[f"generate {case}"], drawn):
+                assert torch.equal(got, ref) if got.dtype == torch.int64 else torch.equal(_bits(got), _bits(ref))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -158,7 +177,8 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
     with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: the model is tensor-parallel already"):
         rlkernels.tensor_parallel(sharded, None)
     ids, mask = _batch()
-    for call in (lambda: rlkernels.generate(sharded, ids, mask, max_new_tokens=2, seed=1),
-                 lambda: rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1)):
-        with pytest.raises(ValueError, match=r"the model is tensor-parallel \(rlkernels.tensor_parallel\)"):
-            call()
+    with pytest.raises(ValueError, match=r"rlkernels.rollout: the model is tensor-parallel"):
+        rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1)
+    for kw in (dict(do_sample=False), dict(do_sample=True, top_p=0.9, return_thresholds=True)):
+        with pytest.raises(ValueError, match=r"rlkernels.generate: on a tensor-parallel model"):
+            rlkernels.generate(sharded, ids, mask, max_new_tokens=2, seed=1, **kw)

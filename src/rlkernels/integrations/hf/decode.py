@@ -83,7 +83,7 @@ from ...ops.linear_sample import linear_sample, validate_seed
 from ...ops.lm_head.truncation import truncates
 from ..aten_mode import is_batch_invariant_mode_enabled
 from . import static_cache
-from .coverage import cache_kwargs, decoder_of, mode_for
+from .coverage import cache_kwargs, decoder_of, mode_for, parallel_modules
 
 OP = "generate"
 
@@ -323,6 +323,10 @@ def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tens
     """
     hidden = last_hidden(decoder, cache, ids, mask, positions, cache_position)
     # The token drawn here is the row's next one: its position follows the last fed token's.
+    parallel = parallel_modules()
+    if parallel is not None and isinstance(head, parallel.VocabParallelHead):
+        return head.sample(hidden, temperature=temperature, seed=seed, streams=streams,
+                           positions=positions[:, -1] + 1)
     return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
                          seed=seed, streams=streams, positions=positions[:, -1] + 1,
                          greedy=greedy, return_entropy=True, top_k=top_k, top_p=top_p,

@@ -87,7 +87,7 @@ def next_token_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return target
 
 
-def _vocab_parallel(head: object) -> bool:
+def vocab_parallel(head: object) -> bool:
     """``head`` is a tensor-parallel model's vocabulary-parallel LM head."""
     mods = coverage.parallel_modules()
     return mods is not None and isinstance(head, mods.VocabParallelHead)
@@ -100,11 +100,10 @@ def check_head(op: str, model: nn.Module) -> nn.Module:
     (:data:`~rlkernels.integrations.hf.coverage.LOGIT_TRANSFORMS`) would be scored by
     another distribution than its own, so it is refused, naming the field."""
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    if _vocab_parallel(head):
-        if op != "token_logprobs":
-            raise ValueError(f"rlkernels.{op}: the model is tensor-parallel (rlkernels.tensor_parallel): its "
-                             "vocabulary-parallel sampler is not built, and the unsharded sampler's log-probs sum "
-                             "in another order than its scores; only rlkernels.token_logprobs takes it")
+    if vocab_parallel(head):
+        if op not in ("token_logprobs", "generate"):
+            raise ValueError(f"rlkernels.{op}: the model is tensor-parallel (rlkernels.tensor_parallel), which "
+                             "rlkernels.token_logprobs and rlkernels.generate take; this call does not yet")
         return head
     if not isinstance(head, nn.Linear):
         raise TypeError(f"rlkernels.{op}: {type(model).__name__}'s output embedding is "
@@ -128,7 +127,7 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
     threshold = logit_threshold.reshape(B * T) if logit_threshold is not None else None
     kw = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=return_entropy,
               logit_threshold=threshold)
-    if _vocab_parallel(head):
+    if vocab_parallel(head):
         from ...parallel.vocab_parallel import sharded_linear_logprob, vocab_parallel_linear_logprob
 
         if head.group is not None:
@@ -240,7 +239,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     check_mask("token_logprobs", input_ids, attention_mask)
     temperature = require_temperature("token_logprobs", temperature)
     head = check_head("token_logprobs", model)
-    if (_vocab_parallel(head) and head.world > 1 and torch.is_grad_enabled()
+    if (vocab_parallel(head) and head.world > 1 and torch.is_grad_enabled()
             and any(p.requires_grad for p in model.parameters())):
         raise ValueError(f"rlkernels.token_logprobs: the model is tensor-parallel over {head.world} ranks, where "
                          "the backward is not built (its column-parallel inputs' gradients would need a sum "

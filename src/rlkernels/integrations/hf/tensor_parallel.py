@@ -12,7 +12,8 @@ Megatron's layout, with the library's TP-invariant layers where a reduction cros
 * The input embedding and the LM head are vocabulary-parallel over contiguous blocks
   (:class:`~rlkernels.parallel.modules.VocabParallelEmbedding`,
   :class:`~rlkernels.parallel.modules.VocabParallelHead`); ``token_logprobs`` scores the
-  head by :func:`~rlkernels.parallel.vocab_parallel_linear_logprob` over ``vocab_shards``.
+  head by :func:`~rlkernels.parallel.vocab_parallel_linear_logprob` over ``vocab_shards``
+  and ``generate`` draws by :func:`~rlkernels.parallel.vocab_parallel_linear_sample`.
 * Norms, rotary tables and residual adds are replicated.
 
 ``group=None`` keeps every parameter whole but computes with the same tree and the same
@@ -132,9 +133,9 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     model's result, at TP = 1, 2, 4 and 8; the model's own forward gives every rank the
     whole fp32 logits. At TP > 1 scoring runs without gradients (a backward across the
     ranks is not built: the call refuses one); with ``group=None`` it trains.
-    ``rlkernels.generate`` and ``rollout`` refuse a tensor-parallel model: its
-    vocabulary-parallel sampler is not built, and the unsharded one's log-probs would sum
-    in another order than the scores.
+    A sampled ``rlkernels.generate`` (eager, untruncated) draws through the head's
+    vocabulary-parallel sampler: the same tokens and bits on every rank and at every TP
+    size, its log-probs ``token_logprobs``' bitwise. ``rollout`` refuses the model.
     Refusals (ValueError naming the value) come before any parameter moves: an unpatched
     model, a family other than Llama, Mistral, Qwen2 and Qwen3 (MoE included), or sizes
     the group, ``segments`` or ``vocab_shards`` do not divide.
