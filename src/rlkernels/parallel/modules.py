@@ -14,15 +14,9 @@ from torch import nn
 
 from ..ops.matmul import linear
 from .row_parallel import TREE_SEGMENTS, row_parallel_tree_linear, tree_linear
+from .tree import all_gather_cat
 from .vocab_parallel import VOCAB_SHARDS
 from .vocab_parallel_sample import sharded_linear_sample, vocab_parallel_linear_sample
-
-
-def _gather_last(local: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
-    """The ranks' ``local`` [..., n] side by side in rank order: [..., world * n] (copies)."""
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
 
 
 class TreeRowParallelLinear(nn.Module):
@@ -88,7 +82,7 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = linear(x, self.weight, self.bias, out_dtype=torch.float32)
-        return local if self.world == 1 else _gather_last(local, self.group, self.world)
+        return local if self.world == 1 else all_gather_cat(local, self.group, self.world, -1)
 
     def sample(self, hidden: torch.Tensor, *, temperature: float, seed: int | torch.Tensor, streams: torch.Tensor,
                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

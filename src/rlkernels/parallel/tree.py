@@ -46,6 +46,13 @@ def process_group_world(op: str, group: dist.ProcessGroup | None, distributed: b
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def all_gather_cat(local: torch.Tensor, group: dist.ProcessGroup | None, world: int, dim: int) -> torch.Tensor:
+    """The ranks' ``local`` tensors side by side along ``dim``, in rank order (copies, never a sum)."""
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 def tree_combine(parts: list[torch.Tensor]) -> torch.Tensor:
     """Pairwise tree sum, left to right; ``len(parts)`` a power of two. Adds into ``parts``' tensors."""
     while len(parts) > 1:

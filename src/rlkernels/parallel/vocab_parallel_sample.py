@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..ops import _validate as V
 from ..ops.linear_logprob import backends_for
 from ..ops.linear_sample import linear_sample, tile_uniform, validate
-from .tree import process_group_world
+from .tree import all_gather_cat, process_group_world
 from .vocab_parallel import VOCAB_SHARDS, VocabLayout, merge_shards, shard_stats, vocab_layout
 
 SHARDED_OP = "sharded_linear_sample"
@@ -42,11 +42,7 @@ SHARD_COUNTER = (1 << 32) - 2
 
 def _gather(local: torch.Tensor, layout: VocabLayout, group) -> torch.Tensor:
     """This rank's [per_rank, ...] rows of a per-shard tensor -> all shards' [shards, ...]."""
-    if layout.world == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(layout.world)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts)
+    return local if layout.world == 1 else all_gather_cat(local, group, layout.world, 0)
 
 
 def _pick_shard(lse: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
