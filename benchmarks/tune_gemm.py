@@ -46,6 +46,10 @@ CANDIDATES_DECODE = [
     # With the rows past M masked (M = 1 pays for no re-read rows): longer k-blocks with
     # few programs' worth of buffers.
     C(16, 16, 512, 1, 2, 4), C(16, 32, 512, 1, 4, 3), C(16, 32, 128, 1, 2, 6), C(16, 64, 256, 1, 4, 3),
+    # Narrow outputs (N <= 6144: a 2B-class model's projections give 32-192 programs on
+    # 32-wide N tiles): 16- and 8-wide N tiles, one or two warps.
+    C(16, 16, 256, 1, 1, 6), C(16, 16, 128, 1, 1, 8), C(16, 16, 512, 1, 1, 4), C(16, 8, 256, 1, 1, 6),
+    C(16, 8, 512, 1, 1, 4), C(16, 16, 256, 1, 2, 8), C(16, 16, 128, 1, 2, 8),
 ]
 # --tma-decode: the decode tiles with TMA operand loads (bulk copies into shared memory,
 # rows past M zero-filled by the copy engine) beside the table's pointer-load tiles.
@@ -61,7 +65,9 @@ _KN_TILES = [(16, 32, 256, 4, 5), (16, 32, 256, 4, 6), (16, 64, 128, 4, 4), (16,
              (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3),
              (64, 256, 64, 8, 3), (64, 32, 256, 4, 4)]
 CANDIDATES_KN_DECODE = [C(bm, bn, bk, 1, w, s) for bm, bn, bk, w, s in _KN_TILES]
-SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]
+SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936),
+          # a 2B-class model (Qwen3-1.7B: q/o, k/v, gate/up, down) and an 8B's k/v
+          (2048, 2048), (2048, 1024), (2048, 6144), (6144, 2048), (4096, 1024)]
 MS = [1, 4, 16, 64, 128, 1024, 4096, 16384]
 MS_DECODE = [1, 4, 16, 24, 32, 48, 64, 96]
 

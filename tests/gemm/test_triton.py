@@ -371,3 +371,39 @@ def test_tma_launch_plan_launches_what_the_full_path_launches(gen, monkeypatch, 
         full = gemm_tma.tma_gemm(x, w.t(), tile, bias=bias, layouts=(True, True, True))
         assert torch.equal(full, (_ref(x, w, bias)).half())
         assert launch[1:] == launcher.launches[-1][1:]
+
+
+@pytest.mark.skipif(triton_interpret(), reason="the interpreter has its own one-row config")
+def test_gated_gemm_tile_is_the_pairs_width_halved_and_only_at_decode_sizes():
+    from rlkernels.gemm.table import SILU_MUL_MAX_M, silu_mul_config
+
+    for m in (1, 16, 17, 64, 200, SILU_MUL_MAX_M):
+        for n in (1024, 6144, 12288):
+            cfg, pair = silu_mul_config(m, n, torch.bfloat16), gemm_config(m, 2 * n, torch.bfloat16)
+            assert dataclasses.replace(cfg, block_n=pair.block_n) == pair
+            assert cfg.block_n == max(16, pair.block_n // 2) and not cfg.tma and not cfg.swap_ab
+    assert silu_mul_config(SILU_MUL_MAX_M + 1, 6144, torch.bfloat16) is None
+    assert silu_mul_config(4, 6144, torch.float32) is None  # tl.dot on fp32 is not the IEEE chain
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k,n", [(1, 48, 45), (7, 33, 64), (17, 40, 3), (3, 16, 1)])
+def test_gated_gemm_is_two_chains_and_the_silu_mul_kernel(dtype, m, k, n, gen):
+    from rlkernels.kernels.activations import silu_mul_kernel
+
+    x = randn(m + 2, 2 * k, generator=gen, scale=2.0).to(dtype)[1:m + 1, ::2]  # strided rows and columns
+    w_gate = randn(n, k, generator=gen, scale=3.0 / k ** 0.5).to(dtype)
+    w_up = randn(n, k, generator=gen, scale=1.0 / k ** 0.5).to(dtype)
+    out = gemm.triton_gemm_silu_mul(x, w_gate, w_up)
+    gate = triton_gemm(x, w_gate, b_transposed=True)
+    up = triton_gemm(x, w_up, b_transposed=True)
+    ref = torch.empty_like(gate)
+    silu_mul_kernel[(1,)](gate, up, ref, gate.numel(), BLOCK=triton_pow2(gate.numel()))
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert torch.equal(out.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                       ref.view(torch.int16 if dtype == torch.float16 else torch.int32))
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

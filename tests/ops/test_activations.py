@@ -72,3 +72,54 @@ def test_silu_mul_kernel_gives_atens_two_ops_bits_gpu(dtype):
         gate, up = _gate_up(n, dtype, device="cuda", seed=n)
         assert silu_mul_fused_ok(gate, up)
         assert _bits_equal(silu_mul(gate, up), F.silu(gate) * up), (n, dtype)
+
+
+def test_linear_silu_mul_is_the_three_ops_with_gradients_off_the_gpu():
+    from rlkernels.ops.activations import _one_launch_linear_silu_mul, linear_silu_mul, silu_mul
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(2, 5, 24, generator=g) * 2).requires_grad_()
+    w_gate = (torch.randn(19, 24, generator=g) * 0.6).requires_grad_()
+    w_up = (torch.randn(19, 24, generator=g) * 0.2).requires_grad_()
+    assert not _one_launch_linear_silu_mul(x, w_gate, w_up)
+    out = linear_silu_mul(x, w_gate, w_up)
+    ref = silu_mul(rlkernels.linear(x, w_gate), rlkernels.linear(x, w_up))
+    assert out.shape == (2, 5, 19) and torch.equal(out.view(torch.int32), ref.view(torch.int32))
+    grads = torch.autograd.grad(out.square().sum(), (x, w_gate, w_up))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (x, w_gate, w_up))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_linear_silu_mul_refuses_what_linear_refuses():
+    from rlkernels.ops.activations import linear_silu_mul
+
+    with pytest.raises((ValueError, RuntimeError), match="linear"):
+        linear_silu_mul(torch.randn(3, 8), torch.randn(5, 7), torch.randn(5, 7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_silu_mul_one_launch_gives_the_three_ops_bits_gpu(dtype):
+    from rlkernels.gemm.table import SILU_MUL_MAX_M
+    from rlkernels.ops.activations import _one_launch_linear_silu_mul, linear_silu_mul, silu_mul
+    from rlkernels.testing import _bits_equal
+
+    g = torch.Generator().manual_seed(11)
+    for k, n in ((2048, 6144), (1000, 3001), (4096, 12288)):
+        # A trained MLP's scale: gate pre-activations over several units, some rows large.
+        x = (torch.randn(SILU_MUL_MAX_M + 1, 2, k, generator=g) * 2).to(dtype).cuda()[:, 1]  # strided rows
+        w_gate = (torch.randn(n, k, generator=g) * 2 / k ** 0.5).to(dtype).cuda()
+        w_up = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).cuda()
+        with torch.no_grad():
+            for m in (1, 5, 16, 17, 32, 33, 64, 65, 100, 128, 129, 200, SILU_MUL_MAX_M):
+                rows = x[:m]
+                assert _one_launch_linear_silu_mul(rows, w_gate, w_up), (k, n, m)
+                fused = linear_silu_mul(rows, w_gate, w_up)
+                ref = silu_mul(rlkernels.linear(rows, w_gate), rlkernels.linear(rows, w_up))
+                assert _bits_equal(fused, ref), (k, n, m, dtype)
+                alone = linear_silu_mul(rows[m - 1:m], w_gate, w_up)
+                assert _bits_equal(alone, fused[m - 1:m]), (k, n, m, dtype)
+            # Past the fused sizes: the three ops, the same bits per row.
+            big = (torch.randn(SILU_MUL_MAX_M + 60, k, generator=g) * 2).to(dtype).cuda()
+            assert not _one_launch_linear_silu_mul(big, w_gate, w_up)
+            assert _bits_equal(linear_silu_mul(big, w_gate, w_up)[:7], linear_silu_mul(big[:7], w_gate, w_up))

@@ -180,6 +180,26 @@ def gemm_config(m: int, n: int, dtype: torch.dtype, token_reduction: bool = Fals
     raise AssertionError("unreachable: the last row is unbounded")
 
 
+# The gated gate/up GEMM (gemm_silu_mul_kernel) serves decode and small prefill chunks up to
+# this many rows; larger M runs the two GEMMs (the TMA tiles there) and silu_mul.
+SILU_MUL_MAX_M = 256
+
+
+def silu_mul_config(m: int, n: int, dtype: torch.dtype) -> GemmConfig | None:
+    """The tile of the gated GEMM over two [N, K] weights for M rows, or None where it does not
+    run (M past SILU_MUL_MAX_M, fp32 outside the interpreter).
+
+    The table's tile for the pair's 2N columns, half as wide: each program chains two
+    accumulators, a gate and an up tile, so its registers and shared memory hold what the
+    2N-wide tile's would. Same bits on every tile (tests/gemm/test_triton.py)."""
+    if triton_interpret():
+        return GEMM_INTERPRETER_CONFIG
+    if m > SILU_MUL_MAX_M or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    cfg = gemm_config(m, 2 * n, dtype)
+    return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+
+
 @functools.lru_cache(maxsize=None)
 def all_configs(dtype: torch.dtype) -> tuple[GemmConfig, ...]:
     """Every config the table can pick for ``dtype`` (what GPU tests must cover)."""

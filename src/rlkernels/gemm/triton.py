@@ -24,10 +24,10 @@ import torch
 
 from ..kernels._triton import cdiv
 from ..runtime import l2_window
-from ..runtime.launcher import cached_launcher, current_device, current_raw_stream, kept_launch_key, launch_with_key
+from ..runtime.launcher import NO_FP_FUSION, cached_launcher, current_device, current_raw_stream, kept_launch_key, launch_with_key
 from .tma import TmaPlan, tma_gemm_planned, tma_layouts
-from ..kernels.gemm import gemm_kernel
-from .table import GemmConfig, gemm_config, swappable
+from ..kernels.gemm import gemm_kernel, gemm_silu_mul_kernel
+from .table import GemmConfig, gemm_config, silu_mul_config, swappable
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -37,6 +37,9 @@ except Exception:  # pragma: no cover - no Triton
 # Decode calls are host-bound: later launches skip Triton's binder (runtime.launcher). The
 # five pointers come first in every call (bias and rowsum stand in as ``out`` when absent).
 _launch_gemm = cached_launcher(gemm_kernel, leading_tensors=5) if gemm_kernel is not None else None
+# The gated epilogue reproduces separately rounded ATen ops: no mul+add contraction.
+_launch_gemm_silu_mul = (cached_launcher(gemm_silu_mul_kernel, leading_tensors=4, options=NO_FP_FUSION)
+                         if gemm_silu_mul_kernel is not None else None)
 
 
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
@@ -265,3 +268,29 @@ def _keep_plan(plan_id: tuple, plan: LaunchPlan | TmaPlan) -> None:
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
     _PLANS[plan_id] = plan
+
+
+def triton_gemm_silu_mul(a: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, *,
+                         config: GemmConfig | None = None) -> torch.Tensor:
+    """``silu(a @ gate_weight^T) * (a @ up_weight^T)`` in one launch, with the bits of the two
+    GEMMs' canonical chains and ``silu_mul``; shapes already validated.
+
+    a: [M, K] (any strides); gate_weight, up_weight: [N, K] nn.Linear weights with the same
+    strides; one 16-bit dtype (fp32 only under the interpreter, whose dot is numpy's).
+    Returns [M, N]. ``config``: the tile (default: :func:`~rlkernels.gemm.table.silu_mul_config`).
+    """
+    M, K = a.shape
+    N = gate_weight.shape[0]
+    cfg = config or silu_mul_config(M, N, a.dtype)
+    if cfg is None:
+        raise ValueError(f"rlkernels: no gated GEMM tile for M={M}, N={N}, {a.dtype}")
+    out = a.new_empty((M, N))
+    if M == 0 or N == 0:
+        return out
+    sbn, sbk = gate_weight.stride()
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
+    args = (a, gate_weight, up_weight, out, M, N, K, *a.stride(), sbk, sbn, *out.stride())
+    constexprs = dict(EVEN_K=K % cfg.block_k == 0, MASK_M=M < cfg.block_m, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+    _launch_gemm_silu_mul(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

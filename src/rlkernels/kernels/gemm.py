@@ -3,6 +3,7 @@ element. Host side: ``rlkernels.gemm.triton``."""
 from __future__ import annotations
 
 from ._triton import tl, triton
+from .activations import silu_mul_rounded
 from .tiles import grouped_tile
 
 if triton is not None:
@@ -103,5 +104,63 @@ if triton is not None:
                 rs = tl.sum(tl.where(rs_col[None, :] == 0, rs_acc, 0.0), axis=1)
                 tl.store(rs_ptrs, rs, mask=offs_m < M)
 
+    @triton.jit
+    def gemm_silu_mul_kernel(
+        a_ptr, gate_ptr, up_ptr, c_ptr,
+        M, N, K,
+        stride_am, stride_ak,
+        stride_bk, stride_bn,
+        stride_cm, stride_cn,
+        EVEN_K: tl.constexpr, MASK_M: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """C = silu(A @ G) * (A @ U): a gated MLP's gate and up projections in one launch.
+
+        G and U ([K, N] views of the two weights, the same strides) each get the canonical
+        chain, one ascending fp32 accumulator per output over the same k-blocks as
+        ``gemm_kernel``, rounded to C's dtype as the two GEMMs store them; the epilogue is
+        ``silu_mul_kernel``'s formula on those rounded values, so an element's bits are
+        those of the three separate ops. 16-bit operands (no IEEE fp32 chain here)."""
+        pid = tl.program_id(0)
+        pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        # As gemm_kernel: rows past M masked (MASK_M) or wrapped, columns past N wrapped;
+        # neither is stored, and a stored row's products are its own row's.
+        rm = offs_m.to(tl.int64) if MASK_M else (offs_m % M).to(tl.int64)
+        rn = (offs_n % N).to(tl.int64)
+        a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
+        b_offs = offs_k[:, None].to(tl.int64) * stride_bk + rn[None, :] * stride_bn
+        g_ptrs = gate_ptr + b_offs
+        u_ptrs = up_ptr + b_offs
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                if MASK_M:
+                    a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                k_left = K - k * BLOCK_K
+                a_mask = offs_k[None, :] < k_left
+                if MASK_M:
+                    a_mask = a_mask & (offs_m[:, None] < M)
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+                g = tl.load(g_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                u = tl.load(u_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            a_ptrs += BLOCK_K * stride_ak
+            g_ptrs += BLOCK_K * stride_bk
+            u_ptrs += BLOCK_K * stride_bk
+        dt = c_ptr.dtype.element_ty
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
+        tl.store(c_ptrs, silu_mul_rounded(acc_g.to(dt), acc_u.to(dt), dt), mask=c_mask)
+
 else:  # pragma: no cover - the torch backend still imports without Triton
-    gemm_kernel = None
+    gemm_kernel = gemm_silu_mul_kernel = None

@@ -12,17 +12,28 @@ expert) is built the same way.
 ``silu_mul(gate, up)`` is the gated MLP's ``silu(gate) * up``: on CUDA, where no input
 needs a gradient, one launch that reproduces ATen's two (``kernels.activations``; a GPU
 test compares the bits); elsewhere :func:`silu` and torch's multiply.
+
+``linear_silu_mul(x, gate_weight, up_weight)`` is the MLP's gate and up projections with
+that product: at decode sizes on CUDA one launch for all three (``gemm_silu_mul_kernel``,
+two canonical chains and the same epilogue), elsewhere the three ops; the bits are the
+three ops' either way.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .._env import triton_interpret
+from ..gemm.backends import TritonGemmBackend, gemm_backend_mode
 from ..gemm.chain import accumulator_dtype
+from ..gemm.table import SILU_MUL_MAX_M
+from ..gemm.triton import triton_gemm_silu_mul
 from ..kernels._triton import cdiv
 from ..kernels.activations import silu_mul_kernel
 from ..registry import triton_usable
 from ..runtime.launcher import NO_FP_FUSION, cached_launcher
+from ..runtime.opaque import opaque_to_compile
+from .matmul import gemm_backend_for, linear
 
 SILU_MUL_BLOCK = 1024  # elements per program; elementwise, so any width gives the same bits
 _launch_silu_mul = cached_launcher(silu_mul_kernel, leading_tensors=3, options=NO_FP_FUSION)
@@ -81,6 +92,53 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _launch_silu_mul((cdiv(n, SILU_MUL_BLOCK),), (gate, up, out, n), dict(BLOCK=SILU_MUL_BLOCK), num_warps=4,
                          num_stages=1)
     return out
+
+
+def _one_launch_linear_silu_mul(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> bool:
+    """The gated GEMM takes these: CUDA on the Triton backend, one 16-bit dtype, no input
+    needing a gradient, no autocast, two [N, K] weights with the same k-contiguous strides,
+    at most SILU_MUL_MAX_M rows. Anything else runs the three ops (which validate)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(gate_weight, torch.Tensor) and isinstance(up_weight, torch.Tensor)
+            and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if gate_weight.dtype != x.dtype or up_weight.dtype != x.dtype or gate_weight.device != x.device \
+            or up_weight.device != x.device:
+        return False
+    if gate_weight.dim() != 2 or gate_weight.shape != up_weight.shape or gate_weight.stride() != up_weight.stride() \
+            or gate_weight.stride(1) != 1 or x.dim() < 1 or x.shape[-1] != gate_weight.shape[1]:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad or up_weight.requires_grad):
+        return False
+    k = gate_weight.shape[1]
+    if k == 0 or not 0 < x.numel() // k <= SILU_MUL_MAX_M or torch.is_autocast_enabled("cuda"):
+        return False
+    if triton_interpret() or not triton_usable(x.device) or gemm_backend_mode() == "cublaslt":
+        return False
+    return isinstance(gemm_backend_for(x.device), TritonGemmBackend)
+
+
+def _linear_silu_mul_launch(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:
+    k = gate_weight.shape[1]
+    out = triton_gemm_silu_mul(x.reshape(x.numel() // k, k), gate_weight, up_weight)
+    return out.reshape(*x.shape[:-1], gate_weight.shape[0])
+
+
+# Under torch.compile a graph break, as every Triton launch of the library.
+_linear_silu_mul_opaque = opaque_to_compile(_linear_silu_mul_launch)
+
+
+def linear_silu_mul(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:
+    """``silu(linear(x, gate_weight)) * linear(x, up_weight)``: a gated MLP's hidden state.
+
+    x: [..., K]; gate_weight, up_weight: [N, K]; returns [..., N] in x's dtype, with the bits
+    of :func:`~rlkernels.linear` twice and :func:`silu_mul` on whatever path. Inference on
+    CUDA with 16-bit operands and at most ``SILU_MUL_MAX_M`` rows (decode steps, small
+    chunks) runs one launch that chains both projections and applies the product in its
+    epilogue; everything else (gradients, larger M, fp32, the CPU) runs the three ops.
+    """
+    if _one_launch_linear_silu_mul(x, gate_weight, up_weight):
+        return _linear_silu_mul_opaque(x, gate_weight, up_weight)
+    return silu_mul(linear(x, gate_weight), linear(x, up_weight))
 
 
 def sigmoid_chain(x: torch.Tensor) -> torch.Tensor:

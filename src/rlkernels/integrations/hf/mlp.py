@@ -5,8 +5,11 @@ after :func:`~rlkernels.integrations.hf.patch.patch_model` swaps ``act_fn`` for
 :class:`rlkernels.nn.SiLU`, the SiLU and the product are two launches per layer.
 :func:`install` binds each such MLP a forward that computes the same with
 :func:`rlkernels.ops.activations.silu_mul` (one launch on CUDA without gradients, the same
-bits; the two ops elsewhere). An MLP is taken only where its class's forward is that
-formula, read from its source, and its activation is the library's SiLU.
+bits; the two ops elsewhere), and where the gate and up projections are the library's
+plain Linear (no bias, no hooks), :func:`rlkernels.ops.activations.linear_silu_mul`: at
+decode sizes one launch for both projections and the product, the same bits. An MLP is
+taken only where its class's forward is that formula, read from its source, and its
+activation is the library's SiLU.
 """
 from __future__ import annotations
 
@@ -15,15 +18,24 @@ import types
 import torch
 from torch import nn
 
-from ...nn import SiLU
-from ...ops.activations import silu_mul
+from ...nn import Linear, SiLU
+from ...ops.activations import linear_silu_mul, silu_mul
 from .coverage import VERIFIED_FAMILIES, family_of
 
 _FORMULA = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """A Linear whose forward is ``linear(x, weight)``: the library's class, no bias, no hooks."""
+    return (type(module) is Linear and module.bias is None and not module._forward_hooks
+            and not module._forward_pre_hooks)
+
+
 def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj, self.up_proj
+    if _plain_linear(gate) and _plain_linear(up):
+        return self.down_proj(linear_silu_mul(x, gate.weight, up.weight))
+    return self.down_proj(silu_mul(gate(x), up(x)))
 
 
 # Bound per module as its ``forward`` (``copy.deepcopy`` rebinds a bound method to the copy).
