@@ -377,7 +377,7 @@ def test_tma_launch_plan_launches_what_the_full_path_launches(gen, monkeypatch, 
 def test_gated_gemm_tile_is_the_pairs_width_halved_and_only_at_decode_sizes():
     from rlkernels.gemm.table import SILU_MUL_MAX_M, silu_mul_config
 
-    for m in (1, 16, 17, 64, 200, SILU_MUL_MAX_M):
+    for m in (1, 7, SILU_MUL_MAX_M):
         for n in (1024, 6144, 12288):
             cfg, pair = silu_mul_config(m, n, torch.bfloat16), gemm_config(m, 2 * n, torch.bfloat16)
             assert dataclasses.replace(cfg, block_n=pair.block_n) == pair

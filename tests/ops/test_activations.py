@@ -111,7 +111,7 @@ def test_linear_silu_mul_one_launch_gives_the_three_ops_bits_gpu(dtype):
         w_gate = (torch.randn(n, k, generator=g) * 2 / k ** 0.5).to(dtype).cuda()
         w_up = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).cuda()
         with torch.no_grad():
-            for m in (1, 5, 16, 17, 32, 33, 64, 65, 100, 128, 129, 200, SILU_MUL_MAX_M):
+            for m in (1, 5, 9, SILU_MUL_MAX_M):
                 rows = x[:m]
                 assert _one_launch_linear_silu_mul(rows, w_gate, w_up), (k, n, m)
                 fused = linear_silu_mul(rows, w_gate, w_up)
