@@ -59,6 +59,20 @@ def _generate(model):
                                   streams=torch.tensor([5, 1 << 40, 9]), eos_token_id=[], return_entropy=True)
 
 
+ROLLOUT = dict(n=2, max_new_tokens=4, temperature=0.7, seed=17, eos_token_id=[], max_batch=3, cuda_graph=False,
+               return_entropy=True)
+
+
+def _prompts() -> list[list[int]]:
+    ids, mask = _batch()
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
+def _rollout(model):
+    with torch.no_grad():  # 3 prompts x 2 samples through 3 rows: the second three wait for slots
+        return [(r.tokens, r.logprobs, r.entropy) for r in rlkernels.rollout(model, _prompts(), **ROLLOUT)]
+
+
 def _worker(rank: int, world: int, folder: str) -> None:
     with gloo_group(rank, world, folder):
         out: dict = {}
@@ -66,6 +80,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
             model = rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), dist.group.WORLD)
             out[i] = _score(model)
             out[f"generate {i}"] = _generate(model)
+            out[f"rollout {i}"] = _rollout(model)
             out[f"patched {i}"] = rlkernels.is_patched(model)
             if i == 0:
                 ids, mask = _batch()
@@ -113,6 +128,33 @@ def test_every_rank_at_every_tp_size_scores_the_one_process_layouts_bits(worlds,
                 assert torch.equal(_bits(got), _bits(ref)), (world, rank)
             for got, ref in zip(out[f"generate {case}"], drawn):
                 assert torch.equal(got, ref) if got.dtype == torch.int64 else torch.equal(_bits(got), _bits(ref))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_rollout_at_every_tp_size_is_the_one_process_layouts_and_each_sample_its_prompt_alone(worlds, case):
+    arch, dtype, over = CASES[case]
+    model = rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), None)
+    want = _rollout(model)
+    n, new = ROLLOUT["n"], ROLLOUT["max_new_tokens"]
+    assert len(want) == len(_prompts()) * n
+    for i, prompt in enumerate(_prompts()):
+        with torch.no_grad():  # the prompt alone, [1, L], no padding, the sample's stream
+            alone = [rlkernels.generate(model, torch.tensor([prompt]), max_new_tokens=new, do_sample=True,
+                                        temperature=ROLLOUT["temperature"], seed=ROLLOUT["seed"],
+                                        streams=torch.tensor([i * n + j]), eos_token_id=[], return_entropy=True)
+                     for j in range(n)]
+        for j, (seq, lp, ent) in enumerate(alone):
+            tokens, r_lp, r_ent = want[i * n + j]
+            assert torch.equal(tokens, seq[0, len(prompt):]), (i, j)
+            assert torch.equal(_bits(r_lp), _bits(lp[0])) and torch.equal(_bits(r_ent), _bits(ent[0])), (i, j)
+    # The untied llama head's draws are uncertain, and a prompt's samples differ (the tied qwen3
+    # heads, scaled with their embeddings, put ~all the mass on one token).
+    assert arch != "llama" or any(not torch.equal(want[i * n][0], want[i * n + 1][0]) for i in range(len(want) // n))
+    for world, ranks in worlds.items():
+        for rank, out in enumerate(ranks):
+            for got, ref in zip(out[f"rollout {case}"], want):
+                assert torch.equal(got[0], ref[0]), (world, rank)
+                assert torch.equal(_bits(got[1]), _bits(ref[1])) and torch.equal(_bits(got[2]), _bits(ref[2]))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -177,8 +219,12 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
     with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: the model is tensor-parallel already"):
         rlkernels.tensor_parallel(sharded, None)
     ids, mask = _batch()
-    with pytest.raises(ValueError, match=r"rlkernels.rollout: the model is tensor-parallel"):
-        rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1)
-    for kw in (dict(do_sample=False), dict(do_sample=True, top_p=0.9, return_thresholds=True)):
+    for kw in (dict(do_sample=False), dict(top_p=0.9), dict(top_k=300)):  # top_k 300 < V = 384: truncates
+        with pytest.raises(ValueError, match=r"rlkernels.rollout: on a tensor-parallel model"):
+            rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1, **kw)
+    with pytest.raises(ValueError, match=r"cannot capture the decode step here: a tensor-parallel model's sampler"):
+        rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1, cuda_graph=True)
+    for kw in (dict(do_sample=False), dict(do_sample=True, top_p=0.9, return_thresholds=True),
+               dict(do_sample=True, top_k=300, return_thresholds=True)):
         with pytest.raises(ValueError, match=r"rlkernels.generate: on a tensor-parallel model"):
             rlkernels.generate(sharded, ids, mask, max_new_tokens=2, seed=1, **kw)

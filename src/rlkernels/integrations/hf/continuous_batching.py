@@ -58,12 +58,12 @@ import torch
 from torch import nn
 
 from ...ops._validate import require_temperature
-from ...ops.linear_sample import SEED_LIMIT, linear_sample
+from ...ops.linear_sample import SEED_LIMIT
 from ...ops.lm_head.truncation import truncates, validate_truncation
 from ..trainers import fsdp
 from . import decode, moe, static_cache
 from .coverage import decoder_of, is_patched, mode_for
-from .scoring import check_head, eos_token_ids, is_int, vocab_size
+from .scoring import check_head, eos_token_ids, head_vocab, is_int, vocab_parallel, vocab_size
 
 OP = "rollout"
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
     stream_ids = _stream_ids(streams, len(ids) * n)
     greedy = not bool(do_sample)
     # Greedy draws truncate nothing (the argmax is always kept); neutral values are no truncation.
-    if greedy or not truncates(int(top_k), float(top_p), head.weight.shape[0]):
+    if greedy or not truncates(int(top_k), float(top_p), head_vocab(head)):
         top_k, top_p = 0, 1.0
     if seed is not None and (not is_int(seed) or not 0 <= seed < SEED_LIMIT):
         kind = TypeError if not is_int(seed) else ValueError
@@ -297,8 +297,14 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
     if decode.takes_cache_position(decoder):
         raise ValueError("rlkernels.rollout: needs transformers 5.x, whose StaticCache counts its writes on the "
                          "device (this decoder takes cache_position, as transformers 4.x's do)")
+    tensor_parallel = vocab_parallel(head)
+    if tensor_parallel and (greedy or truncates(int(top_k), float(top_p), head_vocab(head))):
+        raise ValueError("rlkernels.rollout: on a tensor-parallel model (rlkernels.tensor_parallel) the draw is "
+                         "the vocabulary-parallel sampler's, built for sampling the full distribution: got "
+                         f"do_sample={do_sample}, top_k={top_k}, top_p={top_p}")
     # Why the decode step cannot be captured on this model, if it cannot.
-    no_graph = (f"the model is on {device}" if device.type != "cuda"
+    no_graph = ("a tensor-parallel model's sampler runs eagerly" if tensor_parallel
+                else f"the model is on {device}" if device.type != "cuda"
                 else "an FSDP2 model gathers its parameters in every step's forward" if fsdp.is_fsdp(model)
                 else "the decode step is captured for a patched model only" if not is_patched(model)
                 else "a mixture-of-experts model's torch backend sizes one GEMM per expert on the host every step"
@@ -444,12 +450,10 @@ class _Rollout:
         n = plan.n
         owner = (np.asarray(prompts)[:, None] * n + np.arange(n)).reshape(-1)
         # One hidden row per sample: rows are independent in the draw, keyed by each one's stream.
-        drawn = linear_sample(hidden.repeat_interleave(n, dim=0), self.head.weight,
-                              getattr(self.head, "bias", None), temperature=plan.temperature, seed=self.seed,
-                              streams=torch.from_numpy(self.stream[owner]).to(dev),
-                              positions=torch.tensor(lengths, device=dev).repeat_interleave(n), greedy=plan.greedy,
-                              return_entropy=True, top_k=plan.top_k, top_p=plan.top_p,
-                              return_threshold=plan.truncating)
+        drawn = decode.draw(self.head, hidden.repeat_interleave(n, dim=0), temperature=plan.temperature,
+                            greedy=plan.greedy, seed=self.seed, streams=torch.from_numpy(self.stream[owner]).to(dev),
+                            positions=torch.tensor(lengths, device=dev).repeat_interleave(n), top_k=plan.top_k,
+                            top_p=plan.top_p)
         self._take(drawn, owner)
 
     # ----------------------------------------------------------------- the slot cache

@@ -323,12 +323,22 @@ def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tens
     """
     hidden = last_hidden(decoder, cache, ids, mask, positions, cache_position)
     # The token drawn here is the row's next one: its position follows the last fed token's.
+    return draw(head, hidden, temperature=temperature, greedy=greedy, seed=seed, streams=streams,
+                positions=positions[:, -1] + 1, top_k=top_k, top_p=top_p)
+
+
+def draw(head: nn.Module, hidden: torch.Tensor, *, temperature: float, greedy: bool, seed: torch.Tensor | int,
+         streams: torch.Tensor, positions: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> Drawn:
+    """Each row's next token from the final hidden states [B, D] through ``head``: the
+    :func:`rlkernels.linear_sample` draw keyed by (seed, stream, position), or a
+    tensor-parallel model's vocabulary-parallel sampler (sampled, untruncated: its callers
+    refuse the rest). Returns (token, logp, entropy), and the threshold where (top_k, top_p)
+    truncate."""
     parallel = parallel_modules()
     if parallel is not None and isinstance(head, parallel.VocabParallelHead):
-        return head.sample(hidden, temperature=temperature, seed=seed, streams=streams,
-                           positions=positions[:, -1] + 1)
+        return head.sample(hidden, temperature=temperature, seed=seed, streams=streams, positions=positions)
     return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
-                         seed=seed, streams=streams, positions=positions[:, -1] + 1,
+                         seed=seed, streams=streams, positions=positions,
                          greedy=greedy, return_entropy=True, top_k=top_k, top_p=top_p,
                          return_threshold=truncates(top_k, top_p, head.weight.shape[0]))
 

@@ -20,7 +20,8 @@ from ...ops.lm_head.truncation import truncates, validate_truncation
 from ..trainers import fsdp
 from . import decode, moe
 from .coverage import is_patched
-from .scoring import check_head, check_ids, check_mask, eos_token_ids, is_int, vocab_parallel, warn_attention
+from .scoring import (check_head, check_ids, check_mask, eos_token_ids, head_vocab, is_int, vocab_parallel,
+                      warn_attention)
 
 
 # Options that would draw from another distribution than the one whose log-probs are
@@ -216,7 +217,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         raise ValueError(f"rlkernels.generate: cache_len must be an int >= the prompt length plus max_new_tokens "
                          f"({input_ids.shape[1]} + {max_new}), got {cache_len!r}")
     do_sample, temperature, top_k, top_p, source = _sampling(config, generate_kwargs, temperature, top_k, top_p)
-    truncating = do_sample and truncates(top_k, top_p, model.get_output_embeddings().weight.shape[0])
+    truncating = do_sample and truncates(top_k, top_p, head_vocab(model.get_output_embeddings()))
     if truncating and not return_thresholds:
         raise ValueError(f"rlkernels.generate: {source} samples with top_k={top_k}, top_p={top_p}: the tokens are "
                          "drawn from the truncated distribution, whose log-probs the trainer scores only with each "

@@ -93,6 +93,11 @@ def vocab_parallel(head: object) -> bool:
     return mods is not None and isinstance(head, mods.VocabParallelHead)
 
 
+def head_vocab(head: nn.Module) -> int:
+    """How many token ids ``head`` scores: a vocabulary-parallel head's every rank together."""
+    return head.vocab if vocab_parallel(head) else head.weight.shape[0]
+
+
 def check_head(op: str, model: nn.Module) -> nn.Module:
     """The LM head, where the model's logits are ``hidden @ head.weight.T (+ bias)``; else ValueError.
 
@@ -101,9 +106,9 @@ def check_head(op: str, model: nn.Module) -> nn.Module:
     another distribution than its own, so it is refused, naming the field."""
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if vocab_parallel(head):
-        if op not in ("token_logprobs", "generate"):
+        if op not in ("token_logprobs", "generate", "rollout"):
             raise ValueError(f"rlkernels.{op}: the model is tensor-parallel (rlkernels.tensor_parallel), which "
-                             "rlkernels.token_logprobs and rlkernels.generate take; this call does not yet")
+                             "rlkernels.token_logprobs, generate and rollout take; this call does not yet")
         return head
     if not isinstance(head, nn.Linear):
         raise TypeError(f"rlkernels.{op}: {type(model).__name__}'s output embedding is "
