@@ -89,6 +89,11 @@ def _worker(rank: int, world: int, folder: str) -> None:
                     out["grad"] = "ran"
                 except ValueError as e:
                     out["grad"] = str(e)
+                try:  # top_k between a rank's V / t rows and V truncates the whole vocabulary: refused
+                    rlkernels.rollout(model, _prompts(), max_new_tokens=1, seed=1, top_k=300, cuda_graph=False)
+                    out["top_k"] = "ran"
+                except ValueError as e:
+                    out["top_k"] = str(e)
         few_kv = rlkernels.patch_model(_tiny("llama", **dict(SHAPE, num_key_value_heads=2)))
         try:
             rlkernels.tensor_parallel(few_kv, dist.group.WORLD)
@@ -198,6 +203,7 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
                 assert "backward is not built" in out["grad"]
             if world in (4, 8):
                 assert f"num_key_value_heads (2) must divide by {world}" in out["kv"]
+            assert "rlkernels.rollout: on a tensor-parallel model" in out["top_k"], world
     model = rlkernels.patch_model(_model("qwen3", torch.float32, {}))
     weight = model.lm_head.weight
     with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: segments \(3\) must be a power of two"):
