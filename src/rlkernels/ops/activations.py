@@ -112,9 +112,9 @@ def _one_launch_linear_silu_mul(x: torch.Tensor, gate_weight: torch.Tensor, up_w
     k = gate_weight.shape[1]
     if k == 0 or not 0 < x.numel() // k <= SILU_MUL_MAX_M or torch.is_autocast_enabled("cuda"):
         return False
-    if triton_interpret() or not triton_usable(x.device) or gemm_backend_mode() == "cublaslt":
+    if triton_interpret() or gemm_backend_mode() == "cublaslt":
         return False
-    return isinstance(gemm_backend_for(x.device), TritonGemmBackend)
+    return isinstance(gemm_backend_for(x.device), TritonGemmBackend)  # (the registry's choice: RLKERNELS_BACKEND)
 
 
 def _linear_silu_mul_launch(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:

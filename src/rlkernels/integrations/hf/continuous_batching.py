@@ -298,7 +298,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
         raise ValueError("rlkernels.rollout: needs transformers 5.x, whose StaticCache counts its writes on the "
                          "device (this decoder takes cache_position, as transformers 4.x's do)")
     tensor_parallel = vocab_parallel(head)
-    if tensor_parallel and (greedy or truncates(int(top_k), float(top_p), head_vocab(head))):
+    if tensor_parallel and (greedy or (top_k, top_p) != (0, 1.0)):  # (no truncation is 0, 1.0 by now)
         raise ValueError("rlkernels.rollout: on a tensor-parallel model (rlkernels.tensor_parallel) the draw is "
                          "the vocabulary-parallel sampler's, built for sampling the full distribution: got "
                          f"do_sample={do_sample}, top_k={top_k}, top_p={top_p}")
