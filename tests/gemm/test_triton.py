@@ -407,3 +407,34 @@ def test_gated_gemm_is_two_chains_and_the_silu_mul_kernel(dtype, m, k, n, gen):
 
 def triton_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@pytest.mark.skipif(triton_interpret(), reason="the interpreter has its own one-row config")
+def test_grouped_gemm_tile_is_the_groups_width_and_only_at_decode_sizes():
+    from rlkernels.gemm.table import LINEAR_GROUP_MAX_M, linear_group_config
+
+    for m in (1, 7, LINEAR_GROUP_MAX_M):
+        for n in (1024, 4096, 6144, 12288):
+            assert linear_group_config(m, n, torch.bfloat16) == gemm_config(m, n, torch.bfloat16)
+    assert linear_group_config(LINEAR_GROUP_MAX_M + 1, 4096, torch.bfloat16) is None
+    assert linear_group_config(4, 4096, torch.float32) is None  # tl.dot on fp32 is not the IEEE chain
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k,ns", [(1, 48, (45, 13, 13)), (7, 33, (64, 1)), (3, 16, (5,))])
+def test_grouped_gemm_is_each_weights_own_chain(dtype, m, k, ns, gen):
+    x = randn(m + 2, 2 * k, generator=gen, scale=2.0).to(dtype)[1:m + 1, ::2]  # strided rows and columns
+    weights = tuple(randn(n, k, generator=gen, scale=1.0 / k ** 0.5).to(dtype) for n in ns)
+    outs = gemm.triton_gemm_group(x, weights)
+    view = torch.int16 if dtype == torch.float16 else torch.int32
+    assert len(outs) == len(ns)
+    for out, w in zip(outs, weights):
+        ref = triton_gemm(x, w, b_transposed=True)
+        assert out.shape == (m, w.shape[0]) and out.dtype == dtype and out.is_contiguous()
+        assert torch.equal(out.view(view), ref.view(view))
+
+
+def test_grouped_gemm_refuses_more_members_than_the_kernel_has():
+    with pytest.raises(ValueError, match="1 to 3 weights"):
+        gemm.triton_gemm_group(torch.empty(2, 8), tuple(torch.empty(4, 8) for _ in range(4)))

@@ -489,3 +489,57 @@ def test_n_contiguous_b_has_its_own_decode_tile_and_the_same_bits(dtype, n):
     assert gemm_table.gemm_config(16, n, dtype) != wide
     for m in (1, 7, 16, 17, 64):
         assert torch.equal(rlkernels.matmul(x[:m], b), rlkernels.linear(x[:m], w)), m
+
+
+def test_linear_group_is_one_linear_per_weight_with_gradients_off_the_gpu(gen):
+    from rlkernels.ops.matmul import fused_decode_gemm_ok, linear_group
+
+    x = randn(2, 5, 24, generator=gen, scale=2.0).requires_grad_()
+    weights = [randn(n, 24, generator=gen, scale=0.3).requires_grad_() for n in (19, 7, 7)]
+    assert not fused_decode_gemm_ok(x, weights, 16)
+    outs = linear_group(x, weights)
+    refs = [rlkernels.linear(x, w) for w in weights]
+    assert len(outs) == 3
+    for out, ref in zip(outs, refs):
+        assert out.shape == ref.shape and torch.equal(out.view(torch.int32), ref.view(torch.int32))
+    loss = sum(o.square().sum() for o in outs)
+    ref_loss = sum(r.square().sum() for r in refs)
+    grads = torch.autograd.grad(loss, (x, *weights))
+    ref_grads = torch.autograd.grad(ref_loss, (x, *weights))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_linear_group_refuses_what_linear_refuses():
+    from rlkernels.ops.matmul import linear_group
+
+    with pytest.raises(ValueError, match="linear_group: needs at least one weight"):
+        linear_group(torch.randn(3, 8), [])
+    with pytest.raises((ValueError, RuntimeError), match="linear"):
+        linear_group(torch.randn(3, 8), [torch.randn(5, 8), torch.randn(5, 7)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_group_one_launch_gives_each_linears_bits_gpu(dtype):
+    from rlkernels.gemm.table import LINEAR_GROUP_MAX_M
+    from rlkernels.ops.matmul import fused_decode_gemm_ok, linear_group
+
+    g = torch.Generator().manual_seed(13)
+    # q, k, v of 2B- and 8B-class attention, odd widths, and two members.
+    for k, ns in (((2048, (2048, 1024, 1024)), (4096, (4096, 1024, 1024)), (1000, (3001, 77, 77)),
+                   (2048, (2048, 512)))):
+        x = (torch.randn(LINEAR_GROUP_MAX_M + 1, 2, k, generator=g) * 2).to(dtype).cuda()[:, 1]  # strided rows
+        weights = [(torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).cuda() for n in ns]
+        with torch.no_grad():
+            for m in (1, 5, 9, LINEAR_GROUP_MAX_M):
+                rows = x[:m]
+                assert fused_decode_gemm_ok(rows, weights, LINEAR_GROUP_MAX_M), (k, ns, m)
+                outs = linear_group(rows, weights)
+                for out, w in zip(outs, weights):
+                    assert testing._bits_equal(out, rlkernels.linear(rows, w)), (k, ns, m, dtype)
+                alone = linear_group(rows[m - 1:m], weights)
+                assert all(testing._bits_equal(a, o[m - 1:m]) for a, o in zip(alone, outs)), (k, ns, m)
+            big = (torch.randn(LINEAR_GROUP_MAX_M + 60, k, generator=g) * 2).to(dtype).cuda()
+            assert not fused_decode_gemm_ok(big, weights, LINEAR_GROUP_MAX_M)
+            assert all(testing._bits_equal(a[:7], b) for a, b in zip(linear_group(big, weights),
+                                                                      linear_group(big[:7], weights)))

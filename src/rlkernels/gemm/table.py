@@ -202,6 +202,25 @@ def silu_mul_config(m: int, n: int, dtype: torch.dtype) -> GemmConfig | None:
     return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
 
 
+# The grouped GEMM of one input (gemm_group_kernel: attention's q, k and v projections).
+# Graph replay from HBM on the H200 against three launches: 0.35-0.43x at M = 1-64 on a 2B
+# model's q, k, v (2048 -> 2048 + 1024 + 1024), 0.47-0.67x on an 8B's (4096 -> 4096 + 2 x
+# 1024); at M = 128 0.50x and 0.95x, at M = 256 0.84x and 1.41x (cuBLASLt runs the three).
+LINEAR_GROUP_MAX_M = 64
+
+
+def linear_group_config(m: int, n_total: int, dtype: torch.dtype) -> GemmConfig | None:
+    """The tile of the grouped GEMM over weights of ``n_total`` rows in all for M rows, or
+    None where it does not run (M past LINEAR_GROUP_MAX_M, fp32 outside the interpreter):
+    the table's tile for one GEMM that wide. Same bits on every tile
+    (tests/gemm/test_triton.py)."""
+    if triton_interpret():
+        return GEMM_INTERPRETER_CONFIG
+    if m > LINEAR_GROUP_MAX_M or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return gemm_config(m, n_total, dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def all_configs(dtype: torch.dtype) -> tuple[GemmConfig, ...]:
     """Every config the table can pick for ``dtype`` (what GPU tests must cover)."""

@@ -26,8 +26,8 @@ from ..kernels._triton import cdiv
 from ..runtime import l2_window
 from ..runtime.launcher import NO_FP_FUSION, cached_launcher, current_device, current_raw_stream, kept_launch_key, launch_with_key
 from .tma import TmaPlan, tma_gemm_planned, tma_layouts
-from ..kernels.gemm import gemm_kernel, gemm_silu_mul_kernel
-from .table import GemmConfig, gemm_config, silu_mul_config, swappable
+from ..kernels.gemm import gemm_group_kernel, gemm_kernel, gemm_silu_mul_kernel
+from .table import GemmConfig, gemm_config, linear_group_config, silu_mul_config, swappable
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -40,6 +40,7 @@ _launch_gemm = cached_launcher(gemm_kernel, leading_tensors=5) if gemm_kernel is
 # The gated epilogue reproduces separately rounded ATen ops: no mul+add contraction.
 _launch_gemm_silu_mul = (cached_launcher(gemm_silu_mul_kernel, leading_tensors=4, options=NO_FP_FUSION)
                          if gemm_silu_mul_kernel is not None else None)
+_launch_gemm_group = cached_launcher(gemm_group_kernel, leading_tensors=7) if gemm_group_kernel is not None else None
 
 
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
@@ -294,3 +295,37 @@ def triton_gemm_silu_mul(a: torch.Tensor, gate_weight: torch.Tensor, up_weight: 
                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
     _launch_gemm_silu_mul(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+MAX_GROUP = 3  # weights per grouped launch (gemm_group_kernel's members)
+
+
+def triton_gemm_group(a: torch.Tensor, weights: tuple[torch.Tensor, ...], *,
+                      config: GemmConfig | None = None) -> tuple[torch.Tensor, ...]:
+    """``tuple(a @ w^T for w in weights)`` in one launch, each with the bits of its own GEMM's
+    canonical chain; shapes already validated.
+
+    a: [M, K] (any strides); weights: 1 to MAX_GROUP [N_i, K] nn.Linear weights with the same
+    strides, one 16-bit dtype (fp32 only under the interpreter, whose dot is numpy's).
+    Returns contiguous [M, N_i] outputs. ``config``: the tile (default:
+    :func:`~rlkernels.gemm.table.linear_group_config`)."""
+    if not 1 <= len(weights) <= MAX_GROUP:
+        raise ValueError(f"rlkernels: a grouped GEMM takes 1 to {MAX_GROUP} weights, got {len(weights)}")
+    M, K = a.shape
+    ns = [w.shape[0] for w in weights]
+    cfg = config or linear_group_config(M, sum(ns), a.dtype)
+    if cfg is None:
+        raise ValueError(f"rlkernels: no grouped GEMM tile for M={M}, N={ns}, {a.dtype}")
+    outs = tuple(a.new_empty((M, n)) for n in ns)
+    if M == 0 or sum(ns) == 0:
+        return outs
+    pad = MAX_GROUP - len(weights)  # absent members: no columns, pointers never read
+    ws, cs, ns = (*weights, *(weights[0],) * pad), (*outs, *(outs[0],) * pad), (*ns, *(0,) * pad)
+    sbn, sbk = weights[0].stride()
+    tiles = sum(cdiv(n, cfg.block_n) for n in ns)
+    grid = (cdiv(M, cfg.block_m) * tiles,)
+    args = (a, *ws, *cs, M, *ns, K, *a.stride(), sbk, sbn)
+    constexprs = dict(EVEN_K=K % cfg.block_k == 0, MASK_M=M < cfg.block_m, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    _launch_gemm_group(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return outs

@@ -1,5 +1,7 @@
-"""The canonical K-chain GEMM kernel (pointer loads): one ascending fp32 chain over K per output
-element. Host side: ``rlkernels.gemm.triton``."""
+"""The canonical K-chain GEMM kernels (pointer loads): one ascending fp32 chain over K per output
+element. ``gemm_kernel`` serves every GEMM; the decode-size fused launches
+(``gemm_silu_mul_kernel``, ``gemm_group_kernel``) run the same chain over the same
+k-blocks. Host side: ``rlkernels.gemm.triton``."""
 from __future__ import annotations
 
 from ._triton import tl, triton
@@ -7,6 +9,31 @@ from .activations import silu_mul_rounded
 from .tiles import grouped_tile
 
 if triton is not None:
+
+    @triton.jit
+    def load_a_block(a_ptrs, offs_m, offs_k, M, k_left, EVEN_K: tl.constexpr, MASK_M: tl.constexpr):
+        """One k-block of A's rows: rows past M zero where MASK_M (else the caller's pointers
+        wrap them), columns past K zero in a last partial block (not EVEN_K)."""
+        if EVEN_K:
+            if MASK_M:
+                a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
+            else:
+                a = tl.load(a_ptrs)
+        else:
+            mask = offs_k[None, :] < k_left
+            if MASK_M:
+                mask = mask & (offs_m[:, None] < M)
+            a = tl.load(a_ptrs, mask=mask, other=0.0)
+        return a
+
+    @triton.jit
+    def load_b_block(b_ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+        """One k-block of B: rows past K zero in a last partial block (not EVEN_K)."""
+        if EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        return b
 
     @triton.jit
     def gemm_kernel(
@@ -64,19 +91,9 @@ if triton is not None:
         # (No evict-first hint on the once-read decode weight: Triton 3.6's pipeliner
         # drops it from the cp.async these loads become; docs/design/l2_window.md.)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                if MASK_M:
-                    a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
-                else:
-                    a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_left = K - k * BLOCK_K
-                a_mask = offs_k[None, :] < k_left
-                if MASK_M:
-                    a_mask = a_mask & (offs_m[:, None] < M)
-                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            k_left = K - k * BLOCK_K
+            a = load_a_block(a_ptrs, offs_m, offs_k, M, k_left, EVEN_K, MASK_M)
+            b = load_b_block(b_ptrs, offs_k, k_left, EVEN_K)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -137,21 +154,10 @@ if triton is not None:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                if MASK_M:
-                    a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
-                else:
-                    a = tl.load(a_ptrs)
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                k_left = K - k * BLOCK_K
-                a_mask = offs_k[None, :] < k_left
-                if MASK_M:
-                    a_mask = a_mask & (offs_m[:, None] < M)
-                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-                g = tl.load(g_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-                u = tl.load(u_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            k_left = K - k * BLOCK_K
+            a = load_a_block(a_ptrs, offs_m, offs_k, M, k_left, EVEN_K, MASK_M)
+            g = load_b_block(g_ptrs, offs_k, k_left, EVEN_K)
+            u = load_b_block(u_ptrs, offs_k, k_left, EVEN_K)
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
             a_ptrs += BLOCK_K * stride_ak
@@ -162,5 +168,63 @@ if triton is not None:
         c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
         tl.store(c_ptrs, silu_mul_rounded(acc_g.to(dt), acc_u.to(dt), dt), mask=c_mask)
 
+    @triton.jit
+    def gemm_group_kernel(
+        a_ptr, b0_ptr, b1_ptr, b2_ptr, c0_ptr, c1_ptr, c2_ptr,
+        M, N0, N1, N2, K,
+        stride_am, stride_ak,
+        stride_bk, stride_bn,
+        EVEN_K: tl.constexpr, MASK_M: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """C_i = A @ B_i for up to three B_i of one A (attention's q, k and v projections) in
+        one launch.
+
+        B_i: [K, N_i] views of [N_i, K] weights with the same strides; C_i: contiguous
+        [M, N_i]; an absent third member has N2 = 0 (no tiles). The programs cover each
+        member's column tiles in turn, and each output element is ``gemm_kernel``'s canonical
+        chain over the same k-blocks, rounded once to C's dtype: the bits of the separate
+        GEMMs. 16-bit operands (no IEEE fp32 chain here)."""
+        pid = tl.program_id(0)
+        tiles0 = tl.cdiv(N0, BLOCK_N)
+        tiles01 = tiles0 + tl.cdiv(N1, BLOCK_N)
+        tiles_n = tiles01 + tl.cdiv(N2, BLOCK_N)
+        pid_m = pid // tiles_n
+        pid_n = pid % tiles_n
+        # The member whose output tile this program computes.
+        b_ptr = b0_ptr
+        c_ptr = c0_ptr
+        N = N0
+        if pid_n >= tiles01:
+            b_ptr = b2_ptr
+            c_ptr = c2_ptr
+            N = N2
+            pid_n -= tiles01
+        elif pid_n >= tiles0:
+            b_ptr = b1_ptr
+            c_ptr = c1_ptr
+            N = N1
+            pid_n -= tiles0
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        # As gemm_kernel: rows past M masked (MASK_M) or wrapped, columns past N wrapped;
+        # neither is stored, and a stored row's products are its own row's.
+        rm = offs_m.to(tl.int64) if MASK_M else (offs_m % M).to(tl.int64)
+        rn = (offs_n % N).to(tl.int64)
+        a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + rn[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = load_a_block(a_ptrs, offs_m, offs_k, M, k_left, EVEN_K, MASK_M)
+            b = load_b_block(b_ptrs, offs_k, k_left, EVEN_K)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :].to(tl.int64)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
 else:  # pragma: no cover - the torch backend still imports without Triton
-    gemm_kernel = gemm_silu_mul_kernel = None
+    gemm_kernel = gemm_silu_mul_kernel = gemm_group_kernel = None

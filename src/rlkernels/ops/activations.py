@@ -23,8 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._env import triton_interpret
-from ..gemm.backends import TritonGemmBackend, gemm_backend_mode
 from ..gemm.chain import accumulator_dtype
 from ..gemm.table import SILU_MUL_MAX_M
 from ..gemm.triton import triton_gemm_silu_mul
@@ -33,7 +31,7 @@ from ..kernels.activations import silu_mul_kernel
 from ..registry import triton_usable
 from ..runtime.launcher import NO_FP_FUSION, cached_launcher
 from ..runtime.opaque import opaque_to_compile
-from .matmul import gemm_backend_for, linear
+from .matmul import fused_decode_gemm_ok, linear
 
 SILU_MUL_BLOCK = 1024  # elements per program; elementwise, so any width gives the same bits
 _launch_silu_mul = cached_launcher(silu_mul_kernel, leading_tensors=3, options=NO_FP_FUSION)
@@ -95,26 +93,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _one_launch_linear_silu_mul(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> bool:
-    """The gated GEMM takes these: CUDA on the Triton backend, one 16-bit dtype, no input
-    needing a gradient, no autocast, two [N, K] weights with the same k-contiguous strides,
-    at most SILU_MUL_MAX_M rows. Anything else runs the three ops (which validate)."""
-    if not (isinstance(x, torch.Tensor) and isinstance(gate_weight, torch.Tensor) and isinstance(up_weight, torch.Tensor)
-            and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
-        return False
-    if gate_weight.dtype != x.dtype or up_weight.dtype != x.dtype or gate_weight.device != x.device \
-            or up_weight.device != x.device:
-        return False
-    if gate_weight.dim() != 2 or gate_weight.shape != up_weight.shape or gate_weight.stride() != up_weight.stride() \
-            or gate_weight.stride(1) != 1 or x.dim() < 1 or x.shape[-1] != gate_weight.shape[1]:
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad or up_weight.requires_grad):
-        return False
-    k = gate_weight.shape[1]
-    if k == 0 or not 0 < x.numel() // k <= SILU_MUL_MAX_M or torch.is_autocast_enabled("cuda"):
-        return False
-    if triton_interpret() or gemm_backend_mode() == "cublaslt":
-        return False
-    return isinstance(gemm_backend_for(x.device), TritonGemmBackend)  # (the registry's choice: RLKERNELS_BACKEND)
+    """The gated GEMM takes these: a decode-size fused launch's inputs (at most
+    SILU_MUL_MAX_M rows) with two weights of one shape."""
+    return fused_decode_gemm_ok(x, (gate_weight, up_weight), SILU_MUL_MAX_M) and gate_weight.shape == up_weight.shape
 
 
 def _linear_silu_mul_launch(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@ The registry's backend for each device maps to a GEMM backend object (``gemm.bac
 whose single primitive, :meth:`gemm`, serves the forward, dX and dW; backends differ
 in *how* they produce the canonical bits, never in which bits a row gets.
 
+``linear_group(x, weights)`` is several Linear layers of one input (attention's q, k and v
+projections): at decode sizes on CUDA one launch for all, each output with the bits of its
+own ``linear``.
+
 Backward: dX = dY @ W is a GEMM like the forward (rows batch-invariant);
 dW = dY^T @ X reduces over tokens in ascending order into an fp32 accumulator that
 starts from ``weight.main_grad`` when present, so micro-batches whose token counts
@@ -12,11 +16,16 @@ the row sum of dY^T through the same chain, fused into the dW kernel.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from . import _validate as V
+from .._env import triton_interpret
 from ..gemm.chain import accumulator_dtype
-from ..gemm.backends import TorchGemmBackend, TritonGemmBackend
+from ..gemm.backends import TorchGemmBackend, TritonGemmBackend, gemm_backend_mode
+from ..gemm.table import LINEAR_GROUP_MAX_M
+from ..gemm.triton import MAX_GROUP, triton_gemm_group
 from ..registry import OpImpl, backend_object, register_backends
 from ..runtime.opaque import opaque_to_compile
 
@@ -208,3 +217,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """Batch-invariant ``F.linear``: x [..., K], weight [N, K], bias [N] -> [..., N] in
     ``out_dtype`` (default x.dtype; fp32 keeps the canonical chain's sums unrounded)."""
     return _run_opaque("linear", x, weight, bias, True, out_dtype, backend)
+
+
+def fused_decode_gemm_ok(x: torch.Tensor, weights: Sequence[torch.Tensor], max_m: int) -> bool:
+    """A decode-size fused GEMM launch (``linear_group``, ``linear_silu_mul``) takes these: CUDA
+    on the Triton backend, one 16-bit dtype, no input needing a gradient, no autocast, [N, K]
+    weights with the same k-contiguous strides, 1 to ``max_m`` rows. Anything else runs the
+    separate ops (which validate)."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 1):
+        return False
+    first = weights[0]
+    for w in weights:
+        if not isinstance(w, torch.Tensor) or w.dtype != x.dtype or w.device != x.device or w.dim() != 2 \
+                or w.stride() != first.stride() or w.shape[1] != x.shape[-1]:
+            return False
+    if first.stride(1) != 1:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    k = x.shape[-1]
+    if k == 0 or not 0 < x.numel() // k <= max_m or torch.is_autocast_enabled("cuda"):
+        return False
+    if triton_interpret() or gemm_backend_mode() == "cublaslt":
+        return False
+    return isinstance(gemm_backend_for(x.device), TritonGemmBackend)  # (the registry's choice: RLKERNELS_BACKEND)
+
+
+def _linear_group_launch(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    k = x.shape[-1]
+    outs = triton_gemm_group(x.reshape(x.numel() // k, k), weights)
+    return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs)
+
+
+# Under torch.compile a graph break, as every Triton launch of the library.
+_linear_group_opaque = opaque_to_compile(_linear_group_launch)
+
+
+def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x, w) for w in weights)``: several Linear layers (no bias) of one input.
+
+    x: [..., K]; weights: [N_i, K] each; returns one [..., N_i] tensor per weight in x's
+    dtype, each with the bits of :func:`linear` on whatever path. Inference on CUDA with
+    16-bit operands, at most ``LINEAR_GROUP_MAX_M`` rows and at most three weights of the
+    same strides (attention's q, k and v projections at a decode step) runs one launch;
+    everything else runs one ``linear`` per weight.
+    """
+    weights = tuple(weights)
+    if not weights:
+        raise ValueError("rlkernels.linear_group: needs at least one weight")
+    if len(weights) <= MAX_GROUP and fused_decode_gemm_ok(x, weights, LINEAR_GROUP_MAX_M):
+        return _linear_group_opaque(x, weights)
+    return tuple(linear(x, w) for w in weights)
