@@ -438,3 +438,18 @@ def test_grouped_gemm_is_each_weights_own_chain(dtype, m, k, ns, gen):
 def test_grouped_gemm_refuses_more_members_than_the_kernel_has():
     with pytest.raises(ValueError, match="1 to 3 weights"):
         gemm.triton_gemm_group(torch.empty(2, 8), tuple(torch.empty(4, 8) for _ in range(4)))
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k,n", [(1, 48, 45), (7, 33, 64)])
+def test_grouped_gemm_residual_is_the_add_after_the_chain(dtype, m, k, n, gen):
+    x = randn(m, k, generator=gen, scale=2.0).to(dtype)
+    w = randn(n, k, generator=gen, scale=1.0 / k ** 0.5).to(dtype)
+    residual = randn(m, n, generator=gen, scale=8.0).to(dtype)
+    (out,) = gemm.triton_gemm_group(x, (w,), residual=residual)
+    ref = residual + triton_gemm(x, w, b_transposed=True)
+    view = torch.int16 if dtype == torch.float16 else torch.int32
+    assert torch.equal(out.view(view), ref.view(view))
+    with pytest.raises(ValueError, match="residual to one weight"):
+        gemm.triton_gemm_group(x, (w, w), residual=residual)

@@ -543,3 +543,38 @@ def test_linear_group_one_launch_gives_each_linears_bits_gpu(dtype):
             assert not fused_decode_gemm_ok(big, weights, LINEAR_GROUP_MAX_M)
             assert all(testing._bits_equal(a[:7], b) for a, b in zip(linear_group(big, weights),
                                                                       linear_group(big[:7], weights)))
+
+
+def test_linear_residual_is_the_add_after_the_linear_off_the_gpu(gen):
+    from rlkernels.ops.matmul import linear_residual
+
+    x = randn(2, 5, 24, generator=gen, scale=2.0).requires_grad_()
+    w = randn(19, 24, generator=gen, scale=0.3).requires_grad_()
+    residual = randn(2, 5, 19, generator=gen, scale=8.0).requires_grad_()
+    out = linear_residual(x, w, residual)
+    ref = residual + rlkernels.linear(x, w)
+    assert out.shape == ref.shape and torch.equal(out.view(torch.int32), ref.view(torch.int32))
+    grads = torch.autograd.grad(out.square().sum(), (x, w, residual))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (x, w, residual))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    with pytest.raises((ValueError, RuntimeError), match="linear"):
+        linear_residual(torch.randn(3, 8), torch.randn(5, 7), torch.randn(3, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_residual_one_launch_gives_the_two_ops_bits_gpu(dtype):
+    from rlkernels.gemm.table import LINEAR_RESIDUAL_MAX_M
+    from rlkernels.ops.matmul import fused_decode_gemm_ok, linear_residual
+
+    g = torch.Generator().manual_seed(19)
+    for k, n in ((6144, 2048), (2048, 2048), (1000, 3001)):  # down and o projections, odd widths
+        x = (torch.randn(LINEAR_RESIDUAL_MAX_M, k, generator=g) * 2).to(dtype).cuda()
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).cuda()
+        residual = (torch.randn(LINEAR_RESIDUAL_MAX_M, n, generator=g) * 8).to(dtype).cuda()
+        with torch.no_grad():
+            for m in (1, 5, LINEAR_RESIDUAL_MAX_M):
+                assert fused_decode_gemm_ok(x[:m], (w,), LINEAR_RESIDUAL_MAX_M)
+                out = linear_residual(x[:m], w, residual[:m])
+                assert testing._bits_equal(out, residual[:m] + rlkernels.linear(x[:m], w)), (k, n, m, dtype)
+                assert testing._bits_equal(linear_residual(x[m - 1:m], w, residual[m - 1:m]), out[m - 1:m])

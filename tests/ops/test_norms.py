@@ -419,3 +419,43 @@ def test_rms_norm_inference_path_is_the_autograd_forward(dtype, gen):
         plain = norms.rms_norm(x, w, 1e-5, backend="triton")
     assert plain.grad_fn is None and plain.shape == x.shape
     assert torch.equal(plain, with_grad.detach())
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16, torch.bfloat16)))
+@pytest.mark.parametrize("rows,n", [(1, 1), (7, 13), (5, 1100)])
+def test_add_rms_norm_is_the_add_and_the_norm(backend, dtype, rows, n, gen):
+    # A residual stream several times the sublayer's output, as in a trained decoder.
+    x = randn(rows, n, dtype=dtype, generator=gen)
+    residual = randn(rows, n, dtype=dtype, generator=gen, scale=8.0)
+    w = (1 + 0.1 * randn(n, generator=gen)).to(dtype)
+    normed, summed = norms.add_rms_norm(x, residual, w, 1e-6, backend=backend)
+    want_sum = residual + x
+    want = norms.rms_norm(want_sum, w, 1e-6, backend=backend)
+    assert testing._bits_equal(summed, want_sum) and testing._bits_equal(normed, want)
+    alone, _ = norms.add_rms_norm(x[-1:], residual[-1:], w, 1e-6, backend=backend)
+    assert testing._bits_equal(alone, normed[-1:])
+
+
+def test_add_rms_norm_refuses_a_residual_that_does_not_match():
+    with pytest.raises(ValueError, match="add_rms_norm: residual must match x"):
+        norms.add_rms_norm(torch.randn(3, 8), torch.randn(3, 7), torch.ones(8))
+    with pytest.raises(ValueError, match="add_rms_norm: residual must match x"):
+        norms.add_rms_norm(torch.randn(3, 8), torch.randn(3, 8).double(), torch.ones(8))
+    with pytest.raises(TypeError, match="add_rms_norm"):
+        norms.add_rms_norm(torch.randn(3, 8), 1.0, torch.ones(8))
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        norms.add_rms_norm(torch.randn(3, 8), torch.randn(3, 8), torch.ones(7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_add_rms_norm_one_launch_gives_the_two_ops_bits_gpu(dtype):
+    g = torch.Generator().manual_seed(17)
+    for rows, n in ((1, 2048), (16, 2048), (257, 4096), (3, 1000)):
+        x = torch.randn(rows, n, generator=g).to(dtype).cuda()
+        residual = (torch.randn(rows, n, generator=g) * 8).to(dtype).cuda()
+        w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).cuda()
+        normed, summed = norms.add_rms_norm(x, residual, w, 1e-6)
+        want_sum = residual + x
+        assert testing._bits_equal(summed, want_sum), (rows, n, dtype)
+        assert testing._bits_equal(normed, norms.rms_norm(want_sum, w, 1e-6)), (rows, n, dtype)

@@ -208,6 +208,10 @@ def silu_mul_config(m: int, n: int, dtype: torch.dtype) -> GemmConfig | None:
 # 1024); at M = 128 0.50x and 0.95x, at M = 256 0.84x and 1.41x (cuBLASLt runs the three).
 LINEAR_GROUP_MAX_M = 64
 
+# A projection with the residual add in its epilogue (gemm_group_kernel with one member: a
+# decoder layer's down projection) at the decode tiles' rows, where it runs the table's tile
+# for its width; past them the GEMM's own route and torch's add.
+LINEAR_RESIDUAL_MAX_M = 16
 
 def linear_group_config(m: int, n_total: int, dtype: torch.dtype) -> GemmConfig | None:
     """The tile of the grouped GEMM over weights of ``n_total`` rows in all for M rows, or

@@ -40,7 +40,7 @@ _launch_gemm = cached_launcher(gemm_kernel, leading_tensors=5) if gemm_kernel is
 # The gated epilogue reproduces separately rounded ATen ops: no mul+add contraction.
 _launch_gemm_silu_mul = (cached_launcher(gemm_silu_mul_kernel, leading_tensors=4, options=NO_FP_FUSION)
                          if gemm_silu_mul_kernel is not None else None)
-_launch_gemm_group = cached_launcher(gemm_group_kernel, leading_tensors=7) if gemm_group_kernel is not None else None
+_launch_gemm_group = cached_launcher(gemm_group_kernel, leading_tensors=8) if gemm_group_kernel is not None else None
 
 
 MAX_GRID_BATCH = 65535  # CUDA's limit on grid axis 1, where the batch goes
@@ -300,17 +300,21 @@ def triton_gemm_silu_mul(a: torch.Tensor, gate_weight: torch.Tensor, up_weight: 
 MAX_GROUP = 3  # weights per grouped launch (gemm_group_kernel's members)
 
 
-def triton_gemm_group(a: torch.Tensor, weights: tuple[torch.Tensor, ...], *,
+def triton_gemm_group(a: torch.Tensor, weights: tuple[torch.Tensor, ...], *, residual: torch.Tensor | None = None,
                       config: GemmConfig | None = None) -> tuple[torch.Tensor, ...]:
     """``tuple(a @ w^T for w in weights)`` in one launch, each with the bits of its own GEMM's
     canonical chain; shapes already validated.
 
     a: [M, K] (any strides); weights: 1 to MAX_GROUP [N_i, K] nn.Linear weights with the same
     strides, one 16-bit dtype (fp32 only under the interpreter, whose dot is numpy's).
+    ``residual`` (one weight only): contiguous [M, N_0] of a's dtype, returned as
+    ``residual + a @ w^T`` with the bits of torch's add after the GEMM.
     Returns contiguous [M, N_i] outputs. ``config``: the tile (default:
     :func:`~rlkernels.gemm.table.linear_group_config`)."""
     if not 1 <= len(weights) <= MAX_GROUP:
         raise ValueError(f"rlkernels: a grouped GEMM takes 1 to {MAX_GROUP} weights, got {len(weights)}")
+    if residual is not None and len(weights) != 1:
+        raise ValueError(f"rlkernels: a grouped GEMM adds a residual to one weight's output, got {len(weights)}")
     M, K = a.shape
     ns = [w.shape[0] for w in weights]
     cfg = config or linear_group_config(M, sum(ns), a.dtype)
@@ -324,8 +328,8 @@ def triton_gemm_group(a: torch.Tensor, weights: tuple[torch.Tensor, ...], *,
     sbn, sbk = weights[0].stride()
     tiles = sum(cdiv(n, cfg.block_n) for n in ns)
     grid = (cdiv(M, cfg.block_m) * tiles,)
-    args = (a, *ws, *cs, M, *ns, K, *a.stride(), sbk, sbn)
-    constexprs = dict(EVEN_K=K % cfg.block_k == 0, MASK_M=M < cfg.block_m, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    args = (a, *ws, *cs, outs[0] if residual is None else residual, M, *ns, K, *a.stride(), sbk, sbn)
+    constexprs = dict(RESIDUAL=residual is not None, EVEN_K=K % cfg.block_k == 0, MASK_M=M < cfg.block_m,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     _launch_gemm_group(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return outs

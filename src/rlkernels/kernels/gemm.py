@@ -170,11 +170,11 @@ if triton is not None:
 
     @triton.jit
     def gemm_group_kernel(
-        a_ptr, b0_ptr, b1_ptr, b2_ptr, c0_ptr, c1_ptr, c2_ptr,
+        a_ptr, b0_ptr, b1_ptr, b2_ptr, c0_ptr, c1_ptr, c2_ptr, r_ptr,
         M, N0, N1, N2, K,
         stride_am, stride_ak,
         stride_bk, stride_bn,
-        EVEN_K: tl.constexpr, MASK_M: tl.constexpr,
+        RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, MASK_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """C_i = A @ B_i for up to three B_i of one A (attention's q, k and v projections) in
@@ -184,7 +184,9 @@ if triton is not None:
         [M, N_i]; an absent third member has N2 = 0 (no tiles). The programs cover each
         member's column tiles in turn, and each output element is ``gemm_kernel``'s canonical
         chain over the same k-blocks, rounded once to C's dtype: the bits of the separate
-        GEMMs. 16-bit operands (no IEEE fp32 chain here)."""
+        GEMMs. RESIDUAL (one member): C_0 = R + A @ B_0 with R contiguous [M, N0], the GEMM's
+        rounded output added to R in fp32 and rounded again, as torch's add of the residual.
+        16-bit operands (no IEEE fp32 chain here)."""
         pid = tl.program_id(0)
         tiles0 = tl.cdiv(N0, BLOCK_N)
         tiles01 = tiles0 + tl.cdiv(N1, BLOCK_N)
@@ -223,8 +225,12 @@ if triton is not None:
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :].to(tl.int64)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        c_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :].to(tl.int64)
+        out = acc.to(c_ptr.dtype.element_ty)
+        if RESIDUAL:
+            r = tl.load(r_ptr + c_offs, mask=c_mask, other=0.0)
+            out = (out.to(tl.float32) + r.to(tl.float32)).to(c_ptr.dtype.element_ty)
+        tl.store(c_ptr + c_offs, out, mask=c_mask)
 
 else:  # pragma: no cover - the torch backend still imports without Triton
     gemm_kernel = gemm_silu_mul_kernel = gemm_group_kernel = None

@@ -42,25 +42,39 @@ if triton is not None:
         tl.store(out_ptr + row, pairwise_sum_1024(acc))
 
     @triton.jit
-    def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps,
-                            HAS_W: tl.constexpr, KEEP_FP32: tl.constexpr, BLOCK: tl.constexpr):
+    def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, r_ptr, s_ptr, N, stride_x, stride_y, stride_r, stride_s,
+                            eps, HAS_W: tl.constexpr, KEEP_FP32: tl.constexpr, ADD: tl.constexpr,
+                            BLOCK: tl.constexpr):
         # One row per program. The sum of squares is row_dot_kernel's order (lanes stepped
         # tile by tile, then pairwise_sum_1024), so the row's bits depend on the row alone.
+        # ADD: the row normed is x + r rounded to x's dtype (torch's add of the residual),
+        # stored to s; both passes form it from x and r, the same bits each time.
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         x_row = x_ptr + row * stride_x
         y_row = y_ptr + row * stride_y
+        r_row = r_ptr + row * stride_r
+        s_row = s_ptr + row * stride_s
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
             idx = start + offs
-            x = tl.load(x_row + idx.to(tl.int64), mask=idx < N, other=0.0).to(tl.float32)
+            x = tl.load(x_row + idx.to(tl.int64), mask=idx < N, other=0.0)
+            if ADD:
+                x = (x.to(tl.float32) + tl.load(r_row + idx.to(tl.int64), mask=idx < N, other=0.0).to(tl.float32)
+                     ).to(x_ptr.dtype.element_ty)
+                tl.store(s_row + idx.to(tl.int64), x, mask=idx < N)
+            x = x.to(tl.float32)
             acc += x * x
         # div_rn: a plain fp32 '/' compiles to an approximate division on NVIDIA GPUs.
         rstd = tl.rsqrt(tl.math.div_rn(pairwise_sum_1024(acc), N * 1.0) + eps)
         for start in range(0, N, BLOCK):
             idx = start + offs
             mask = idx < N
-            xhat = tl.load(x_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32) * rstd
+            x = tl.load(x_row + idx.to(tl.int64), mask=mask, other=0.0)
+            if ADD:
+                x = (x.to(tl.float32) + tl.load(r_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
+                     ).to(x_ptr.dtype.element_ty)
+            xhat = x.to(tl.float32) * rstd
             if KEEP_FP32:
                 h = xhat
             else:

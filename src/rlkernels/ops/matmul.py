@@ -6,7 +6,8 @@ in *how* they produce the canonical bits, never in which bits a row gets.
 
 ``linear_group(x, weights)`` is several Linear layers of one input (attention's q, k and v
 projections): at decode sizes on CUDA one launch for all, each output with the bits of its
-own ``linear``.
+own ``linear``. ``linear_residual(x, weight, residual)`` is ``residual + linear(x, weight)``
+(a decoder layer's down projection and residual add), one launch at decode sizes.
 
 Backward: dX = dY @ W is a GEMM like the forward (rows batch-invariant);
 dW = dY^T @ X reduces over tokens in ascending order into an fp32 accumulator that
@@ -24,7 +25,7 @@ from . import _validate as V
 from .._env import triton_interpret
 from ..gemm.chain import accumulator_dtype
 from ..gemm.backends import TorchGemmBackend, TritonGemmBackend, gemm_backend_mode
-from ..gemm.table import LINEAR_GROUP_MAX_M
+from ..gemm.table import LINEAR_GROUP_MAX_M, LINEAR_RESIDUAL_MAX_M
 from ..gemm.triton import MAX_GROUP, triton_gemm_group
 from ..registry import OpImpl, backend_object, register_backends
 from ..runtime.opaque import opaque_to_compile
@@ -268,3 +269,28 @@ def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torc
     if len(weights) <= MAX_GROUP and fused_decode_gemm_ok(x, weights, LINEAR_GROUP_MAX_M):
         return _linear_group_opaque(x, weights)
     return tuple(linear(x, w) for w in weights)
+
+
+def _linear_residual_launch(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    k, n = x.shape[-1], weight.shape[0]
+    (out,) = triton_gemm_group(x.reshape(x.numel() // k, k), (weight,), residual=residual.view(-1, n))
+    return out.reshape(residual.shape)
+
+
+_linear_residual_opaque = opaque_to_compile(_linear_residual_launch)
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x, weight)``: a projection (no bias) and the residual add after it.
+
+    x: [..., K]; weight: [N, K]; residual: [..., N] of x's dtype. The bits are those of
+    :func:`linear` and torch's add on every path. Inference on CUDA with 16-bit operands, a
+    contiguous residual and at most ``LINEAR_RESIDUAL_MAX_M`` rows runs one launch (the add
+    in the GEMM's epilogue); everything else runs the two ops.
+    """
+    if (fused_decode_gemm_ok(x, (weight,), LINEAR_RESIDUAL_MAX_M) and isinstance(residual, torch.Tensor)
+            and residual.dtype == x.dtype and residual.device == x.device and residual.is_contiguous()
+            and residual.shape == (*x.shape[:-1], weight.shape[0])
+            and not (torch.is_grad_enabled() and residual.requires_grad)):
+        return _linear_residual_opaque(x, weight, residual)
+    return residual + linear(x, weight)

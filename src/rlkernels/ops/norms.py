@@ -2,6 +2,9 @@
 with its row sums and its weight gradient's column sums in the fixed orders of
 :mod:`rlkernels.ops.reductions`. On the Triton backend the forward and grad_x run
 fused, one program per row, with the row sums in that order.
+
+``add_rms_norm(x, residual, weight)`` is a decoder layer's residual add and the norm after
+it: one launch on the Triton backend without gradients, the two ops' bits.
 """
 from __future__ import annotations
 
@@ -20,12 +23,14 @@ _launch_rms_bwd = cached_launcher(rms_norm_bwd_kernel)
 
 
 def rms_norm_forward_fused(x2: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                           keep_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused Triton RMSNorm rows: (y [M, N], rstd [M] fp32) for a contiguous x2 [M, N].
+                           keep_fp32: bool, residual: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Fused Triton RMSNorm rows: (y [M, N], rstd [M] fp32, s) for a contiguous x2 [M, N].
 
     y = weight * (x * rstd).to(x.dtype) in torch's promoted dtype (fp32 with ``keep_fp32``,
     where the fp32 xhat is kept); rstd = rsqrt(sum(x^2) / N + eps), the sum in
-    row_dot's fixed order.
+    row_dot's fixed order. With ``residual`` (contiguous [M, N], x's dtype) the rows normed
+    are ``s = x + residual`` as torch's add rounds it, returned as s (else None).
     """
     M, N = x2.shape
     if keep_fp32:
@@ -34,13 +39,15 @@ def rms_norm_forward_fused(x2: torch.Tensor, weight: torch.Tensor | None, eps: f
         out_dt = x2.dtype if weight is None else torch.promote_types(weight.dtype, x2.dtype)
     y = torch.empty(M, N, dtype=out_dt, device=x2.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x2.device)
+    summed = None if residual is None else torch.empty_like(x2)
     if M == 0:
-        return y, rstd
+        return y, rstd, summed
     w = weight.contiguous() if weight is not None else x2
-    _launch_rms_fwd((M,), (x2, w, y, rstd, N, x2.stride(0), y.stride(0), eps),
-                    dict(HAS_W=weight is not None, KEEP_FP32=keep_fp32, BLOCK=ROW_BLOCK), num_warps=4,
-                    num_stages=NUM_STAGES)
-    return y, rstd
+    r, s = (x2, x2) if residual is None else (residual, summed)
+    _launch_rms_fwd((M,), (x2, w, y, rstd, r, s, N, x2.stride(0), y.stride(0), r.stride(0), s.stride(0), eps),
+                    dict(HAS_W=weight is not None, KEEP_FP32=keep_fp32, ADD=residual is not None, BLOCK=ROW_BLOCK),
+                    num_warps=4, num_stages=NUM_STAGES)
+    return y, rstd, summed
 
 
 def rms_norm_backward_fused(g2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
@@ -75,7 +82,7 @@ class _RMSNormFunction(torch.autograd.Function):
         ctx.fused = reduction_backend.fuses_rms_norm(x, weight)
         if ctx.fused:
             x2 = x2.contiguous()
-            y, rstd = rms_norm_forward_fused(x2, weight, eps, keep_fp32)
+            y, rstd, _ = rms_norm_forward_fused(x2, weight, eps, keep_fp32)
             ctx.save_for_backward(x2, weight, rstd)
             ctx.reduction_backend, ctx.keep_fp32, ctx.shape = reduction_backend, keep_fp32, x.shape
             return y.reshape(*x.shape[:-1], N)
@@ -133,11 +140,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
         # Inference (a decode step runs four norms per layer): the one fused launch, without
         # an autograd node -- the forward the Function would run, so the same bits.
         N = x.shape[-1]
-        y, _ = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), keep)
+        y, _, _ = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), keep)
         y = y.reshape(*x.shape[:-1], N)
     else:
         y = _RMSNormFunction.apply(x, weight, float(eps), reduction_backend, keep)
     return y.to(x.dtype) if keep else y
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
+                 backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` and ``rms_norm(s, weight, eps)``: a decoder layer's residual add and
+    the RMSNorm after it, returned as (normed, s).
+
+    x, residual: [..., N] of one dtype, shape and device; weight: [N] or None. The bits are
+    those of torch's add and :func:`rms_norm` on every path: on the Triton backend without
+    gradients one launch (the sum formed in the norm's row program and stored), elsewhere
+    the two ops.
+    """
+    if not (isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor)):
+        raise TypeError(f"rlkernels.add_rms_norm: x and residual must be tensors, got {type(x).__name__} and "
+                        f"{type(residual).__name__}")
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"rlkernels.add_rms_norm: residual must match x, got {tuple(residual.shape)} "
+                         f"{residual.dtype} on {residual.device} for x {tuple(x.shape)} {x.dtype} on {x.device}")
+    _check_rms("add_rms_norm", x, weight)
+    grads = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad
+                                         or (weight is not None and weight.requires_grad))
+    if not grads and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel():
+        if reduction_backend_for("rms_norm", x.device, backend).fuses_rms_norm(x, weight):
+            N = x.shape[-1]
+            y, _, summed = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), False,
+                                                  residual=residual.reshape(-1, N).contiguous())
+            return y.reshape(x.shape), summed.reshape(x.shape)
+    summed = residual + x
+    return rms_norm(summed, weight, eps, backend=backend), summed
 
 
 def _check_rms(op: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:

@@ -1,8 +1,8 @@
 """Hugging Face causal LMs: ``patch_model``, ``token_logprobs``, ``generate`` and ``rollout``.
 
 One module per job: :mod:`.patch` makes a model batch-invariant in place, with the
-per-module swaps :mod:`.attention`, :mod:`.moe`, :mod:`.rotary`, :mod:`.mlp`, :mod:`.qkv`
-and :mod:`.static_cache`; :mod:`.coverage` says what a patched forward covers and reads a
+per-module swaps :mod:`.attention`, :mod:`.moe`, :mod:`.rotary`, :mod:`.mlp`, :mod:`.qkv`,
+:mod:`.decoder_layer` and :mod:`.static_cache`; :mod:`.coverage` says what a patched forward covers and reads a
 model's modules; :mod:`.scoring` is ``token_logprobs``; :mod:`.generation` is
 ``generate``'s host side and :mod:`.decode` its static-cache decode step and loop;
 :mod:`.continuous_batching` is ``rollout``: that step over a continuously refilled batch of samples;

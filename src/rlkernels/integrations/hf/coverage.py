@@ -44,6 +44,7 @@ import types
 from typing import Any, Iterator
 
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from ...nn import Linear, MoeExperts, MoeRouter, RMSNorm, SiLU, SparseMoeBlock
 from ..aten_mode import set_batch_invariant_mode
@@ -276,3 +277,10 @@ def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value in neutral
     return False  # a tensor or anything else: a transform the fused head does not apply
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks around its forward (its own or global ones): a
+    fused path that skips the call must not skip them."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _torch_module._global_forward_hooks
+                or _torch_module._global_forward_pre_hooks)

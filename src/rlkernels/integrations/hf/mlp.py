@@ -20,22 +20,26 @@ from torch import nn
 
 from ...nn import Linear, SiLU
 from ...ops.activations import linear_silu_mul, silu_mul
-from .coverage import VERIFIED_FAMILIES, family_of
+from .coverage import VERIFIED_FAMILIES, family_of, has_hooks
 
 _FORMULA = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    """A Linear whose forward is ``linear(x, weight)``: the library's class, no bias, no hooks."""
-    return (type(module) is Linear and module.bias is None and not module._forward_hooks
-            and not module._forward_pre_hooks)
+def plain_linear(module: nn.Module) -> bool:
+    """A Linear whose call is ``linear(x, weight)``: the library's class, no bias, no hooks."""
+    return type(module) is Linear and module.bias is None and not has_hooks(module)
+
+
+def gated_hidden(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``act_fn(gate_proj(x)) * up_proj(x)`` of an installed MLP: the down projection's input."""
+    gate, up = mlp.gate_proj, mlp.up_proj
+    if plain_linear(gate) and plain_linear(up):
+        return linear_silu_mul(x, gate.weight, up.weight)
+    return silu_mul(gate(x), up(x))
 
 
 def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate, up = self.gate_proj, self.up_proj
-    if _plain_linear(gate) and _plain_linear(up):
-        return self.down_proj(linear_silu_mul(x, gate.weight, up.weight))
-    return self.down_proj(silu_mul(gate(x), up(x)))
+    return self.down_proj(gated_hidden(self, x))
 
 
 # Bound per module as its ``forward`` (``copy.deepcopy`` rebinds a bound method to the copy).

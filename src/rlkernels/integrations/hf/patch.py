@@ -9,8 +9,8 @@ attention whose rows do not depend on the batch, the padding side, packing, or
 prefill vs decode. SDPA / flash kernels pick their split and tile strategy from the
 batch and sequence shape, and eager attention's row sums shift with left padding.
 The per-module swaps live beside it: the mixture-of-experts blocks (:mod:`.moe`), the
-rotary embedding (:mod:`.rotary`), the gated MLPs (:mod:`.mlp`) and the attention's q, k and v
-projections (:mod:`.qkv`); what the patched
+rotary embedding (:mod:`.rotary`), the gated MLPs (:mod:`.mlp`), the attention's q, k and v
+projections (:mod:`.qkv`) and the decoder layers' residual adds (:mod:`.decoder_layer`); what the patched
 forward then covers is read by :mod:`.coverage`.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ...nn import Linear
 from ...nn import LMHead
 from ...nn import RMSNorm
 from ...nn import SiLU
-from . import attention, coverage, mlp, moe, qkv, rotary
+from . import attention, coverage, decoder_layer, mlp, moe, qkv, rotary
 from .coverage import decoder_of, is_silu
 from ...runtime.opaque import opaque_to_compile
 
@@ -88,8 +88,10 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     launch with transformers' bits (:mod:`~rlkernels.integrations.hf.rotary`: the family's
     ``apply_rotary_pos_emb`` becomes a dispatcher that calls the original anywhere else), and
     the gated MLPs' ``silu(gate) * up`` is one launch (:mod:`~rlkernels.integrations.hf.mlp`),
-    and at decode sizes the attention layers' q, k and v projections are one launch
-    (:mod:`~rlkernels.integrations.hf.qkv`), each with its own bits.
+    at decode sizes the attention layers' q, k and v projections are one launch
+    (:mod:`~rlkernels.integrations.hf.qkv`), and the decoder layers' residual adds run inside
+    the post-attention norm and the down projection
+    (:mod:`~rlkernels.integrations.hf.decoder_layer`), each with the separate ops' bits.
 
     A model with modules the library does not cover (:mod:`~rlkernels.integrations.hf.coverage`:
     GPT-2's ``Conv1D``, ``LayerNorm``, other mixture-of-experts blocks, families not verified)
@@ -116,6 +118,7 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     rotary.install(model)
     mlp.install(model)
     qkv.install(model)
+    decoder_layer.install(model)
     _keep_out_of_compile(model)
     gaps = coverage.describe_gaps(model)
     if gaps is not None:
