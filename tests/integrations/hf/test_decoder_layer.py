@@ -67,48 +67,44 @@ def test_hooks_on_the_skipped_modules_still_run():
     assert torch.equal(fused.view(torch.int32), own.view(torch.int32))
 
 
-def test_another_order_of_the_same_statements_is_not_bound(monkeypatch):
-    class SublayerNormedLayer(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
-        def forward(self, hidden_states, attention_mask=None, **kwargs):
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
-            hidden_states = self.post_attention_layernorm(hidden_states)
-            hidden_states = residual + hidden_states
-            residual = hidden_states
-            hidden_states = self.mlp(hidden_states)
-            hidden_states = residual + hidden_states
-            return hidden_states
+_FORMULA = """
+def forward(self, hidden_states, attention_mask=None, **kwargs):
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states = self.mlp(hidden_states)
+    hidden_states = residual + hidden_states
+    return hidden_states
+"""
 
-    class SameFormulaLayer(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
-        def forward(self, hidden_states, attention_mask=None, **kwargs):
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
-            hidden_states = residual + hidden_states
-            residual = hidden_states
-            hidden_states = self.post_attention_layernorm(hidden_states)
-            hidden_states = self.mlp(hidden_states)
-            hidden_states = residual + hidden_states
-            return hidden_states
 
-    class DropsAnArgumentLayer(SameFormulaLayer):
-        def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
-            hidden_states = residual + hidden_states
-            residual = hidden_states
-            hidden_states = self.post_attention_layernorm(hidden_states)
-            hidden_states = self.mlp(hidden_states)
-            hidden_states = residual + hidden_states
-            return hidden_states
+def _layer_with(source: str, tmp_path, name: str):
+    """A Llama decoder layer class whose forward is ``source`` (written to a file, so that
+    ``inspect.getsource`` reads it as it reads transformers' own)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text("from transformers.models.llama.modeling_llama import LlamaDecoderLayer\n\n"
+                    f"class {name}(LlamaDecoderLayer):\n" + "".join(f"    {line}\n" for line in source.splitlines()))
+    namespace: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    return namespace[name]
 
+
+def test_another_order_of_the_same_statements_is_not_bound(monkeypatch, tmp_path):
     monkeypatch.setattr(decoder_layer, "family_of", lambda module: "llama")
     config = _tiny("llama").config
-    assert decoder_layer.is_fusable_decoder_layer(SameFormulaLayer(config, 0))  # the control
-    assert not decoder_layer.is_fusable_decoder_layer(SublayerNormedLayer(config, 0))
-    assert not decoder_layer.is_fusable_decoder_layer(DropsAnArgumentLayer(config, 0))
+    norm_first = _FORMULA.replace(  # OLMo 2's order: the sublayer's output normed before the add
+        "    hidden_states = residual + hidden_states\n    residual = hidden_states\n"
+        "    hidden_states = self.post_attention_layernorm(hidden_states)\n",
+        "    hidden_states = self.post_attention_layernorm(hidden_states)\n"
+        "    hidden_states = residual + hidden_states\n    residual = hidden_states\n")
+    dropped = _FORMULA.replace("attention_mask=None, **kwargs", "attention_mask=None, position_ids=None, **kwargs")
+    assert norm_first != _FORMULA and dropped != _FORMULA
+    assert decoder_layer.is_fusable_decoder_layer(_layer_with(_FORMULA, tmp_path, "Same")(config, 0))  # the control
+    assert not decoder_layer.is_fusable_decoder_layer(_layer_with(norm_first, tmp_path, "NormFirst")(config, 0))
+    assert not decoder_layer.is_fusable_decoder_layer(_layer_with(dropped, tmp_path, "Dropped")(config, 0))
 
 
 @pytest.mark.gpu
