@@ -67,6 +67,15 @@ def test_hooks_on_the_skipped_modules_still_run():
     assert torch.equal(fused.view(torch.int32), own.view(torch.int32))
 
 
+def test_a_backward_hook_on_the_mlp_still_runs():
+    model = rlkernels.patch_model(_tiny("qwen3"))
+    seen = []
+    _layers(model)[1].mlp.register_full_backward_hook(lambda mod, grad_in, grad_out: seen.append("mlp"))
+    ids = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
+    rlkernels.token_logprobs(model, ids).sum().backward()
+    assert seen == ["mlp"]
+
+
 _FORMULA = """
 def forward(self, hidden_states, attention_mask=None, **kwargs):
     residual = hidden_states

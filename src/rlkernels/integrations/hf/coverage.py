@@ -280,7 +280,9 @@ def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
 
 
 def has_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs hooks around its forward (its own or global ones): a
-    fused path that skips the call must not skip them."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or _torch_module._global_forward_hooks
-                or _torch_module._global_forward_pre_hooks)
+    """Whether calling ``module`` runs hooks around its forward or backward (its own or global
+    ones): a fused path that skips the call must not skip them."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _torch_module._global_forward_hooks
+                or _torch_module._global_forward_pre_hooks or _torch_module._global_backward_hooks
+                or _torch_module._global_backward_pre_hooks)
