@@ -22,15 +22,13 @@ def _attentions(model):
 
 @pytest.fixture
 def grouped_on_cpu(monkeypatch):
-    """The grouped path taken on the CPU too (``linear_group`` there runs one linear per
-    weight, the same bits), counting the grouped calls."""
+    """Counts the grouped calls (on the CPU ``linear_group`` runs one linear per weight)."""
     calls = []
 
     def group(x, weights):
         calls.append(x.shape)
         return rlkernels.ops.matmul.linear_group(x, weights)
 
-    monkeypatch.setattr(qkv, "fused_decode_gemm_ok", lambda *args: True)
     monkeypatch.setattr(qkv, "linear_group", group)
     return calls
 
@@ -64,6 +62,22 @@ def test_k_and_v_of_another_or_modified_input_are_computed(grouped_on_cpu):
         x.mul_(2)  # modified in place after the grouped launch: its kept k and v are stale
         assert torch.equal(attn.k_proj(x), rlkernels.linear(x, attn.k_proj.weight))
         assert torch.equal(attn.v_proj(x), rlkernels.linear(x, attn.v_proj.weight))
+
+
+def test_training_through_the_group_gives_the_projections_own_gradients(grouped_on_cpu):
+    model = rlkernels.patch_model(_tiny("llama"))
+    twin = copy.deepcopy(model)
+    for m in _attentions(twin):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del getattr(m, name).forward
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for m in (model, twin):
+        m.train()
+        rlkernels.token_logprobs(m, ids).sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert len(grouped_on_cpu) == len(_attentions(model))  # the twin's calls were not grouped
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_projections_with_a_bias_keep_the_class_forward():

@@ -4,14 +4,15 @@ The attention forwards of the verified families call ``self.q_proj(hidden_states
 ``k_proj`` and ``v_proj`` on the same tensor: three launches at a decode step, each shorter
 than its launch and pipeline fill. :func:`install` binds the three projections of each such
 layer a forward that shares one :class:`QkvGroup`. The q projection's call runs
-:func:`rlkernels.ops.matmul.linear_group` over the three weights where that is one launch
-(CUDA, 16-bit, no gradient, at most ``LINEAR_GROUP_MAX_M`` rows) and keeps the k and v
-results with the input they came from; the k and v calls given that same tensor, unmodified,
-take theirs. Every other call -- another input, one modified in place, one past the fused
-sizes -- runs the projection's own ``linear``.
+:func:`rlkernels.ops.matmul.linear_group` over the three weights (one launch on CUDA at
+decode sizes: 16-bit, no gradient, at most ``LINEAR_GROUP_MAX_M`` rows; one ``linear`` per
+weight elsewhere) and keeps the k and v results with the input they came from; the k and v
+calls given that same tensor, unmodified, take theirs. Every other call -- another input,
+one modified in place -- runs the projection's own ``linear``.
 
-The grouped launch gives each output the bits of its own ``linear``, so a kept result and a
-recomputed one are the same values: the group is a cache, never another formula. Layers
+``linear_group`` gives each output the bits (and autograd graph) of its own ``linear``, so
+a kept result and a recomputed one are the same values: the group is a cache, never
+another formula. Layers
 whose projections are not the library's plain Linear (a bias, as Qwen2's; a LoRA or
 tensor-parallel module) are left alone.
 """
@@ -20,9 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...gemm.table import LINEAR_GROUP_MAX_M
 from ...nn import Linear
-from ...ops.matmul import fused_decode_gemm_ok, linear_group
+from ...ops.matmul import linear_group
 from .coverage import VERIFIED_FAMILIES, family_of
 
 _ROLES = ("q_proj", "k_proj", "v_proj")
@@ -40,13 +40,13 @@ class QkvGroup:
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         self.kept = None
-        weights = (self.q.weight, self.k.weight, self.v.weight)
-        # (Traced by torch.compile, no kept state: the plain projections.)
-        if fused_decode_gemm_ok(x, weights, LINEAR_GROUP_MAX_M) and not torch.compiler.is_compiling():
-            q, k, v = linear_group(x, weights)
-            self.kept = (x, x._version, k, v)
-            return q
-        return Linear.forward(self.q, x)
+        q, k, v = self.q, self.k, self.v
+        # (Traced by torch.compile, or given a bias since install: the q projection alone.)
+        if torch.compiler.is_compiling() or q.bias is not None or k.bias is not None or v.bias is not None:
+            return Linear.forward(q, x)
+        out_q, out_k, out_v = linear_group(x, (q.weight, k.weight, v.weight))
+        self.kept = (x, x._version, out_k, out_v)
+        return out_q
 
     def take(self, x: torch.Tensor, slot: int, module: Linear) -> torch.Tensor:
         kept = self.kept  # read once: another thread may replace it
