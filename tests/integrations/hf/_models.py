@@ -25,3 +25,17 @@ def _tiny(arch: str, dtype=torch.float32, device="cpu", **over):
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _same_training_gradients(model, twin, seed: int = 1) -> bool:
+    """Whether one training step's backward (token log-probs of a random [2, 7] batch, summed)
+    gives ``model`` and ``twin`` bitwise equal parameter gradients."""
+    import rlkernels
+
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(seed))
+    grads = []
+    for m in (model, twin):
+        m.train()
+        rlkernels.token_logprobs(m, ids).sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*grads))
