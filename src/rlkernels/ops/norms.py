@@ -166,12 +166,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     _check_rms("add_rms_norm", x, weight)
     grads = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad
                                          or (weight is not None and weight.requires_grad))
-    if not grads and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel():
-        if reduction_backend_for("rms_norm", x.device, backend).fuses_rms_norm(x, weight):
-            N = x.shape[-1]
-            y, _, summed = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), False,
-                                                  residual=residual.reshape(-1, N).contiguous())
-            return y.reshape(x.shape), summed.reshape(x.shape)
+    if not grads and reduction_backend_for("rms_norm", x.device, backend).fuses_rms_norm(x, weight):
+        N = x.shape[-1]
+        y, _, summed = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), False,
+                                              residual=residual.reshape(-1, N).contiguous())
+        return y.reshape(x.shape), summed.reshape(x.shape)
     summed = residual + x
     return rms_norm(summed, weight, eps, backend=backend), summed
 
