@@ -173,6 +173,17 @@ if triton is not None:
             tl.store(ptrs, x, mask=(offs_m < m_lim)[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
+    def window_range(first_pos, last_pos, WINDOW, BLOCK_N: tl.constexpr):
+        """(n_lo, n_win) of a tile whose rows sit at key positions first_pos .. last_pos,
+        each seeing keys no more than WINDOW positions back: no row sees a key below n_lo,
+        and no row's window hides a key at or past n_win (both multiples of BLOCK_N). The
+        blocks below n_lo are exact no-ops for every row of the tile (``block_step``), so
+        skipping them leaves the rows' chains, and their bits, as they are."""
+        n_lo = tl.maximum(first_pos - WINDOW, 0) // BLOCK_N * BLOCK_N
+        n_win = (tl.maximum(last_pos - WINDOW, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        return n_lo, n_win
+
+    @triton.jit
     def key_range(k_len, q_len, first, end, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
         """(n_end, n_full) of a tile whose rows are queries first .. end - 1: its keys end
         at n_end (causal: the last row's position + 1), and the key blocks below n_full (a

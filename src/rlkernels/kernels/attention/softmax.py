@@ -77,33 +77,56 @@ if triton is not None:
         return out, lse
 
     @triton.jit
+    def masked_block(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, n0, k_len, D, qk_scale, ONES,
+                     m, l, acc, WINDOW, CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_N: tl.constexpr,
+                     IEEE: tl.constexpr, EVEN_D: tl.constexpr):
+        """``block_step`` over keys n0 .. n0 + BLOCK_N - 1 through masked loads, each row
+        seeing the keys of the sequence at or before its position (CAUSAL) and no more than
+        WINDOW positions back (SLIDING)."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, True)
+        v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, True)
+        valid = (offs_n < k_len)[None, :] & row_ok[:, None]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= pos[:, None])
+        if SLIDING:
+            valid = valid & (offs_n[None, :] >= (pos - WINDOW)[:, None])
+        return block_step(q, k, v, valid, m, l, acc, qk_scale, ONES, IEEE, True)
+
+    @triton.jit
     def split_walk(q, k_base, v_base, stride_kt, stride_vt, k_desc, v_desc, k_row, k_col, v_row, v_col, offs_d,
-                   row_ok, pos, s0, n_end, n_full, k_len, D, qk_scale, ONES, CAUSAL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr,
-                   IEEE: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
+                   row_ok, pos, s0, n_end, n_full, n_lo, n_win, k_len, D, qk_scale, ONES, WINDOW,
+                   CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                   TMA: tl.constexpr):
         """One split's online-softmax state (m, l, acc), from the empty state, over its key
         blocks ascending: keys [s0, min(s0 + S_SPLIT, n_end)) of a tile whose rows have
         query positions ``pos`` (row_ok: the row exists). Blocks below n_full (a multiple of
         BLOCK_N) are seen in full by every row and run without the mask (through the K/V
-        descriptors where TMA: (k_row + n, k_col) is key n); the rest with it.
+        descriptors where TMA: (k_row + n, k_col) is key n); the rest with it. SLIDING
+        (each row sees keys no more than WINDOW positions back; ``window_range``'s n_lo,
+        n_win): the blocks below n_lo are left out, those below n_win take the mask.
 
         The full kernel (each split in turn) and the split kernel (one split per program)
         both walk a split here, so the two compute one chain.
         """
         m_s, l_s, acc_s = empty_state(BLOCK_M, BLOCK_D)
         s_end = tl.minimum(s0 + S_SPLIT, n_end)
-        s_mid = tl.minimum(tl.maximum(n_full, s0), s_end)
-        for n0 in range(s0, s_mid, BLOCK_N):
+        s_low = s0
+        if SLIDING:
+            s_begin = tl.maximum(s0, n_lo)
+            s_low = tl.minimum(tl.maximum(n_win, s_begin), s_end)
+            for n0 in range(s_begin, s_low, BLOCK_N):
+                m_s, l_s, acc_s = masked_block(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, n0, k_len,
+                                               D, qk_scale, ONES, m_s, l_s, acc_s, WINDOW, CAUSAL, SLIDING, BLOCK_N,
+                                               IEEE, EVEN_D)
+        s_mid = tl.minimum(tl.maximum(n_full, s_low), s_end)
+        for n0 in range(s_low, s_mid, BLOCK_N):
             k, v = load_pair(k_desc, v_desc, k_row, k_col, v_row, v_col, k_base, v_base, stride_kt, stride_vt, n0,
                              n0 + tl.arange(0, BLOCK_N), offs_d, k_len, D, EVEN_D, False, TMA)
             m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, ONES, IEEE, False)
         for n0 in range(s_mid, s_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            k_ok = offs_n < k_len
-            k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, True)
-            v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, True)
-            valid = k_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= pos[:, None])
-            m_s, l_s, acc_s = block_step(q, k, v, valid, m_s, l_s, acc_s, qk_scale, ONES, IEEE, True)
+            m_s, l_s, acc_s = masked_block(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, n0, k_len, D,
+                                           qk_scale, ONES, m_s, l_s, acc_s, WINDOW, CAUSAL, SLIDING, BLOCK_N, IEEE,
+                                           EVEN_D)
         return m_s, l_s, acc_s

@@ -7,7 +7,7 @@ from __future__ import annotations
 from .._triton import tl, triton
 
 if triton is not None:
-    from .prologue import group_rows, key_base, tile_bounds
+    from .prologue import group_rows, key_base, tile_bounds, window_range
     from .softmax import ROWSUM_COLS, empty_state, finish, merge_states, split_walk
 
     @triton.jit
@@ -16,8 +16,8 @@ if triton is not None:
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
-        HKV, G, D, qk_scale, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, KV_ROWS,
-        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        HKV, G, D, qk_scale, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, KV_ROWS, WINDOW,
+        CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
         KLEN_PTR: tl.constexpr, FINISH: tl.constexpr,
     ):
@@ -29,6 +29,8 @@ if triton is not None:
         BLOCK_D per row); a split with nothing to do writes the empty state, which the
         combine merges exactly as a no-op. FINISH (N_SPLITS == 1): merge the one state
         onto the empty state and finish here, the combine kernel's expressions exactly.
+        SLIDING: each row sees keys no more than WINDOW positions back (a split below
+        every row's window writes the empty state).
         """
         pid_m, bk, sp, kvh, q_start, q_len, k_start, k_len = tile_bounds(
             HKV, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD, KV_ROWS, False, DENSE, KLEN_PTR)
@@ -45,22 +47,24 @@ if triton is not None:
         q = tl.load(q_ptr + (q_start + i)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                     mask=q_mask, other=0.0)
         pos = k_len - q_len + i
+        first_i = (pid_m * BLOCK_M) // G
+        last_i = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
         if CAUSAL:
-            last_i = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
             n_end = tl.minimum(k_len, k_len - q_len + last_i + 1)
-            n_full = tl.minimum(k_len, k_len - q_len + (pid_m * BLOCK_M) // G + 1)
+            n_full = tl.minimum(k_len, k_len - q_len + first_i + 1)
         else:
             n_end = k_len
             n_full = k_len
         n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
+        n_lo, n_win = window_range(k_len - q_len + first_i, k_len - q_len + last_i, WINDOW, BLOCK_N)
         ONES = tl.full((BLOCK_N, ROWSUM_COLS), 1.0, dtype=q_ptr.dtype.element_ty)
         k_base = key_base(k_ptr, k_start, kvh, stride_kt, stride_kh)
         v_base = key_base(v_ptr, k_start, kvh, stride_vt, stride_vh)
         # Pointer loads only: TMA reads measured the same GPU time here (a step is bound by
         # its KV bytes, not the loads' address arithmetic) and cost host time per step.
         m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, None, None, 0, 0, 0, 0, offs_d, row_ok,
-                                     pos, sp * S_SPLIT, n_end, n_full, k_len, D, qk_scale, ONES, CAUSAL, BLOCK_M,
-                                     BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, False)
+                                     pos, sp * S_SPLIT, n_end, n_full, n_lo, n_win, k_len, D, qk_scale, ONES, WINDOW,
+                                     CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, False)
         if FINISH:
             m, l, acc = empty_state(BLOCK_M, BLOCK_D)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)

@@ -32,26 +32,28 @@ from .torch_ref import lse_dtype, torch_bwd, torch_fwd
 from .triton_host import triton_bwd, triton_fwd
 
 
-def forward(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, scale: float,
-            tuning: AttnTuning, backend: str, split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
+            scale: float, tuning: AttnTuning, backend: str, split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward core: q rows [Tq, Hq, D], k/v [NB, S, Hkv, D] (unit last strides), either
     index form -> (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32, fp64 for fp64).
-    ``tuning``: the chain (both backends) and the Triton launch."""
+    ``window`` >= 0: each query sees keys no more than that many positions back (-1: no
+    window). ``tuning``: the chain (both backends) and the Triton launch."""
     if backend == "triton":
         return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, tuning, split_kv,
-                          dense)
-    return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, tuning.chain, dense)
+                          dense, window)
+    return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, tuning.chain, dense, window)
 
 
 def backward(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool,
-             scale: float, tuning: AttnTuning, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             window: int, scale: float, tuning: AttnTuning, backend: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward core: (dq, dk, dv) for dO [Tq, Hq, D] and :func:`forward`'s inputs and
     results; ``tuning``: the Triton launch (the backward recomputes P from the saved LSE,
     so the chain plays no part)."""
     if backend == "triton":
         return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, tuning,
-                          dense)
-    return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale, dense)
+                          dense, window)
+    return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale, dense, window)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -76,9 +78,9 @@ class AttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, *bounds = ctx.saved_tensors
-        dense, max_q, max_k, causal, scale, tuning, backend, _ = ctx.call
-        dq, dk, dv = backward(_rows(dout), _rows(q), k, v, out, lse, *bounds, dense, max_q, max_k, causal, scale,
-                              tuning, backend)
+        dense, max_q, max_k, causal, window, scale, tuning, backend, _ = ctx.call
+        dq, dk, dv = backward(_rows(dout), _rows(q), k, v, out, lse, *bounds, dense, max_q, max_k, causal, window,
+                              scale, tuning, backend)
         return dq if q.dim() == 3 else dq.view_as(q), dk, dv, None, None
 
 
@@ -93,31 +95,32 @@ def chain_tuning(block_n: int, split: int) -> AttnTuning:
 @torch.library.custom_op("rlkernels::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
                       q_len: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, max_q: int, max_k: int,
-                      causal: bool, scale: float, block_n: int, split: int, backend: str,
+                      causal: bool, window: int, scale: float, block_n: int, split: int, backend: str,
                       split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward core as an opaque op for torch.compile (bounds form; same backends, same
     bits): the chain (block_n, split) with the default launch."""
-    return forward(q, k, v, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, scale,
+    return forward(q, k, v, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, window, scale,
                    chain_tuning(block_n, split), backend, split_kv)
 
 
 @flash_attn_fwd_op.register_fake
-def _(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, block_n, split, backend, split_kv):
+def _(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale, block_n, split, backend,
+      split_kv):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("rlkernels::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, k_start: torch.Tensor,
-                      k_len: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float,
+                      k_len: torch.Tensor, max_q: int, max_k: int, causal: bool, window: int, scale: float,
                       backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward core as an opaque op for torch.compile (bounds form, the default launch)."""
-    return backward(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, scale,
+    return backward(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, window, scale,
                     DEFAULT_TUNING, backend)
 
 
 @flash_attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, backend):
+def _(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -125,17 +128,17 @@ def _(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causa
 # an autograd.Function, and its backward must be an opaque op too (AOTAutograd traces it).
 # Both call the one backward core.
 def _op_setup(ctx, inputs, output):
-    q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale = inputs[:11]
+    q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale = inputs[:12]
     ctx.save_for_backward(q, k, v, output[0], output[1], q_start, q_len, k_start, k_len)
-    ctx.args = (max_q, max_k, causal, scale, inputs[13])
+    ctx.args = (max_q, max_k, causal, window, scale, inputs[14])
 
 
 def _op_backward(ctx, dout, _dlse):
     q, k, v, out, lse, q_start, q_len, k_start, k_len = ctx.saved_tensors
-    max_q, max_k, causal, scale, backend = ctx.args
+    max_q, max_k, causal, window, scale, backend = ctx.args
     dq, dk, dv = flash_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, q_start, q_len, k_start, k_len,
-                                   max_q, max_k, causal, scale, backend)
-    return (dq, dk, dv) + (None,) * 12
+                                   max_q, max_k, causal, window, scale, backend)
+    return (dq, dk, dv) + (None,) * 13
 
 
 flash_attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup)
@@ -175,8 +178,8 @@ def padded_bounds(nb: int, dense: tuple[int, int], k_len: torch.Tensor | None, d
     return q_start, q_len, k_start, k_len
 
 
-def traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, scale: float,
-           chain: Chain, backend: str, split_kv: bool) -> torch.Tensor:
+def traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
+           scale: float, chain: Chain, backend: str, split_kv: bool) -> torch.Tensor:
     """The op under torch.compile: the forward custom op (its autograd registered above) on
     the bounds form with ``chain`` and the default launch; out in q's shape. The launch
     sizes are specialized to ints (shapes may be symbolic here): they pick the kernels'
@@ -184,12 +187,12 @@ def traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: in
     if dense is not None:
         q_start, q_len, k_start, k_len = padded_bounds(q.shape[0], dense, k_len, q.device)
     out, _ = flash_attn_fwd_op(_rows(q), k, v, q_start, q_len, k_start, k_len, int(max_q), int(max_k), bool(causal),
-                               float(scale), chain.block_n, chain.split, backend, bool(split_kv))
+                               int(window), float(scale), chain.block_n, chain.split, backend, bool(split_kv))
     return out if q.dim() == 3 else out.view_as(q)
 
 
-def attend(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, scale: float,
-           tuning: AttnTuning, backend: str, split_kv: bool) -> torch.Tensor:
+def attend(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
+           scale: float, tuning: AttnTuning, backend: str, split_kv: bool) -> torch.Tensor:
     """The op on validated inputs, by the one route for the call's context: traced by
     torch.compile (:func:`traced`: ``tuning``'s chain, the default launch), with autograd
     (:class:`AttnFunction`, which keeps ``tuning`` for the backward), or without (the
@@ -197,11 +200,11 @@ def attend(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: in
     padded batch [B, Lq, Hq, D] (dense form); k, v [NB, S, Hkv, D] with unit last strides;
     out in q's shape and dtype."""
     if torch.compiler.is_compiling():
-        return traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, scale, tuning.chain,
-                      backend, split_kv)
+        return traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window, scale,
+                      tuning.chain, backend, split_kv)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return AttnFunction.apply(q, k, v, (q_start, q_len, k_start, k_len),
-                                  (dense, max_q, max_k, causal, scale, tuning, backend, split_kv))
-    out, _ = forward(_rows(q), k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, scale, tuning,
-                     backend, split_kv)
+                                  (dense, max_q, max_k, causal, window, scale, tuning, backend, split_kv))
+    out, _ = forward(_rows(q), k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window, scale,
+                     tuning, backend, split_kv)
     return out if q.dim() == 3 else out.view_as(q)

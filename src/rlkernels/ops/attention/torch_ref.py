@@ -24,9 +24,23 @@ def _merge(m1, l1, acc1, m2, l2, acc2):
     return m, l1 * a1 + l2 * a2, acc1 * a1[..., None] + acc2 * a2[..., None]
 
 
+def visible(keys: torch.Tensor, pos: torch.Tensor, causal: bool, window: int) -> torch.Tensor | None:
+    """[rows, keys] bool: which keys each query position sees (causal: at or before it;
+    window >= 0: no more than ``window`` positions back), or None where every key is seen."""
+    seen = None
+    if causal:
+        seen = keys[None, :] <= pos[:, None]
+    if window >= 0:
+        near = keys[None, :] >= pos[:, None] - window
+        seen = near if seen is None else seen & near
+    return seen
+
+
 def _torch_seq_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   chain: Chain) -> tuple[torch.Tensor, torch.Tensor]:
+                   chain: Chain, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D] -> (out [Lq, Hq, D] fp32/fp64, lse [Hq, Lq]).
+    ``window`` >= 0: each query sees keys no more than that many positions back; the key
+    blocks no query sees are left out (for every row an exact no-op of the chain).
 
     Natural-log units here (the Triton kernels use exp2 with log2(e) folded into the
     scale): on the CPU, torch.exp gives every element the same bits whether it lands in
@@ -42,15 +56,16 @@ def _torch_seq_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     pos = torch.arange(lq, device=q.device) + (lk - lq)
     m, l, acc = _empty_state(hq, lq, d, adt, q.device)
     n_end = lk  # causal or not, the last row sees every key
-    for s0 in range(0, max(n_end, 0), chain.split):
+    n_lo = max(lk - lq - window, 0) // chain.block_n * chain.block_n if window >= 0 else 0
+    for s0 in range(n_lo // chain.split * chain.split, max(n_end, 0), chain.split):
         m_s, l_s, acc_s = _empty_state(hq, lq, d, adt, q.device)
-        for n0 in range(s0, min(s0 + chain.split, n_end), chain.block_n):
+        for n0 in range(max(s0, n_lo), min(s0 + chain.split, n_end), chain.block_n):
             n1 = min(n0 + chain.block_n, lk)
             # Keys past the sequence would add exact zeros to both chains: leaving them out is the same.
             s = chain_matmul(qh, kh[:, n0:n1].transpose(1, 2)) * scale
-            if causal:
-                keys = torch.arange(n0, n1, device=q.device)
-                s = torch.where(keys[None, :] <= pos[:, None], s, torch.full_like(s, float("-inf")))
+            seen = visible(torch.arange(n0, n1, device=q.device), pos, causal, window)
+            if seen is not None:
+                s = torch.where(seen, s, torch.full_like(s, float("-inf")))
             m_new = torch.maximum(m_s, torch.amax(s, -1))
             m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
             alpha = torch.exp(m_s - m_safe)
@@ -87,12 +102,13 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 # flash_attn_with_kvcache calls it on inputs that require grad.
 @torch.no_grad()
 def torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal: bool, scale: float, chain: Chain,
-              dense: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              dense: tuple[int, int] | None = None, window: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward on the torch backend: q [Tq, Hq, D], k/v [NB, S, Hkv, D]; sequence b's
     queries are rows q_start[b] + [0, q_len[b]) and its keys rows k_start[b] + [0, k_len[b])
     of ``key_rows(k, b)``, or the padded batch ``dense`` as in triton_fwd. Returns (out
     [Tq, Hq, D] in q's dtype, lse [Hq, Tq] in :func:`lse_dtype`); rows outside every
-    sequence are zeros."""
+    sequence are zeros. ``window`` >= 0: each query sees keys no more than that many
+    positions back."""
     tq, hq, d = q.shape
     if q.is_meta:  # shapes only: meta tensors hold no index values
         return torch.empty_like(q), q.new_empty((hq, tq), dtype=lse_dtype(q.dtype))
@@ -102,14 +118,15 @@ def torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal: bool, scale: floa
         if ql == 0:
             continue
         kb, vb = key_rows(k, b), key_rows(v, b)
-        o, ls = _torch_seq_fwd(q[qs:qs + ql], kb[ks:ks + kl], vb[ks:ks + kl], causal, scale, chain)
+        o, ls = _torch_seq_fwd(q[qs:qs + ql], kb[ks:ks + kl], vb[ks:ks + kl], causal, scale, chain, window)
         out[qs:qs + ql] = o.to(q.dtype)
         lse[:, qs:qs + ql] = ls
     return out, lse.float() if q.dtype != torch.float64 else lse
 
 
 def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: bool, scale: float,
-              dense: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              dense: tuple[int, int] | None = None, window: int = -1
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) on the torch backend, the Triton kernels' chain orders with elementwise
     steps; shapes and index forms as :func:`torch_fwd`."""
     if q.is_meta:
@@ -134,10 +151,10 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
         delta = chain_sum(doh.to(adt) * oh.to(adt), -1)
         s = chain_matmul(qh, kh.transpose(1, 2)) * scale
         p = torch.exp(s - ls[..., None])
-        if causal:
-            pos = torch.arange(ql, device=q.device) + (kl - ql)
-            keys = torch.arange(kl, device=q.device)
-            p = torch.where(keys[None, :] <= pos[:, None], p, torch.zeros_like(p))
+        seen = visible(torch.arange(kl, device=q.device), torch.arange(ql, device=q.device) + (kl - ql), causal,
+                       window)
+        if seen is not None:
+            p = torch.where(seen, p, torch.zeros_like(p))
         dp = chain_matmul(doh, vh.transpose(1, 2))
         ds = (p * (dp - delta[..., None])).to(q.dtype)
         p = p.to(q.dtype)

@@ -55,7 +55,7 @@ def _pow2(x: int, floor: int = 16) -> int:
 
 
 def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool, scale: float,
-               tuning: AttnTuning, split_kv: bool, dense: tuple[int, int] | None = None
+               tuning: AttnTuning, split_kv: bool, dense: tuple[int, int] | None = None, window: int = -1
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernels (full kernel, or split-KV + combine); no host sync.
 
@@ -64,7 +64,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     k_len[b] = k_len[b] + k_add, or k_add where k_len is None), the index tensors
     q_start/q_len/k_start are then unused and may be None: a decode step builds no index
     tensors on the host. Same bits either way. ``tuning``: the chain, and the launch
-    (``tuning.fwd``, None for :func:`~.launch.default_fwd_launch`). Returns (out
+    (``tuning.fwd``, None for :func:`~.launch.default_fwd_launch`). ``window`` >= 0: each
+    query sees keys no more than that many positions back (-1: no window). Returns (out
     [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32); rows outside every sequence are not written.
     """
     tq, hq, d = q.shape
@@ -95,6 +96,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     qk_scale = scale * LOG2E
     even_d = d == bd
     is_dense = dense is not None
+    sliding = window >= 0
     if split_kv:
         bm = cfg.split.block_m
         rows_pad = cdiv(max_q * g, bm) * bm
@@ -106,8 +108,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
             (rows_pad // bm, nb * hkv, n_splits),
             (q, k, v, ws, out, lse, q_start, q_len, k_start, k_len,
              q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
-             hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add, rows),
-            dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
+             hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add, rows, max(window, 0)),
+            dict(CAUSAL=causal, SLIDING=sliding, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
                  EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, FINISH=finish_here),
             num_warps=cfg.split.num_warps, num_stages=cfg.split.num_stages)
         if not finish_here:
@@ -124,8 +126,9 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
     # Not the dense form with per-sequence key counts (k_len + K_ADD, the KV-cache path's):
-    # the warp-specialized kernel reads a padded batch's key count from Lk alone.
-    if (cfg.ws and not (is_dense and klen_ptr)
+    # the warp-specialized kernel reads a padded batch's key count from Lk alone; it has
+    # no window.
+    if (cfg.ws and not sliding and not (is_dense and klen_ptr)
             and ws_fwd(q, k, v, out, lse, (q_start, q_len, k_start, k_len), nb, max_q, max_k,
                        (lq_d, k_add) if is_dense else None, causal, qk_scale, tuning)):
         return out, lse
@@ -135,23 +138,23 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         (cdiv(max_q, cfg.full.block_m), nb * hq),
         (q, k, v, out, lse, *descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
-         hq, g, d, qk_scale, lq_d, k_add, rows),
+         hq, g, d, qk_scale, lq_d, k_add, rows, max(window, 0)),
         # (max_k bounds every k_len, as the grid's max_q bounds every q_len)
-        dict(CAUSAL=causal, BLOCK_M=cfg.full.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
-             EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, REVERSE_M=causal, TMA=tma,
+        dict(CAUSAL=causal, SLIDING=sliding, BLOCK_M=cfg.full.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd,
+             S_SPLIT=chain.split, IEEE=ieee, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, REVERSE_M=causal, TMA=tma,
              ONE_SPLIT=max_k <= chain.split),
         num_warps=cfg.full.num_warps, num_stages=cfg.full.num_stages)
     return out, lse
 
 
 def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool,
-               scale: float, tuning: AttnTuning, dense: tuple[int, int] | None = None
+               scale: float, tuning: AttnTuning, dense: tuple[int, int] | None = None, window: int = -1
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels (delta, dK/dV, dQ); no host sync. Shapes and bounds as
     :func:`triton_fwd` (``dense`` with k_len None: every key of a batch row); the launch
     is ``tuning.bwd`` (None for :func:`~.launch.default_bwd_launch`), the chain plays no
-    part (P is recomputed from the saved LSE). Returns (dq, dk, dv) in q's, k's and v's
-    shapes; rows outside every sequence get zeros."""
+    part (P is recomputed from the saved LSE); ``window`` as the forward's. Returns (dq,
+    dk, dv) in q's, k's and v's shapes; rows outside every sequence get zeros."""
     tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -199,8 +202,8 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (q, k, v, do, lse, delta, dk, dv, *q_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0),
          dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-         hkv, g, d, qk_scale, scale, lq_d, k_add, rows),
-        dict(CAUSAL=causal, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
+         hkv, g, d, qk_scale, scale, lq_d, k_add, rows, max(window, 0)),
+        dict(CAUSAL=causal, SLIDING=window >= 0, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
              TMA=q_tma, DENSE=dense is not None),
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages)
     *k_descs, k_tma = _tma_descs(use_tma, k, v, cfg.dq.block_n, bd)
@@ -208,8 +211,8 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (cdiv(max_q, cfg.dq.block_m), nb * hq),
         (q, k, v, do, lse, delta, dq, *k_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
-         hq, g, d, qk_scale, scale, lq_d, k_add, rows),
-        dict(CAUSAL=causal, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
+         hq, g, d, qk_scale, scale, lq_d, k_add, rows, max(window, 0)),
+        dict(CAUSAL=causal, SLIDING=window >= 0, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
              REVERSE_M=causal, TMA=k_tma, DENSE=dense is not None),
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
     return dq, dk, dv

@@ -117,6 +117,23 @@ def check_scale(op: str, scale: float | None, d: int) -> float:
     return s
 
 
+def check_window(op: str, window_size, causal: bool) -> int:
+    """FlashAttention's ``window_size = (left, right)`` as the kernels' window: query i sees
+    keys no more than ``left`` positions before its own (-1: any). ``right`` bounds keys
+    after it: with causal masking none are seen, so any right >= -1 is taken; without it
+    only -1 (no bound) is supported."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"rlkernels.{op}: window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"rlkernels.{op}: window_size entries must be >= -1 (-1: unbounded), got {tuple(window_size)}")
+    if right != -1 and not causal:
+        raise ValueError(f"rlkernels.{op}: window_size={tuple(window_size)} bounds keys after the query, which is "
+                         "supported with causal=True only (pass right = -1)")
+    return left
+
+
 def check_backend(op: str, backend: str, q: torch.Tensor) -> None:
     """What the Triton backend can't run: fp64, and bf16 on the CPU interpreter."""
     if backend == "triton":
