@@ -42,10 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-backward", action="store_true", help="skip forward+backward timings")
     parser.add_argument("--no-decode", action="store_true", help="skip the decode shapes")
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill shapes")
+    parser.add_argument("--sliding-window", type=int, default=None,
+                        help="prefill with a sliding window of W keys (a query sees keys fewer than W positions "
+                             "back, Mistral's and Gemma's rule) against FlexAttention's sliding-window mask "
+                             "(SDPA takes no window); the decode shapes are skipped")
 
 
-def _flops_fwd(b: int, l: int, d: int) -> float:
-    return 2.0 * b * HQ * l * l * d
+def _flops_fwd(b: int, l: int, d: int, window: int | None = None) -> float:
+    """Causal forward FLOPs: 4 * D per (query, visible key) pair, L^2 / 2 pairs per head
+    (the convention FlashAttention reports); under a window of W keys the band's area,
+    (L^2 - (L - W)^2) / 2, which is the causal count at W >= L."""
+    w = l if window is None else min(window, l)
+    return 2.0 * b * HQ * (l * l - (l - w) ** 2) * d
 
 
 def _sdpa(backend_name: str) -> Callable[..., torch.Tensor]:
@@ -77,16 +85,20 @@ def _flex():
     return _FLEX["fn"]
 
 
-def _causal_block_mask(l: int):
+def _causal_block_mask(l: int, window: int | None = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
-    return create_block_mask(causal, B=None, H=None, Q_LEN=l, KV_LEN=l, device="cuda")
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    return create_block_mask(causal if window is None else sliding, B=None, H=None, Q_LEN=l, KV_LEN=l, device="cuda")
 
 
-def _peer_fn(name: str, qh, kh, vh, causal: bool, l_q: int) -> Callable[[], torch.Tensor]:
-    """A zero-argument call of peer ``name`` on [B, H, L, D] tensors (mask built here, untimed)."""
+def _peer_fn(name: str, qh, kh, vh, causal: bool, l_q: int, window: int | None = None) -> Callable[[], torch.Tensor]:
+    """A zero-argument call of peer ``name`` on [B, H, L, D] tensors (mask built here, untimed);
+    ``window``: Flex's sliding-window mask (the SDPA peers take none)."""
     if name == "sdpa_flash":
         f = _sdpa("FLASH_ATTENTION")
         return lambda: f(qh, kh, vh, causal)
@@ -95,7 +107,7 @@ def _peer_fn(name: str, qh, kh, vh, causal: bool, l_q: int) -> Callable[[], torc
         return lambda: f(qh, kh, vh, causal)
     if name == "flex":
         flex = _flex()
-        mask = _causal_block_mask(l_q) if causal else None
+        mask = _causal_block_mask(l_q, window) if causal else None
         return lambda: flex(qh, kh, vh, block_mask=mask, enable_gqa=True)
     raise KeyError(name)
 
@@ -133,26 +145,32 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def prefill_vs_decode_bitwise(q, k, v, positions: list[int]) -> bool:
+def prefill_vs_decode_bitwise(q, k, v, positions: list[int], window: int | None = None) -> bool:
     """Rows of sequence 0's full causal forward == decode steps at ``positions`` over a
-    cache with NaN past the step (split-KV kernel) == the sequence alone."""
+    cache with NaN past the step (split-KV kernel) == the sequence alone; ``window``: a
+    sliding window of that many keys throughout."""
     from ..ops.attention import flash_attn_func, flash_attn_with_kvcache
 
-    full = flash_attn_func(q, k, v)
-    ok = _bits_equal(flash_attn_func(q[:1], k[:1], v[:1])[0], full[0])
+    win = dict(window_size=(window - 1, 0)) if window else {}
+    full = flash_attn_func(q, k, v, **win)
+    ok = _bits_equal(flash_attn_func(q[:1], k[:1], v[:1], **win)[0], full[0])
     l = q.shape[1]
     kc = torch.full((1, l, k.shape[2], k.shape[3]), float("nan"), dtype=k.dtype, device=k.device)
     vc = kc.clone()
     for p in positions:
         kc[:, :p], vc[:, :p] = k[:1, :p], v[:1, :p]
         kc[:, p:], vc[:, p:] = float("nan"), float("nan")
-        row = flash_attn_with_kvcache(q[:1, p:p + 1], kc, vc, k[:1, p:p + 1], v[:1, p:p + 1], p)
+        row = flash_attn_with_kvcache(q[:1, p:p + 1], kc, vc, k[:1, p:p + 1], v[:1, p:p + 1], p, **win)
         ok = ok and _bits_equal(row[0, 0], full[0, p])
     return ok
 
 
-def _prefill_rows(d: int, lengths: tuple[int, ...], backward: bool) -> list[dict[str, Any]]:
+def _prefill_rows(d: int, lengths: tuple[int, ...], backward: bool, window: int | None = None
+                  ) -> list[dict[str, Any]]:
     from ..ops.attention import flash_attn_func
+
+    win = dict(window_size=(window - 1, 0)) if window else {}
+    peers = ("flex",) if window else PEERS
 
     rows = []
     for l in lengths:
@@ -164,13 +182,13 @@ def _prefill_rows(d: int, lengths: tuple[int, ...], backward: bool) -> list[dict
         do = torch.randn(b, l, HQ, d, device="cuda", generator=g, dtype=torch.bfloat16)
         qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         doh = do.transpose(1, 2).contiguous()
-        flops = _flops_fwd(b, l, d)
-        row: dict[str, Any] = {"D": d, "L": l, "B": b}
-        fns: dict[str, Callable[[], torch.Tensor]] = {"rlkernels": lambda: flash_attn_func(q, k, v)}
+        flops = _flops_fwd(b, l, d, window)
+        row: dict[str, Any] = {"D": d, "L": l, "B": b, "window": window}
+        fns: dict[str, Callable[[], torch.Tensor]] = {"rlkernels": lambda: flash_attn_func(q, k, v, **win)}
         errors: dict[str, str] = {}
-        for name in PEERS:
+        for name in peers:
             try:
-                fns[name] = _peer_fn(name, qh, kh, vh, True, l)
+                fns[name] = _peer_fn(name, qh, kh, vh, True, l, window)
             except Exception as exc:  # noqa: BLE001
                 errors[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
         for name, fn in fns.items():
@@ -182,10 +200,10 @@ def _prefill_rows(d: int, lengths: tuple[int, ...], backward: bool) -> list[dict
             if backward:
                 if name == "rlkernels":
                     leaves = [t.requires_grad_() for t in (q, k, v)]
-                    bfn = _fwd_bwd(lambda: flash_attn_func(q, k, v), leaves, do)
+                    bfn = _fwd_bwd(lambda: flash_attn_func(q, k, v, **win), leaves, do)
                 else:
                     leaves = [t.requires_grad_() for t in (qh, kh, vh)]
-                    peer = _peer_fn(name, qh, kh, vh, True, l) if name not in errors else None
+                    peer = _peer_fn(name, qh, kh, vh, True, l, window) if name not in errors else None
                     bfn = _fwd_bwd(peer, leaves, doh) if peer else None
                 ms_b, err_b = _time(bfn) if bfn else (None, errors.get(name))
                 row[f"{name}_fwdbwd_tflops"] = 3.5 * flops / (ms_b * 1e-3) / 1e12 if ms_b else None
@@ -194,14 +212,14 @@ def _prefill_rows(d: int, lengths: tuple[int, ...], backward: bool) -> list[dict
                 for t in leaves:
                     t.requires_grad_(False)
                     t.grad = None
-        for name in PEERS:
+        for name in peers:
             ours, theirs = row.get("rlkernels_fwd_tflops"), row.get(f"{name}_fwd_tflops")
             row[f"fwd_vs_{name}"] = ours / theirs if ours and theirs else None
             ours_b, theirs_b = row.get("rlkernels_fwdbwd_tflops"), row.get(f"{name}_fwdbwd_tflops")
             row[f"fwdbwd_vs_{name}"] = ours_b / theirs_b if ours_b and theirs_b else None
         positions = sorted({0, 1, 63, 64, l // 2 + 1, min(l - 1, 1024), l - 1})
         with torch.no_grad():
-            row["bitwise_prefill_eq_decode"] = prefill_vs_decode_bitwise(q[:2], k[:2], v[:2], positions)
+            row["bitwise_prefill_eq_decode"] = prefill_vs_decode_bitwise(q[:2], k[:2], v[:2], positions, window)
         row["errors"] = errors or None
         rows.append(row)
         print(row, flush=True)
@@ -274,14 +292,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.quick:
         head_dims, lengths = head_dims[:1], lengths[:1]
     copy_gbs = copy_bandwidth_gbs()
+    window = getattr(args, "sliding_window", None)
     prefill: list[dict[str, Any]] = []
     decode: list[dict[str, Any]] = []
     for d in head_dims:
         if not getattr(args, "no_prefill", False):
-            prefill += _prefill_rows(d, lengths, not getattr(args, "no_backward", False))
-        if not getattr(args, "no_decode", False):
+            prefill += _prefill_rows(d, lengths, not getattr(args, "no_backward", False), window)
+        if not getattr(args, "no_decode", False) and window is None:
             decode += _decode_rows(d, DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES, copy_gbs)
-    if prefill:
+    if prefill and window:
+        print_table(f"attention prefill, causal bf16, 16/8 heads, sliding window {window}, TFLOP/s of the pairs "
+                    "each window holds (fwd+bwd = 3.5x fwd FLOPs)", prefill,
+                    ["D", "L", "B", "window", "rlkernels_fwd_tflops", "flex_fwd_tflops", "fwd_vs_flex",
+                     "rlkernels_fwdbwd_tflops", "flex_fwdbwd_tflops", "fwdbwd_vs_flex", "bitwise_prefill_eq_decode"])
+    elif prefill:
         print_table("attention prefill, causal bf16, 16/8 heads, TFLOP/s (fwd+bwd = 3.5x fwd FLOPs)", prefill,
                     ["D", "L", "B", "rlkernels_fwd_tflops", "sdpa_flash_fwd_tflops", "sdpa_cudnn_fwd_tflops",
                      "flex_fwd_tflops", "fwd_vs_sdpa_cudnn", "fwd_vs_flex", "rlkernels_fwdbwd_tflops",

@@ -167,8 +167,8 @@ def test_attention_refuses_what_it_does_not_compute():
     model = _model("qwen3")
     attn = model.model.layers[0].self_attn
     q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
-    with pytest.raises(ValueError, match="sliding_window=4 with 5 key slots is not supported"):
-        attention.rlkernels_attention_forward(attn, q, k, k, None, sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window must be a positive int, got 0"):
+        attention.rlkernels_attention_forward(attn, q, k, k, None, sliding_window=0)
     with pytest.raises(ValueError, match="softcap=50.0 is not supported"):
         attention.rlkernels_attention_forward(attn, q, k, k, None, softcap=50.0)
     attn.train()
@@ -200,11 +200,32 @@ def test_mistral_with_its_default_sliding_window_is_exact_where_the_window_holds
         seq0, lp0 = rlkernels.generate(model, ids, mask, max_new_tokens=4, do_sample=True, seed=3)
         assert torch.equal(seq0, seq) and torch.equal(lp0, lp)
         assert torch.equal(samples[0].tokens, seq[0, 12:]) and torch.equal(samples[0].logprobs, lp[0])
-        model.config.sliding_window = 8  # a window shorter than the sequence: refused, not approximated
-        with pytest.raises(ValueError, match="sliding_window=8 with 12 key slots is not supported"):
-            token_logprobs(model, ids, mask)
     finally:
         model.config.sliding_window = 4096
+
+
+def test_a_window_shorter_than_the_sequence_keeps_sampler_and_trainer_equal():
+    # Mistral with a window of 8 over 12-token prompts and 6 new tokens: the window hides keys
+    # in the prompt, in generate's static cache and in rollout's slot cache.
+    model = _tiny("mistral", tie_word_embeddings=False, sliding_window=8)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    rlkernels.patch_model(model)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: positions count from the first real token
+    seq, lp = rlkernels.generate(model, ids, mask, max_new_tokens=6, do_sample=True, seed=3, eos_token_id=[])
+    full_mask = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], 1)
+    assert torch.equal(token_logprobs(model, seq, full_mask)[:, 11:], lp)
+    alone = rlkernels.generate(model, ids[1:2, 5:], max_new_tokens=6, do_sample=True, seed=3, eos_token_id=[],
+                               streams=torch.tensor([1]))
+    assert torch.equal(alone[0][0, 7:], seq[1, 12:]) and torch.equal(alone[1][0], lp[1])
+    samples = rlkernels.rollout(model, [ids[0], ids[1, 5:]], max_new_tokens=6, seed=3, eos_token_id=[])
+    assert torch.equal(samples[1].tokens, seq[1, 12:]) and torch.equal(samples[1].logprobs, lp[1])
+    # transformers' own sliding-window cache keeps the last 7 keys only: refused once it drops one.
+    with pytest.raises(ValueError, match="the cache has dropped its first"):
+        model.generate(ids[:1], max_new_tokens=3, do_sample=False)
 
 
 def test_registered_for_from_config_and_set_attn_implementation():
@@ -241,6 +262,34 @@ def test_generate_logprobs_are_the_trainers_bit_for_bit_gpu(arch):
                      b_ids.shape[1])
         for i, r in enumerate(rows):
             assert torch.equal(r[len(prompts[i]) - 1:], lp[i])
+
+
+@pytest.mark.gpu
+def test_a_sliding_window_keeps_graphed_generate_rollout_and_trainer_equal_gpu():
+    # Mistral-shaped, bf16, a window of 64 under prompts of up to 120 tokens and 40 new ones.
+    model = _tiny("mistral", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000, sliding_window=64,
+                  tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # a trained model's logit spread
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    patch_model(model)
+    prompts = [p.cuda() for p in _prompts((37, 120, 5, 64, 1, 99))]
+    ids, mask = _pad([p.cpu() for p in prompts], left=True)
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(max_new_tokens=40, do_sample=True, temperature=TEMPERATURE, seed=5)
+    seq, lp = rlkernels.generate(model, ids, mask, cuda_graph=False, **kw)
+    seq_g, lp_g = rlkernels.generate(model, ids, mask, cuda_graph=True, **kw)
+    assert torch.equal(seq, seq_g) and torch.equal(lp, lp_g)
+    width = ids.shape[1]
+    for i, p in enumerate(prompts):
+        row = torch.cat([p, seq[i, width:]])
+        assert torch.equal(token_logprobs(model, row[None], temperature=TEMPERATURE)[0, len(p) - 1:], lp[i]), i
+    samples = rlkernels.rollout(model, prompts, n=2, max_batch=4, cuda_graph=True, **kw)
+    for r in samples[::3]:
+        alone = rlkernels.generate(model, prompts[r.prompt][None], streams=torch.tensor([r.stream]).cuda(), **kw)
+        assert torch.equal(r.tokens, alone[0][0, len(prompts[r.prompt]):]) and torch.equal(r.logprobs, alone[1][0])
 
 
 def test_mask_hook_hands_the_first_query_slot_through():

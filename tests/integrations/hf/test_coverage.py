@@ -35,7 +35,9 @@ def _build(kind: str, **over) -> torch.nn.Module:
     elif kind == "gemma2":
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**DENSE, head_dim=8, **over))
     elif kind == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**DENSE, sliding_window=None))
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**DENSE, **{"sliding_window": None, **over}))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DENSE, **over))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE, head_dim=8))
     elif kind == "olmo2":  # post-norms, q/k norms over all heads, its own RMSNorm order
@@ -185,11 +187,14 @@ def test_a_rotary_table_that_follows_the_batch_is_not_claimed():
     assert rlkernels.is_patched(fixed)
 
 
-@pytest.mark.parametrize("kind, over", [("phi3", {}), ("phi3", dict(partial_rotary_factor=0.5)),
-                                        ("phi3", dict(sliding_window=64)), ("olmo2", {})])
+@pytest.mark.parametrize("kind, over", [
+    ("phi3", {}), ("phi3", dict(partial_rotary_factor=0.5)), ("phi3", dict(sliding_window=8)), ("olmo2", {}),
+    ("mistral", dict(sliding_window=8)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))])
 def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, over):
     # Phi-3 and Phi-4 (Phi3ForCausalLM): Phi-4-mini rotates part of each head, Phi-3-mini-4k
-    # has a window (here holding every key). OLMo 2.
+    # has a sliding window. OLMo 2. Mistral's window; Qwen2's on its later layers only. The
+    # windows (8) are shorter than the sequences, so they hide keys.
     stock = _build(kind, **over)
     with torch.no_grad():
         stock.lm_head.weight.mul_(60.0)  # a trained model's logit spread
@@ -204,7 +209,8 @@ def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, ove
     assert logits.std() >= 5 and float((logp.detach().double() - want).abs().max()) <= 1e-4
     assert _rows_equal_alone_and_batched(model, None) == len(seqs)
     prompts = torch.stack([s[:3] for s in seqs])
-    seq, lp = rlkernels.generate(model, prompts, max_new_tokens=6, do_sample=True, seed=4, temperature=0.8)
+    seq, lp = rlkernels.generate(model, prompts, max_new_tokens=10, do_sample=True, seed=4, temperature=0.8,
+                                 eos_token_id=[])  # (no row ends: every new token is scored)
     assert torch.equal(rlkernels.token_logprobs(model, seq, temperature=0.8)[:, 2:], lp)
 
 

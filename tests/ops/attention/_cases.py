@@ -93,15 +93,16 @@ def hf_layout(rows: list[torch.Tensor], starts: list[int], slots: int) -> torch.
     return buf.transpose(1, 2)
 
 
-def check_packed_backward(attn, seqs, lens, dtype, backend):
+def check_packed_backward(attn, seqs, lens, dtype, backend, window: int = -1):
     """Output and dQ/dK/dV of packed sequences: run to run equal, each sequence's rows
     equal to it alone, the middle sequence's grads within the contract of float64 autograd.
-    attn: the entry points (:func:`entry_points`, or ``A``); seqs: per sequence [q, k, v, dout] rows."""
+    attn: the entry points (:func:`entry_points`, or ``A``); seqs: per sequence [q, k, v, dout] rows;
+    window: the keys a query sees back (window_size=(window, 0)), -1 for all."""
     device = seqs[0][0].device
 
     def grads(q, k, v, do, cu, mx):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        o = attn.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, backend=backend)
+        o = attn.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, window_size=(window, 0), backend=backend)
         return (o,) + torch.autograd.grad(o, (q, k, v), do)
 
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -114,7 +115,7 @@ def check_packed_backward(attn, seqs, lens, dtype, backend):
         for name, t, u in zip(("out", "dq", "dk", "dv"), together, alone):
             assert bits_equal(t[a:a + n], u), f"{name} of sequence {i}"
     q, k, v, do = (t[None].double().requires_grad_() if j < 3 else t[None].double() for j, t in enumerate(seqs[1]))
-    ref = torch.autograd.grad(reference.attention_ref(q, k, v), (q, k, v), do)
+    ref = torch.autograd.grad(reference.attention_ref(q, k, v, window=window), (q, k, v), do)
     a, n = int(cu[1]), lens[1]
     for t, r in zip(together[1:], ref):
         contract.check("attention_grad", dtype, t[a:a + n], r[0])

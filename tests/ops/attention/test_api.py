@@ -11,6 +11,8 @@ and CUDA-graph decode.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,7 +22,8 @@ from rlkernels.ops.attention.key_blocks import DEFAULT_CHAIN
 from rlkernels.ops.attention.launch import DEFAULT_TUNING
 
 from ...conftest import cpu_backend_cases, randn
-from ._cases import bits_equal, chunked, decode_row, gpu_qkv, nan_cache, packed, qkv, sizes
+from ._cases import (bits_equal, check_packed_backward, chunked, decode_row, gpu_qkv, nan_cache, packed, qkv,
+                     sizes)
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases())
@@ -62,6 +65,53 @@ def test_prefill_rows_equal_every_other_way(backend, dtype, gen, attn):
         if backend == "triton" and chunks == [7]:
             continue  # the interpreter is slow; [1, 7, 32, 52] covers 7
         assert bits_equal(chunked(attn, q, k, v, chunks, backend, cap)[0], full), f"chunks {chunks}"
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_a_window_is_a_mask_on_the_one_chain(backend, dtype, gen, attn):
+    """window_size=(W, 0): rows within the contract of float64 attention that hides keys more
+    than W back; each row the same bits in prefill, decode over a NaN-filled cache, chunked
+    prefill, as a prefix, as the last queries of a call, packed beside other sequences;
+    gradients packed == alone. A window holding every key gives the unwindowed bits."""
+    hq, hkv, d = sizes(backend)
+    L = 71 if backend == "triton" else 131
+    q, k, v = qkv(L, hq, hkv, d, dtype, gen)
+    assert bits_equal(attn.flash_attn_func(q, k, v, window_size=(L - 1, 0), backend=backend),
+                      attn.flash_attn_func(q, k, v, backend=backend))
+    # W = 5 and 20 sit inside a key block of 16 and across one; 40 spans a split of 32.
+    for w in ((5, 40) if backend == "triton" else (0, 5, 20, 40)):
+        win = dict(window_size=(w, 0))
+        full = attn.flash_attn_func(q, k, v, **win, backend=backend)[0]
+        contract.check("attention", dtype, full, reference.attention_ref(q, k, v, window=w)[0])
+        for p in (0, w, 31, 32, 47, L - 1):
+            kc, vc = nan_cache(1, L + 9, hkv, d, dtype)
+            kc[:, :p], vc[:, :p] = k[:, :p], v[:, :p]
+            row = attn.flash_attn_with_kvcache(q[:, p:p + 1], kc, vc, k[:, p:p + 1], v[:, p:p + 1],
+                                               torch.tensor([p], dtype=torch.int32), **win, backend=backend)
+            assert bits_equal(row[0, 0], full[p]), f"window {w}, decode row {p}"
+        kc, vc = nan_cache(1, L + 9, hkv, d, dtype)
+        outs, pos = [], 0
+        for n in (7, 32, 1, L):
+            n = min(n, L - pos)
+            outs.append(attn.flash_attn_with_kvcache(q[:, pos:pos + n], kc, vc, k[:, pos:pos + n], v[:, pos:pos + n],
+                                                     torch.tensor([pos], dtype=torch.int32), **win, backend=backend))
+            pos += n
+        assert bits_equal(torch.cat(outs, 1)[0], full), f"window {w}, chunked"
+        for n in (1, 33):
+            assert bits_equal(attn.flash_attn_func(q[:, :n], k[:, :n], v[:, :n], **win, backend=backend)[0],
+                              full[:n]), f"window {w}, prefix {n}"
+        assert bits_equal(attn.flash_attn_func(q[:, L - 19:], k, v, **win, backend=backend)[0], full[L - 19:])
+        seqs = [tuple(t[0] for t in qkv(n, hq, hkv, d, dtype, gen)) + (randn(n, hq, d, dtype=dtype, generator=gen),)
+                for n in (1, 37)]
+        seqs.insert(1, (q[0], k[0], v[0], randn(L, hq, d, dtype=dtype, generator=gen)))
+        check_packed_backward(attn, seqs, [1, L, 37], dtype, backend, window=w)
+    with pytest.raises(ValueError, match="window_size=\\(3, 2\\) bounds keys after the query"):
+        attn.flash_attn_func(q, k, v, causal=False, window_size=(3, 2), backend=backend)
+    with pytest.raises(ValueError, match="window_size entries must be >= -1"):
+        attn.flash_attn_func(q, k, v, window_size=(-2, 0), backend=backend)
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        attn.flash_attn_varlen_func(q[0], k[0], v[0], *[torch.tensor([0, L], dtype=torch.int32)] * 2, L, L,
+                                    window_size=(1.5, 0), backend=backend)
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
@@ -250,6 +300,53 @@ def test_gpu_prefill_decode_chunked_packed(dtype, d):
                                                   torch.tensor([pos], dtype=torch.int32, device="cuda")))
             pos, i = pos + n, i + 1
         assert bits_equal(torch.cat(outs, 1)[0], full[0]), f"chunks {chunks}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [100, 1500])
+def test_gpu_window_prefill_decode_chunked_packed_backward(w):
+    """A window of 100 (inside a split) and 1500 (across splits): within the contract,
+    and one chain for every row whatever the call; gradients packed == alone. A window
+    holding every key gives the unwindowed bits (the warp-specialized kernel's)."""
+    dtype, d, hq, hkv, L = torch.bfloat16, 128, 16, 8, 4096
+    q, k, v = gpu_qkv(2, L, hq, hkv, d, dtype)
+    win = dict(window_size=(w, 0))
+    # The Triton kernel under a window that hides nothing == the warp-specialized kernel (no window).
+    triton_kernel = A.AttnTuning(fwd=dataclasses.replace(A.default_fwd_launch(d, L), ws=False))
+    assert bits_equal(A.flash_attn_func(q, k, v, window_size=(L, 0), _tuning=triton_kernel), A.flash_attn_func(q, k, v))
+    full = A.flash_attn_func(q, k, v, **win)
+    n = 2100
+    ref = reference.attention_ref(q[:, :n], k[:, :n], v[:, :n], window=w)
+    err = contract.check("attention", dtype, full[:, :n], ref)
+    print(f"[contract gpu] attention {dtype} window {w}: rel {err:.2e}")
+    assert bits_equal(A.flash_attn_func(q[1:], k[1:], v[1:], **win)[0], full[1])
+    lens = [1, 1031, L, 2053]
+    seqs = [tuple(t[0, :n] for t in gpu_qkv(1, n, hq, hkv, d, dtype, seed=n)) for n in lens]
+    seqs[2] = (q[0], k[0], v[0])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    out = A.flash_attn_varlen_func(*(torch.cat([s[i] for s in seqs]) for i in range(3)), cu, cu, L, L, **win)
+    assert bits_equal(out[int(cu[2]):int(cu[2]) + L], full[0])
+    cap = L + 64
+    kc = torch.full((1, cap, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    vc = kc.clone()
+    for p in sorted({0, w - 1, w, w + 1, 1023, 1024, 2047, 2048, 3001, L - 1}):
+        kc[:, :p], vc[:, :p] = k[:1, :p], v[:1, :p]
+        kc[:, p:], vc[:, p:] = float("nan"), float("nan")
+        row = A.flash_attn_with_kvcache(q[:1, p:p + 1], kc, vc, k[:1, p:p + 1], v[:1, p:p + 1],
+                                        torch.tensor([p], dtype=torch.int32, device="cuda"), **win)
+        assert bits_equal(row[0, 0], full[0, p]), f"decode row {p}"
+    kc.fill_(float("nan"))
+    vc.fill_(float("nan"))
+    outs, pos, i = [], 0, 0
+    while pos < L:
+        n = min((1, 7, 64, 100)[i % 4], L - pos)
+        outs.append(A.flash_attn_with_kvcache(q[:1, pos:pos + n], kc, vc, k[:1, pos:pos + n], v[:1, pos:pos + n],
+                                              torch.tensor([pos], dtype=torch.int32, device="cuda"), **win))
+        pos, i = pos + n, i + 1
+    assert bits_equal(torch.cat(outs, 1)[0], full[0]), "chunked"
+    grads = [tuple(t[0] for t in gpu_qkv(1, n, hq, hkv, d, dtype, seed=7 + n))
+             + (torch.randn(n, hq, d, device="cuda").to(dtype),) for n in (1, 1777, 613)]
+    check_packed_backward(A, grads, [1, 1777, 613], dtype, "triton", window=w)
 
 
 @pytest.mark.gpu

@@ -59,11 +59,13 @@ def test_registry_and_custom_op(gen, attn):
     ks, vs = (t.reshape(1, -1, *t.shape[2:]) for t in (k, v))  # keys [1, Tk, Hkv, D]: one packed run of rows
     ar = torch.arange(2, dtype=torch.int32)
     lens = torch.full((2,), 9, dtype=torch.int32)
-    out, lse = torch.ops.rlkernels.flash_attn_fwd(qs, ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 0.35,
-                                                  *SMALL_CHAIN, "torch", False)
-    assert bits_equal(out.view(2, 9, 2, 8), attn.flash_attn_func(q, k, v, softmax_scale=0.35, backend="torch"))
+    for window in (-1, 4):
+        out, lse = torch.ops.rlkernels.flash_attn_fwd(qs, ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, window,
+                                                      0.35, *SMALL_CHAIN, "torch", False)
+        assert bits_equal(out.view(2, 9, 2, 8), attn.flash_attn_func(q, k, v, softmax_scale=0.35,
+                                                                     window_size=(window, 0), backend="torch"))
     torch.library.opcheck(torch.ops.rlkernels.flash_attn_fwd.default,
-                          (qs.requires_grad_(), ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 0.35,
+                          (qs.requires_grad_(), ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 4, 0.35,
                            *SMALL_CHAIN, "torch", False),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
@@ -106,6 +108,7 @@ def test_every_route_gives_one_result(backend, dtype, gen, attn):
 
     same(lambda q, k, v: attn.flash_attn_func(q, k, v, True, 0.3, backend=backend), q, k, v, dout=do)
     same(lambda q, k, v: attn.flash_attn_func(q, k, v, False, backend=backend), q, k, v, dout=do)
+    same(lambda q, k, v: attn.flash_attn_func(q, k, v, window_size=(5, 0), backend=backend), q, k, v, dout=do)
     rows = q.reshape(b * lq, hq, d)
     ar = torch.arange(b, dtype=torch.int32)
     q_len, k_len = torch.full((b,), lq, dtype=torch.int32), torch.full((b,), lk, dtype=torch.int32)

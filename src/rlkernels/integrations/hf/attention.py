@@ -165,12 +165,8 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
     b, hq, lq, d = query.shape
     s = key.shape[2]
     window = kwargs.get("sliding_window")
-    # A query sees the keys less than `window` positions before it (transformers' rule): with
-    # at most `window` key slots that is every key, and the window changes nothing.
-    if window is not None and s > window:
-        raise ValueError(f"rlkernels attention: sliding_window={window!r} with {s} key slots is not supported: "
-                         f"the invariant chain covers a sliding window only where every key fits in it "
-                         f"(sequences, or a static cache, of at most {window} slots)")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"rlkernels attention: sliding_window must be a positive int, got {window!r}")
     dev = query.device
     q_rows = query.transpose(1, 2).reshape(b * lq, hq, d)
     # Keys stay where the cache keeps them ([B, Hkv, S, D]): the kernels take batch and head
@@ -189,8 +185,9 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
         # the mask hook said where they start (a static cache's slots).
         offset: int | torch.Tensor = getattr(attention_mask, Q_OFFSET, s - lq)
         q_start, q_len, k_start, k_len, valid_rows = _bounds_of(attention_mask, offset, b, lq, s, dev)
+    # transformers' window: a query sees keys fewer than `window` positions before it.
     out = attention_by_bounds("attention (Hugging Face)", q_rows, k_rows, v_rows, q_start, q_len, k_start, k_len, lq, s,
-                              causal=True, scale=scale)
+                              causal=True, scale=scale, window_size=(-1 if window is None else window - 1, -1))
     out = out.view(b, lq, hq, d)
     if valid_rows is not None:  # padding rows: zeros (no key of theirs was computed)
         out = torch.where(valid_rows[:, :, None, None], out, _zero(out.dtype, dev))
@@ -215,6 +212,12 @@ def _pass_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, q
     unchanged wherever it builds the mask again (an already 4-D mask is kept as is),
     under the attribute :data:`Q_OFFSET`; the attention reads it there.
     """
+    if isinstance(kwargs.get("kv_offset"), int) and kwargs["kv_offset"] > 0:
+        # transformers' sliding-window cache layers keep the last `window` keys only; the
+        # chain counts keys from a sequence's first, which such a cache no longer holds.
+        raise ValueError(f"rlkernels attention: the cache has dropped its first {kwargs['kv_offset']} keys (a "
+                         "sliding-window cache layer); the invariant chain needs every key of a sequence in its "
+                         "cache: use rlkernels.generate / rlkernels.rollout, or a cache whose layers keep every key")
     if q_offset is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():
         q_offset, q_length = cache_position[:1], cache_position.numel()
     if isinstance(q_offset, torch.Tensor):

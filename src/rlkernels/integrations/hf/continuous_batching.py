@@ -325,11 +325,6 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
     else:
         if slots is None:
             slots = 2 * window
-            # A sliding window holds every key of a cache no longer than it (the attention refuses
-            # a longer one): keep the slots within it where the rollout's windows fit.
-            sliding = getattr(config, "sliding_window", None)
-            if is_int(sliding) and window <= sliding < slots:
-                slots = sliding
         elif slots < window:
             i = next(i for i, p in enumerate(ids) if len(p) == longest)
             raise ValueError(f"rlkernels.rollout: prompts[{i}] ({longest} tokens) plus max_new_tokens "

@@ -284,10 +284,13 @@ def drop(kind: str, model: nn.Module, state: Any) -> None:
 
 def new_cache(model: nn.Module, length: int) -> Any:
     """An empty ``StaticCache`` of ``length`` slots for ``model``, its layers' writes one
-    launch each (:func:`~rlkernels.integrations.hf.static_cache.count_once`)."""
+    launch each (:func:`~rlkernels.integrations.hf.static_cache.count_once`). Every layer
+    keeps every key at its position's slot: transformers' sliding-window layers (the last
+    ``window`` keys, rolled) become full ones, and the attention's window masks instead."""
     from transformers import StaticCache  # transformers is the optional "hf" extra
 
     cache = StaticCache(config=model.config, max_cache_len=length)
+    static_cache.keep_every_key(cache, length)
     static_cache.count_once(cache)  # one launch per layer for its writes
     return cache
 

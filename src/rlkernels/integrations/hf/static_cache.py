@@ -60,6 +60,20 @@ def count_once(cache: Any) -> bool:
     return True
 
 
+def keep_every_key(cache: Any, length: int) -> None:
+    """Replace the empty sliding-window layers of a 5.x ``StaticCache`` by full ``StaticLayer``
+    s of ``length`` slots, in place. A sliding layer keeps the last ``window`` keys in its
+    slots, rolled once full, so a key's slot stops being its position; the invariant chain
+    counts keys from a sequence's first. Memory: ``length`` slots for those layers too."""
+    try:
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+    except ImportError:  # transformers without per-layer caches: nothing rolls
+        return
+    cache.layers = [StaticLayer(max_cache_len=length)
+                    if type(layer) is StaticSlidingWindowLayer and not layer.is_initialized else layer
+                    for layer in cache.layers]
+
+
 def first_rows(cache: Any, rows: int) -> Any:
     """A cache over the first ``rows`` rows of ``cache`` -- a written :func:`count_once` cache --
     whose layers' keys and values are views of ``cache``'s and whose writes advance the same

@@ -16,8 +16,8 @@ if triton is not None:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         H, G, D, qk_scale, LQ, K_ADD, KV_ROWS, WINDOW,
-        CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
+        CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
         KLEN_PTR: tl.constexpr, REVERSE_M: tl.constexpr, TMA: tl.constexpr, ONE_SPLIT: tl.constexpr,
     ):
         """Full forward: one program per (query tile of BLOCK_M rows, sequence, query head).

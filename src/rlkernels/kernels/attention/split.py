@@ -17,8 +17,8 @@ if triton is not None:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         HKV, G, D, qk_scale, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, KV_ROWS, WINDOW,
-        CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
+        CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
         KLEN_PTR: tl.constexpr, FINISH: tl.constexpr,
     ):
         """One split of S_SPLIT keys for a tile of (query, head of the GQA group) rows.

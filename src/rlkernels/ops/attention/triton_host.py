@@ -109,8 +109,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
             (q, k, v, ws, out, lse, q_start, q_len, k_start, k_len,
              q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
              hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add, rows, max(window, 0)),
-            dict(CAUSAL=causal, SLIDING=sliding, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee,
-                 EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, FINISH=finish_here),
+            dict(CAUSAL=causal, SLIDING=sliding, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split,
+                 IEEE=ieee, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, FINISH=finish_here),
             num_warps=cfg.split.num_warps, num_stages=cfg.split.num_stages)
         if not finish_here:
             # The combine's tile is launch detail (an elementwise merge per row and column):
@@ -126,9 +126,10 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
     # Not the dense form with per-sequence key counts (k_len + K_ADD, the KV-cache path's):
-    # the warp-specialized kernel reads a padded batch's key count from Lk alone; it has
-    # no window.
-    if (cfg.ws and not sliding and not (is_dense and klen_ptr)
+    # the warp-specialized kernel reads a padded batch's key count from Lk alone. It has no
+    # window: it takes a windowed call only where the window hides no key (every position is
+    # below max_k, so a window of max_k - 1 keys back reaches key 0), the same bits.
+    if (cfg.ws and (window < 0 or window >= max_k - 1) and not (is_dense and klen_ptr)
             and ws_fwd(q, k, v, out, lse, (q_start, q_len, k_start, k_len), nb, max_q, max_k,
                        (lq_d, k_add) if is_dense else None, causal, qk_scale, tuning)):
         return out, lse
@@ -141,8 +142,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
          hq, g, d, qk_scale, lq_d, k_add, rows, max(window, 0)),
         # (max_k bounds every k_len, as the grid's max_q bounds every q_len)
         dict(CAUSAL=causal, SLIDING=sliding, BLOCK_M=cfg.full.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd,
-             S_SPLIT=chain.split, IEEE=ieee, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, REVERSE_M=causal, TMA=tma,
-             ONE_SPLIT=max_k <= chain.split),
+             S_SPLIT=chain.split, IEEE=ieee, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, REVERSE_M=causal,
+             TMA=tma, ONE_SPLIT=max_k <= chain.split),
         num_warps=cfg.full.num_warps, num_stages=cfg.full.num_stages)
     return out, lse
 
@@ -203,8 +204,8 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0),
          dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
          hkv, g, d, qk_scale, scale, lq_d, k_add, rows, max(window, 0)),
-        dict(CAUSAL=causal, SLIDING=window >= 0, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
-             TMA=q_tma, DENSE=dense is not None),
+        dict(CAUSAL=causal, SLIDING=window >= 0, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=bd,
+             IEEE=ieee, EVEN_D=d == bd, TMA=q_tma, DENSE=dense is not None),
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages)
     *k_descs, k_tma = _tma_descs(use_tma, k, v, cfg.dq.block_n, bd)
     _launch_bwd_dq(
@@ -212,7 +213,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (q, k, v, do, lse, delta, dq, *k_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
          hq, g, d, qk_scale, scale, lq_d, k_add, rows, max(window, 0)),
-        dict(CAUSAL=causal, SLIDING=window >= 0, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=bd, IEEE=ieee, EVEN_D=d == bd,
-             REVERSE_M=causal, TMA=k_tma, DENSE=dense is not None),
+        dict(CAUSAL=causal, SLIDING=window >= 0, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=bd,
+             IEEE=ieee, EVEN_D=d == bd, REVERSE_M=causal, TMA=k_tma, DENSE=dense is not None),
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
     return dq, dk, dv
