@@ -58,6 +58,10 @@ CONTRACT: dict[str, dict[torch.dtype, Tolerance]] = {
     "moe": _row("rel", fp64=(1e-13, 3.9e-16), fp32=(2e-6, 2.6e-7), fp16=(3e-3, 5.1e-4), bf16=(1.6e-2, 4.0e-3)),
     # dQ, dK, dV (P and dS rounded to the input dtype before their dots)
     "attention_grad": _row("rel", fp64=(1e-10, 9.3e-16), fp32=(1e-5, 5.1e-7), fp16=(3e-3, 5.8e-4), bf16=(2.4e-2, 6.0e-3)),
+    # elementwise activations (tanh-GELU) and their gradients, rounded once to the dtype
+    "activation": _row("rel", fp64=(1e-13, 7.8e-18), fp32=(1e-6, 2.2e-8), fp16=(1e-3, 8.1e-5), bf16=(8e-3, 5.8e-4)),
+    "activation_grad": _row("rel", fp64=(1e-13, 5.4e-16), fp32=(2e-6, 1.7e-7), fp16=(2e-3, 1.8e-4),
+                            bf16=(1.6e-2, 1.4e-3)),
 }
 
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from .gemm.chain import accumulator_dtype
-from .ops.activations import sigmoid, silu
+from .ops.activations import gelu_tanh, sigmoid, silu
 from .ops.matmul import linear
 from .ops.moe import moe_experts, moe_topk
 from .ops.norms import rms_norm
@@ -53,20 +53,25 @@ class LMHead(Linear):
 class RMSNorm(nn.Module):
     """Drop-in for HF ``*RMSNorm`` modules (``weight``, ``variance_epsilon``): Llama's
     ``weight * xhat.to(x.dtype)``, or with ``weight_in_fp32`` OLMo 2's ``(weight * xhat).to(x.dtype)``
-    (:func:`rlkernels.ops.norms.rms_norm`)."""
+    (:func:`rlkernels.ops.norms.rms_norm`). ``weight_offset`` (Gemma's 1.0, with
+    ``weight_in_fp32``): the factor is ``weight_offset + weight.float()``, formed in fp32 in
+    every forward (so a captured graph reads the weight as it is at replay)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, weight_in_fp32: bool = False, device=None,
-                 dtype=None) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, weight_in_fp32: bool = False,
+                 weight_offset: float = 0.0, device=None, dtype=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.weight_in_fp32 = weight_in_fp32
+        self.weight_offset = _check_offset(weight_offset, weight_in_fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon, weight_in_fp32=self.weight_in_fp32)
+        w = self.weight if not self.weight_offset else self.weight_offset + self.weight.float()
+        return rms_norm(x, w, self.variance_epsilon, weight_in_fp32=self.weight_in_fp32)
 
     @classmethod
-    def from_module(cls, module: nn.Module, *, weight_in_fp32: bool = False) -> "RMSNorm":
+    def from_module(cls, module: nn.Module, *, weight_in_fp32: bool = False,
+                    weight_offset: float = 0.0) -> "RMSNorm":
         """An ``RMSNorm`` sharing ``module.weight`` (no copy); eps from ``variance_epsilon``/``eps``."""
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if eps is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -76,11 +81,30 @@ class RMSNorm(nn.Module):
         new.weight = module.weight
         new.variance_epsilon = float(eps)
         new.weight_in_fp32 = weight_in_fp32
+        new.weight_offset = _check_offset(weight_offset, weight_in_fp32)
         return new
 
     def extra_repr(self) -> str:
         order = ", weight_in_fp32=True" if self.weight_in_fp32 else ""
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{order}"
+        offset = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{order}{offset}"
+
+
+def _check_offset(offset: float, weight_in_fp32: bool) -> float:
+    """The offset as a float; an offset's factor is formed in fp32, so it needs ``weight_in_fp32``."""
+    offset = float(offset)
+    if offset and not weight_in_fp32:
+        raise ValueError(f"rlkernels.RMSNorm: weight_offset={offset} needs weight_in_fp32=True (the factor "
+                         "offset + weight is formed in fp32)")
+    return offset
+
+
+class GELUTanh(nn.Module):
+    """Drop-in for ``nn.GELU(approximate="tanh")`` / transformers' ``GELUTanh`` whose bits do
+    not depend on the batch (:func:`rlkernels.ops.activations.gelu_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh(x)
 
 
 class SiLU(nn.Module):

@@ -1,4 +1,4 @@
-"""SiLU: a row's bits do not depend on the tensor's size, or on the batch-invariant mode."""
+"""SiLU and tanh-GELU: a row's bits do not depend on the tensor's size; SiLU's not on the batch-invariant mode."""
 from __future__ import annotations
 
 import pytest
@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import rlkernels
-from rlkernels.nn import SiLU
-from rlkernels.ops.activations import silu
+from rlkernels import contract
+from rlkernels.nn import GELUTanh, SiLU
+from rlkernels.ops.activations import gelu_tanh, silu
 
 
 def _rows_alone_vs_batched(fn, x: torch.Tensor) -> bool:
@@ -123,3 +124,38 @@ def test_linear_silu_mul_one_launch_gives_the_three_ops_bits_gpu(dtype):
             big = (torch.randn(SILU_MUL_MAX_M + 60, k, generator=g) * 2).to(dtype).cuda()
             assert not _one_launch_linear_silu_mul(big, w_gate, w_up)
             assert _bits_equal(linear_silu_mul(big, w_gate, w_up)[:7], linear_silu_mul(big[:7], w_gate, w_up))
+
+
+def _offsets_equal(fn, x: torch.Tensor, width: int = 29) -> bool:
+    """Each run of ``width`` elements starting at offsets 0..36 == the same elements of one call."""
+    full = fn(x)
+    return all(torch.equal(fn(x[o:o + width]), full[o:o + width]) for o in range(37))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gelu_tanh_elements_do_not_depend_on_where_they_sit(dtype):
+    x = (torch.randn(100003, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    assert _offsets_equal(gelu_tanh, x) and _rows_alone_vs_batched(gelu_tanh, x[:999].reshape(9, 111))
+    want = F.gelu(x.double(), approximate="tanh")
+    contract.check("activation", dtype, gelu_tanh(x), want)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0, 100.0, 0.0, -0.0]).to(dtype)
+    ours, stock = gelu_tanh(special), F.gelu(special, approximate="tanh")  # NaN at NaN and -inf, as stock
+    assert torch.equal(ours.isnan(), stock.isnan()) and torch.equal(ours[~ours.isnan()], stock[~stock.isnan()])
+
+
+def test_stock_cpu_gelu_tanh_elements_move_with_the_tensor_size():
+    """The control: ATen's fp32 tanh-GELU rounds some elements of its scalar tail otherwise."""
+    x = torch.randn(100003, generator=torch.Generator().manual_seed(5)) * 4
+    assert not _offsets_equal(lambda t: F.gelu(t, approximate="tanh"), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gelu_tanh_gradient_is_the_formulas(dtype):
+    x = (torch.randn(4, 257, generator=torch.Generator().manual_seed(6)) * 3).to(dtype).requires_grad_(True)
+    g = torch.randn(4, 257, generator=torch.Generator().manual_seed(7)).to(dtype)
+    (dx,) = torch.autograd.grad(GELUTanh()(x), x, g)
+    xd = x.detach().double().requires_grad_(True)
+    (want,) = torch.autograd.grad(F.gelu(xd, approximate="tanh"), xd, g.double())
+    contract.check("activation_grad", dtype, dx, want)
+    assert _rows_alone_vs_batched(lambda t: torch.autograd.grad(GELUTanh()(t), t, torch.ones_like(t))[0],
+                                  x.detach().clone().requires_grad_(True))

@@ -174,6 +174,41 @@ def test_rms_norm_weight_in_fp32_rounds_once_after_the_weight(backend, dtype, ge
     assert torch.equal(torch.cat(rows), y.detach())  # a row alone: the same bits
 
 
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16, torch.bfloat16)))
+def test_rms_norm_with_gemmas_weight_offset(backend, dtype, gen):
+    # Gemma's norm: (xhat * (1 + weight.float())).to(x.dtype), the weight stored around 0.
+    # Within the contract of an fp64 reference, forward and backward; a row alone == the batch.
+    norm = RMSNorm(131, weight_in_fp32=True, weight_offset=1.0, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(0.1 * randn(131, generator=gen))
+    x = randn(9, 131, dtype=dtype, generator=gen, scale=3.0).requires_grad_()
+    ctx = _norms_on(backend)
+    with ctx:
+        y = norm(x)
+        rows = [norm(x[i:i + 1].detach()) for i in range(9)]
+    assert y.dtype == dtype and torch.equal(torch.cat(rows), y.detach())
+    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    y64 = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)) * (1.0 + w64)
+    assert testing.rel_error(y, y64) <= TOL[dtype]
+    g = randn(9, 131, dtype=dtype, generator=gen)
+    with ctx:
+        gx, gw = torch.autograd.grad(y, (x, norm.weight), g)
+    gx64, gw64 = torch.autograd.grad(y64, (x64, w64), g.double())
+    assert gw.dtype == dtype and testing.rel_error(gx, gx64) <= TOL[dtype] and testing.rel_error(gw, gw64) <= TOL[dtype]
+    with pytest.raises(ValueError, match="weight_offset=1.0 needs weight_in_fp32=True"):
+        RMSNorm(131, weight_offset=1.0)
+
+
+def _norms_on(backend: str):
+    """rlkernels.RMSNorm's op on ``backend`` for the duration (the module takes no backend)."""
+    from unittest import mock
+
+    import rlkernels.nn
+
+    return mock.patch.object(rlkernels.nn, "rms_norm",
+                             lambda *a, **k: norms.rms_norm(*a, **{**k, "backend": backend}))
+
+
 def test_invalid_inputs():
     with pytest.raises(ValueError):
         norms.rms_norm(torch.randn(3, 4), torch.randn(5))

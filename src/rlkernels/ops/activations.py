@@ -7,7 +7,7 @@ ops that round each element alone, rounded once to ``x``'s dtype; the backward l
 These are the formulas the batch-invariant mode installs for ATen's CPU ``silu``, so a
 patched model's bits do not depend on the mode either. CUDA keeps ATen's ``silu``, whose
 elements are computed alike wherever they sit. ``sigmoid`` (the gate of Qwen2-MoE's shared
-expert) is built the same way.
+expert) and ``gelu_tanh`` (Gemma's MLP activation) are built the same way.
 
 ``silu_mul(gate, up)`` is the gated MLP's ``silu(gate) * up``: on CUDA, where no input
 needs a gradient, one launch that reproduces ATen's two (``kernels.activations``; a GPU
@@ -19,6 +19,8 @@ two canonical chains and the same epilogue), elsewhere the three ops; the bits a
 three ops' either way.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -148,3 +150,46 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and x.is_floating_point():
         return _SigmoidChain.apply(x)
     return torch.sigmoid(x)
+
+
+# ATen's constants of the tanh approximation: sqrt(2 / pi) and the cubic term's weight.
+GELU_TANH_BETA = math.sqrt(2.0 / math.pi)
+GELU_TANH_KAPPA = 0.044715
+
+
+def gelu_tanh_chain(x: torch.Tensor) -> torch.Tensor:
+    """``0.5 x (1 + tanh(beta (x + kappa x^3)))`` elementwise in the accumulator dtype, rounded
+    once to x's dtype (ops that round each element alone on the CPU: mul, add, tanh)."""
+    xf = x.to(accumulator_dtype(x.dtype))
+    inner = GELU_TANH_BETA * (xf + GELU_TANH_KAPPA * (xf * xf * xf))
+    return (0.5 * xf * (1 + torch.tanh(inner))).to(x.dtype)
+
+
+def gelu_tanh_chain_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """d gelu_tanh(x) * grad: ``0.5 (1 + t) + 0.5 x (1 - t^2) beta (1 + 3 kappa x^2)``, t the tanh."""
+    xf = x.to(accumulator_dtype(x.dtype))
+    t = torch.tanh(GELU_TANH_BETA * (xf + GELU_TANH_KAPPA * (xf * xf * xf)))
+    d = 0.5 * (1 + t) + 0.5 * xf * (1 - t * t) * GELU_TANH_BETA * (1 + 3 * GELU_TANH_KAPPA * (xf * xf))
+    return (grad.to(xf.dtype) * d).to(grad.dtype)
+
+
+class _GeluTanhChain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return gelu_tanh_chain(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return gelu_tanh_chain_backward(grad, x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (``F.gelu(x, approximate="tanh")``, Gemma's
+    ``gelu_pytorch_tanh``) of a float tensor: the fixed elementwise chain on the CPU, whose
+    ATen kernel gives an fp32 element other bits in its vector body than in its scalar tail,
+    ATen's kernel elsewhere (an element's bits do not depend on where it sits)."""
+    if x.device.type == "cpu" and x.is_floating_point():
+        return _GeluTanhChain.apply(x)
+    return F.gelu(x, approximate="tanh")

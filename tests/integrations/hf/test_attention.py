@@ -264,17 +264,34 @@ def test_generate_logprobs_are_the_trainers_bit_for_bit_gpu(arch):
             assert torch.equal(r[len(prompts[i]) - 1:], lp[i])
 
 
+def _gemma3_gpu() -> torch.nn.Module:
+    """Gemma-3-1B's layer shape (hidden 1152, 4 query heads over 1 KV head of 256, MLP 6912,
+    five sliding layers to one full), six layers, vocabulary 32000, a window of 64."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=32000, hidden_size=1152, intermediate_size=6912, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=64, query_pre_attn_scalar=256,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], tie_word_embeddings=False)
+    return transformers.Gemma3ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+
+
 @pytest.mark.gpu
-def test_a_sliding_window_keeps_graphed_generate_rollout_and_trainer_equal_gpu():
-    # Mistral-shaped, bf16, a window of 64 under prompts of up to 120 tokens and 40 new ones.
-    model = _tiny("mistral", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000, sliding_window=64,
-                  tie_word_embeddings=False)
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_sliding_window_keeps_graphed_generate_rollout_and_trainer_equal_gpu(family):
+    # bf16, a window of 64 under prompts of up to 120 tokens and 40 new ones: Mistral's shape
+    # (every layer windowed) and Gemma 3's (head dim 256, one KV head, 5 windowed layers to 1).
+    if family == "gemma3":
+        model = _gemma3_gpu()
+    else:
+        model = _tiny("mistral", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
+                      sliding_window=64, tie_word_embeddings=False)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # a trained model's logit spread
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     patch_model(model)
+    assert rlkernels.is_patched(model)
     prompts = [p.cuda() for p in _prompts((37, 120, 5, 64, 1, 99))]
     ids, mask = _pad([p.cpu() for p in prompts], left=True)
     ids, mask = ids.cuda(), mask.cuda()

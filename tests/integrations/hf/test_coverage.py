@@ -36,6 +36,9 @@ def _build(kind: str, **over) -> torch.nn.Module:
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**DENSE, head_dim=8, **over))
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**DENSE, **{"sliding_window": None, **over}))
+    elif kind == "gemma3":  # text: sliding and full layers, Gemma's norms, tanh-GELU MLP
+        fields = dict(DENSE, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{**fields, **over}))
     elif kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DENSE, **over))
     elif kind == "qwen3":
@@ -69,7 +72,7 @@ def _rows_equal_alone_and_batched(model: torch.nn.Module, batch_invariant: bool 
                            batched[i, :len(s) - 1]) for i, s in enumerate(seqs))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3", "qwen3_moe"])
 def test_verified_families_are_patched_without_a_warning(kind):
     model = _build(kind)
     with warnings.catch_warnings():
@@ -190,11 +193,11 @@ def test_a_rotary_table_that_follows_the_batch_is_not_claimed():
 @pytest.mark.parametrize("kind, over", [
     ("phi3", {}), ("phi3", dict(partial_rotary_factor=0.5)), ("phi3", dict(sliding_window=8)), ("olmo2", {}),
     ("mistral", dict(sliding_window=8)),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))])
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)), ("gemma3", {})])
 def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, over):
     # Phi-3 and Phi-4 (Phi3ForCausalLM): Phi-4-mini rotates part of each head, Phi-3-mini-4k
-    # has a sliding window. OLMo 2. Mistral's window; Qwen2's on its later layers only. The
-    # windows (8) are shorter than the sequences, so they hide keys.
+    # has a sliding window. OLMo 2. Mistral's window; Qwen2's on its later layers only; Gemma 3's
+    # on every other layer. The windows (8) are shorter than the sequences, so they hide keys.
     stock = _build(kind, **over)
     with torch.no_grad():
         stock.lm_head.weight.mul_(60.0)  # a trained model's logit spread
@@ -243,8 +246,9 @@ def test_rms_norms_are_swapped_only_for_a_formula_the_library_computes():
 def test_every_verified_familys_rms_norm_is_a_formula_the_library_computes(family):
     import importlib
 
-    from rlkernels.integrations.hf.patch import _rms_norm_order
+    from rlkernels.integrations.hf.patch import _rms_norm_formula
 
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     norms = [getattr(module, name) for name in dir(module) if name.endswith("RMSNorm")]
-    assert norms and all(_rms_norm_order(cls) == (family == "olmo2") for cls in norms)
+    want = {"olmo2": (True, 0.0), "gemma3": (True, 1.0)}.get(family, (False, 0.0))
+    assert norms and all(_rms_norm_formula(cls) == want for cls in norms)

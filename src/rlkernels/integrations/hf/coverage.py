@@ -46,7 +46,7 @@ from typing import Any, Iterator
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from ...nn import Linear, MoeExperts, MoeRouter, RMSNorm, SiLU, SparseMoeBlock
+from ...nn import GELUTanh, Linear, MoeExperts, MoeRouter, RMSNorm, SiLU, SparseMoeBlock
 from ..aten_mode import set_batch_invariant_mode
 from .attention import NAME as ATTENTION
 
@@ -59,8 +59,12 @@ from .attention import NAME as ATTENTION
 # (a slice and a concatenation), all elementwise; its RMSNorm is Llama's formula. OLMo 2
 # norms q and k over all heads and the sublayers' outputs before the residual adds, with
 # its own RMSNorm order (weight times the fp32 rows, then rounded: patch.py reads which).
-VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "mixtral",
-                                               "qwen2_moe", "qwen3_moe"})
+# Gemma 3 (text): embeddings times a constant, four norms per layer (around the attention
+# and the MLP, Gemma's 1 + weight in fp32) and q/k norms, a tanh-GELU gated MLP, per-layer
+# sliding windows and a rotary table per layer type, each a one-term product of a
+# config-fixed frequency; its logits' soft-cap is a config field, refused where set.
+VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3",
+                                               "mixtral", "qwen2_moe", "qwen3_moe"})
 
 # Class-name endings of transformers' MoE modules: uncovered wherever they appear (the
 # block itself holds no parameter, so the family rule alone would let it through).
@@ -148,6 +152,27 @@ def is_silu(module: object) -> bool:
     return kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
 
 
+def is_gelu_tanh(module: object) -> bool:
+    """``nn.GELU(approximate="tanh")`` or transformers' ``GELUTanh`` / ``PytorchGELUTanh``
+    computing ``F.gelu(x, approximate="tanh")`` (Gemma's ``gelu_pytorch_tanh``). Stock modules
+    only, not :class:`rlkernels.nn.GELUTanh` (as :func:`is_silu`); ``GELUTanh`` built with its
+    Python formula computes something else and is left alone."""
+    kind = type(module)
+    if kind is nn.GELU:
+        return module.approximate == "tanh"  # type: ignore[attr-defined]
+    if kind.__module__ != "transformers.activations" or kind.__name__ not in ("GELUTanh", "PytorchGELUTanh"):
+        return False
+    act = getattr(module, "act", None)
+    if act is None:  # releases whose forward calls F.gelu itself
+        try:
+            lines = [line.strip() for line in inspect.getsource(kind.forward).splitlines()]
+        except (OSError, TypeError):
+            return False
+        return 'return nn.functional.gelu(input, approximate="tanh")' in lines
+    return (isinstance(act, functools.partial) and act.func is nn.functional.gelu
+            and act.keywords == {"approximate": "tanh"} and not act.args)
+
+
 def batch_dependent_rope(module: nn.Module) -> str | None:
     """The rope type of a rotary embedding whose table depends on the batch, or None.
 
@@ -175,7 +200,7 @@ def _parallel_layers() -> tuple[type, ...]:
 
 
 def _covered(module: nn.Module) -> bool:
-    if isinstance(module, (Linear, RMSNorm, SiLU, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT,
+    if isinstance(module, (Linear, RMSNorm, SiLU, GELUTanh, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT,
                            *_parallel_layers())):
         return True
     if type(module).__name__.endswith(STOCK_MOE_SUFFIXES) or batch_dependent_rope(module) is not None:

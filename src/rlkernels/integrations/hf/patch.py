@@ -1,9 +1,10 @@
 """``rlkernels.patch_model``: a Hugging Face causal LM made batch-invariant in place.
 
-``patch_model`` swaps every ``nn.Linear`` for :class:`rlkernels.Linear` and every
+``patch_model`` swaps every ``nn.Linear`` for :class:`rlkernels.Linear`, every
 ``*RMSNorm`` module (Llama, Qwen2, Qwen3, Mistral, ... -- anything with ``weight``
-and ``variance_epsilon``/``eps`` computing the HF RMSNorm formula) for
-:class:`rlkernels.RMSNorm`, sharing the Parameter objects, and selects the
+and ``variance_epsilon``/``eps`` computing the HF RMSNorm formula, OLMo 2's order or
+Gemma's ``1 + weight``) for :class:`rlkernels.RMSNorm`, sharing the Parameter objects,
+the SiLU and tanh-GELU activations for the library's, and selects the
 ``"rlkernels"`` attention implementation (:mod:`.attention`): the fused
 attention whose rows do not depend on the batch, the padding side, packing, or
 prefill vs decode. SDPA / flash kernels pick their split and tile strategy from the
@@ -24,12 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...nn import Linear
-from ...nn import LMHead
-from ...nn import RMSNorm
-from ...nn import SiLU
+from ...nn import GELUTanh, Linear, LMHead, RMSNorm, SiLU
 from . import attention, coverage, decoder_layer, mlp, moe, qkv, rotary
-from .coverage import decoder_of, is_silu
+from .coverage import decoder_of, is_gelu_tanh, is_silu
 from ...runtime.opaque import opaque_to_compile
 
 
@@ -37,30 +35,47 @@ from ...runtime.opaque import opaque_to_compile
 # weight multiplies in fp32 (OLMo 2) or after the rounding to the input's dtype (Llama's).
 _RMS_NORM_RETURNS = {"return self.weight * hidden_states.to(input_dtype)": False,
                      "return (self.weight * hidden_states).to(input_dtype)": True}
+# Gemma's RMSNorm (Gemma 1-3): the fp32 rows normed by ``_norm``, times ``1 + weight`` in fp32,
+# rounded once -- the fp32-kept order with the factor offset by 1.
+_GEMMA_FORWARD = ("output = self._norm(x.float())", "output = output * (1.0 + self.weight.float())",
+                  "return output.type_as(x)")
+_GEMMA_NORM = "return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)"
+
+
+def _source_lines(fn: Any) -> list[str] | None:
+    try:
+        return [line.strip() for line in inspect.getsource(fn).splitlines()]
+    except (OSError, TypeError):
+        return None
 
 
 @functools.lru_cache(maxsize=None)
-def _rms_norm_order(module_type: type) -> bool | None:
-    """``weight_in_fp32`` for a transformers RMSNorm class whose forward is one of the two
-    formulas (its source read), else None: another formula -- Gemma's ``(1 + weight)``, a
-    gated or offset norm -- is left alone, not replaced by one that computes something else."""
-    try:
-        lines = [line.strip() for line in inspect.getsource(module_type.forward).splitlines()]
-    except (OSError, TypeError):
+def _rms_norm_formula(module_type: type) -> tuple[bool, float] | None:
+    """``(weight_in_fp32, weight_offset)`` of :class:`rlkernels.RMSNorm` for a transformers
+    RMSNorm class whose forward is one of the formulas the library computes (its source
+    read), else None: another formula -- a gated or otherwise offset norm -- is left alone,
+    not replaced by one that computes something else."""
+    lines = _source_lines(module_type.forward)
+    if lines is None:
         return None
-    if "variance = hidden_states.pow(2).mean(-1, keepdim=True)" not in lines:
-        return None
-    found = {_RMS_NORM_RETURNS[line] for line in lines if line in _RMS_NORM_RETURNS}
-    return found.pop() if len(found) == 1 and sum(line.startswith("return") for line in lines) == 1 else None
+    returns = sum(line.startswith("return") for line in lines)
+    if "variance = hidden_states.pow(2).mean(-1, keepdim=True)" in lines:
+        found = {_RMS_NORM_RETURNS[line] for line in lines if line in _RMS_NORM_RETURNS}
+        return (found.pop(), 0.0) if len(found) == 1 and returns == 1 else None
+    body = [line for line in lines if line in _GEMMA_FORWARD]
+    norm = _source_lines(getattr(module_type, "_norm", None))
+    if body == list(_GEMMA_FORWARD) and returns == 1 and norm is not None and _GEMMA_NORM in norm:
+        return True, 1.0
+    return None
 
 
-def _rms_norm_swap(module: nn.Module) -> bool | None:
-    """``weight_in_fp32`` where ``module`` is a stock RMSNorm the library computes, else None."""
+def _rms_norm_swap(module: nn.Module) -> tuple[bool, float] | None:
+    """:func:`_rms_norm_formula` where ``module`` is a stock RMSNorm the library computes, else None."""
     if (not type(module).__name__.endswith("RMSNorm") or isinstance(module, RMSNorm)
             or not isinstance(getattr(module, "weight", None), torch.Tensor)
             or not (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))):
         return None
-    return _rms_norm_order(type(module))
+    return _rms_norm_formula(type(module))
 
 
 def patch_model(model: nn.Module, *, attn_implementation: str | None = attention.NAME) -> nn.Module:
@@ -109,10 +124,12 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
             # Exact type: subclasses (quantized / LoRA / parallel linears) compute something else.
             if type(child) is nn.Linear:
                 setattr(parent, name, (LMHead if child is head else Linear).from_torch(child))
-            elif (weight_in_fp32 := _rms_norm_swap(child)) is not None:
-                setattr(parent, name, RMSNorm.from_module(child, weight_in_fp32=weight_in_fp32))
+            elif (formula := _rms_norm_swap(child)) is not None:
+                setattr(parent, name, RMSNorm.from_module(child, weight_in_fp32=formula[0], weight_offset=formula[1]))
             elif is_silu(child):
                 setattr(parent, name, SiLU())
+            elif is_gelu_tanh(child):
+                setattr(parent, name, GELUTanh())
     if attn_implementation is not None:
         _set_attention(model, attn_implementation)
     rotary.install(model)
