@@ -26,10 +26,10 @@ def _build(kind: str, **over) -> torch.nn.Module:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4))
-    elif kind == "olmoe":  # a mixture-of-experts family the library does not read
-        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+    elif kind == "phimoe":  # a mixture-of-experts family the library does not read (its sparse-mixer router)
+        model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_experts=16, num_experts_per_tok=4))
+            num_key_value_heads=2, num_local_experts=16, num_experts_per_tok=2))
     elif kind == "cohere":
         model = transformers.CohereForCausalLM(transformers.CohereConfig(**DENSE, **over))
     elif kind == "gemma2":
@@ -82,7 +82,7 @@ def test_verified_families_are_patched_without_a_warning(kind):
     assert list(coverage.uncovered_modules(model)) == []
 
 
-@pytest.mark.parametrize("kind, named", [("gpt2", "Conv1D"), ("olmoe", "OlmoeExperts")])
+@pytest.mark.parametrize("kind, named", [("gpt2", "Conv1D"), ("phimoe", "PhimoeExperts")])
 def test_uncovered_modules_are_named_and_not_claimed(kind, named):
     model = _build(kind)
     with pytest.warns(UserWarning, match=f"(?s)only partly covered.*{named}") as record:
@@ -99,7 +99,7 @@ def test_uncovered_modules_are_named_and_not_claimed(kind, named):
 
 def test_stock_moe_rows_move_with_the_batch_outside_the_mode():
     """The control: the same MoE forward without the mode is not invariant on this CPU."""
-    model = _build("olmoe")
+    model = _build("phimoe")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rlkernels.patch_model(model)
@@ -151,7 +151,7 @@ def test_neutral_transform_values_are_not_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["gpt2", "olmoe"])
+@pytest.mark.parametrize("kind", ["gpt2", "phimoe"])
 def test_uncovered_models_run_under_the_mode_on_the_gpu(kind):
     model = _build(kind).to(device="cuda", dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match="only partly covered"):

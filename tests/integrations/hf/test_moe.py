@@ -17,7 +17,7 @@ from rlkernels.nn import SparseMoeBlock  # noqa: E402
 from ...conftest import HAS_CUDA  # noqa: E402
 
 VOCAB = 300
-KINDS = ("qwen3_moe", "qwen2_moe", "mixtral")
+KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 HIDDEN, EXPERTS, TOP_K = 64, 16, 4
 
 
@@ -37,13 +37,16 @@ def _config(kind: str, **over):
         fields = dict(common, intermediate_size=32, num_local_experts=EXPERTS, sliding_window=None)
         return transformers.MixtralConfig(**{**fields, **over})
     if kind == "olmoe":
-        fields = dict(common, intermediate_size=32, num_experts=EXPERTS)
+        fields = dict(common, intermediate_size=32, num_experts=EXPERTS, norm_topk_prob=True)
         return transformers.OlmoeConfig(**{**fields, **over})
+    if kind == "phimoe":
+        fields = dict(common, intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=2)
+        return transformers.PhimoeConfig(**{**fields, **over})
     raise ValueError(kind)
 
 
 _MODEL_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "phimoe": "PhimoeForCausalLM"}
 
 
 def build(kind: str, dtype=torch.float32, device="cpu", config=None, **over) -> torch.nn.Module:
@@ -132,8 +135,8 @@ def test_patch_model_replaces_the_blocks_sharing_every_parameter(kind):
 
 
 def test_an_unread_moe_family_stays_uncovered():
-    model = build("olmoe")
-    with pytest.warns(UserWarning, match="(?s)only partly covered.*OlmoeExperts"):
+    model = build("phimoe")  # PhiMoE routes with its sparse mixer: not a block the library reads
+    with pytest.warns(UserWarning, match="(?s)only partly covered.*PhimoeExperts"):
         rlkernels.patch_model(model)
     assert not rlkernels.is_patched(model)
     assert not any(isinstance(m, SparseMoeBlock) for m in model.modules())
@@ -345,8 +348,8 @@ def test_another_activation_is_refused():
 
 
 def test_an_unknown_block_is_refused_by_name():
-    block = build("olmoe").model.layers[0].mlp
-    with pytest.raises(ValueError, match=r"layer0 \(OlmoeSparseMoeBlock\) cannot be replaced: not a block"):
+    block = build("phimoe").model.layers[0].mlp
+    with pytest.raises(ValueError, match=r"layer0 \(PhimoeSparseMoeBlock\) cannot be replaced: not a block"):
         moe.replace_block("layer0", block)
 
 

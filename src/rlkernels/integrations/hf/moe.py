@@ -9,6 +9,7 @@ token, with a ``*TopKRouter`` ``gate`` (``weight`` [E, H], no bias) and a fused
   outputs times the weights, ``index_add_`` into the output.
 * Qwen2-MoE (``Qwen2MoeSparseMoeBlock``): the same routed experts, plus a shared expert
   (a gated MLP) times ``sigmoid(shared_expert_gate(x))`` (a [1, H] linear), added.
+* OLMoE (``OlmoeSparseMoeBlock``): Qwen3-MoE's router and experts, line for line.
 * Mixtral (``MixtralSparseMoeBlock``): ``softmax(logits.float())``, ``topk``, always divided
   by their sum, kept in fp32; in training, a random jitter of the input when
   ``router_jitter_noise`` > 0.
@@ -53,6 +54,8 @@ BLOCKS: dict[tuple[str, str], Family] = {
                                                     shared_mlp="Qwen2MoeMLP"),
     ("mixtral", "MixtralSparseMoeBlock"): Family("MixtralTopKRouter", "MixtralExperts", True,
                                                  round_weights=False, shared_expert=False),
+    ("olmoe", "OlmoeSparseMoeBlock"): Family("OlmoeTopKRouter", "OlmoeExperts", "norm_topk_prob",
+                                             round_weights=True, shared_expert=False),
 }
 
 # The expert layout flags transformers' ``use_experts_implementation`` sets, at the values

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import textwrap
 import types
 import warnings
 from typing import Any
@@ -139,7 +140,9 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     _keep_out_of_compile(model)
     gaps = coverage.describe_gaps(model)
     if gaps is not None:
-        lines = "".join(f"\n  - {gap}" for gap in gaps)
+        # One item per kind of gap, wrapped: a warning line stays readable in a terminal.
+        lines = "".join("\n  - " + textwrap.fill(gap, width=180, subsequent_indent="    ", break_long_words=False,
+                                                  break_on_hyphens=False) for gap in gaps)
         warnings.warn(f"rlkernels.patch_model: {type(model).__name__} is only partly covered, so "
                       f"rlkernels.is_patched(model) is False:{lines}\n"
                       "Their ops may reduce across features or tokens with stock kernels; token_logprobs and "
