@@ -209,6 +209,19 @@ def _norms_on(backend: str):
                              lambda *a, **k: norms.rms_norm(*a, **{**k, "backend": backend}))
 
 
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_rms_norm_of_rows_with_no_features_is_empty_like_stock(backend, dtype):
+    # torch.nn.functional.rms_norm gives an empty result for [..., 0]; so does this, with grads.
+    x = torch.randn(2, 3, 0, dtype=dtype, requires_grad=True)
+    w = torch.ones(0, dtype=dtype, requires_grad=True)
+    y = norms.rms_norm(x, w, backend=backend)
+    assert y.shape == torch.nn.functional.rms_norm(x, (0,), w).shape == (2, 3, 0)
+    gx, gw = torch.autograd.grad(y.sum(), (x, w))
+    assert gx.shape == (2, 3, 0) and gw.shape == (0,)
+    normed, summed = norms.add_rms_norm(x.detach(), x.detach(), None, backend=backend)
+    assert normed.shape == summed.shape == (2, 3, 0)
+
+
 def test_invalid_inputs():
     with pytest.raises(ValueError):
         norms.rms_norm(torch.randn(3, 4), torch.randn(5))

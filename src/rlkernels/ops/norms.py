@@ -72,13 +72,18 @@ def rms_norm_backward_fused(g2: torch.Tensor, x2: torch.Tensor, weight: torch.Te
     return grad_x, grad_w
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., N] as rows [prod(...), N] (also where N = 0, which reshape(-1, N) cannot infer)."""
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) -- the HF Llama/Qwen formula."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, reduction_backend, keep_fp32):  # type: ignore[override]
         N = x.shape[-1]
-        x2 = x.reshape(-1, N)
+        x2 = _rows(x)
         ctx.fused = reduction_backend.fuses_rms_norm(x, weight)
         if ctx.fused:
             x2 = x2.contiguous()
@@ -104,11 +109,11 @@ class _RMSNormFunction(torch.autograd.Function):
         N = x2.shape[-1]
         if ctx.fused:
             grad_x, grad_w = rms_norm_backward_fused(
-                grad.reshape(-1, N).contiguous(), x2, weight, rstd, ctx.keep_fp32,
+                _rows(grad).contiguous(), x2, weight, rstd, ctx.keep_fp32,
                 ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1])
             return (grad_x.reshape(ctx.shape) if grad_x is not None else None), grad_w, None, None, None
         adt = accumulator_dtype(x2.dtype)
-        g = grad.reshape(-1, N).to(adt)
+        g = _rows(grad).to(adt)
         xhat = x2.to(adt) * rstd[:, None]
         gw = g * weight.to(adt) if weight is not None else g
         grad_x = grad_w = None
@@ -140,7 +145,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
         # Inference (a decode step runs four norms per layer): the one fused launch, without
         # an autograd node -- the forward the Function would run, so the same bits.
         N = x.shape[-1]
-        y, _, _ = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), keep)
+        y, _, _ = rms_norm_forward_fused(_rows(x).contiguous(), weight, float(eps), keep)
         y = y.reshape(*x.shape[:-1], N)
     else:
         y = _RMSNormFunction.apply(x, weight, float(eps), reduction_backend, keep)
@@ -168,8 +173,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
                                          or (weight is not None and weight.requires_grad))
     if not grads and reduction_backend_for("rms_norm", x.device, backend).fuses_rms_norm(x, weight):
         N = x.shape[-1]
-        y, _, summed = rms_norm_forward_fused(x.reshape(-1, N).contiguous(), weight, float(eps), False,
-                                              residual=residual.reshape(-1, N).contiguous())
+        y, _, summed = rms_norm_forward_fused(_rows(x).contiguous(), weight, float(eps), False,
+                                              residual=_rows(residual).contiguous())
         return y.reshape(x.shape), summed.reshape(x.shape)
     summed = residual + x
     return rms_norm(summed, weight, eps, backend=backend), summed
