@@ -58,11 +58,13 @@ def log_softmax_ref(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                  softmax_scale: float | None = None, window: int = -1) -> torch.Tensor:
+                  softmax_scale: float | None = None, window: int = -1,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v in float64: q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (GQA:
     query head h uses KV head h // (Hq // Hkv)); causal is bottom-right aligned (query i
     sits at key position Lk - Lq + i); window >= 0: query i sees no key more than
-    ``window`` positions before its own; a row with no visible key gives 0."""
+    ``window`` positions before its own; sinks [Hq]: head h's logit joins each row's
+    softmax as one more column whose value is dropped; a row with no visible key gives 0."""
     qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
     g = q.shape[2] // k.shape[2]
     kd, vd = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
@@ -75,7 +77,11 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         s = s.masked_fill(keys > pos, float("-inf"))
     if window >= 0:
         s = s.masked_fill(keys < pos - window, float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
+    if sinks is not None:
+        sink = sinks.double()[None, :, None, None].expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1).nan_to_num(0.0)
     return (p @ vd).transpose(1, 2)
 
 

@@ -217,6 +217,34 @@ def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, ove
     assert torch.equal(rlkernels.token_logprobs(model, seq, temperature=0.8)[:, 2:], lp)
 
 
+def test_gpt_oss_sinks_and_windows_run_in_the_invariant_attention_under_the_mode():
+    # GPT-OSS: attention sinks (s_aux) and a window of 8 on every other layer go through the
+    # library's attention; its experts and norms are not patched, so it runs under the mode.
+    config = transformers.GptOssConfig(**{**DENSE, "hidden_size": 64}, head_dim=16, num_local_experts=8,
+                                       num_experts_per_tok=2, sliding_window=8,
+                                       layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    stock = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)  # initialised to zeros: give each head its own sink
+        stock.lm_head.weight.mul_(60.0)
+    reference = copy.deepcopy(stock).double()
+    reference.config._experts_implementation = "eager"  # grouped_mm takes no float64
+    with pytest.warns(UserWarning, match="(?s)only partly covered.*GptOssExperts"):
+        model = rlkernels.patch_model(stock)
+    seqs, ids, mask = _ragged()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logp = rlkernels.token_logprobs(model, ids, mask)
+        assert _rows_equal_alone_and_batched(model, None) == len(seqs)
+    with torch.no_grad():
+        logits = reference(ids, attention_mask=mask).logits[:, :-1]
+    want = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
+    assert logits.std() >= 5 and float((logp.detach().double() - want).abs().max()) <= 1e-4
+
+
 def test_rms_norms_are_swapped_only_for_a_formula_the_library_computes():
     olmo2, llama = _build("olmo2"), _build("llama")
     rlkernels.patch_model(olmo2)

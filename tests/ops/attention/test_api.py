@@ -115,6 +115,53 @@ def test_a_window_is_a_mask_on_the_one_chain(backend, dtype, gen, attn):
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_sinks_join_each_rows_normalizer_on_the_one_chain(backend, dtype, gen, attn):
+    """sinks [Hq] (GPT-OSS): within the contract of float64 attention with a sink column,
+    forward and the gradients of q, k, v and the sinks; each row the same bits in prefill,
+    decode over a NaN-filled cache, chunked, as a prefix and packed, with and without a window."""
+    hq, hkv, d = sizes(backend)
+    L = 71 if backend == "triton" else 131
+    q, k, v = qkv(L, hq, hkv, d, dtype, gen)
+    sinks = randn(hq, generator=gen, scale=2.0)
+    for w in (-1, 20):
+        kw = dict(window_size=(w, 0), sinks=sinks, backend=backend)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        full = attn.flash_attn_func(*leaves[:3], **{**kw, "sinks": leaves[3]})
+        do = randn(*full.shape, dtype=dtype, generator=gen)
+        grads = torch.autograd.grad(full, leaves, do)
+        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        ref = reference.attention_ref(*ref_leaves[:3], window=w, sinks=ref_leaves[3])
+        contract.check("attention", dtype, full, ref)
+        for got, want in zip(grads, torch.autograd.grad(ref, ref_leaves, do.double())):
+            contract.check("attention_grad", dtype, got, want)
+        full = full.detach()[0]
+        for p in (0, 31, 32, 47, L - 1):
+            kc, vc = nan_cache(1, L + 9, hkv, d, dtype)
+            kc[:, :p], vc[:, :p] = k[:, :p], v[:, :p]
+            row = attn.flash_attn_with_kvcache(q[:, p:p + 1], kc, vc, k[:, p:p + 1], v[:, p:p + 1],
+                                               torch.tensor([p], dtype=torch.int32), **kw)
+            assert bits_equal(row[0, 0], full[p]), f"window {w}, decode row {p}"
+        kc, vc = nan_cache(1, L + 9, hkv, d, dtype)
+        outs, pos = [], 0
+        for n in (7, 32, 1, L):
+            n = min(n, L - pos)
+            outs.append(attn.flash_attn_with_kvcache(q[:, pos:pos + n], kc, vc, k[:, pos:pos + n], v[:, pos:pos + n],
+                                                     torch.tensor([pos], dtype=torch.int32), **kw))
+            pos += n
+        assert bits_equal(torch.cat(outs, 1)[0], full), f"window {w}, chunked"
+        assert bits_equal(attn.flash_attn_func(q[:, :33], k[:, :33], v[:, :33], **kw)[0], full[:33])
+        other = [t[0] for t in qkv(37, hq, hkv, d, dtype, gen)]
+        cu = torch.tensor([0, 37, 37 + L], dtype=torch.int32)
+        packed_out = attn.flash_attn_varlen_func(*(torch.cat([o, t[0]]) for o, t in zip(other, (q, k, v))), cu, cu,
+                                                 L, L, **kw)
+        assert bits_equal(packed_out[37:], full), f"window {w}, packed"
+    with pytest.raises(ValueError, match=f"sinks must be \\[{hq}\\] \\(one logit per query head\\), got \\(3,\\)"):
+        attn.flash_attn_func(q, k, v, sinks=torch.zeros(3), backend=backend)
+    with pytest.raises(ValueError, match="sinks has dtype torch.int64"):
+        attn.flash_attn_func(q, k, v, sinks=torch.zeros(hq, dtype=torch.int64), backend=backend)
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
 def test_decode_batch_of_ragged_caches(backend, dtype, gen, attn):
     """One decode step for a batch of caches of different lengths (NaN past each) == each
     sequence's prefill row; the batch's lengths and positions change nothing."""
@@ -347,6 +394,43 @@ def test_gpu_window_prefill_decode_chunked_packed_backward(w):
     grads = [tuple(t[0] for t in gpu_qkv(1, n, hq, hkv, d, dtype, seed=7 + n))
              + (torch.randn(n, hq, d, device="cuda").to(dtype),) for n in (1, 1777, 613)]
     check_packed_backward(A, grads, [1, 1777, 613], dtype, "triton", window=w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [-1, 127])
+def test_gpu_sinks_prefill_decode_chunked_packed_backward(w):
+    """GPT-OSS's attention shape (64 query heads over 8 KV heads of 64, a sink per head,
+    every other layer a window of 128): one chain per row whatever the call; forward and
+    gradients (the sinks' too) within the contract of float64."""
+    dtype, d, hq, hkv, L = torch.bfloat16, 64, 64, 8, 3000
+    q, k, v = gpu_qkv(1, L, hq, hkv, d, dtype)
+    sinks = torch.randn(hq, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(dtype)
+    kw = dict(window_size=(w, 0), sinks=sinks)
+    full = A.flash_attn_func(q, k, v, **kw)[0]
+    lens = [1, 1031, L]
+    seqs = [tuple(t[0, :n] for t in gpu_qkv(1, n, hq, hkv, d, dtype, seed=n)) for n in lens]
+    seqs[2] = (q[0], k[0], v[0])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    out = A.flash_attn_varlen_func(*(torch.cat([s[i] for s in seqs]) for i in range(3)), cu, cu, L, L, **kw)
+    assert bits_equal(out[int(cu[2]):], full)
+    kc = torch.full((1, L + 64, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    vc = kc.clone()
+    for p in (0, 127, 128, 1023, 1024, 2047, L - 1):
+        kc[:, :p], vc[:, :p] = k[:1, :p], v[:1, :p]
+        kc[:, p:], vc[:, p:] = float("nan"), float("nan")
+        row = A.flash_attn_with_kvcache(q[:1, p:p + 1], kc, vc, k[:1, p:p + 1], v[:1, p:p + 1],
+                                        torch.tensor([p], dtype=torch.int32, device="cuda"), **kw)
+        assert bits_equal(row[0, 0], full[p]), f"decode row {p}"
+    n = 700
+    leaves = [t.detach().clone().requires_grad_() for t in (q[:, :n], k[:, :n], v[:, :n], sinks)]
+    o = A.flash_attn_func(*leaves[:3], window_size=(w, 0), sinks=leaves[3])
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, leaves, do)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = reference.attention_ref(*ref_leaves[:3], window=w, sinks=ref_leaves[3])
+    contract.check("attention", dtype, o, ref)
+    for got, want in zip(grads, torch.autograd.grad(ref, ref_leaves, do.double())):
+        contract.check("attention_grad", dtype, got, want)
 
 
 @pytest.mark.gpu

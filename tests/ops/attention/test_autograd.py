@@ -64,10 +64,11 @@ def test_registry_and_custom_op(gen, attn):
                                                       0.35, *SMALL_CHAIN, "torch", False)
         assert bits_equal(out.view(2, 9, 2, 8), attn.flash_attn_func(q, k, v, softmax_scale=0.35,
                                                                      window_size=(window, 0), backend="torch"))
-    torch.library.opcheck(torch.ops.rlkernels.flash_attn_fwd.default,
-                          (qs.requires_grad_(), ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 4, 0.35,
-                           *SMALL_CHAIN, "torch", False),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for sinks in (None, torch.tensor([0.5, -1.0], requires_grad=True)):
+        torch.library.opcheck(torch.ops.rlkernels.flash_attn_fwd.default,
+                              (qs.requires_grad_(), ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 4, 0.35,
+                               *SMALL_CHAIN, "torch", False, sinks),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32, torch.float16)))
@@ -109,6 +110,8 @@ def test_every_route_gives_one_result(backend, dtype, gen, attn):
     same(lambda q, k, v: attn.flash_attn_func(q, k, v, True, 0.3, backend=backend), q, k, v, dout=do)
     same(lambda q, k, v: attn.flash_attn_func(q, k, v, False, backend=backend), q, k, v, dout=do)
     same(lambda q, k, v: attn.flash_attn_func(q, k, v, window_size=(5, 0), backend=backend), q, k, v, dout=do)
+    sinks = randn(hq, generator=gen)
+    same(lambda q, k, v, s: attn.flash_attn_func(q, k, v, sinks=s, backend=backend), q, k, v, sinks, dout=do)
     rows = q.reshape(b * lq, hq, d)
     ar = torch.arange(b, dtype=torch.int32)
     q_len, k_len = torch.full((b,), lq, dtype=torch.int32), torch.full((b,), lk, dtype=torch.int32)

@@ -11,12 +11,12 @@ if triton is not None:
 
     @triton.jit
     def attn_fwd_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc, v_desc, K_HEAD_ROWS, K_HEAD_COLS, V_HEAD_ROWS, V_HEAD_COLS,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, k_desc, v_desc, K_HEAD_ROWS, K_HEAD_COLS, V_HEAD_ROWS, V_HEAD_COLS,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         H, G, D, qk_scale, LQ, K_ADD, KV_ROWS, WINDOW,
-        CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, SLIDING: tl.constexpr, SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
         KLEN_PTR: tl.constexpr, REVERSE_M: tl.constexpr, TMA: tl.constexpr, ONE_SPLIT: tl.constexpr,
     ):
@@ -32,7 +32,8 @@ if triton is not None:
         written out, merging onto the constant empty state, so the merged accumulator is
         not live during the walk (same bits; the D = 64 kernel stops spilling).
         SLIDING: each row sees keys no more than WINDOW positions back; the splits and
-        blocks no row of the tile sees are left out (``window_range``).
+        blocks no row of the tile sees are left out (``window_range``). SINK: head h's
+        sink logit (``sink_ptr[h]``, log2 units) joins each row's normalizer (``finish``).
         """
         pid_m, bh, z, h, q_start, q_len, k_start, k_len = tile_bounds(H, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
                                                                       LQ, K_ADD, KV_ROWS, REVERSE_M, DENSE, KLEN_PTR)
@@ -67,7 +68,10 @@ if triton is not None:
                                              n_end, n_full, n_lo, n_win, k_len, D, qk_scale, ONES, WINDOW, CAUSAL,
                                              SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, TMA)
                 m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
-        out, lse = finish(m, l, acc)
+        sink = m
+        if SINK:
+            sink = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(sink_ptr + h)
+        out, lse = finish(m, l, acc, sink, SINK)
         store_rows(query_base(o_ptr, q_start, h, stride_ot, stride_oh), offs_m, stride_ot, offs_d, q_len, D,
                    out.to(o_ptr.dtype.element_ty), EVEN_D)
         tl.store(lse_ptr + h * stride_lh + q_start + offs_m, lse, mask=row_ok)

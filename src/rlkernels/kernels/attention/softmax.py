@@ -69,8 +69,13 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def finish(m, l, acc):
-        """(out fp32, lse in log2 units); a row that saw no key gives 0 and -inf."""
+    def finish(m, l, acc, sink, SINK: tl.constexpr):
+        """(out fp32, lse in log2 units); a row that saw no key gives 0 and -inf. SINK: ``sink``
+        [BLOCK_M] (log2 units) is one more logit in each row's normalizer whose value row is
+        dropped (an attention sink): the state is merged with (sink, 1, 0) by the one merge
+        formula, last, so a row's sink joins its chain after every key."""
+        if SINK:
+            m, l, acc = merge_states(m, l, acc, sink, tl.full(sink.shape, 1.0, tl.float32), tl.zeros_like(acc))
         seen = l > 0
         out = acc / tl.where(seen, l, 1.0)[:, None]
         lse = tl.where(seen, m + tl.math.log2(tl.where(seen, l, 1.0)), float("-inf"))

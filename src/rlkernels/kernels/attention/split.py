@@ -12,14 +12,14 @@ if triton is not None:
 
     @triton.jit
     def attn_split_kernel(
-        q_ptr, k_ptr, v_ptr, ws_ptr, o_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, ws_ptr, o_ptr, lse_ptr, sink_ptr,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         HKV, G, D, qk_scale, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, KV_ROWS, WINDOW,
-        CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
-        KLEN_PTR: tl.constexpr, FINISH: tl.constexpr,
+        CAUSAL: tl.constexpr, SLIDING: tl.constexpr, SINK: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        EVEN_D: tl.constexpr, DENSE: tl.constexpr, KLEN_PTR: tl.constexpr, FINISH: tl.constexpr,
     ):
         """One split of S_SPLIT keys for a tile of (query, head of the GQA group) rows.
 
@@ -30,7 +30,8 @@ if triton is not None:
         combine merges exactly as a no-op. FINISH (N_SPLITS == 1): merge the one state
         onto the empty state and finish here, the combine kernel's expressions exactly.
         SLIDING: each row sees keys no more than WINDOW positions back (a split below
-        every row's window writes the empty state).
+        every row's window writes the empty state). SINK: each row's head's sink logit
+        (``sink_ptr``, log2 units) joins its normalizer where FINISH (``finish``).
         """
         pid_m, bk, sp, kvh, q_start, q_len, k_start, k_len = tile_bounds(
             HKV, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD, KV_ROWS, False, DENSE, KLEN_PTR)
@@ -68,7 +69,10 @@ if triton is not None:
         if FINISH:
             m, l, acc = empty_state(BLOCK_M, BLOCK_D)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
-            out, lse = finish(m, l, acc)
+            sink = m
+            if SINK:
+                sink = tl.load(sink_ptr + h)
+            out, lse = finish(m, l, acc, sink, SINK)
             if EVEN_D:
                 o_mask = row_ok[:, None]
             else:
@@ -84,9 +88,9 @@ if triton is not None:
 
     @triton.jit
     def attn_combine_kernel(
-        ws_ptr, o_ptr, lse_ptr, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
+        ws_ptr, o_ptr, lse_ptr, sink_ptr, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_ot, stride_oh, stride_lh,
-        HKV, G, D, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD,
+        HKV, G, D, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, SINK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr, EVEN_D: tl.constexpr,
         DENSE: tl.constexpr, KLEN_PTR: tl.constexpr,
     ):
@@ -95,7 +99,8 @@ if triton is not None:
         Each program takes BLOCK_M rows and BLOCK_DC of the BLOCK_D columns (the merge
         is elementwise per row and column, so the column chunking leaves the bits alone):
         a decode step has few real rows, and spreading the columns over programs keeps the
-        serial walk over the splits short. The chunk-0 program writes the LSE.
+        serial walk over the splits short. The chunk-0 program writes the LSE. SINK: as
+        the split kernel's, after the last split.
         """
         pid_m, bk, pid_d, kvh, q_start, q_len, k_start, k_len = tile_bounds(
             HKV, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD, 0, False, DENSE, KLEN_PTR)
@@ -112,7 +117,10 @@ if triton is not None:
             acc_s = tl.load(ws_ptr + 2 * WS_ROWS + base[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
                             other=0.0)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
-        out, lse = finish(m, l, acc)
+        sink = m
+        if SINK:
+            sink = tl.load(sink_ptr + h)
+        out, lse = finish(m, l, acc, sink, SINK)
         if EVEN_D:
             o_mask = row_ok[:, None]
         else:

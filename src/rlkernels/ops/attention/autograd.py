@@ -32,28 +32,30 @@ from .torch_ref import lse_dtype, torch_bwd, torch_fwd
 from .triton_host import triton_bwd, triton_fwd
 
 
-def forward(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
-            scale: float, tuning: AttnTuning, backend: str, split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool,
+            window: int, scale: float, tuning: AttnTuning, backend: str,
+            split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward core: q rows [Tq, Hq, D], k/v [NB, S, Hkv, D] (unit last strides), either
     index form -> (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32, fp64 for fp64).
-    ``window`` >= 0: each query sees keys no more than that many positions back (-1: no
-    window). ``tuning``: the chain (both backends) and the Triton launch."""
+    ``sinks`` [Hq] or None: each head's sink logit in its rows' normalizers. ``window`` >= 0:
+    each query sees keys no more than that many positions back (-1: no window). ``tuning``:
+    the chain (both backends) and the Triton launch."""
     if backend == "triton":
         return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, tuning, split_kv,
-                          dense, window)
-    return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, tuning.chain, dense, window)
+                          dense, window, sinks)
+    return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, tuning.chain, dense, window, sinks)
 
 
-def backward(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool,
-             window: int, scale: float, tuning: AttnTuning, backend: str
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward core: (dq, dk, dv) for dO [Tq, Hq, D] and :func:`forward`'s inputs and
-    results; ``tuning``: the Triton launch (the backward recomputes P from the saved LSE,
-    so the chain plays no part)."""
+def backward(do, q, k, v, sinks, out, lse, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int,
+             causal: bool, window: int, scale: float, tuning: AttnTuning, backend: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward core: (dq, dk, dv, dsinks) for dO [Tq, Hq, D] and :func:`forward`'s inputs
+    and results (dsinks None without sinks); ``tuning``: the Triton launch (the backward
+    recomputes P from the saved LSE, so the chain plays no part)."""
     if backend == "triton":
         return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, tuning,
-                          dense, window)
-    return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale, dense, window)
+                          dense, window, sinks)
+    return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale, dense, window, sinks)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -63,25 +65,27 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 class AttnFunction(torch.autograd.Function):
     """The op with autograd, for either index form: q rows [Tq, Hq, D] (bounds) or a padded
-    batch [B, Lq, Hq, D] (dense), out in q's shape. ``bounds``: (q_start, q_len, k_start,
-    k_len), tensors or None; ``call``: the rest of :func:`forward`'s arguments. A call adds
-    one autograd node and no view nodes (a padded batch's row views are taken inside), and
-    apply takes five arguments: each node, view or argument costs host time per call."""
+    batch [B, Lq, Hq, D] (dense), out in q's shape; ``sinks`` [Hq] or None. ``bounds``:
+    (q_start, q_len, k_start, k_len), tensors or None; ``call``: the rest of
+    :func:`forward`'s arguments. A call adds one autograd node and no view nodes (a padded
+    batch's row views are taken inside), and apply takes six arguments: each node, view or
+    argument costs host time per call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bounds, call):  # type: ignore[override]
-        out, lse = forward(_rows(q), k, v, *bounds, *call)
-        ctx.save_for_backward(q, k, v, out, lse, *bounds)
+    def forward(ctx, q, k, v, sinks, bounds, call):  # type: ignore[override]
+        out, lse = forward(_rows(q), k, v, sinks, *bounds, *call)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, *bounds)
         ctx.call = call
         return out if q.dim() == 3 else out.view_as(q)
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse, *bounds = ctx.saved_tensors
+        q, k, v, sinks, out, lse, *bounds = ctx.saved_tensors
         dense, max_q, max_k, causal, window, scale, tuning, backend, _ = ctx.call
-        dq, dk, dv = backward(_rows(dout), _rows(q), k, v, out, lse, *bounds, dense, max_q, max_k, causal, window,
-                              scale, tuning, backend)
-        return dq if q.dim() == 3 else dq.view_as(q), dk, dv, None, None
+        dq, dk, dv, dsinks = backward(_rows(dout), _rows(q), k, v, sinks, out, lse, *bounds, dense, max_q, max_k,
+                                      causal, window, scale, tuning, backend)
+        dsinks = dsinks.to(sinks.dtype) if dsinks is not None else None
+        return dq if q.dim() == 3 else dq.view_as(q), dk, dv, dsinks, None, None
 
 
 @functools.cache
@@ -96,16 +100,16 @@ def chain_tuning(block_n: int, split: int) -> AttnTuning:
 def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
                       q_len: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, max_q: int, max_k: int,
                       causal: bool, window: int, scale: float, block_n: int, split: int, backend: str,
-                      split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      split_kv: bool, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward core as an opaque op for torch.compile (bounds form; same backends, same
     bits): the chain (block_n, split) with the default launch."""
-    return forward(q, k, v, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, window, scale,
+    return forward(q, k, v, sinks, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, window, scale,
                    chain_tuning(block_n, split), backend, split_kv)
 
 
 @flash_attn_fwd_op.register_fake
 def _(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale, block_n, split, backend,
-      split_kv):
+      split_kv, sinks=None):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 
@@ -113,15 +117,20 @@ def _(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, sca
 def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, k_start: torch.Tensor,
                       k_len: torch.Tensor, max_q: int, max_k: int, causal: bool, window: int, scale: float,
-                      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward core as an opaque op for torch.compile (bounds form, the default launch)."""
-    return backward(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, window, scale,
-                    DEFAULT_TUNING, backend)
+                      backend: str, sinks: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward core as an opaque op for torch.compile (bounds form, the default launch):
+    (dq, dk, dv, dsinks), dsinks empty without sinks (an op returns tensors only)."""
+    dq, dk, dv, dsinks = backward(do, q, k, v, sinks, out, lse, q_start, q_len, k_start, k_len, None, max_q, max_k,
+                                  causal, window, scale, DEFAULT_TUNING, backend)
+    return dq, dk, dv, dsinks.to(sinks.dtype) if sinks is not None else q.new_empty((0,))
 
 
 @flash_attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale, backend,
+      sinks=None):
+    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 # The traced route's autograd: a custom op takes its gradient from torch.library, not from
@@ -129,16 +138,17 @@ def _(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causa
 # Both call the one backward core.
 def _op_setup(ctx, inputs, output):
     q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale = inputs[:12]
-    ctx.save_for_backward(q, k, v, output[0], output[1], q_start, q_len, k_start, k_len)
+    sinks = inputs[16]
+    ctx.save_for_backward(q, k, v, output[0], output[1], q_start, q_len, k_start, k_len, sinks)
     ctx.args = (max_q, max_k, causal, window, scale, inputs[14])
 
 
 def _op_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, q_start, q_len, k_start, k_len = ctx.saved_tensors
+    q, k, v, out, lse, q_start, q_len, k_start, k_len, sinks = ctx.saved_tensors
     max_q, max_k, causal, window, scale, backend = ctx.args
-    dq, dk, dv = flash_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, q_start, q_len, k_start, k_len,
-                                   max_q, max_k, causal, window, scale, backend)
-    return (dq, dk, dv) + (None,) * 13
+    dq, dk, dv, dsinks = flash_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, q_start, q_len, k_start, k_len,
+                                           max_q, max_k, causal, window, scale, backend, sinks)
+    return (dq, dk, dv) + (None,) * 13 + (dsinks if sinks is not None else None,)
 
 
 flash_attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup)
@@ -178,7 +188,7 @@ def padded_bounds(nb: int, dense: tuple[int, int], k_len: torch.Tensor | None, d
     return q_start, q_len, k_start, k_len
 
 
-def traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
+def traced(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
            scale: float, chain: Chain, backend: str, split_kv: bool) -> torch.Tensor:
     """The op under torch.compile: the forward custom op (its autograd registered above) on
     the bounds form with ``chain`` and the default launch; out in q's shape. The launch
@@ -187,11 +197,11 @@ def traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: in
     if dense is not None:
         q_start, q_len, k_start, k_len = padded_bounds(q.shape[0], dense, k_len, q.device)
     out, _ = flash_attn_fwd_op(_rows(q), k, v, q_start, q_len, k_start, k_len, int(max_q), int(max_k), bool(causal),
-                               int(window), float(scale), chain.block_n, chain.split, backend, bool(split_kv))
+                               int(window), float(scale), chain.block_n, chain.split, backend, bool(split_kv), sinks)
     return out if q.dim() == 3 else out.view_as(q)
 
 
-def attend(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
+def attend(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
            scale: float, tuning: AttnTuning, backend: str, split_kv: bool) -> torch.Tensor:
     """The op on validated inputs, by the one route for the call's context: traced by
     torch.compile (:func:`traced`: ``tuning``'s chain, the default launch), with autograd
@@ -200,11 +210,12 @@ def attend(q, k, v, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: in
     padded batch [B, Lq, Hq, D] (dense form); k, v [NB, S, Hkv, D] with unit last strides;
     out in q's shape and dtype."""
     if torch.compiler.is_compiling():
-        return traced(q, k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window, scale,
+        return traced(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window, scale,
                       tuning.chain, backend, split_kv)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return AttnFunction.apply(q, k, v, (q_start, q_len, k_start, k_len),
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
+        return AttnFunction.apply(q, k, v, sinks, (q_start, q_len, k_start, k_len),
                                   (dense, max_q, max_k, causal, window, scale, tuning, backend, split_kv))
-    out, _ = forward(_rows(q), k, v, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window, scale,
-                     tuning, backend, split_kv)
+    out, _ = forward(_rows(q), k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window,
+                     scale, tuning, backend, split_kv)
     return out if q.dim() == 3 else out.view_as(q)

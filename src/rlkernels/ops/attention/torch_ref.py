@@ -8,6 +8,7 @@ import torch
 from ...gemm.chain import accumulator_dtype, chain_matmul, chain_sum
 from .key_blocks import Chain
 from .layout import key_rows
+from .sinks import sink_grad
 
 
 def _empty_state(h: int, rows: int, d: int, adt: torch.dtype, device: torch.device):
@@ -37,10 +38,12 @@ def visible(keys: torch.Tensor, pos: torch.Tensor, causal: bool, window: int) ->
 
 
 def _torch_seq_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   chain: Chain, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   chain: Chain, window: int, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D] -> (out [Lq, Hq, D] fp32/fp64, lse [Hq, Lq]).
     ``window`` >= 0: each query sees keys no more than that many positions back; the key
     blocks no query sees are left out (for every row an exact no-op of the chain).
+    ``sinks`` [Hq] or None: each head's sink logit, merged into its rows' state last as
+    the state (sink, 1, 0).
 
     Natural-log units here (the Triton kernels use exp2 with log2(e) folded into the
     scale): on the CPU, torch.exp gives every element the same bits whether it lands in
@@ -74,6 +77,9 @@ def _torch_seq_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             acc_s = chain_matmul(p, vh[:, n0:n1], acc=acc_s * alpha[..., None])
             m_s = m_new
         m, l, acc = _merge(m, l, acc, m_s, l_s, acc_s)
+    if sinks is not None:
+        sink = sinks.to(adt)[:, None].expand(hq, lq)
+        m, l, acc = _merge(m, l, acc, sink, torch.ones_like(l), torch.zeros_like(acc))
     seen = l > 0
     l1 = torch.where(seen, l, torch.ones_like(l))
     out = acc / l1[..., None]
@@ -102,13 +108,14 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 # flash_attn_with_kvcache calls it on inputs that require grad.
 @torch.no_grad()
 def torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal: bool, scale: float, chain: Chain,
-              dense: tuple[int, int] | None = None, window: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+              dense: tuple[int, int] | None = None, window: int = -1, sinks: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward on the torch backend: q [Tq, Hq, D], k/v [NB, S, Hkv, D]; sequence b's
     queries are rows q_start[b] + [0, q_len[b]) and its keys rows k_start[b] + [0, k_len[b])
     of ``key_rows(k, b)``, or the padded batch ``dense`` as in triton_fwd. Returns (out
     [Tq, Hq, D] in q's dtype, lse [Hq, Tq] in :func:`lse_dtype`); rows outside every
     sequence are zeros. ``window`` >= 0: each query sees keys no more than that many
-    positions back."""
+    positions back; ``sinks`` [Hq]: each head's sink logit in its rows' normalizers."""
     tq, hq, d = q.shape
     if q.is_meta:  # shapes only: meta tensors hold no index values
         return torch.empty_like(q), q.new_empty((hq, tq), dtype=lse_dtype(q.dtype))
@@ -118,23 +125,26 @@ def torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal: bool, scale: floa
         if ql == 0:
             continue
         kb, vb = key_rows(k, b), key_rows(v, b)
-        o, ls = _torch_seq_fwd(q[qs:qs + ql], kb[ks:ks + kl], vb[ks:ks + kl], causal, scale, chain, window)
+        o, ls = _torch_seq_fwd(q[qs:qs + ql], kb[ks:ks + kl], vb[ks:ks + kl], causal, scale, chain, window, sinks)
         out[qs:qs + ql] = o.to(q.dtype)
         lse[:, qs:qs + ql] = ls
     return out, lse.float() if q.dtype != torch.float64 else lse
 
 
 def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: bool, scale: float,
-              dense: tuple[int, int] | None = None, window: int = -1
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) on the torch backend, the Triton kernels' chain orders with elementwise
-    steps; shapes and index forms as :func:`torch_fwd`."""
+              dense: tuple[int, int] | None = None, window: int = -1, sinks: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dsinks) on the torch backend, the Triton kernels' chain orders with
+    elementwise steps; shapes and index forms as :func:`torch_fwd` (dsinks [Hq] in the
+    LSE's dtype, None without sinks)."""
     if q.is_meta:
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                None if sinks is None else q.new_empty(sinks.shape, dtype=lse.dtype))
     adt = accumulator_dtype(q.dtype)
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
+    delta_all = torch.zeros(lse.shape, dtype=lse.dtype, device=q.device)
     hq, hkv = q.shape[1], k.shape[2]
     g = hq // hkv
     for b, (qs, ql, ks, kl) in enumerate(_segments(q.shape[0], q_start, q_len, k_start, k_len, dense)):
@@ -149,6 +159,7 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
         ls = lse[:, qs:qs + ql].to(adt)
         ls = torch.where(ls == float("-inf"), torch.full_like(ls, float("inf")), ls)
         delta = chain_sum(doh.to(adt) * oh.to(adt), -1)
+        delta_all[:, qs:qs + ql] = delta.to(lse.dtype)
         s = chain_matmul(qh, kh.transpose(1, 2)) * scale
         p = torch.exp(s - ls[..., None])
         seen = visible(torch.arange(kl, device=q.device), torch.arange(ql, device=q.device) + (kl - ql), causal,
@@ -166,4 +177,4 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
         dvb[ks:ks + kl] = dv_h.to(v.dtype).permute(1, 0, 2)
         dkb[ks:ks + kl] = dk_h.to(k.dtype).permute(1, 0, 2)
         dq[qs:qs + ql] = (chain_matmul(ds, kh) * scale).to(q.dtype).permute(1, 0, 2)
-    return dq, dk, dv
+    return dq, dk, dv, None if sinks is None else sink_grad(sinks.to(lse.dtype), lse, delta_all, torch.exp)

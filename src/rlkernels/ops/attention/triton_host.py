@@ -15,6 +15,7 @@ from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .launch import (COMBINE_BLOCK_D, COMBINE_STAGES, COMBINE_WARPS, DELTA_WARPS, FWD_OPTIONS, AttnTuning,
                      default_bwd_launch, default_fwd_launch)
 from .layout import TMA_DTYPES, head_rows_desc, kv_rows, rows_per_batch, tma_pays
+from .sinks import sink_grad
 from .ws_host import ws_fwd
 
 LOG2E = 1.4426950408889634
@@ -55,8 +56,8 @@ def _pow2(x: int, floor: int = 16) -> int:
 
 
 def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool, scale: float,
-               tuning: AttnTuning, split_kv: bool, dense: tuple[int, int] | None = None, window: int = -1
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               tuning: AttnTuning, split_kv: bool, dense: tuple[int, int] | None = None, window: int = -1,
+               sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernels (full kernel, or split-KV + combine); no host sync.
 
     q [Tq, Hq, D]; k, v [NB, S, Hkv, D] (``key_rows``). ``dense = (Lq, k_add)``: a padded
@@ -65,12 +66,18 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     q_start/q_len/k_start are then unused and may be None: a decode step builds no index
     tensors on the host. Same bits either way. ``tuning``: the chain, and the launch
     (``tuning.fwd``, None for :func:`~.launch.default_fwd_launch`). ``window`` >= 0: each
-    query sees keys no more than that many positions back (-1: no window). Returns (out
-    [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32); rows outside every sequence are not written.
+    query sees keys no more than that many positions back (-1: no window). ``sinks`` [Hq]
+    (natural-log units) or None: each head's sink logit in its rows' normalizers. Returns
+    (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32); rows outside every sequence are not
+    written (with sinks their LSE is +inf, which the backward's sink gradient reads as no row).
     """
     tq, hq, d = q.shape
     out = torch.empty_like(q)
-    lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
+    if sinks is None:
+        lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.full((hq, tq), float("inf"), dtype=torch.float32, device=q.device)
+        sinks = (sinks.float() * LOG2E).contiguous()
     if tq == 0 or max_q == 0:  # (before nb: a dense batch of no query rows has Lq = 0)
         return out, lse
     nb = tq // dense[0] if dense is not None else q_start.shape[0]
@@ -97,6 +104,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     even_d = d == bd
     is_dense = dense is not None
     sliding = window >= 0
+    sink_ptr = lse if sinks is None else sinks  # (an unread pointer without sinks)
     if split_kv:
         bm = cfg.split.block_m
         rows_pad = cdiv(max_q * g, bm) * bm
@@ -106,11 +114,12 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         ws = lse if finish_here else torch.empty(ws_rows * (bd + 2), dtype=torch.float32, device=q.device)
         _launch_split(
             (rows_pad // bm, nb * hkv, n_splits),
-            (q, k, v, ws, out, lse, q_start, q_len, k_start, k_len,
+            (q, k, v, ws, out, lse, sink_ptr, q_start, q_len, k_start, k_len,
              q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
              hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add, rows, max(window, 0)),
-            dict(CAUSAL=causal, SLIDING=sliding, BLOCK_M=bm, BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split,
-                 IEEE=ieee, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, FINISH=finish_here),
+            dict(CAUSAL=causal, SLIDING=sliding, SINK=sinks is not None, BLOCK_M=bm, BLOCK_N=chain.block_n,
+                 BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr,
+                 FINISH=finish_here),
             num_warps=cfg.split.num_warps, num_stages=cfg.split.num_stages)
         if not finish_here:
             # The combine's tile is launch detail (an elementwise merge per row and column):
@@ -119,17 +128,18 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
             dc = min(bd, COMBINE_BLOCK_D)
             _launch_combine(
                 (cdiv(rows_pad, cm), nb * hkv, bd // dc),
-                (ws, out, lse, q_start, q_len, k_start, k_len,
+                (ws, out, lse, sink_ptr, q_start, q_len, k_start, k_len,
                  out.stride(0), out.stride(1), lse.stride(0),
                  hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, k_add),
-                dict(BLOCK_M=cm, BLOCK_D=bd, BLOCK_DC=dc, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr),
+                dict(SINK=sinks is not None, BLOCK_M=cm, BLOCK_D=bd, BLOCK_DC=dc, EVEN_D=even_d, DENSE=is_dense,
+                     KLEN_PTR=klen_ptr),
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
     # Not the dense form with per-sequence key counts (k_len + K_ADD, the KV-cache path's):
     # the warp-specialized kernel reads a padded batch's key count from Lk alone. It has no
-    # window: it takes a windowed call only where the window hides no key (every position is
-    # below max_k, so a window of max_k - 1 keys back reaches key 0), the same bits.
-    if (cfg.ws and (window < 0 or window >= max_k - 1) and not (is_dense and klen_ptr)
+    # window and no sinks: it takes a windowed call only where the window hides no key (every
+    # position is below max_k, so a window of max_k - 1 keys back reaches key 0), the same bits.
+    if (cfg.ws and (window < 0 or window >= max_k - 1) and sinks is None and not (is_dense and klen_ptr)
             and ws_fwd(q, k, v, out, lse, (q_start, q_len, k_start, k_len), nb, max_q, max_k,
                        (lq_d, k_add) if is_dense else None, causal, qk_scale, tuning)):
         return out, lse
@@ -137,25 +147,27 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     *descs, tma = _tma_descs(use_tma, k, v, chain.block_n, bd)
     _launch_fwd(
         (cdiv(max_q, cfg.full.block_m), nb * hq),
-        (q, k, v, out, lse, *descs, q_start, q_len, k_start, k_len,
+        (q, k, v, out, lse, sink_ptr, *descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
          hq, g, d, qk_scale, lq_d, k_add, rows, max(window, 0)),
         # (max_k bounds every k_len, as the grid's max_q bounds every q_len)
-        dict(CAUSAL=causal, SLIDING=sliding, BLOCK_M=cfg.full.block_m, BLOCK_N=chain.block_n, BLOCK_D=bd,
-             S_SPLIT=chain.split, IEEE=ieee, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr, REVERSE_M=causal,
-             TMA=tma, ONE_SPLIT=max_k <= chain.split),
+        dict(CAUSAL=causal, SLIDING=sliding, SINK=sinks is not None, BLOCK_M=cfg.full.block_m,
+             BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee, EVEN_D=even_d, DENSE=is_dense,
+             KLEN_PTR=klen_ptr, REVERSE_M=causal, TMA=tma, ONE_SPLIT=max_k <= chain.split),
         num_warps=cfg.full.num_warps, num_stages=cfg.full.num_stages)
     return out, lse
 
 
 def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool,
-               scale: float, tuning: AttnTuning, dense: tuple[int, int] | None = None, window: int = -1
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               scale: float, tuning: AttnTuning, dense: tuple[int, int] | None = None, window: int = -1,
+               sinks: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernels (delta, dK/dV, dQ); no host sync. Shapes and bounds as
     :func:`triton_fwd` (``dense`` with k_len None: every key of a batch row); the launch
     is ``tuning.bwd`` (None for :func:`~.launch.default_bwd_launch`), the chain plays no
-    part (P is recomputed from the saved LSE); ``window`` as the forward's. Returns (dq,
-    dk, dv) in q's, k's and v's shapes; rows outside every sequence get zeros."""
+    part (P is recomputed from the saved LSE, which holds the sinks); ``window`` and
+    ``sinks`` as the forward's. Returns (dq, dk, dv) in q's, k's and v's shapes (rows
+    outside every sequence get zeros) and dsinks [Hq] fp32 (None without sinks)."""
     tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -173,7 +185,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         k, v = k.contiguous(), v.contiguous()
         dk, dv, rows = alloc(k), alloc(v), rows_per_batch(k)
     if not launch:
-        return dq, dk, dv
+        return dq, dk, dv, None if sinks is None else torch.zeros(hq, dtype=torch.float32, device=q.device)
     if dense is not None:
         nb = tq // dense[0]
         lq_d, k_add = dense
@@ -216,4 +228,4 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         dict(CAUSAL=causal, SLIDING=window >= 0, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=bd,
              IEEE=ieee, EVEN_D=d == bd, REVERSE_M=causal, TMA=k_tma, DENSE=dense is not None),
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
-    return dq, dk, dv
+    return dq, dk, dv, None if sinks is None else sink_grad(sinks.float() * LOG2E, lse, delta, torch.exp2)

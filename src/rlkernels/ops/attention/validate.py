@@ -134,6 +134,19 @@ def check_window(op: str, window_size, causal: bool) -> int:
     return left
 
 
+def check_sinks(op: str, sinks, hq: int, device: torch.device) -> None:
+    """None, or a float tensor [Hq] on q's device: one sink logit per query head."""
+    if sinks is None:
+        return
+    V.require_tensor(op, "sinks", sinks)
+    V.require_float(op, "sinks", sinks)
+    if sinks.dim() != 1 or sinks.shape[0] != hq:
+        raise ValueError(f"rlkernels.{op}: sinks must be [{hq}] (one logit per query head), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"rlkernels.{op}: all tensors must be on one device, got sinks on {sinks.device} and q on "
+                         f"{device}")
+
+
 def check_backend(op: str, backend: str, q: torch.Tensor) -> None:
     """What the Triton backend can't run: fp64, and bf16 on the CPU interpreter."""
     if backend == "triton":
