@@ -52,22 +52,25 @@ def silu_chain_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (grad.to(xf.dtype) * sig * (1 + xf * (1 - sig))).to(grad.dtype)
 
 
-class _SiLUChain(torch.autograd.Function):
+class _ElementwiseChain(torch.autograd.Function):
+    """``forward(x)`` with the gradient ``backward(grad, x)``: an activation's fixed chains."""
+
     @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
+    def forward(ctx, x, forward, backward):  # type: ignore[override]
         ctx.save_for_backward(x)
-        return silu_chain(x)
+        ctx.chain_backward = backward
+        return forward(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        return silu_chain_backward(grad, x)
+        return ctx.chain_backward(grad, x), None, None
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU of a float tensor: the fixed elementwise chain on the CPU, ATen's kernel elsewhere."""
     if x.device.type == "cpu" and x.is_floating_point():
-        return _SiLUChain.apply(x)
+        return _ElementwiseChain.apply(x, silu_chain, silu_chain_backward)
     return F.silu(x)
 
 
@@ -173,23 +176,11 @@ def gelu_tanh_chain_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tenso
     return (grad.to(xf.dtype) * d).to(grad.dtype)
 
 
-class _GeluTanhChain(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
-        ctx.save_for_backward(x)
-        return gelu_tanh_chain(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        return gelu_tanh_chain_backward(grad, x)
-
-
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation (``F.gelu(x, approximate="tanh")``, Gemma's
     ``gelu_pytorch_tanh``) of a float tensor: the fixed elementwise chain on the CPU, whose
     ATen kernel gives an fp32 element other bits in its vector body than in its scalar tail,
     ATen's kernel elsewhere (an element's bits do not depend on where it sits)."""
     if x.device.type == "cpu" and x.is_floating_point():
-        return _GeluTanhChain.apply(x)
+        return _ElementwiseChain.apply(x, gelu_tanh_chain, gelu_tanh_chain_backward)
     return F.gelu(x, approximate="tanh")

@@ -51,25 +51,28 @@ def nan_cache(batch: int, cap: int, hkv: int, d: int, dtype) -> tuple[torch.Tens
             torch.full((batch, cap, hkv, d), float("nan"), dtype=dtype))
 
 
-def decode_row(attn, q, k, v, p: int, backend: str, cap: int) -> torch.Tensor:
-    """Query p as a decode step: cache holds keys [0, p) and NaN beyond; key p appended."""
+def decode_row(attn, q, k, v, p: int, backend: str, cap: int, **kw) -> torch.Tensor:
+    """Query p as a decode step: cache holds keys [0, p) and NaN beyond; key p appended.
+    ``kw``: the call's other arguments (window_size, sinks)."""
     kc, vc = nan_cache(1, cap, k.shape[2], k.shape[3], k.dtype)
     kc[:, :p], vc[:, :p] = k[:, :p], v[:, :p]
     seqlens = torch.tensor([p], dtype=torch.int32)
-    out = attn.flash_attn_with_kvcache(q[:, p:p + 1], kc, vc, k[:, p:p + 1], v[:, p:p + 1], seqlens, backend=backend)
+    out = attn.flash_attn_with_kvcache(q[:, p:p + 1], kc, vc, k[:, p:p + 1], v[:, p:p + 1], seqlens, backend=backend,
+                                       **kw)
     assert torch.equal(kc[:, p], k[:, p]) and torch.isnan(kc[:, p + 1:]).all()  # appended in place, nothing else
     return out[0, 0]
 
 
-def chunked(attn, q, k, v, chunks: list[int], backend: str, cap: int) -> torch.Tensor:
-    """Chunked prefill over a NaN-filled cache, chunk sizes cycling through ``chunks``."""
+def chunked(attn, q, k, v, chunks: list[int], backend: str, cap: int, **kw) -> torch.Tensor:
+    """Chunked prefill over a NaN-filled cache, chunk sizes cycling through ``chunks``
+    (``kw``: the calls' other arguments)."""
     L = q.shape[1]
     kc, vc = nan_cache(1, cap, k.shape[2], k.shape[3], k.dtype)
     outs, pos, i = [], 0, 0
     while pos < L:
         n = min(chunks[i % len(chunks)], L - pos)
         outs.append(attn.flash_attn_with_kvcache(q[:, pos:pos + n], kc, vc, k[:, pos:pos + n], v[:, pos:pos + n],
-                                                 torch.tensor([pos], dtype=torch.int32), backend=backend))
+                                                 torch.tensor([pos], dtype=torch.int32), backend=backend, **kw))
         pos, i = pos + n, i + 1
     return torch.cat(outs, 1)
 
@@ -188,3 +191,18 @@ def gpu_qkv(B, L, hq, hkv, d, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return tuple(torch.randn(B, L, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv))
 
+
+
+def sinks_against_float64(attn, q, k, v, sinks, window: int, dtype, dout, backend: str | None = None) -> torch.Tensor:
+    """flash_attn_func with ``sinks`` and ``window_size=(window, 0)``: output and the
+    gradients of q, k, v and the sinks (for ``dout``) within the contract of float64
+    attention with a sink column; returns the output, detached."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    out = attn.flash_attn_func(*leaves[:3], window_size=(window, 0), sinks=leaves[3], backend=backend)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = reference.attention_ref(*ref_leaves[:3], window=window, sinks=ref_leaves[3])
+    contract.check("attention", dtype, out, ref)
+    for got, want in zip(grads, torch.autograd.grad(ref, ref_leaves, dout.double())):
+        contract.check("attention_grad", dtype, got, want)
+    return out.detach()

@@ -23,7 +23,7 @@ from rlkernels.ops.attention.launch import DEFAULT_TUNING
 
 from ...conftest import cpu_backend_cases, randn
 from ._cases import (bits_equal, check_packed_backward, chunked, decode_row, gpu_qkv, nan_cache, packed, qkv,
-                     sizes)
+                     sinks_against_float64, sizes)
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases())
@@ -84,19 +84,8 @@ def test_a_window_is_a_mask_on_the_one_chain(backend, dtype, gen, attn):
         full = attn.flash_attn_func(q, k, v, **win, backend=backend)[0]
         contract.check("attention", dtype, full, reference.attention_ref(q, k, v, window=w)[0])
         for p in (0, w, 31, 32, 47, L - 1):
-            kc, vc = nan_cache(1, L + 9, hkv, d, dtype)
-            kc[:, :p], vc[:, :p] = k[:, :p], v[:, :p]
-            row = attn.flash_attn_with_kvcache(q[:, p:p + 1], kc, vc, k[:, p:p + 1], v[:, p:p + 1],
-                                               torch.tensor([p], dtype=torch.int32), **win, backend=backend)
-            assert bits_equal(row[0, 0], full[p]), f"window {w}, decode row {p}"
-        kc, vc = nan_cache(1, L + 9, hkv, d, dtype)
-        outs, pos = [], 0
-        for n in (7, 32, 1, L):
-            n = min(n, L - pos)
-            outs.append(attn.flash_attn_with_kvcache(q[:, pos:pos + n], kc, vc, k[:, pos:pos + n], v[:, pos:pos + n],
-                                                     torch.tensor([pos], dtype=torch.int32), **win, backend=backend))
-            pos += n
-        assert bits_equal(torch.cat(outs, 1)[0], full), f"window {w}, chunked"
+            assert bits_equal(decode_row(attn, q, k, v, p, backend, L + 9, **win), full[p]), f"window {w}, row {p}"
+        assert bits_equal(chunked(attn, q, k, v, [7, 32, 1, L], backend, L + 9, **win)[0], full), f"window {w}"
         for n in (1, 33):
             assert bits_equal(attn.flash_attn_func(q[:, :n], k[:, :n], v[:, :n], **win, backend=backend)[0],
                               full[:n]), f"window {w}, prefix {n}"
@@ -125,30 +114,12 @@ def test_sinks_join_each_rows_normalizer_on_the_one_chain(backend, dtype, gen, a
     sinks = randn(hq, generator=gen, scale=2.0)
     for w in (-1, 20):
         kw = dict(window_size=(w, 0), sinks=sinks, backend=backend)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-        full = attn.flash_attn_func(*leaves[:3], **{**kw, "sinks": leaves[3]})
-        do = randn(*full.shape, dtype=dtype, generator=gen)
-        grads = torch.autograd.grad(full, leaves, do)
-        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-        ref = reference.attention_ref(*ref_leaves[:3], window=w, sinks=ref_leaves[3])
-        contract.check("attention", dtype, full, ref)
-        for got, want in zip(grads, torch.autograd.grad(ref, ref_leaves, do.double())):
-            contract.check("attention_grad", dtype, got, want)
-        full = full.detach()[0]
+        do = randn(*q.shape, dtype=dtype, generator=gen)
+        full = sinks_against_float64(attn, q, k, v, sinks, w, dtype, do, backend)[0]
+        call = dict(window_size=(w, 0), sinks=sinks)
         for p in (0, 31, 32, 47, L - 1):
-            kc, vc = nan_cache(1, L + 9, hkv, d, dtype)
-            kc[:, :p], vc[:, :p] = k[:, :p], v[:, :p]
-            row = attn.flash_attn_with_kvcache(q[:, p:p + 1], kc, vc, k[:, p:p + 1], v[:, p:p + 1],
-                                               torch.tensor([p], dtype=torch.int32), **kw)
-            assert bits_equal(row[0, 0], full[p]), f"window {w}, decode row {p}"
-        kc, vc = nan_cache(1, L + 9, hkv, d, dtype)
-        outs, pos = [], 0
-        for n in (7, 32, 1, L):
-            n = min(n, L - pos)
-            outs.append(attn.flash_attn_with_kvcache(q[:, pos:pos + n], kc, vc, k[:, pos:pos + n], v[:, pos:pos + n],
-                                                     torch.tensor([pos], dtype=torch.int32), **kw))
-            pos += n
-        assert bits_equal(torch.cat(outs, 1)[0], full), f"window {w}, chunked"
+            assert bits_equal(decode_row(attn, q, k, v, p, backend, L + 9, **call), full[p]), f"window {w}, row {p}"
+        assert bits_equal(chunked(attn, q, k, v, [7, 32, 1, L], backend, L + 9, **call)[0], full), f"window {w}"
         assert bits_equal(attn.flash_attn_func(q[:, :33], k[:, :33], v[:, :33], **kw)[0], full[:33])
         other = [t[0] for t in qkv(37, hq, hkv, d, dtype, gen)]
         cu = torch.tensor([0, 37, 37 + L], dtype=torch.int32)
@@ -422,15 +393,7 @@ def test_gpu_sinks_prefill_decode_chunked_packed_backward(w):
                                         torch.tensor([p], dtype=torch.int32, device="cuda"), **kw)
         assert bits_equal(row[0, 0], full[p]), f"decode row {p}"
     n = 700
-    leaves = [t.detach().clone().requires_grad_() for t in (q[:, :n], k[:, :n], v[:, :n], sinks)]
-    o = A.flash_attn_func(*leaves[:3], window_size=(w, 0), sinks=leaves[3])
-    do = torch.randn_like(o)
-    grads = torch.autograd.grad(o, leaves, do)
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = reference.attention_ref(*ref_leaves[:3], window=w, sinks=ref_leaves[3])
-    contract.check("attention", dtype, o, ref)
-    for got, want in zip(grads, torch.autograd.grad(ref, ref_leaves, do.double())):
-        contract.check("attention_grad", dtype, got, want)
+    sinks_against_float64(A, q[:, :n], k[:, :n], v[:, :n], sinks, w, dtype, torch.randn_like(q[:, :n]))
 
 
 @pytest.mark.gpu
