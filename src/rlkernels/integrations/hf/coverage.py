@@ -154,6 +154,15 @@ def is_silu(module: object) -> bool:
     return kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
 
 
+def source_lines(fn: Any) -> list[str] | None:
+    """The stripped lines of ``fn``'s source, or None where it has none to read: how this
+    package checks that a transformers forward is the formula it computes."""
+    try:
+        return [line.strip() for line in inspect.getsource(fn).splitlines()]
+    except (OSError, TypeError):
+        return None
+
+
 def is_gelu_tanh(module: object) -> bool:
     """``nn.GELU(approximate="tanh")`` or transformers' ``GELUTanh`` / ``PytorchGELUTanh``
     computing ``F.gelu(x, approximate="tanh")`` (Gemma's ``gelu_pytorch_tanh``). Stock modules
@@ -166,11 +175,7 @@ def is_gelu_tanh(module: object) -> bool:
         return False
     act = getattr(module, "act", None)
     if act is None:  # releases whose forward calls F.gelu itself
-        try:
-            lines = [line.strip() for line in inspect.getsource(kind.forward).splitlines()]
-        except (OSError, TypeError):
-            return False
-        return 'return nn.functional.gelu(input, approximate="tanh")' in lines
+        return 'return nn.functional.gelu(input, approximate="tanh")' in (source_lines(kind.forward) or ())
     return (isinstance(act, functools.partial) and act.func is nn.functional.gelu
             and act.keywords == {"approximate": "tanh"} and not act.args)
 

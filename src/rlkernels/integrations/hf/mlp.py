@@ -13,14 +13,14 @@ activation is the library's SiLU.
 """
 from __future__ import annotations
 
-import inspect
 import types
+
 import torch
 from torch import nn
 
 from ...nn import Linear, SiLU
 from ...ops.activations import linear_silu_mul, silu_mul
-from .coverage import VERIFIED_FAMILIES, family_of, has_hooks
+from .coverage import VERIFIED_FAMILIES, family_of, has_hooks, source_lines
 
 _FORMULA = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
 
@@ -52,11 +52,7 @@ def is_gated_silu_mlp(module: nn.Module) -> bool:
         return False
     if not all(isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj")):
         return False
-    try:
-        lines = {line.strip() for line in inspect.getsource(type(module).forward).splitlines()}
-    except (OSError, TypeError):
-        return False
-    return _FORMULA in lines
+    return _FORMULA in (source_lines(type(module).forward) or ())
 
 
 def install(model: nn.Module) -> int:

@@ -17,7 +17,6 @@ forward then covers is read by :mod:`.coverage`.
 from __future__ import annotations
 
 import functools
-import inspect
 import textwrap
 import types
 import warnings
@@ -28,7 +27,7 @@ from torch import nn
 
 from ...nn import GELUTanh, Linear, LMHead, RMSNorm, SiLU
 from . import attention, coverage, decoder_layer, mlp, moe, qkv, rotary
-from .coverage import decoder_of, is_gelu_tanh, is_silu
+from .coverage import decoder_of, is_gelu_tanh, is_silu, source_lines
 from ...runtime.opaque import opaque_to_compile
 
 
@@ -43,20 +42,13 @@ _GEMMA_FORWARD = ("output = self._norm(x.float())", "output = output * (1.0 + se
 _GEMMA_NORM = "return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)"
 
 
-def _source_lines(fn: Any) -> list[str] | None:
-    try:
-        return [line.strip() for line in inspect.getsource(fn).splitlines()]
-    except (OSError, TypeError):
-        return None
-
-
 @functools.lru_cache(maxsize=None)
 def _rms_norm_formula(module_type: type) -> tuple[bool, float] | None:
     """``(weight_in_fp32, weight_offset)`` of :class:`rlkernels.RMSNorm` for a transformers
     RMSNorm class whose forward is one of the formulas the library computes (its source
     read), else None: another formula -- a gated or otherwise offset norm -- is left alone,
     not replaced by one that computes something else."""
-    lines = _source_lines(module_type.forward)
+    lines = source_lines(module_type.forward)
     if lines is None:
         return None
     returns = sum(line.startswith("return") for line in lines)
@@ -64,7 +56,7 @@ def _rms_norm_formula(module_type: type) -> tuple[bool, float] | None:
         found = {_RMS_NORM_RETURNS[line] for line in lines if line in _RMS_NORM_RETURNS}
         return (found.pop(), 0.0) if len(found) == 1 and returns == 1 else None
     body = [line for line in lines if line in _GEMMA_FORWARD]
-    norm = _source_lines(getattr(module_type, "_norm", None))
+    norm = source_lines(getattr(module_type, "_norm", None))
     if body == list(_GEMMA_FORWARD) and returns == 1 and norm is not None and _GEMMA_NORM in norm:
         return True, 1.0
     return None

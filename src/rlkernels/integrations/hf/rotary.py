@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ...ops.rotary import fused_ok, rotary_embedding_fused
-from .coverage import VERIFIED_FAMILIES, family_of, modeling_module
+from .coverage import VERIFIED_FAMILIES, family_of, modeling_module, source_lines
 
 FUNCTION = "apply_rotary_pos_emb"
 _FORMULA = ("cos = cos.unsqueeze(unsqueeze_dim)", "sin = sin.unsqueeze(unsqueeze_dim)",
@@ -51,13 +51,6 @@ def run_inside(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         _INSIDE_PATCHED_DECODER.reset(token)
 
 
-def _source_lines(fn: Any) -> set[str] | None:
-    try:
-        return {line.strip() for line in inspect.getsource(fn).splitlines()}
-    except (OSError, TypeError):
-        return None
-
-
 def is_transformers_formula(module: Any) -> bool:
     """``module.apply_rotary_pos_emb`` is transformers' ``(q, k, cos, sin, unsqueeze_dim=1)``
     function with ``rotate_half = cat(-x2, x1)``, read from their source."""
@@ -68,9 +61,9 @@ def is_transformers_formula(module: Any) -> bool:
         params = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return False
-    fn_lines, half_lines = _source_lines(fn), _source_lines(half)
+    fn_lines, half_lines = source_lines(fn), source_lines(half)
     return (params == _PARAMETERS and fn_lines is not None and half_lines is not None
-            and set(_FORMULA) <= fn_lines and set(_ROTATE_HALF) <= half_lines)
+            and set(_FORMULA) <= set(fn_lines) and set(_ROTATE_HALF) <= set(half_lines))
 
 
 def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:

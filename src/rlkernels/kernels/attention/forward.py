@@ -11,7 +11,8 @@ if triton is not None:
 
     @triton.jit
     def attn_fwd_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, k_desc, v_desc, K_HEAD_ROWS, K_HEAD_COLS, V_HEAD_ROWS, V_HEAD_COLS,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr,
+        k_desc, v_desc, K_HEAD_ROWS, K_HEAD_COLS, V_HEAD_ROWS, V_HEAD_COLS,
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
