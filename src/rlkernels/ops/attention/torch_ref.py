@@ -144,7 +144,8 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    delta_all = torch.zeros(lse.shape, dtype=lse.dtype, device=q.device)
+    # rowsum(dO * O) per row, kept for the sinks' gradient only
+    delta_all = torch.zeros(lse.shape, dtype=lse.dtype, device=q.device) if sinks is not None else None
     hq, hkv = q.shape[1], k.shape[2]
     g = hq // hkv
     for b, (qs, ql, ks, kl) in enumerate(_segments(q.shape[0], q_start, q_len, k_start, k_len, dense)):
@@ -159,7 +160,8 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
         ls = lse[:, qs:qs + ql].to(adt)
         ls = torch.where(ls == float("-inf"), torch.full_like(ls, float("inf")), ls)
         delta = chain_sum(doh.to(adt) * oh.to(adt), -1)
-        delta_all[:, qs:qs + ql] = delta.to(lse.dtype)
+        if delta_all is not None:
+            delta_all[:, qs:qs + ql] = delta.to(lse.dtype)
         s = chain_matmul(qh, kh.transpose(1, 2)) * scale
         p = torch.exp(s - ls[..., None])
         seen = visible(torch.arange(kl, device=q.device), torch.arange(ql, device=q.device) + (kl - ql), causal,
