@@ -1,6 +1,6 @@
 """Benchmark: the TP-invariant layers of ``rlkernels.parallel`` against the stock TP layers.
 
-    rlkernels bench tp [--device cuda|cpu] [--world N] [--json PATH] [--quick]
+    rlkernels bench tp [--device cuda|cpu] [--world N] [--json PATH] [--no-model]
 
 One process per rank (NCCL on GPUs, gloo on the CPU); TP sizes 1, 2, 4, .. up to
 ``--world`` (default: every visible GPU; 2 on the CPU), each as a process group of the
@@ -16,6 +16,8 @@ first ranks. Rank 0 reports, per layer and TP size:
   combined by differentiable ``all_reduce`` (the Megatron / verl pattern; at TP = 1
   ``log_softmax`` of the full logits), rlkernels = :func:`vocab_parallel_linear_logprob`
   (at TP = 1 :func:`sharded_linear_logprob`); also :func:`rlkernels.linear_logprob` at TP = 1.
+
+and, unless ``--no-model``, the whole model (:mod:`rlkernels.bench.tp_model`).
 
 Times are medians of a fixed number of calls per rank (every rank runs the same
 collectives, so no rank waits on a call another never makes), by CUDA events on a GPU and
@@ -40,6 +42,7 @@ from ..ops.matmul import linear
 from ..parallel import (plain_row_parallel_linear, row_parallel_tree_linear, sharded_linear_logprob, tree_linear,
                         vocab_parallel_linear_logprob)
 from .common import environment, fixed_call_times_ms, print_table, write_json
+from .tp_model import model_rows, progress
 
 NEEDS_CUDA = False  # `--device cpu` runs gloo processes anywhere
 
@@ -59,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cuda (default when two or more GPUs are visible: NCCL) or cpu (gloo)")
     parser.add_argument("--world", type=int, default=None,
                         help="processes (the largest TP size); default: the visible GPUs, 2 on the CPU")
+    parser.add_argument("--model", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the whole model: a Qwen3-1.7B-shaped tensor_parallel model's scoring and "
+                             "decode step (a tiny Qwen3 on the CPU)")
 
 
 def _timer(device: torch.device, group: dist.ProcessGroup | None) -> Callable[[Callable[[], Any]], float]:
@@ -120,7 +126,7 @@ def _fwd_bwd(fn: Callable[..., Any], h: torch.Tensor, w: torch.Tensor) -> Callab
     return run
 
 
-def _worker(rank: int, world: int, folder: str, device_type: str) -> None:
+def _worker(rank: int, world: int, folder: str, device_type: str, with_model: bool) -> None:
     cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -138,6 +144,7 @@ def _worker(rank: int, world: int, folder: str, device_type: str) -> None:
         ref: dict[str, dict[str, torch.Tensor]] = {}
         for tp in sizes:
             group = groups.get(tp)
+            progress(rank, f"layers, TP = {tp}")
             member = rank < tp
             median_ms = _timer(device, group)
             if member:
@@ -209,6 +216,8 @@ def _worker(rank: int, world: int, folder: str, device_type: str) -> None:
                 if cuda:
                     torch.cuda.empty_cache()
             dist.barrier()
+        if with_model:
+            rows += model_rows(rank, sizes, groups, device, folder)
         if rank == 0:
             torch.save(rows, os.path.join(folder, "rows.pt"))
     finally:
@@ -225,7 +234,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"rlkernels bench tp: --world {world}: expected 1 .. {torch.cuda.device_count()} "
                          "(one process per GPU)" if device == "cuda" else f"rlkernels bench tp: --world {world} < 1")
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_worker, args=(world, folder, device), nprocs=world, join=True,
+        mp.start_processes(_worker, args=(world, folder, device, args.model), nprocs=world, join=True,
                            start_method="spawn" if device == "cuda" else "fork")
         rows = torch.load(os.path.join(folder, "rows.pt"))
     for r in rows:
@@ -234,6 +243,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 r[key] = round(r[key], 4)
     print_table(f"TP-invariant layers vs stock TP layers ({device}, {world} processes)", rows,
                 ["layer", "tp", "pass", "stock_ms", "rlkernels_linear_ms", "rlkernels_ms", "ratio", "bitwise_tp1"])
+    for r in rows:
+        if r.get("note"):
+            print(f"  {r['layer']} tp={r['tp']}: {r['note']}")
     write_json(args.json, "tp", rows, {"world": world, "backend": "nccl" if device == "cuda" else "gloo",
                                        "environment_rank0": environment()})
     return rows

@@ -234,3 +234,101 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
                dict(do_sample=True, top_k=300, return_thresholds=True)):
         with pytest.raises(ValueError, match=r"rlkernels.generate: on a tensor-parallel model"):
             rlkernels.generate(sharded, ids, mask, max_new_tokens=2, seed=1, **kw)
+
+
+# ---------------------------------------------------------------- several GPUs (NCCL)
+# A Qwen3-1.7B-shaped model in bf16, sharded over NCCL ranks (one GPU each), against the
+# one-process layout on one GPU: scoring, a sampled eager generate and a rollout.
+
+GPU_SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                 tie_word_embeddings=True)
+GPU_ROLLOUT = dict(n=2, max_new_tokens=12, temperature=0.7, seed=5, eos_token_id=[], max_batch=5, cuda_graph=False,
+                   return_entropy=True)
+
+
+def _gpu_model(device: torch.device):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)  # every rank draws the same weights on its own GPU
+    with torch.device(device):
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**GPU_SHAPE))
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():  # a trained head's logit scale (std ~6)
+        model.get_output_embeddings().weight.mul_(7.0)
+    return rlkernels.patch_model(model)
+
+
+def _gpu_batch(device: torch.device):
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, GPU_SHAPE["vocab_size"], (4, 97), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0  # left padding
+    mask[3, :61] = 0
+    return ids.to(device), mask.to(device)
+
+
+def _gpu_run(model, device: torch.device) -> dict:
+    ids, mask = _gpu_batch(device)
+    out = {"weights": model.get_input_embeddings().weight.float().sum().item()}
+    with torch.no_grad():
+        out["score"] = rlkernels.token_logprobs(model, ids, mask, temperature=0.7, return_entropy=True)
+        out["generate"] = rlkernels.generate(model, ids, mask, max_new_tokens=16, do_sample=True, temperature=0.7,
+                                             seed=3, streams=torch.tensor([4, 1 << 40, 9, 2], device=device),
+                                             eos_token_id=[], return_entropy=True)
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+        out["rollout"] = [(r.tokens, r.logprobs, r.entropy)
+                          for r in rlkernels.rollout(model, prompts, **GPU_ROLLOUT)]
+    return {k: _to_cpu(v) for k, v in out.items()}
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _nccl_model_worker(rank: int, world: int, folder: str) -> None:
+    from ...parallel._workers import nccl_group
+
+    with nccl_group(rank, world, folder) as dev:
+        full_weights = _gpu_model(dev).get_input_embeddings().weight.float().sum().item()
+        model = rlkernels.tensor_parallel(_gpu_model(dev), dist.group.WORLD)
+        out = _gpu_run(model, dev)
+        out["weights"] = full_weights
+        out["held"] = sum(p.numel() for p in model.parameters())
+        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+
+
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8) if x.is_floating_point() else x
+
+
+def _flat(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value for t in _flat(v)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", (2, 4, 8))
+def test_nccl_qwen3_1p7b_shape_is_the_one_gpu_layouts_bits(world):
+    from ...parallel._workers import run_nccl_world
+
+    ranks = run_nccl_world(world, _nccl_model_worker)
+    dev = torch.device("cuda", 0)
+    model = rlkernels.tensor_parallel(_gpu_model(dev), None)
+    whole = sum(p.numel() for p in model.parameters())
+    want = _gpu_run(model, dev)
+    del model
+    assert want["score"][0].std() > 0.1  # uncertain draws: the log-probs are not all ~0
+    for rank, out in enumerate(ranks):
+        assert out["weights"] == want["weights"], rank  # the same model was built on every rank
+        # Each rank holds its shard: ~1/t of the projections and the (tied) embedding.
+        assert out["held"] < whole / world * 1.1, (rank, out["held"], whole)
+        for key in ("score", "generate", "rollout"):
+            got, ref = _flat(out[key]), _flat(want[key])
+            assert len(got) == len(ref)
+            for g, r in zip(got, ref):
+                assert g.shape == r.shape and torch.equal(_raw(g), _raw(r)), (world, rank, key)
