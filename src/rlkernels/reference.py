@@ -59,17 +59,20 @@ def log_softmax_ref(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                   softmax_scale: float | None = None, window: int = -1,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """softmax(q k^T * scale) v in float64: q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (GQA:
     query head h uses KV head h // (Hq // Hkv)); causal is bottom-right aligned (query i
     sits at key position Lk - Lq + i); window >= 0: query i sees no key more than
     ``window`` positions before its own; sinks [Hq]: head h's logit joins each row's
-    softmax as one more column whose value is dropped; a row with no visible key gives 0."""
+    softmax as one more column whose value is dropped; softcap > 0: scores become softcap *
+    tanh(score / softcap) before the mask; a row with no visible key gives 0."""
     qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
     g = q.shape[2] // k.shape[2]
     kd, vd = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     s = qd @ kd.transpose(-1, -2) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
     lq, lk = q.shape[1], k.shape[1]
     pos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
     keys = torch.arange(lk, device=q.device)[None, :]

@@ -169,8 +169,12 @@ def test_attention_refuses_what_it_does_not_compute():
     q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     with pytest.raises(ValueError, match="sliding_window must be a positive int, got 0"):
         attention.rlkernels_attention_forward(attn, q, k, k, None, sliding_window=0)
-    with pytest.raises(ValueError, match="softcap=50.0 is not supported"):
-        attention.rlkernels_attention_forward(attn, q, k, k, None, softcap=50.0)
+    # Gemma 2's softcap is passed to the kernels: the op's bits, not the uncapped ones.
+    capped, _ = attention.rlkernels_attention_forward(attn, 4 * q, k, k, None, softcap=2.0)
+    want = rlkernels.ops.attention.flash_attn_func(4 * q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
+                                                   softcap=2.0)
+    assert torch.equal(capped, want) and not torch.allclose(capped, attention.rlkernels_attention_forward(
+        attn, 4 * q, k, k, None)[0], atol=1e-3)
     attn.train()
     with pytest.raises(ValueError, match="attention dropout"):
         attention.rlkernels_attention_forward(attn, q, k, k, None, dropout=0.1)

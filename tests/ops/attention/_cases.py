@@ -96,16 +96,17 @@ def hf_layout(rows: list[torch.Tensor], starts: list[int], slots: int) -> torch.
     return buf.transpose(1, 2)
 
 
-def check_packed_backward(attn, seqs, lens, dtype, backend, window: int = -1):
+def check_packed_backward(attn, seqs, lens, dtype, backend, window: int = -1, softcap: float = 0.0):
     """Output and dQ/dK/dV of packed sequences: run to run equal, each sequence's rows
     equal to it alone, the middle sequence's grads within the contract of float64 autograd.
     attn: the entry points (:func:`entry_points`, or ``A``); seqs: per sequence [q, k, v, dout] rows;
-    window: the keys a query sees back (window_size=(window, 0)), -1 for all."""
+    window: the keys a query sees back (window_size=(window, 0)), -1 for all; softcap: the scores' cap."""
     device = seqs[0][0].device
 
     def grads(q, k, v, do, cu, mx):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        o = attn.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, window_size=(window, 0), backend=backend)
+        o = attn.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, window_size=(window, 0), softcap=softcap,
+                                        backend=backend)
         return (o,) + torch.autograd.grad(o, (q, k, v), do)
 
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -118,7 +119,7 @@ def check_packed_backward(attn, seqs, lens, dtype, backend, window: int = -1):
         for name, t, u in zip(("out", "dq", "dk", "dv"), together, alone):
             assert bits_equal(t[a:a + n], u), f"{name} of sequence {i}"
     q, k, v, do = (t[None].double().requires_grad_() if j < 3 else t[None].double() for j, t in enumerate(seqs[1]))
-    ref = torch.autograd.grad(reference.attention_ref(q, k, v, window=window), (q, k, v), do)
+    ref = torch.autograd.grad(reference.attention_ref(q, k, v, window=window, softcap=softcap), (q, k, v), do)
     a, n = int(cu[1]), lens[1]
     for t, r in zip(together[1:], ref):
         contract.check("attention_grad", dtype, t[a:a + n], r[0])
@@ -193,15 +194,18 @@ def gpu_qkv(B, L, hq, hkv, d, dtype, seed=0):
 
 
 
-def sinks_against_float64(attn, q, k, v, sinks, window: int, dtype, dout, backend: str | None = None) -> torch.Tensor:
-    """flash_attn_func with ``sinks`` and ``window_size=(window, 0)``: output and the
-    gradients of q, k, v and the sinks (for ``dout``) within the contract of float64
-    attention with a sink column; returns the output, detached."""
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
-    out = attn.flash_attn_func(*leaves[:3], window_size=(window, 0), sinks=leaves[3], backend=backend)
+def against_float64(attn, q, k, v, dtype, dout, backend: str | None = None, window: int = -1,
+                    sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """flash_attn_func with ``window_size=(window, 0)``, ``sinks`` and ``softcap``: output and
+    the gradients of q, k, v (and the sinks) for ``dout`` within the contract of float64
+    attention (with a sink column, scores soft-capped); returns the output, detached."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v) + (() if sinks is None else (sinks,))]
+    out = attn.flash_attn_func(*leaves[:3], window_size=(window, 0), sinks=None if sinks is None else leaves[3],
+                               softcap=softcap, backend=backend)
     grads = torch.autograd.grad(out, leaves, dout)
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = reference.attention_ref(*ref_leaves[:3], window=window, sinks=ref_leaves[3])
+    ref = reference.attention_ref(*ref_leaves[:3], window=window, sinks=None if sinks is None else ref_leaves[3],
+                                  softcap=softcap)
     contract.check("attention", dtype, out, ref)
     for got, want in zip(grads, torch.autograd.grad(ref, ref_leaves, dout.double())):
         contract.check("attention_grad", dtype, got, want)

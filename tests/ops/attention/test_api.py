@@ -22,8 +22,8 @@ from rlkernels.ops.attention.key_blocks import DEFAULT_CHAIN
 from rlkernels.ops.attention.launch import DEFAULT_TUNING
 
 from ...conftest import cpu_backend_cases, randn
-from ._cases import (bits_equal, check_packed_backward, chunked, decode_row, gpu_qkv, nan_cache, packed, qkv,
-                     sinks_against_float64, sizes)
+from ._cases import (against_float64, bits_equal, check_packed_backward, chunked, decode_row, gpu_qkv, nan_cache,
+                     packed, qkv, sizes)
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases())
@@ -115,7 +115,7 @@ def test_sinks_join_each_rows_normalizer_on_the_one_chain(backend, dtype, gen, a
     for w in (-1, 20):
         kw = dict(window_size=(w, 0), sinks=sinks, backend=backend)
         do = randn(*q.shape, dtype=dtype, generator=gen)
-        full = sinks_against_float64(attn, q, k, v, sinks, w, dtype, do, backend)[0]
+        full = against_float64(attn, q, k, v, dtype, do, backend, window=w, sinks=sinks)[0]
         call = dict(window_size=(w, 0), sinks=sinks)
         for p in (0, 31, 32, 47, L - 1):
             assert bits_equal(decode_row(attn, q, k, v, p, backend, L + 9, **call), full[p]), f"window {w}, row {p}"
@@ -130,6 +130,38 @@ def test_sinks_join_each_rows_normalizer_on_the_one_chain(backend, dtype, gen, a
         attn.flash_attn_func(q, k, v, sinks=torch.zeros(3), backend=backend)
     with pytest.raises(ValueError, match="sinks has dtype torch.int64"):
         attn.flash_attn_func(q, k, v, sinks=torch.zeros(hq, dtype=torch.int64), backend=backend)
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_softcap_caps_the_scores_on_the_one_chain(backend, dtype, gen, attn):
+    """softcap (Gemma 2): within the contract of float64 attention over capped scores,
+    forward and gradients, alone and with a window and sinks; each row the same bits in
+    prefill, decode over a NaN-filled cache, chunked, as a prefix and packed."""
+    hq, hkv, d = sizes(backend)
+    L = 71 if backend == "triton" else 131
+    q, k, v = qkv(L, hq, hkv, d, dtype, gen)
+    q = q * 3  # scores of a few units: the cap of 2 bends them
+    sinks = randn(hq, generator=gen, scale=2.0)
+    plain = attn.flash_attn_func(q, k, v, backend=backend)
+    for w, sink in ((-1, None), (20, sinks)):
+        call = dict(window_size=(w, 0), sinks=sink, softcap=2.0)
+        do = randn(*q.shape, dtype=dtype, generator=gen)
+        full = against_float64(attn, q, k, v, dtype, do, backend, window=w, sinks=sink, softcap=2.0)[0]
+        assert not torch.allclose(full, plain[0], atol=1e-2)  # the cap changes the result
+        for p in (0, 31, 32, 47, L - 1):
+            assert bits_equal(decode_row(attn, q, k, v, p, backend, L + 9, **call), full[p]), f"window {w}, row {p}"
+        assert bits_equal(chunked(attn, q, k, v, [7, 32, 1, L], backend, L + 9, **call)[0], full), f"window {w}"
+        assert bits_equal(attn.flash_attn_func(q[:, :33], k[:, :33], v[:, :33], **call, backend=backend)[0],
+                          full[:33])
+        other = [t[0] for t in qkv(37, hq, hkv, d, dtype, gen)]
+        cu = torch.tensor([0, 37, 37 + L], dtype=torch.int32)
+        packed_out = attn.flash_attn_varlen_func(*(torch.cat([o, t[0]]) for o, t in zip(other, (q, k, v))), cu, cu,
+                                                 L, L, **call, backend=backend)
+        assert bits_equal(packed_out[37:], full), f"window {w}, packed"
+    for bad, err in ((-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+                     (torch.tensor(2.0), TypeError), (True, TypeError)):
+        with pytest.raises(err, match="rlkernels.flash_attn_func: softcap must be"):
+            attn.flash_attn_func(q, k, v, softcap=bad, backend=backend)
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
@@ -393,7 +425,40 @@ def test_gpu_sinks_prefill_decode_chunked_packed_backward(w):
                                         torch.tensor([p], dtype=torch.int32, device="cuda"), **kw)
         assert bits_equal(row[0, 0], full[p]), f"decode row {p}"
     n = 700
-    sinks_against_float64(A, q[:, :n], k[:, :n], v[:, :n], sinks, w, dtype, torch.randn_like(q[:, :n]))
+    against_float64(A, q[:, :n], k[:, :n], v[:, :n], dtype, torch.randn_like(q[:, :n]), window=w, sinks=sinks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w,cap", [(-1, 5.0), (127, 50.0)])
+def test_gpu_softcap_prefill_decode_chunked_packed_backward(w, cap):
+    """Gemma 2's attention shape (8 query heads over 4 KV heads of 256, scores capped,
+    every other layer a window): one chain per row whatever the call; forward and
+    gradients within the contract of float64 over capped scores."""
+    dtype, d, hq, hkv, L = torch.bfloat16, 256, 8, 4, 3000
+    q, k, v = gpu_qkv(1, L, hq, hkv, d, dtype)
+    q = q * 4  # scores of several units: a cap of 5 bends them
+    kw = dict(window_size=(w, 0), softcap=cap)
+    full = A.flash_attn_func(q, k, v, **kw)[0]
+    assert not bits_equal(full, A.flash_attn_func(q, k, v, window_size=(w, 0))[0])
+    lens = [1, 1031, L]
+    seqs = [tuple(t[0, :n] for t in gpu_qkv(1, n, hq, hkv, d, dtype, seed=n)) for n in lens]
+    seqs[2] = (q[0], k[0], v[0])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    out = A.flash_attn_varlen_func(*(torch.cat([s[i] for s in seqs]) for i in range(3)), cu, cu, L, L, **kw)
+    assert bits_equal(out[int(cu[2]):], full)
+    kc = torch.full((1, L + 64, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    vc = kc.clone()
+    for p in (0, 127, 128, 1023, 1024, 2047, L - 1):
+        kc[:, :p], vc[:, :p] = k[:1, :p], v[:1, :p]
+        kc[:, p:], vc[:, p:] = float("nan"), float("nan")
+        row = A.flash_attn_with_kvcache(q[:1, p:p + 1], kc, vc, k[:1, p:p + 1], v[:1, p:p + 1],
+                                        torch.tensor([p], dtype=torch.int32, device="cuda"), **kw)
+        assert bits_equal(row[0, 0], full[p]), f"decode row {p}"
+    n = 700
+    against_float64(A, q[:, :n], k[:, :n], v[:, :n], dtype, torch.randn_like(q[:, :n]), window=w, softcap=cap)
+    grads = [tuple(t[0] for t in gpu_qkv(1, n, hq, hkv, d, dtype, seed=7 + n))
+             + (torch.randn(n, hq, d, device="cuda").to(dtype),) for n in (1, 1777, 613)]
+    check_packed_backward(A, grads, [1, 1777, 613], dtype, "triton", window=w, softcap=cap)
 
 
 @pytest.mark.gpu

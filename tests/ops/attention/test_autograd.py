@@ -64,10 +64,10 @@ def test_registry_and_custom_op(gen, attn):
                                                       0.35, *SMALL_CHAIN, "torch", False)
         assert bits_equal(out.view(2, 9, 2, 8), attn.flash_attn_func(q, k, v, softmax_scale=0.35,
                                                                      window_size=(window, 0), backend="torch"))
-    for sinks in (None, torch.tensor([0.5, -1.0], requires_grad=True)):
+    for sinks, cap in ((None, 0.0), (torch.tensor([0.5, -1.0], requires_grad=True), 2.0)):
         torch.library.opcheck(torch.ops.rlkernels.flash_attn_fwd.default,
                               (qs.requires_grad_(), ks, vs, ar * 9, lens, ar * 9, lens, 9, 9, True, 4, 0.35,
-                               *SMALL_CHAIN, "torch", False, sinks),
+                               *SMALL_CHAIN, "torch", False, sinks, cap),
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -112,6 +112,7 @@ def test_every_route_gives_one_result(backend, dtype, gen, attn):
     same(lambda q, k, v: attn.flash_attn_func(q, k, v, window_size=(5, 0), backend=backend), q, k, v, dout=do)
     sinks = randn(hq, generator=gen)
     same(lambda q, k, v, s: attn.flash_attn_func(q, k, v, sinks=s, backend=backend), q, k, v, sinks, dout=do)
+    same(lambda q, k, v: attn.flash_attn_func(q, k, v, softcap=1.5, backend=backend), q, k, v, dout=do)
     rows = q.reshape(b * lq, hq, d)
     ar = torch.arange(b, dtype=torch.int32)
     q_len, k_len = torch.full((b,), lq, dtype=torch.int32), torch.full((b,), lk, dtype=torch.int32)

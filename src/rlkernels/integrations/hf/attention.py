@@ -156,9 +156,6 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
     [B, Hkv, S, D] (the cache already appended) -> ([B, Lq, Hq, D], None)."""
     if dropout and module.training:
         raise ValueError(f"rlkernels attention: attention dropout ({dropout}) is not supported")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"rlkernels attention: softcap={kwargs['softcap']!r} is not supported "
-                         "(the invariant chain has no logit soft-capping)")
     if getattr(module, "is_causal", True) is False:
         raise ValueError("rlkernels attention: non-causal attention is not supported")
     b, hq, lq, d = query.shape
@@ -187,7 +184,8 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
     # transformers' window: a query sees keys fewer than `window` positions before it.
     out = attention_by_bounds("attention (Hugging Face)", q_rows, k_rows, v_rows, q_start, q_len, k_start, k_len, lq, s,
                               causal=True, scale=scale, window_size=(-1 if window is None else window - 1, -1),
-                              sinks=kwargs.get("s_aux"))  # GPT-OSS's per-head attention sinks
+                              sinks=kwargs.get("s_aux"),  # GPT-OSS's per-head attention sinks
+                              softcap=kwargs.get("softcap") or 0.0)  # Gemma 2's attention logit soft-cap
     out = out.view(b, lq, hq, d)
     if valid_rows is not None:  # padding rows: zeros (no key of theirs was computed)
         out = torch.where(valid_rows[:, :, None, None], out, _zero(out.dtype, dev))

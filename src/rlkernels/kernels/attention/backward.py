@@ -9,6 +9,7 @@ if triton is not None:
     from .prologue import (key_base, key_range, load_head_rows, load_pair, load_rows, program_tile,
                            query_base, query_bounds, query_rows, store_rows, tile_bounds, tile_offsets, tma_row,
                            window_range)
+    from ..cuda_math import tanhf
     from .softmax import dot
 
     @triton.jit
@@ -30,10 +31,29 @@ if triton is not None:
         tl.store(delta_ptr + h * stride_dh + q_start + offs_m, delta, mask=offs_m < q_len)
 
     @triton.jit
+    def probs(s, lse, qk_scale, softcap, SOFTCAP: tl.constexpr):
+        """(p, slope) of raw scores s [BM, BN] from the saved LSE (log2 units): p = exp2(s' -
+        lse) with s' the forward's scaled (SOFTCAP: capped) score, and slope = 1 - tanh^2,
+        the cap's derivative up to the scale (unused without SOFTCAP)."""
+        if SOFTCAP:
+            t = tanhf(s * qk_scale)
+            return tl.math.exp2(t * softcap - lse[:, None]), 1.0 - t * t
+        else:
+            return tl.math.exp2(s * qk_scale - lse[:, None]), s
+
+    @triton.jit
+    def score_grad(p, dp, delta, slope, SOFTCAP: tl.constexpr):
+        """dL/ds up to the scale: p * (dp - delta), times the cap's slope under SOFTCAP."""
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * slope
+        return ds
+
+    @triton.jit
     def dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d, q_len, k_len, shift, D,
-                  k, v, dk, dv, qk_scale, WINDOW, CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr,
-                  IEEE: tl.constexpr, EVEN_D: tl.constexpr, MASK: tl.constexpr, q_desc, do_desc, q_row, q_col, do_row,
-                  do_col, TMA: tl.constexpr):
+                  k, v, dk, dv, qk_scale, softcap, WINDOW, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+                  BLOCK_M: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, MASK: tl.constexpr, q_desc, do_desc,
+                  q_row, q_col, do_row, do_col, TMA: tl.constexpr, SOFTCAP: tl.constexpr):
         """One query block's share of a key block's dK, dV (fp32 accumulators). TMA: q and
         dO come through their descriptors (a whole block inside the sequence). SLIDING:
         the mask also hides keys more than WINDOW positions before a query.
@@ -50,7 +70,7 @@ if triton is not None:
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         delta = tl.load(d_base + offs_m, mask=m_ok, other=0.0)
         s = dot(q, tl.trans(k), tl.zeros((BLOCK_M, k.shape[0]), dtype=tl.float32), IEEE)
-        p = tl.math.exp2(s * qk_scale - lse[:, None])
+        p, slope = probs(s, lse, qk_scale, softcap, SOFTCAP)
         if MASK:
             valid = m_ok[:, None] & (offs_n < k_len)[None, :]
             if CAUSAL:
@@ -60,7 +80,7 @@ if triton is not None:
             p = tl.where(valid, p, 0.0)
         dv = dot(tl.trans(p.to(do.dtype)), do, dv, IEEE)
         dp = dot(do, tl.trans(v), tl.zeros((BLOCK_M, k.shape[0]), dtype=tl.float32), IEEE)
-        ds = p * (dp - delta[:, None])
+        ds = score_grad(p, dp, delta, slope, SOFTCAP)
         dk = dot(tl.trans(ds.to(q.dtype)), q, dk, IEEE)
         return dk, dv
 
@@ -71,9 +91,10 @@ if triton is not None:
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_dot, stride_doh, stride_lh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-        HKV, G, D, qk_scale, sm_scale, LQ, K_ADD, KV_ROWS, WINDOW,
+        HKV, G, D, qk_scale, softcap, sm_scale, LQ, K_ADD, KV_ROWS, WINDOW,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, DENSE: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         """dK, dV of one key block: query heads of the GQA group in order, query blocks
         (aligned to the sequence's first query) ascending, fp32 accumulators, no atomics.
@@ -123,25 +144,25 @@ if triton is not None:
             # select (where(True, x, 0) is x; rows past q_len load q = do = 0, lse = +inf: p = 0).
             for m0 in range(m_lo, m_full, BLOCK_M):
                 dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d, q_len,
-                                   k_len, shift, D, k, v, dk, dv, qk_scale, WINDOW, CAUSAL, SLIDING, BLOCK_M, IEEE,
-                                   EVEN_D, True, None, None, 0, 0, 0, 0, False)
+                                   k_len, shift, D, k, v, dk, dv, qk_scale, softcap, WINDOW, CAUSAL, SLIDING, BLOCK_M, IEEE,
+                                   EVEN_D, True, None, None, 0, 0, 0, 0, False, SOFTCAP)
             if TMA:
                 q_row = tma_row(q_start, h, Q_HEAD_ROWS)
                 do_row = tma_row(q_start, h, DO_HEAD_ROWS)
                 for m0 in range(m_full, m_tma, BLOCK_M):
                     dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d,
-                                       q_len, k_len, shift, D, k, v, dk, dv, qk_scale, WINDOW, CAUSAL, SLIDING,
+                                       q_len, k_len, shift, D, k, v, dk, dv, qk_scale, softcap, WINDOW, CAUSAL, SLIDING,
                                        BLOCK_M, IEEE, EVEN_D, False, q_desc, do_desc, q_row, h * Q_HEAD_COLS, do_row,
-                                       h * DO_HEAD_COLS, True)
+                                       h * DO_HEAD_COLS, True, SOFTCAP)
             for m0 in range(m_tma, m_mid, BLOCK_M):
                 dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d, q_len,
-                                   k_len, shift, D, k, v, dk, dv, qk_scale, WINDOW, CAUSAL, SLIDING, BLOCK_M, IEEE,
-                                   EVEN_D, False, None, None, 0, 0, 0, 0, False)
+                                   k_len, shift, D, k, v, dk, dv, qk_scale, softcap, WINDOW, CAUSAL, SLIDING, BLOCK_M, IEEE,
+                                   EVEN_D, False, None, None, 0, 0, 0, 0, False, SOFTCAP)
             if SLIDING:
                 for m0 in range(m_mid, m_stop, BLOCK_M):
                     dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d,
-                                       q_len, k_len, shift, D, k, v, dk, dv, qk_scale, WINDOW, CAUSAL, SLIDING,
-                                       BLOCK_M, IEEE, EVEN_D, True, None, None, 0, 0, 0, 0, False)
+                                       q_len, k_len, shift, D, k, v, dk, dv, qk_scale, softcap, WINDOW, CAUSAL, SLIDING,
+                                       BLOCK_M, IEEE, EVEN_D, True, None, None, 0, 0, 0, 0, False, SOFTCAP)
         dk = dk * sm_scale
         store_rows(key_base(dk_ptr, k_start, kvh, stride_dkt, stride_dkh), offs_n, stride_dkt, offs_d, k_len, D,
                    dk.to(dk_ptr.dtype.element_ty), EVEN_D)
@@ -150,8 +171,8 @@ if triton is not None:
 
     @triton.jit
     def dq_step(q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_d, m_ok, pos, n0, k_len, D, qk_scale,
-                dq, WINDOW, CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                IEEE: tl.constexpr, EVEN_D: tl.constexpr):
+                softcap, dq, WINDOW, CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr):
         """dQ's share of keys n0 .. n0 + BLOCK_N - 1 through masked loads: the keys of the
         sequence at or before each row's position (CAUSAL) and no more than WINDOW
         positions back (SLIDING)."""
@@ -165,9 +186,10 @@ if triton is not None:
             valid = valid & (offs_n[None, :] <= pos[:, None])
         if SLIDING:
             valid = valid & (offs_n[None, :] >= (pos - WINDOW)[:, None])
-        p = tl.where(valid, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+        p, slope = probs(s, lse, qk_scale, softcap, SOFTCAP)
+        p = tl.where(valid, p, 0.0)
         dp = dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
-        ds = p * (dp - delta[:, None])
+        ds = score_grad(p, dp, delta, slope, SOFTCAP)
         return dot(ds.to(k.dtype), k, dq, IEEE)
 
     @triton.jit
@@ -177,10 +199,10 @@ if triton is not None:
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_dot, stride_doh, stride_lh, stride_dqt, stride_dqh,
-        H, G, D, qk_scale, sm_scale, LQ, K_ADD, KV_ROWS, WINDOW,
+        H, G, D, qk_scale, softcap, sm_scale, LQ, K_ADD, KV_ROWS, WINDOW,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, REVERSE_M: tl.constexpr, TMA: tl.constexpr,
-        DENSE: tl.constexpr,
+        DENSE: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         """dQ of one query block: key blocks ascending from key 0, recomputing P; no atomics.
         Key blocks every row of the tile sees in full skip the select (same bits) and, where
@@ -212,7 +234,7 @@ if triton is not None:
             n_low = tl.minimum(tl.maximum(n_win, n_lo), n_end)
             for n0 in range(n_lo, n_low, BLOCK_N):
                 dq = dq_step(q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_d, m_ok, pos, n0, k_len, D,
-                             qk_scale, dq, WINDOW, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, IEEE, EVEN_D)
+                             qk_scale, softcap, dq, WINDOW, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, IEEE, EVEN_D, SOFTCAP)
         n_mid = tl.minimum(tl.maximum(n_full, n_low), n_end)
         for n0 in range(n_low, n_mid, BLOCK_N):
             if TMA:
@@ -223,13 +245,13 @@ if triton is not None:
                 k = load_rows(k_base, offs_n, stride_kt, offs_d, k_len, D, EVEN_D, False)
                 v = load_rows(v_base, offs_n, stride_vt, offs_d, k_len, D, EVEN_D, False)
             s = dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
-            p = tl.math.exp2(s * qk_scale - lse[:, None])
+            p, slope = probs(s, lse, qk_scale, softcap, SOFTCAP)
             dp = dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
-            ds = p * (dp - delta[:, None])
+            ds = score_grad(p, dp, delta, slope, SOFTCAP)
             dq = dot(ds.to(k.dtype), k, dq, IEEE)
         for n0 in range(n_mid, n_end, BLOCK_N):
             dq = dq_step(q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_d, m_ok, pos, n0, k_len, D,
-                         qk_scale, dq, WINDOW, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, IEEE, EVEN_D)
+                         qk_scale, softcap, dq, WINDOW, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, IEEE, EVEN_D, SOFTCAP)
         dq = dq * sm_scale
         store_rows(query_base(dq_ptr, q_start, h, stride_dqt, stride_dqh), offs_m, stride_dqt, offs_d, q_len, D,
                    dq.to(dq_ptr.dtype.element_ty), EVEN_D)

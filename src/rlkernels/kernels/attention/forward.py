@@ -16,10 +16,11 @@ if triton is not None:
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
-        H, G, D, qk_scale, LQ, K_ADD, KV_ROWS, WINDOW,
+        H, G, D, qk_scale, softcap, LQ, K_ADD, KV_ROWS, WINDOW,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, DENSE: tl.constexpr,
         KLEN_PTR: tl.constexpr, REVERSE_M: tl.constexpr, TMA: tl.constexpr, ONE_SPLIT: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         """Full forward: one program per (query tile of BLOCK_M rows, sequence, query head).
 
@@ -35,6 +36,7 @@ if triton is not None:
         SLIDING: each row sees keys no more than WINDOW positions back; the splits and
         blocks no row of the tile sees are left out (``window_range``). SINK: head h's
         sink logit (``sink_ptr[h]``, log2 units) joins each row's normalizer (``finish``).
+        SOFTCAP: the scores are soft-capped (``capped``; qk_scale and softcap as it reads them).
         """
         pid_m, bh, z, h, q_start, q_len, k_start, k_len = tile_bounds(H, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
                                                                       LQ, K_ADD, KV_ROWS, REVERSE_M, DENSE, KLEN_PTR)
@@ -56,8 +58,8 @@ if triton is not None:
         if ONE_SPLIT:
             m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, k_desc, v_desc, k_row,
                                          kvh * K_HEAD_COLS, v_row, kvh * V_HEAD_COLS, offs_d, row_ok, pos, 0, n_end,
-                                         n_full, n_lo, n_win, k_len, D, qk_scale, ONES, WINDOW, CAUSAL, SLIDING,
-                                         BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, TMA)
+                                         n_full, n_lo, n_win, k_len, D, qk_scale, softcap, ONES, WINDOW, CAUSAL,
+                                         SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, TMA, SOFTCAP)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
         else:
             s_first = 0
@@ -66,8 +68,9 @@ if triton is not None:
             for s0 in range(s_first, n_end, S_SPLIT):
                 m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, k_desc, v_desc, k_row,
                                              kvh * K_HEAD_COLS, v_row, kvh * V_HEAD_COLS, offs_d, row_ok, pos, s0,
-                                             n_end, n_full, n_lo, n_win, k_len, D, qk_scale, ONES, WINDOW, CAUSAL,
-                                             SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, TMA)
+                                             n_end, n_full, n_lo, n_win, k_len, D, qk_scale, softcap, ONES, WINDOW,
+                                             CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, TMA,
+                                             SOFTCAP)
                 m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
         sink = m
         if SINK:

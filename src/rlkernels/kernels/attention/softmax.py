@@ -8,6 +8,7 @@ from __future__ import annotations
 from .._triton import DOT_ANY_M, tl, triton
 
 if triton is not None:
+    from ..cuda_math import tanhf
     from .prologue import load_pair, load_rows
 
     # Columns of the ones matrix the row sums of p go through (``block_step``): the
@@ -44,7 +45,14 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def block_step(q, k, v, valid, m, l, acc, qk_scale, ONES, IEEE: tl.constexpr, MASK: tl.constexpr):
+    def capped(s, qk_scale, softcap):
+        """Soft-capped scores in log2 units: softcap * tanh(s * qk_scale), with the host's
+        qk_scale = scale / cap and softcap = cap * log2(e) (Gemma 2's cap * tanh(s * scale / cap))."""
+        return tanhf(s * qk_scale) * softcap
+
+    @triton.jit
+    def block_step(q, k, v, valid, m, l, acc, qk_scale, softcap, ONES, IEEE: tl.constexpr, MASK: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
         """One key block of the online softmax: q [BM, BD], k/v [BN, BD], valid [BM, BN].
 
         m is the running max of the scaled scores: rowmax(s) * qk_scale is rowmax(s *
@@ -55,14 +63,21 @@ if triton is not None:
         on the tile shape, rather than a tree reduction whose order follows the layout.
         MASK=False is for blocks whose keys every row of the tile may see: the same
         expressions without the select (``where(True, s, -inf)`` is s), so same bits.
+        SOFTCAP: the scores are ``capped`` first (the mask after, so hidden keys stay -inf)
+        and the scale that follows is 1 (x * 1 is x).
         """
         s = dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), dtype=tl.float32), IEEE)
+        if SOFTCAP:
+            s = capped(s, qk_scale, softcap)
+            k_scale = 1.0
+        else:
+            k_scale = qk_scale
         if MASK:
             s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        m_new = tl.maximum(m, tl.max(s, 1) * k_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
-        p = tl.math.exp2(tl.fma(s, qk_scale, -m_safe[:, None])).to(v.dtype)
+        p = tl.math.exp2(tl.fma(s, k_scale, -m_safe[:, None])).to(v.dtype)
         rows = dot(p, ONES, tl.zeros((q.shape[0], ONES.shape[1]), dtype=tl.float32), IEEE)
         l = tl.fma(l, alpha, tl.max(rows, 1))
         acc = dot(p, v, acc * alpha[:, None], IEEE)
@@ -82,9 +97,9 @@ if triton is not None:
         return out, lse
 
     @triton.jit
-    def masked_block(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, n0, k_len, D, qk_scale, ONES,
-                     m, l, acc, WINDOW, CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_N: tl.constexpr,
-                     IEEE: tl.constexpr, EVEN_D: tl.constexpr):
+    def masked_block(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, n0, k_len, D, qk_scale, softcap,
+                     ONES, m, l, acc, WINDOW, CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_N: tl.constexpr,
+                     IEEE: tl.constexpr, EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr):
         """``block_step`` over keys n0 .. n0 + BLOCK_N - 1 through masked loads, each row
         seeing the keys of the sequence at or before its position (CAUSAL) and no more than
         WINDOW positions back (SLIDING)."""
@@ -96,14 +111,14 @@ if triton is not None:
             valid = valid & (offs_n[None, :] <= pos[:, None])
         if SLIDING:
             valid = valid & (offs_n[None, :] >= (pos - WINDOW)[:, None])
-        return block_step(q, k, v, valid, m, l, acc, qk_scale, ONES, IEEE, True)
+        return block_step(q, k, v, valid, m, l, acc, qk_scale, softcap, ONES, IEEE, True, SOFTCAP)
 
     @triton.jit
     def split_walk(q, k_base, v_base, stride_kt, stride_vt, k_desc, v_desc, k_row, k_col, v_row, v_col, offs_d,
-                   row_ok, pos, s0, n_end, n_full, n_lo, n_win, k_len, D, qk_scale, ONES, WINDOW,
+                   row_ok, pos, s0, n_end, n_full, n_lo, n_win, k_len, D, qk_scale, softcap, ONES, WINDOW,
                    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-                   TMA: tl.constexpr):
+                   TMA: tl.constexpr, SOFTCAP: tl.constexpr):
         """One split's online-softmax state (m, l, acc), from the empty state, over its key
         blocks ascending: keys [s0, min(s0 + S_SPLIT, n_end)) of a tile whose rows have
         query positions ``pos`` (row_ok: the row exists). Blocks below n_full (a multiple of
@@ -123,15 +138,15 @@ if triton is not None:
             s_low = tl.minimum(tl.maximum(n_win, s_begin), s_end)
             for n0 in range(s_begin, s_low, BLOCK_N):
                 m_s, l_s, acc_s = masked_block(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, n0, k_len,
-                                               D, qk_scale, ONES, m_s, l_s, acc_s, WINDOW, CAUSAL, SLIDING, BLOCK_N,
-                                               IEEE, EVEN_D)
+                                               D, qk_scale, softcap, ONES, m_s, l_s, acc_s, WINDOW, CAUSAL, SLIDING,
+                                               BLOCK_N, IEEE, EVEN_D, SOFTCAP)
         s_mid = tl.minimum(tl.maximum(n_full, s_low), s_end)
         for n0 in range(s_low, s_mid, BLOCK_N):
             k, v = load_pair(k_desc, v_desc, k_row, k_col, v_row, v_col, k_base, v_base, stride_kt, stride_vt, n0,
                              n0 + tl.arange(0, BLOCK_N), offs_d, k_len, D, EVEN_D, False, TMA)
-            m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, ONES, IEEE, False)
+            m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, softcap, ONES, IEEE, False, SOFTCAP)
         for n0 in range(s_mid, s_end, BLOCK_N):
             m_s, l_s, acc_s = masked_block(q, k_base, v_base, stride_kt, stride_vt, offs_d, row_ok, pos, n0, k_len, D,
-                                           qk_scale, ONES, m_s, l_s, acc_s, WINDOW, CAUSAL, SLIDING, BLOCK_N, IEEE,
-                                           EVEN_D)
+                                           qk_scale, softcap, ONES, m_s, l_s, acc_s, WINDOW, CAUSAL, SLIDING, BLOCK_N,
+                                           IEEE, EVEN_D, SOFTCAP)
         return m_s, l_s, acc_s

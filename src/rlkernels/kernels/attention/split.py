@@ -16,10 +16,11 @@ if triton is not None:
         q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
-        HKV, G, D, qk_scale, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, KV_ROWS, WINDOW,
+        HKV, G, D, qk_scale, softcap, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, KV_ROWS, WINDOW,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, SINK: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, DENSE: tl.constexpr, KLEN_PTR: tl.constexpr, FINISH: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         """One split of S_SPLIT keys for a tile of (query, head of the GQA group) rows.
 
@@ -64,8 +65,9 @@ if triton is not None:
         # Pointer loads only: TMA reads measured the same GPU time here (a step is bound by
         # its KV bytes, not the loads' address arithmetic) and cost host time per step.
         m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, None, None, 0, 0, 0, 0, offs_d, row_ok,
-                                     pos, sp * S_SPLIT, n_end, n_full, n_lo, n_win, k_len, D, qk_scale, ONES, WINDOW,
-                                     CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, False)
+                                     pos, sp * S_SPLIT, n_end, n_full, n_lo, n_win, k_len, D, qk_scale, softcap, ONES,
+                                     WINDOW, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, False,
+                                     SOFTCAP)
         if FINISH:
             m, l, acc = empty_state(BLOCK_M, BLOCK_D)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)

@@ -19,7 +19,7 @@ from .autograd import append_to_cache, attend, forward, kvcache_append_op, trace
 from .launch import DEFAULT_TUNING, AttnTuning
 from .layout import last_dim_unit, packed
 from .validate import (check_backend, check_cache_seqlens, check_cu, check_index, check_qkv, check_scale,
-                       check_sinks, check_window, read_indices)
+                       check_sinks, check_softcap, check_window, read_indices)
 
 OP = "flash_attn"
 # Decode-like calls (query rows x GQA group <= this) take the split-KV kernels.
@@ -34,7 +34,7 @@ def _takes_split_kv(backend: str, max_q: int, group: int) -> bool:
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), *,
-                    sinks: torch.Tensor | None = None, backend: str | None = None,
+                    sinks: torch.Tensor | None = None, softcap: float = 0.0, backend: str | None = None,
                     _tuning: AttnTuning = DEFAULT_TUNING) -> torch.Tensor:
     """Batch-invariant attention over a padded batch (FlashAttention's ``flash_attn_func``).
 
@@ -48,11 +48,14 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     sinks: None or [Hq] (any float dtype): head h's sink logit (natural-log units, unscaled)
     joins the softmax normalizer of each of its rows, and its value row is dropped
     (GPT-OSS's attention sinks); differentiable.
+    softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the mask
+    and the softmax (Gemma 2's attention logit soft-capping); 0: none.
     Returns [B, Lq, Hq, D] in q's dtype; differentiable wrt q, k, v (and sinks).
     """
     op = "flash_attn_func"
     check_qkv(op, q, k, v, 4)
     window = check_window(op, window_size, causal)
+    softcap = check_softcap(op, softcap)
     check_sinks(op, sinks, q.shape[2], q.device)
     b, lq, _, d = q.shape
     if k.shape[0] != b:
@@ -63,26 +66,26 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = check_scale(op, softmax_scale, d)
     # The dense form: sequence b is batch row b, Lq queries over its Lk keys.
     return attend(q, last_dim_unit(k), last_dim_unit(v), sinks, None, None, None, None, (lq, lk), lq, lk,
-                  bool(causal),
-                  window, scale, _tuning, name, False)
+                  bool(causal), window, softcap, scale, _tuning, name, False)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), *,
-                           sinks: torch.Tensor | None = None, backend: str | None = None,
+                           sinks: torch.Tensor | None = None, softcap: float = 0.0, backend: str | None = None,
                            _tuning: AttnTuning = DEFAULT_TUNING) -> torch.Tensor:
     """Batch-invariant attention over packed sequences (FlashAttention's ``flash_attn_varlen_func``).
 
     q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; cu_seqlens_q/k: int32 [B + 1], starting at 0,
     non-decreasing, ending at Tq/Tk; max_seqlen_q/k: ints >= every sequence's length
     (they size the launch grid, so nothing is read back from the device for it);
-    window_size and sinks as :func:`flash_attn_func`'s, per sequence.
+    window_size, sinks and softcap as :func:`flash_attn_func`'s, per sequence.
     Returns [Tq, Hq, D]; differentiable wrt q, k, v (and sinks).
     """
     op = "flash_attn_varlen_func"
     check_qkv(op, q, k, v, 3)
     window = check_window(op, window_size, causal)
+    softcap = check_softcap(op, softcap)
     check_sinks(op, sinks, q.shape[1], q.device)
     check_index(op, "cu_seqlens_q", cu_seqlens_q, None, q.device)
     check_index(op, "cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
@@ -100,14 +103,13 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     q_len = cu_seqlens_q[1:] - q_start
     k_len = cu_seqlens_k[1:] - k_start
     return attend(last_dim_unit(q), last_dim_unit(k)[None], last_dim_unit(v)[None], sinks, q_start, q_len, k_start,
-                  k_len,
-                  None, max_q, max_k, bool(causal), window, scale, _tuning, name, False)
+                  k_len, None, max_q, max_k, bool(causal), window, softcap, scale, _tuning, name, False)
 
 
 def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
                         q_len: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, max_q: int, max_k: int, *,
                         causal: bool = True, scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
-                        sinks: torch.Tensor | None = None, backend: str | None = None,
+                        sinks: torch.Tensor | None = None, softcap: float = 0.0, backend: str | None = None,
                         _tuning: AttnTuning = DEFAULT_TUNING) -> torch.Tensor:
     """The op over sequences given by their bounds, for integrations that hold padded rows.
 
@@ -119,12 +121,13 @@ def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     bottom-right aligned, its keys counted from ``k_start[b]`` -- the same chain as every
     public entry point. max_q / max_k: ints >= every q_len / k_len. Rows outside every
     sequence are not written. Decode-like calls take the split-KV kernels (same bits).
-    window_size and sinks as :func:`flash_attn_func`'s, positions counted from ``k_start[b]``.
-    Returns [Tq, Hq, D] in q's dtype; differentiable wrt q, k, v. ``op`` names the caller
-    in errors.
+    window_size, sinks and softcap as :func:`flash_attn_func`'s, positions counted from
+    ``k_start[b]``. Returns [Tq, Hq, D] in q's dtype; differentiable wrt q, k, v. ``op``
+    names the caller in errors.
     """
     check_qkv(op, q, k, v, 3, k_ranks=(3, 4))
     window = check_window(op, window_size, causal)
+    softcap = check_softcap(op, softcap)
     check_sinks(op, sinks, q.shape[1], q.device)
     nb = q_start.shape[0]
     for name, t in (("q_start", q_start), ("q_len", q_len), ("k_start", k_start), ("k_len", k_len)):
@@ -141,15 +144,14 @@ def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     max_q, max_k = int(max_q), int(max_k)
     split_kv = _takes_split_kv(name, max_q, q.shape[1] // k.shape[-2])
     return attend(last_dim_unit(q), k, v, sinks, q_start, q_len, k_start, k_len, None, max_q, max_k, bool(causal),
-                  window,
-                  scale, _tuning, name, split_kv)
+                  window, softcap, scale, _tuning, name, split_kv)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                             cache_seqlens: torch.Tensor | int | None = None, causal: bool = True,
                             softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), *,
-                            sinks: torch.Tensor | None = None, backend: str | None = None,
+                            sinks: torch.Tensor | None = None, softcap: float = 0.0, backend: str | None = None,
                             _tuning: AttnTuning = DEFAULT_TUNING) -> torch.Tensor:
     """Decode / chunked prefill over a KV cache (FlashAttention's ``flash_attn_with_kvcache``).
 
@@ -160,12 +162,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     int, or None (the whole cache). Query i of a sequence attends as key position
     cache_seqlens[b] + Lnew - Lq + i (causal, bottom-right). Slots past
     cache_seqlens[b] + Lnew are never read into the result (NaN there is harmless).
-    window_size and sinks as :func:`flash_attn_func`'s: the cache keeps every key, the window masks.
-    Forward only (inference). Returns [B, Lq, Hq, D] in q's dtype.
+    window_size, sinks and softcap as :func:`flash_attn_func`'s: the cache keeps every key,
+    the window masks. Forward only (inference). Returns [B, Lq, Hq, D] in q's dtype.
     """
     op = "flash_attn_with_kvcache"
     check_qkv(op, q, k_cache, v_cache, 4)
     window = check_window(op, window_size, causal)
+    softcap = check_softcap(op, softcap)
     check_sinks(op, sinks, q.shape[2], q.device)
     b, lq, hq, d = q.shape
     nb, s_cap = k_cache.shape[:2]
@@ -223,7 +226,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             kvcache_append_op(k_cache, v_cache, k, v, cache_seqlens)
         with torch.no_grad():
             return traced(q, k_cache, v_cache, sinks, None, None, None, k_len, dense, lq, s_cap, bool(causal), window,
-                          scale, _tuning.chain, name, split_kv)
+                          softcap, scale, _tuning.chain, name, split_kv)
     if lnew:
         if seqlen_int is not None:
             k_cache[:, seqlen_int:seqlen_int + lnew] = k
@@ -232,8 +235,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             append_to_cache(k_cache, v_cache, k, v, cache_seqlens)
     # Forward only: no autograd route to pick, the core alone (a decode step is launch-bound).
     out, _ = forward(packed(q), k_cache, v_cache, sinks, None, None, None, k_len, dense, lq, s_cap, bool(causal),
-                     window,
-                     scale, _tuning, name, split_kv)
+                     window, softcap, scale, _tuning, name, split_kv)
     return out.view_as(q)
 
 

@@ -33,29 +33,32 @@ from .triton_host import triton_bwd, triton_fwd
 
 
 def forward(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool,
-            window: int, scale: float, tuning: AttnTuning, backend: str,
+            window: int, softcap: float, scale: float, tuning: AttnTuning, backend: str,
             split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward core: q rows [Tq, Hq, D], k/v [NB, S, Hkv, D] (unit last strides), either
     index form -> (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32, fp64 for fp64).
     ``sinks`` [Hq] or None: each head's sink logit in its rows' normalizers. ``window`` >= 0:
-    each query sees keys no more than that many positions back (-1: no window). ``tuning``:
-    the chain (both backends) and the Triton launch."""
+    each query sees keys no more than that many positions back (-1: no window). ``softcap``
+    > 0: scores are softcap * tanh(score / softcap) (0: none). ``tuning``: the chain (both
+    backends) and the Triton launch."""
     if backend == "triton":
         return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, tuning, split_kv,
-                          dense, window, sinks)
-    return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, tuning.chain, dense, window, sinks)
+                          dense, window, sinks, softcap)
+    return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, tuning.chain, dense, window, sinks,
+                     softcap)
 
 
 def backward(do, q, k, v, sinks, out, lse, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int,
-             causal: bool, window: int, scale: float, tuning: AttnTuning, backend: str
+             causal: bool, window: int, softcap: float, scale: float, tuning: AttnTuning, backend: str
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward core: (dq, dk, dv, dsinks) for dO [Tq, Hq, D] and :func:`forward`'s inputs
     and results (dsinks None without sinks); ``tuning``: the Triton launch (the backward
     recomputes P from the saved LSE, so the chain plays no part)."""
     if backend == "triton":
         return triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, tuning,
-                          dense, window, sinks)
-    return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale, dense, window, sinks)
+                          dense, window, sinks, softcap)
+    return torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal, scale, dense, window, sinks,
+                     softcap)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -81,9 +84,9 @@ class AttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, sinks, out, lse, *bounds = ctx.saved_tensors
-        dense, max_q, max_k, causal, window, scale, tuning, backend, _ = ctx.call
+        dense, max_q, max_k, causal, window, softcap, scale, tuning, backend, _ = ctx.call
         dq, dk, dv, dsinks = backward(_rows(dout), _rows(q), k, v, sinks, out, lse, *bounds, dense, max_q, max_k,
-                                      causal, window, scale, tuning, backend)
+                                      causal, window, softcap, scale, tuning, backend)
         dsinks = dsinks.to(sinks.dtype) if dsinks is not None else None
         return dq if q.dim() == 3 else dq.view_as(q), dk, dv, dsinks, None, None
 
@@ -100,16 +103,17 @@ def chain_tuning(block_n: int, split: int) -> AttnTuning:
 def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
                       q_len: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, max_q: int, max_k: int,
                       causal: bool, window: int, scale: float, block_n: int, split: int, backend: str,
-                      split_kv: bool, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      split_kv: bool, sinks: torch.Tensor | None = None, softcap: float = 0.0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward core as an opaque op for torch.compile (bounds form; same backends, same
     bits): the chain (block_n, split) with the default launch."""
-    return forward(q, k, v, sinks, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, window, scale,
-                   chain_tuning(block_n, split), backend, split_kv)
+    return forward(q, k, v, sinks, q_start, q_len, k_start, k_len, None, max_q, max_k, causal, window, softcap,
+                   scale, chain_tuning(block_n, split), backend, split_kv)
 
 
 @flash_attn_fwd_op.register_fake
 def _(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale, block_n, split, backend,
-      split_kv, sinks=None):
+      split_kv, sinks=None, softcap=0.0):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 
@@ -117,18 +121,18 @@ def _(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, sca
 def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, k_start: torch.Tensor,
                       k_len: torch.Tensor, max_q: int, max_k: int, causal: bool, window: int, scale: float,
-                      backend: str, sinks: torch.Tensor | None = None
+                      backend: str, sinks: torch.Tensor | None = None, softcap: float = 0.0
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward core as an opaque op for torch.compile (bounds form, the default launch):
     (dq, dk, dv, dsinks), dsinks empty without sinks (an op returns tensors only)."""
     dq, dk, dv, dsinks = backward(do, q, k, v, sinks, out, lse, q_start, q_len, k_start, k_len, None, max_q, max_k,
-                                  causal, window, scale, DEFAULT_TUNING, backend)
+                                  causal, window, softcap, scale, DEFAULT_TUNING, backend)
     return dq, dk, dv, dsinks.to(sinks.dtype) if sinks is not None else q.new_empty((0,))
 
 
 @flash_attn_bwd_op.register_fake
 def _(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale, backend,
-      sinks=None):
+      sinks=None, softcap=0.0):
     dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
@@ -138,17 +142,17 @@ def _(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q, max_k, causa
 # Both call the one backward core.
 def _op_setup(ctx, inputs, output):
     q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, window, scale = inputs[:12]
-    sinks = inputs[16]
+    sinks, softcap = inputs[16], inputs[17]
     ctx.save_for_backward(q, k, v, output[0], output[1], q_start, q_len, k_start, k_len, sinks)
-    ctx.args = (max_q, max_k, causal, window, scale, inputs[14])
+    ctx.args = (max_q, max_k, causal, window, scale, inputs[14], softcap)
 
 
 def _op_backward(ctx, dout, _dlse):
     q, k, v, out, lse, q_start, q_len, k_start, k_len, sinks = ctx.saved_tensors
-    max_q, max_k, causal, window, scale, backend = ctx.args
+    max_q, max_k, causal, window, scale, backend, softcap = ctx.args
     dq, dk, dv, dsinks = flash_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, q_start, q_len, k_start, k_len,
-                                           max_q, max_k, causal, window, scale, backend, sinks)
-    return (dq, dk, dv) + (None,) * 13 + (dsinks if sinks is not None else None,)
+                                           max_q, max_k, causal, window, scale, backend, sinks, softcap)
+    return (dq, dk, dv) + (None,) * 13 + (dsinks if sinks is not None else None, None)
 
 
 flash_attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup)
@@ -189,7 +193,7 @@ def padded_bounds(nb: int, dense: tuple[int, int], k_len: torch.Tensor | None, d
 
 
 def traced(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
-           scale: float, chain: Chain, backend: str, split_kv: bool) -> torch.Tensor:
+           softcap: float, scale: float, chain: Chain, backend: str, split_kv: bool) -> torch.Tensor:
     """The op under torch.compile: the forward custom op (its autograd registered above) on
     the bounds form with ``chain`` and the default launch; out in q's shape. The launch
     sizes are specialized to ints (shapes may be symbolic here): they pick the kernels'
@@ -197,12 +201,13 @@ def traced(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, ma
     if dense is not None:
         q_start, q_len, k_start, k_len = padded_bounds(q.shape[0], dense, k_len, q.device)
     out, _ = flash_attn_fwd_op(_rows(q), k, v, q_start, q_len, k_start, k_len, int(max_q), int(max_k), bool(causal),
-                               int(window), float(scale), chain.block_n, chain.split, backend, bool(split_kv), sinks)
+                               int(window), float(scale), chain.block_n, chain.split, backend, bool(split_kv), sinks,
+                               float(softcap))
     return out if q.dim() == 3 else out.view_as(q)
 
 
 def attend(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
-           scale: float, tuning: AttnTuning, backend: str, split_kv: bool) -> torch.Tensor:
+           softcap: float, scale: float, tuning: AttnTuning, backend: str, split_kv: bool) -> torch.Tensor:
     """The op on validated inputs, by the one route for the call's context: traced by
     torch.compile (:func:`traced`: ``tuning``'s chain, the default launch), with autograd
     (:class:`AttnFunction`, which keeps ``tuning`` for the backward), or without (the
@@ -210,12 +215,12 @@ def attend(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, ma
     padded batch [B, Lq, Hq, D] (dense form); k, v [NB, S, Hkv, D] with unit last strides;
     out in q's shape and dtype."""
     if torch.compiler.is_compiling():
-        return traced(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window, scale,
-                      tuning.chain, backend, split_kv)
+        return traced(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window, softcap,
+                      scale, tuning.chain, backend, split_kv)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
         return AttnFunction.apply(q, k, v, sinks, (q_start, q_len, k_start, k_len),
-                                  (dense, max_q, max_k, causal, window, scale, tuning, backend, split_kv))
+                                  (dense, max_q, max_k, causal, window, softcap, scale, tuning, backend, split_kv))
     out, _ = forward(_rows(q), k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window,
-                     scale, tuning, backend, split_kv)
+                     softcap, scale, tuning, backend, split_kv)
     return out if q.dim() == 3 else out.view_as(q)

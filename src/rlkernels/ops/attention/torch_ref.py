@@ -37,13 +37,23 @@ def visible(keys: torch.Tensor, pos: torch.Tensor, causal: bool, window: int) ->
     return seen
 
 
+def capped(s: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scores, tanh) of scaled scores s: softcap * tanh(s / softcap), Gemma 2's order, and
+    the tanh the backward's slope 1 - tanh^2 reads; s itself and None when softcap is 0."""
+    if softcap <= 0:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
 def _torch_seq_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   chain: Chain, window: int, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   chain: Chain, window: int, sinks: torch.Tensor | None, softcap: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D] -> (out [Lq, Hq, D] fp32/fp64, lse [Hq, Lq]).
     ``window`` >= 0: each query sees keys no more than that many positions back; the key
     blocks no query sees are left out (for every row an exact no-op of the chain).
     ``sinks`` [Hq] or None: each head's sink logit, merged into its rows' state last as
-    the state (sink, 1, 0).
+    the state (sink, 1, 0). ``softcap`` > 0: the scaled scores are :func:`capped` first.
 
     Natural-log units here (the Triton kernels use exp2 with log2(e) folded into the
     scale): on the CPU, torch.exp gives every element the same bits whether it lands in
@@ -65,7 +75,7 @@ def _torch_seq_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         for n0 in range(max(s0, n_lo), min(s0 + chain.split, n_end), chain.block_n):
             n1 = min(n0 + chain.block_n, lk)
             # Keys past the sequence would add exact zeros to both chains: leaving them out is the same.
-            s = chain_matmul(qh, kh[:, n0:n1].transpose(1, 2)) * scale
+            s, _ = capped(chain_matmul(qh, kh[:, n0:n1].transpose(1, 2)) * scale, softcap)
             seen = visible(torch.arange(n0, n1, device=q.device), pos, causal, window)
             if seen is not None:
                 s = torch.where(seen, s, torch.full_like(s, float("-inf")))
@@ -108,14 +118,15 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 # flash_attn_with_kvcache calls it on inputs that require grad.
 @torch.no_grad()
 def torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal: bool, scale: float, chain: Chain,
-              dense: tuple[int, int] | None = None, window: int = -1, sinks: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              dense: tuple[int, int] | None = None, window: int = -1, sinks: torch.Tensor | None = None,
+              softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward on the torch backend: q [Tq, Hq, D], k/v [NB, S, Hkv, D]; sequence b's
     queries are rows q_start[b] + [0, q_len[b]) and its keys rows k_start[b] + [0, k_len[b])
     of ``key_rows(k, b)``, or the padded batch ``dense`` as in triton_fwd. Returns (out
     [Tq, Hq, D] in q's dtype, lse [Hq, Tq] in :func:`lse_dtype`); rows outside every
     sequence are zeros. ``window`` >= 0: each query sees keys no more than that many
-    positions back; ``sinks`` [Hq]: each head's sink logit in its rows' normalizers."""
+    positions back; ``sinks`` [Hq]: each head's sink logit in its rows' normalizers;
+    ``softcap`` > 0: the scores are soft-capped (:func:`capped`)."""
     tq, hq, d = q.shape
     if q.is_meta:  # shapes only: meta tensors hold no index values
         return torch.empty_like(q), q.new_empty((hq, tq), dtype=lse_dtype(q.dtype))
@@ -125,15 +136,16 @@ def torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal: bool, scale: floa
         if ql == 0:
             continue
         kb, vb = key_rows(k, b), key_rows(v, b)
-        o, ls = _torch_seq_fwd(q[qs:qs + ql], kb[ks:ks + kl], vb[ks:ks + kl], causal, scale, chain, window, sinks)
+        o, ls = _torch_seq_fwd(q[qs:qs + ql], kb[ks:ks + kl], vb[ks:ks + kl], causal, scale, chain, window, sinks,
+                               softcap)
         out[qs:qs + ql] = o.to(q.dtype)
         lse[:, qs:qs + ql] = ls
     return out, lse.float() if q.dtype != torch.float64 else lse
 
 
 def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: bool, scale: float,
-              dense: tuple[int, int] | None = None, window: int = -1, sinks: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+              dense: tuple[int, int] | None = None, window: int = -1, sinks: torch.Tensor | None = None,
+              softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dq, dk, dv, dsinks) on the torch backend, the Triton kernels' chain orders with
     elementwise steps; shapes and index forms as :func:`torch_fwd` (dsinks [Hq] in the
     LSE's dtype, None without sinks)."""
@@ -162,14 +174,17 @@ def torch_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, causal: boo
         delta = chain_sum(doh.to(adt) * oh.to(adt), -1)
         if delta_all is not None:
             delta_all[:, qs:qs + ql] = delta.to(lse.dtype)
-        s = chain_matmul(qh, kh.transpose(1, 2)) * scale
+        s, t = capped(chain_matmul(qh, kh.transpose(1, 2)) * scale, softcap)
         p = torch.exp(s - ls[..., None])
         seen = visible(torch.arange(kl, device=q.device), torch.arange(ql, device=q.device) + (kl - ql), causal,
                        window)
         if seen is not None:
             p = torch.where(seen, p, torch.zeros_like(p))
         dp = chain_matmul(doh, vh.transpose(1, 2))
-        ds = (p * (dp - delta[..., None])).to(q.dtype)
+        ds = p * (dp - delta[..., None])
+        if t is not None:  # the cap's slope
+            ds = ds * (1 - t * t)
+        ds = ds.to(q.dtype)
         p = p.to(q.dtype)
         # dK/dV: one chain per key over (head of the group, query) in that order.
         pg = p.reshape(hkv, g * ql, kl)  # head h = kv_head * g + j: rows ordered (j, query)

@@ -55,9 +55,17 @@ def _pow2(x: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (x - 1).bit_length()))
 
 
+def score_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap) as the kernels read them: scale * log2(e) (and 1, unread) without a
+    cap; with one, scale / cap inside the tanh and cap * log2(e) after it (``capped``)."""
+    if softcap > 0:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 1.0
+
+
 def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool, scale: float,
                tuning: AttnTuning, split_kv: bool, dense: tuple[int, int] | None = None, window: int = -1,
-               sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               sinks: torch.Tensor | None = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernels (full kernel, or split-KV + combine); no host sync.
 
     q [Tq, Hq, D]; k, v [NB, S, Hkv, D] (``key_rows``). ``dense = (Lq, k_add)``: a padded
@@ -67,7 +75,8 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     tensors on the host. Same bits either way. ``tuning``: the chain, and the launch
     (``tuning.fwd``, None for :func:`~.launch.default_fwd_launch`). ``window`` >= 0: each
     query sees keys no more than that many positions back (-1: no window). ``sinks`` [Hq]
-    (natural-log units) or None: each head's sink logit in its rows' normalizers. Returns
+    (natural-log units) or None: each head's sink logit in its rows' normalizers.
+    ``softcap`` > 0: scores become softcap * tanh(score / softcap) (0: none). Returns
     (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32); rows outside every sequence are not
     written (with sinks their LSE is +inf, which the backward's sink gradient reads as no row).
     """
@@ -100,7 +109,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     cfg = tuning.fwd or default_fwd_launch(d, max_q)
     bd = _pow2(d)
     ieee = q.dtype == torch.float32
-    qk_scale = scale * LOG2E
+    qk_scale, cap_log2 = score_scales(scale, softcap)
     even_d = d == bd
     is_dense = dense is not None
     sliding = window >= 0
@@ -116,10 +125,10 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
             (rows_pad // bm, nb * hkv, n_splits),
             (q, k, v, ws, out, lse, sink_ptr, q_start, q_len, k_start, k_len,
              q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
-             hkv, g, d, qk_scale, n_splits, rows_pad, ws_rows, lq_d, k_add, rows, max(window, 0)),
+             hkv, g, d, qk_scale, cap_log2, n_splits, rows_pad, ws_rows, lq_d, k_add, rows, max(window, 0)),
             dict(CAUSAL=causal, SLIDING=sliding, SINK=sinks is not None, BLOCK_M=bm, BLOCK_N=chain.block_n,
                  BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr,
-                 FINISH=finish_here),
+                 FINISH=finish_here, SOFTCAP=softcap > 0),
             num_warps=cfg.split.num_warps, num_stages=cfg.split.num_stages)
         if not finish_here:
             # The combine's tile is launch detail (an elementwise merge per row and column):
@@ -137,9 +146,10 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         return out, lse
     # Not the dense form with per-sequence key counts (k_len + K_ADD, the KV-cache path's):
     # the warp-specialized kernel reads a padded batch's key count from Lk alone. It has no
-    # window and no sinks: it takes a windowed call only where the window hides no key (every
-    # position is below max_k, so a window of max_k - 1 keys back reaches key 0), the same bits.
-    if (cfg.ws and (window < 0 or window >= max_k - 1) and sinks is None and not (is_dense and klen_ptr)
+    # window, sinks or soft-cap: it takes a windowed call only where the window hides no key
+    # (every position is below max_k, so a window of max_k - 1 keys back reaches key 0), the same bits.
+    if (cfg.ws and (window < 0 or window >= max_k - 1) and sinks is None and softcap == 0
+            and not (is_dense and klen_ptr)
             and ws_fwd(q, k, v, out, lse, (q_start, q_len, k_start, k_len), nb, max_q, max_k,
                        (lq_d, k_add) if is_dense else None, causal, qk_scale, tuning)):
         return out, lse
@@ -149,24 +159,24 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         (cdiv(max_q, cfg.full.block_m), nb * hq),
         (q, k, v, out, lse, sink_ptr, *descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
-         hq, g, d, qk_scale, lq_d, k_add, rows, max(window, 0)),
+         hq, g, d, qk_scale, cap_log2, lq_d, k_add, rows, max(window, 0)),
         # (max_k bounds every k_len, as the grid's max_q bounds every q_len)
         dict(CAUSAL=causal, SLIDING=sliding, SINK=sinks is not None, BLOCK_M=cfg.full.block_m,
              BLOCK_N=chain.block_n, BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee, EVEN_D=even_d, DENSE=is_dense,
-             KLEN_PTR=klen_ptr, REVERSE_M=causal, TMA=tma, ONE_SPLIT=max_k <= chain.split),
+             KLEN_PTR=klen_ptr, REVERSE_M=causal, TMA=tma, ONE_SPLIT=max_k <= chain.split, SOFTCAP=softcap > 0),
         num_warps=cfg.full.num_warps, num_stages=cfg.full.num_stages)
     return out, lse
 
 
 def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool,
                scale: float, tuning: AttnTuning, dense: tuple[int, int] | None = None, window: int = -1,
-               sinks: torch.Tensor | None = None
+               sinks: torch.Tensor | None = None, softcap: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernels (delta, dK/dV, dQ); no host sync. Shapes and bounds as
     :func:`triton_fwd` (``dense`` with k_len None: every key of a batch row); the launch
     is ``tuning.bwd`` (None for :func:`~.launch.default_bwd_launch`), the chain plays no
     part (P is recomputed from the saved LSE, which holds the sinks); ``window`` and
-    ``sinks`` as the forward's. Returns (dq, dk, dv) in q's, k's and v's shapes (rows
+    ``sinks`` and ``softcap`` as the forward's. Returns (dq, dk, dv) in q's, k's and v's shapes (rows
     outside every sequence get zeros) and dsinks [Hq] fp32 (None without sinks)."""
     tq, hq, d = q.shape
     hkv = k.shape[2]
@@ -196,7 +206,7 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
     cfg = tuning.bwd or default_bwd_launch(d)
     bd = _pow2(d)
     ieee = q.dtype == torch.float32
-    qk_scale = scale * LOG2E
+    qk_scale, cap_log2 = score_scales(scale, softcap)
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     bm0 = 16 if triton_interpret() else 64
@@ -215,8 +225,9 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (q, k, v, do, lse, delta, dk, dv, *q_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0),
          dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-         hkv, g, d, qk_scale, scale, lq_d, k_add, rows, max(window, 0)),
-        dict(CAUSAL=causal, SLIDING=window >= 0, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, BLOCK_D=bd,
+         hkv, g, d, qk_scale, cap_log2, scale, lq_d, k_add, rows, max(window, 0)),
+        dict(CAUSAL=causal, SLIDING=window >= 0, SOFTCAP=softcap > 0, BLOCK_M=cfg.dkdv.block_m,
+             BLOCK_N=cfg.dkdv.block_n, BLOCK_D=bd,
              IEEE=ieee, EVEN_D=d == bd, TMA=q_tma, DENSE=dense is not None),
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages)
     *k_descs, k_tma = _tma_descs(use_tma, k, v, cfg.dq.block_n, bd)
@@ -224,8 +235,9 @@ def triton_bwd(do, q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q: int
         (cdiv(max_q, cfg.dq.block_m), nb * hq),
         (q, k, v, do, lse, delta, dq, *k_descs, q_start, q_len, k_start, k_len,
          q.stride(0), q.stride(1), *k_strides, do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
-         hq, g, d, qk_scale, scale, lq_d, k_add, rows, max(window, 0)),
-        dict(CAUSAL=causal, SLIDING=window >= 0, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=bd,
+         hq, g, d, qk_scale, cap_log2, scale, lq_d, k_add, rows, max(window, 0)),
+        dict(CAUSAL=causal, SLIDING=window >= 0, SOFTCAP=softcap > 0, BLOCK_M=cfg.dq.block_m,
+             BLOCK_N=cfg.dq.block_n, BLOCK_D=bd,
              IEEE=ieee, EVEN_D=d == bd, REVERSE_M=causal, TMA=k_tma, DENSE=dense is not None),
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages)
     return dq, dk, dv, None if sinks is None else sink_grad(sinks.float() * LOG2E, lse, delta, torch.exp2)

@@ -134,6 +134,15 @@ def check_window(op: str, window_size, causal: bool) -> int:
     return left
 
 
+def check_softcap(op: str, softcap) -> float:
+    """FlashAttention's ``softcap``: a finite number >= 0 (0: no cap), as a float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"rlkernels.{op}: softcap must be a Python number (0: no soft-cap), got {softcap!r}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"rlkernels.{op}: softcap must be a finite number >= 0 (0: no soft-cap), got {softcap}")
+    return float(softcap)
+
+
 def check_sinks(op: str, sinks, hq: int, device: torch.device) -> None:
     """None, or a float tensor [Hq] on q's device: one sink logit per query head."""
     if sinks is None:
