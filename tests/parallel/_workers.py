@@ -182,6 +182,9 @@ def _vocab_parallel_sample(rank: int, world: int, dtype: torch.dtype, out: dict,
                                                     seed=seed, streams=streams, positions=positions,
                                                     return_entropy=True)
     out[f"{tag}sample_token"], out[f"{tag}sample_logp"], out[f"{tag}sample_ent"] = tok, lp, ent
+    tok, lp, ent = vps.vocab_parallel_linear_sample(h, w[rows], b[rows], shards=SHARDS, temperature=TEMPERATURE,
+                                                    greedy=True, return_entropy=True)
+    out[f"{tag}greedy_token"], out[f"{tag}greedy_logp"], out[f"{tag}greedy_ent"] = tok, lp, ent
 
 
 def _empty_batches(rank: int, world: int, out: dict) -> None:

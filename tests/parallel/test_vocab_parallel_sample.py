@@ -17,17 +17,36 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
 
 
+def _every_rank_drew(results: dict, prefix: str, want: tuple) -> None:
+    """Every rank at every TP size saved ``want``'s (token, logp, entropy), bitwise."""
+    for world, ranks in results.items():
+        for out in ranks:
+            assert torch.equal(out[f"{prefix}_token"], want[0]), world
+            assert torch.equal(_bits(out[f"{prefix}_logp"]), _bits(want[1])), world
+            assert torch.equal(_bits(out[f"{prefix}_ent"]), _bits(want[2])), world
+
+
 @pytest.mark.parametrize("dtype", W.dtypes(), ids=W.names)
 def test_every_tp_size_draws_the_one_process_tokens_with_its_bits(results, dtype):
     h, w, b, streams, positions, seed = W.sample_inputs(dtype)
     want = sharded_linear_sample(h, w, b, shards=W.SHARDS, temperature=W.TEMPERATURE, seed=seed, streams=streams,
                                  positions=positions, return_entropy=True)
-    tag = W.names(dtype)
-    for world, ranks in results.items():
-        for out in ranks:
-            assert torch.equal(out[f"{tag}sample_token"], want[0]), world
-            assert torch.equal(_bits(out[f"{tag}sample_logp"]), _bits(want[1])), world
-            assert torch.equal(_bits(out[f"{tag}sample_ent"]), _bits(want[2])), world
+    _every_rank_drew(results, f"{W.names(dtype)}sample", want)
+
+
+@pytest.mark.parametrize("dtype", W.dtypes(), ids=W.names)
+def test_greedy_takes_the_argmax_with_the_scorers_log_prob_at_every_tp_size(results, dtype):
+    h, w, b, _, _, _ = W.sample_inputs(dtype)
+    want = sharded_linear_sample(h, w, b, shards=W.SHARDS, temperature=W.TEMPERATURE, greedy=True,
+                                 return_entropy=True)
+    z = (h.double() @ w.double().T + b.double()) / W.TEMPERATURE
+    top = z.topk(2, dim=1).values
+    assert (top[:, 0] - top[:, 1]).min() > 1e-3  # no near-tie: the argmax is the greedy token
+    assert torch.equal(want[0], z.argmax(dim=1))
+    ref_lp, ref_ent = sharded_linear_logprob(h, w, want[0], b, shards=W.SHARDS, temperature=W.TEMPERATURE,
+                                             return_entropy=True)
+    assert torch.equal(_bits(want[1]), _bits(ref_lp)) and torch.equal(_bits(want[2]), _bits(ref_ent))
+    _every_rank_drew(results, f"{W.names(dtype)}greedy", want)
 
 
 @pytest.mark.parametrize("dtype", W.dtypes(), ids=W.names)

@@ -85,12 +85,12 @@ class VocabParallelHead(nn.Module):
         return local if self.world == 1 else all_gather_cat(local, self.group, self.world, -1)
 
     def sample(self, hidden: torch.Tensor, *, temperature: float, seed: int | torch.Tensor, streams: torch.Tensor,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               positions: torch.Tensor, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token, logp, entropy) [N] of rows ``hidden`` [N, D]: the vocabulary-parallel draw
-        (:func:`~rlkernels.parallel.vocab_parallel_linear_sample`), whose log-probs are the
-        ones ``token_logprobs`` scores this head with."""
+        (:func:`~rlkernels.parallel.vocab_parallel_linear_sample`, or its greedy pick), whose
+        log-probs are the ones ``token_logprobs`` scores this head with."""
         kw = dict(shards=self.shards, temperature=temperature, seed=seed, streams=streams, positions=positions,
-                  return_entropy=True)
+                  return_entropy=True, greedy=greedy)
         if self.group is None:
             return sharded_linear_sample(hidden, self.weight, self.bias, **kw)
         return vocab_parallel_linear_sample(hidden, self.weight, self.bias, group=self.group, **kw)

@@ -14,7 +14,14 @@ The vocabulary is cut into the same ``shards`` as the scorer's, and a draw is tw
   all-gathered and each row takes shard k's.
 
 So ``P(v) = exp(lse_k - lse) exp(z_v - lse_k) = softmax(z)_v`` up to the fp32/fp64 rounding
-of the masses, as for ``linear_sample`` itself. The log-prob and entropy are the scorer's
+of the masses, as for ``linear_sample`` itself.
+
+Greedy (``greedy=True``): every shard's candidate is its argmax (``linear_sample``'s greedy
+draw, ties: the lowest id), and a row takes the candidate with the highest log-prob in the
+merged distribution (ties: the first shard). That is the argmax of the logits unless two
+shards' maxima lie within the fp32 rounding of their merged log-probs, where it may take
+the other one; either way the choice is a function of the shards' statistics alone, the
+same at every TP size. The log-prob and entropy are the scorer's
 merge (:func:`~.vocab_parallel.merge_shards`) of the shards' statistics with shard k's
 in-shard log-prob, which ``linear_sample`` returns bitwise as ``linear_logprob``: they
 are bitwise :func:`~.vocab_parallel.vocab_parallel_linear_logprob` of the drawn token.
@@ -59,7 +66,7 @@ def _pick_shard(lse: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _sample(op: str, hidden, weight, bias, layout: VocabLayout, temperature: float, seed, streams, positions,
-            return_entropy: bool, group, backend):
+            return_entropy: bool, group, backend, greedy: bool = False):
     logprob_backend, _ = backends_for(op, hidden, backend)
     N = hidden.shape[0]
     w = layout.width
@@ -73,48 +80,54 @@ def _sample(op: str, hidden, weight, bias, layout: VocabLayout, temperature: flo
             b_i = bias[i * w:(i + 1) * w] if bias is not None else None
             lse_ent = shard_stats(logprob_backend, hidden, w_i, b_i, first, temperature)[:2]
             tok, lp = linear_sample(hidden, w_i, b_i, temperature=temperature, seed=seed, streams=streams,
-                                    positions=positions, backend=backend)
+                                    positions=positions, greedy=greedy, backend=backend)
             stats.append(torch.cat([lse_ent, lp.to(lse_ent.dtype)[None]]))
             tokens.append(tok + layout.first_id(i))
         stats = _gather(torch.stack(stats), layout, group)      # [shards, 3, N]
         tokens = _gather(torch.stack(tokens), layout, group)    # [shards, N]
-        pos = positions if positions is not None else torch.zeros_like(streams)
-        k = _pick_shard(stats[:, 0], tile_uniform(seed, streams, pos, SHARD_COUNTER))
+        if greedy:
+            _, _, lse = merge_shards(list(stats), torch.full_like(first, -1), w)
+            k = (stats[:, 2] + (stats[:, 0] - lse[None, :])).argmax(dim=0)  # (merge_shards' logp of each candidate)
+        else:
+            pos = positions if positions is not None else torch.zeros_like(streams)
+            k = _pick_shard(stats[:, 0], tile_uniform(seed, streams, pos, SHARD_COUNTER))
         token = tokens.gather(0, k[None, :])[0]
         logp, ent, _ = merge_shards(list(stats), token, w)
     return (token, logp, ent) if return_entropy else (token, logp)
 
 
-def _validate(op: str, hidden, weight, bias, temperature, seed, streams, positions):
+def _validate(op: str, hidden, weight, bias, temperature, seed, streams, positions, greedy):
     V.require_tensor(op, "hidden", hidden)
     if hidden.dim() != 2:
         raise ValueError(f"rlkernels.{op}: hidden must be [N, D], got {tuple(hidden.shape)}")
-    validate(hidden, weight, bias, temperature, seed, streams, positions, False)
+    validate(hidden, weight, bias, temperature, seed, streams, positions, bool(greedy))
 
 
 def sharded_linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                          shards: int = VOCAB_SHARDS, temperature: float = 1.0, seed: int | torch.Tensor,
-                          streams: torch.Tensor, positions: torch.Tensor | None = None,
-                          return_entropy: bool = False, backend: str | None = None):
+                          shards: int = VOCAB_SHARDS, temperature: float = 1.0, seed: int | torch.Tensor = 0,
+                          streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                          return_entropy: bool = False, greedy: bool = False, backend: str | None = None):
     """One-process :func:`vocab_parallel_linear_sample`: the same shards, the same draw, the same bits.
 
     hidden [N, D]; weight [V, D]; bias [V] or None; ``seed``, ``streams`` [N] and
-    ``positions`` [N] as :func:`rlkernels.linear_sample` takes them; ``shards`` a power of
-    two dividing V. Returns ``(token [N] int64, logp [N])`` (and entropy) with no autograd
+    ``positions`` [N] as :func:`rlkernels.linear_sample` takes them (none with ``greedy``:
+    the module docstring says which token greedy takes); ``shards`` a power of two
+    dividing V. Returns ``(token [N] int64, logp [N])`` (and entropy) with no autograd
     graph: logp and entropy bitwise :func:`~rlkernels.parallel.sharded_linear_logprob` of
     the token with the same ``shards``. Tokens and log-probs differ from ``linear_sample``'s
     (another cut of the vocabulary): an opt-in mode.
     """
-    _validate(SHARDED_OP, hidden, weight, bias, temperature, seed, streams, positions)
+    _validate(SHARDED_OP, hidden, weight, bias, temperature, seed, streams, positions, greedy)
     layout = vocab_layout(SHARDED_OP, weight.shape[0], shards, 0, 1)
     return _sample(SHARDED_OP, hidden, weight, bias, layout, float(temperature), seed, streams, positions,
-                   return_entropy, None, backend)
+                   return_entropy, None, backend, bool(greedy))
 
 
 def vocab_parallel_linear_sample(hidden: torch.Tensor, weight_shard: torch.Tensor,
                                  bias_shard: torch.Tensor | None = None, *, shards: int = VOCAB_SHARDS,
-                                 temperature: float = 1.0, seed: int | torch.Tensor, streams: torch.Tensor,
-                                 positions: torch.Tensor | None = None, return_entropy: bool = False,
+                                 temperature: float = 1.0, seed: int | torch.Tensor = 0,
+                                 streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                                 return_entropy: bool = False, greedy: bool = False,
                                  group: dist.ProcessGroup | None = None, backend: str | None = None):
     """``linear_sample`` with the LM head sharded on the vocabulary over ``group`` (TP = t ranks).
 
@@ -125,7 +138,7 @@ def vocab_parallel_linear_sample(hidden: torch.Tensor, weight_shard: torch.Tenso
     """
     V.require_tensor(VOCAB_OP, "weight_shard", weight_shard)
     rank, world = process_group_world(VOCAB_OP, group, True)
-    _validate(VOCAB_OP, hidden, weight_shard, bias_shard, temperature, seed, streams, positions)
+    _validate(VOCAB_OP, hidden, weight_shard, bias_shard, temperature, seed, streams, positions, greedy)
     layout = vocab_layout(VOCAB_OP, weight_shard.shape[0] * world, shards, rank, world)
     return _sample(VOCAB_OP, hidden, weight_shard, bias_shard, layout, float(temperature), seed, streams, positions,
-                   return_entropy, group, backend)
+                   return_entropy, group, backend, bool(greedy))

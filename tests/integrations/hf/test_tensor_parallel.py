@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import rlkernels
 from rlkernels import contract
+from rlkernels._env import triton_interpret
 
 from ...parallel._workers import gloo_group, run_world
 from ._models import _tiny
@@ -26,6 +27,7 @@ SIZES = (1, 2, 4, 8)
 SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=8)
 CASES = [("qwen3", torch.float32, {}), ("llama", torch.float32, dict(attention_bias=True, tie_word_embeddings=False)),
          ("qwen3", torch.bfloat16, {})]
+GREEDY_CASE = 1  # the untied Llama: its heads' logits are uncertain, so greedy is not every draw
 
 
 def _model(arch: str, dtype: torch.dtype, over: dict):
@@ -52,11 +54,12 @@ def _score(model):
     return lp, ent, logits
 
 
-def _generate(model):
+def _generate(model, greedy: bool = False):
     ids, mask = _batch()
+    draw = dict(do_sample=False) if greedy else dict(do_sample=True, seed=17, streams=torch.tensor([5, 1 << 40, 9]))
     with torch.no_grad():
-        return rlkernels.generate(model, ids, mask, max_new_tokens=5, do_sample=True, temperature=0.7, seed=17,
-                                  streams=torch.tensor([5, 1 << 40, 9]), eos_token_id=[], return_entropy=True)
+        return rlkernels.generate(model, ids, mask, max_new_tokens=5, temperature=0.7, eos_token_id=[],
+                                  return_entropy=True, **draw)
 
 
 ROLLOUT = dict(n=2, max_new_tokens=4, temperature=0.7, seed=17, eos_token_id=[], max_batch=3, cuda_graph=False,
@@ -68,9 +71,10 @@ def _prompts() -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
 
 
-def _rollout(model):
+def _rollout(model, greedy: bool = False):
+    kw = dict(ROLLOUT, do_sample=False, n=1) if greedy else ROLLOUT
     with torch.no_grad():  # 3 prompts x 2 samples through 3 rows: the second three wait for slots
-        return [(r.tokens, r.logprobs, r.entropy) for r in rlkernels.rollout(model, _prompts(), **ROLLOUT)]
+        return [(r.tokens, r.logprobs, r.entropy) for r in rlkernels.rollout(model, _prompts(), **kw)]
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
@@ -81,6 +85,8 @@ def _worker(rank: int, world: int, folder: str) -> None:
             out[i] = _score(model)
             out[f"generate {i}"] = _generate(model)
             out[f"rollout {i}"] = _rollout(model)
+            if i == GREEDY_CASE and not triton_interpret():  # (the interpreter's draws: the op tests')
+                out["greedy"] = (_generate(model, greedy=True), _rollout(model, greedy=True))
             out[f"patched {i}"] = rlkernels.is_patched(model)
             if i == 0:
                 ids, mask = _batch()
@@ -133,6 +139,32 @@ def test_every_rank_at_every_tp_size_scores_the_one_process_layouts_bits(worlds,
                 assert torch.equal(_bits(got), _bits(ref)), (world, rank)
             for got, ref in zip(out[f"generate {case}"], drawn):
                 assert torch.equal(got, ref) if got.dtype == torch.int64 else torch.equal(_bits(got), _bits(ref))
+
+
+@pytest.mark.skipif(triton_interpret(), reason="the greedy draw's kernels under the interpreter: "
+                    "tests/parallel/test_vocab_parallel_sample.py")
+def test_greedy_at_every_tp_size_is_the_one_process_layouts_and_its_scores(worlds):
+    arch, dtype, over = CASES[GREEDY_CASE]
+    model = rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), None)
+    (seq, lp, ent), rolled = _generate(model, greedy=True), _rollout(model, greedy=True)
+    ids, mask = _batch()
+    L = ids.shape[1]
+    with torch.no_grad():  # the greedy log-probs are the scorer's; each rollout sample is its prompt's greedy row
+        scored, scored_ent = rlkernels.token_logprobs(model, seq, torch.cat([mask, torch.ones_like(seq[:, L:])], 1),
+                                                      temperature=0.7, return_entropy=True)
+        alone = [rlkernels.generate(model, torch.tensor([p]), max_new_tokens=ROLLOUT["max_new_tokens"],
+                                    do_sample=False, temperature=0.7, eos_token_id=[]) for p in _prompts()]
+    assert torch.equal(_bits(scored[:, L - 1:]), _bits(lp)) and torch.equal(_bits(scored_ent[:, L - 1:]), _bits(ent))
+    for (tokens, _, _), row, prompt in zip(rolled, alone, _prompts()):
+        assert torch.equal(tokens, row[0][0, len(prompt):])
+    for world, ranks in worlds.items():
+        for rank, out in enumerate(ranks):
+            got_gen, got_roll = out["greedy"]
+            for got, ref in zip(got_gen, (seq, lp, ent)):
+                assert torch.equal(_bits(got) if got.is_floating_point() else got,
+                                   _bits(ref) if ref.is_floating_point() else ref), (world, rank)
+            for got, ref in zip(got_roll, rolled):
+                assert torch.equal(got[0], ref[0]) and torch.equal(_bits(got[1]), _bits(ref[1])), (world, rank)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -225,12 +257,12 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
     with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: the model is tensor-parallel already"):
         rlkernels.tensor_parallel(sharded, None)
     ids, mask = _batch()
-    for kw in (dict(do_sample=False), dict(top_p=0.9), dict(top_k=300)):  # top_k 300 < V = 384: truncates
+    for kw in (dict(top_p=0.9), dict(top_k=300)):  # top_k 300 < V = 384: truncates
         with pytest.raises(ValueError, match=r"rlkernels.rollout: on a tensor-parallel model"):
             rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1, **kw)
     with pytest.raises(ValueError, match=r"cannot capture the decode step here: a tensor-parallel model's sampler"):
         rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1, cuda_graph=True)
-    for kw in (dict(do_sample=False), dict(do_sample=True, top_p=0.9, return_thresholds=True),
+    for kw in (dict(do_sample=True, top_p=0.9, return_thresholds=True),
                dict(do_sample=True, top_k=300, return_thresholds=True)):
         with pytest.raises(ValueError, match=r"rlkernels.generate: on a tensor-parallel model"):
             rlkernels.generate(sharded, ids, mask, max_new_tokens=2, seed=1, **kw)
@@ -238,7 +270,7 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
 
 # ---------------------------------------------------------------- several GPUs (NCCL)
 # A Qwen3-1.7B-shaped model in bf16, sharded over NCCL ranks (one GPU each), against the
-# one-process layout on one GPU: scoring, a sampled eager generate and a rollout.
+# one-process layout on one GPU: scoring, a sampled and a greedy eager generate, and a rollout.
 
 GPU_SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
@@ -275,6 +307,8 @@ def _gpu_run(model, device: torch.device) -> dict:
         out["generate"] = rlkernels.generate(model, ids, mask, max_new_tokens=16, do_sample=True, temperature=0.7,
                                              seed=3, streams=torch.tensor([4, 1 << 40, 9, 2], device=device),
                                              eos_token_id=[], return_entropy=True)
+        out["greedy"] = rlkernels.generate(model, ids, mask, max_new_tokens=16, do_sample=False, temperature=0.7,
+                                           eos_token_id=[], return_entropy=True)
         prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         out["rollout"] = [(r.tokens, r.logprobs, r.entropy)
                           for r in rlkernels.rollout(model, prompts, **GPU_ROLLOUT)]
@@ -327,7 +361,7 @@ def test_nccl_qwen3_1p7b_shape_is_the_one_gpu_layouts_bits(world):
         assert out["weights"] == want["weights"], rank  # the same model was built on every rank
         # Each rank holds its shard: ~1/t of the projections and the (tied) embedding.
         assert out["held"] < whole / world * 1.1, (rank, out["held"], whole)
-        for key in ("score", "generate", "rollout"):
+        for key in ("score", "generate", "greedy", "rollout"):
             got, ref = _flat(out[key]), _flat(want[key])
             assert len(got) == len(ref)
             for g, r in zip(got, ref):

@@ -399,17 +399,12 @@ def test_gpu_window_prefill_decode_chunked_packed_backward(w):
     check_packed_backward(A, grads, [1, 1777, 613], dtype, "triton", window=w)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("w", [-1, 127])
-def test_gpu_sinks_prefill_decode_chunked_packed_backward(w):
-    """GPT-OSS's attention shape (64 query heads over 8 KV heads of 64, a sink per head,
-    every other layer a window of 128): one chain per row whatever the call; forward and
-    gradients (the sinks' too) within the contract of float64."""
-    dtype, d, hq, hkv, L = torch.bfloat16, 64, 64, 8, 3000
-    q, k, v = gpu_qkv(1, L, hq, hkv, d, dtype)
-    sinks = torch.randn(hq, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(dtype)
-    kw = dict(window_size=(w, 0), sinks=sinks)
-    full = A.flash_attn_func(q, k, v, **kw)[0]
+def packed_and_decoded_rows_are_full(q, k, v, full, kw) -> None:
+    """One CUDA sequence (q, k, v [1, L, H, D]) whose rows are ``full`` [L, Hq, D] under the
+    call's keywords ``kw``: the same bits packed between sequences of 1 and 1031 tokens, and
+    as a decode step over a NaN-filled cache at the split and window boundaries."""
+    _, L, hq, d = q.shape
+    hkv, dtype = k.shape[2], q.dtype
     lens = [1, 1031, L]
     seqs = [tuple(t[0, :n] for t in gpu_qkv(1, n, hq, hkv, d, dtype, seed=n)) for n in lens]
     seqs[2] = (q[0], k[0], v[0])
@@ -424,6 +419,20 @@ def test_gpu_sinks_prefill_decode_chunked_packed_backward(w):
         row = A.flash_attn_with_kvcache(q[:1, p:p + 1], kc, vc, k[:1, p:p + 1], v[:1, p:p + 1],
                                         torch.tensor([p], dtype=torch.int32, device="cuda"), **kw)
         assert bits_equal(row[0, 0], full[p]), f"decode row {p}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [-1, 127])
+def test_gpu_sinks_prefill_decode_chunked_packed_backward(w):
+    """GPT-OSS's attention shape (64 query heads over 8 KV heads of 64, a sink per head,
+    every other layer a window of 128): one chain per row whatever the call; forward and
+    gradients (the sinks' too) within the contract of float64."""
+    dtype, d, hq, hkv, L = torch.bfloat16, 64, 64, 8, 3000
+    q, k, v = gpu_qkv(1, L, hq, hkv, d, dtype)
+    sinks = torch.randn(hq, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(dtype)
+    kw = dict(window_size=(w, 0), sinks=sinks)
+    full = A.flash_attn_func(q, k, v, **kw)[0]
+    packed_and_decoded_rows_are_full(q, k, v, full, kw)
     n = 700
     against_float64(A, q[:, :n], k[:, :n], v[:, :n], dtype, torch.randn_like(q[:, :n]), window=w, sinks=sinks)
 
@@ -440,20 +449,7 @@ def test_gpu_softcap_prefill_decode_chunked_packed_backward(w, cap):
     kw = dict(window_size=(w, 0), softcap=cap)
     full = A.flash_attn_func(q, k, v, **kw)[0]
     assert not bits_equal(full, A.flash_attn_func(q, k, v, window_size=(w, 0))[0])
-    lens = [1, 1031, L]
-    seqs = [tuple(t[0, :n] for t in gpu_qkv(1, n, hq, hkv, d, dtype, seed=n)) for n in lens]
-    seqs[2] = (q[0], k[0], v[0])
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    out = A.flash_attn_varlen_func(*(torch.cat([s[i] for s in seqs]) for i in range(3)), cu, cu, L, L, **kw)
-    assert bits_equal(out[int(cu[2]):], full)
-    kc = torch.full((1, L + 64, hkv, d), float("nan"), dtype=dtype, device="cuda")
-    vc = kc.clone()
-    for p in (0, 127, 128, 1023, 1024, 2047, L - 1):
-        kc[:, :p], vc[:, :p] = k[:1, :p], v[:1, :p]
-        kc[:, p:], vc[:, p:] = float("nan"), float("nan")
-        row = A.flash_attn_with_kvcache(q[:1, p:p + 1], kc, vc, k[:1, p:p + 1], v[:1, p:p + 1],
-                                        torch.tensor([p], dtype=torch.int32, device="cuda"), **kw)
-        assert bits_equal(row[0, 0], full[p]), f"decode row {p}"
+    packed_and_decoded_rows_are_full(q, k, v, full, kw)
     n = 700
     against_float64(A, q[:, :n], k[:, :n], v[:, :n], dtype, torch.randn_like(q[:, :n]), window=w, softcap=cap)
     grads = [tuple(t[0] for t in gpu_qkv(1, n, hq, hkv, d, dtype, seed=7 + n))

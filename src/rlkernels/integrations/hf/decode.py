@@ -334,12 +334,13 @@ def draw(head: nn.Module, hidden: torch.Tensor, *, temperature: float, greedy: b
          streams: torch.Tensor, positions: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> Drawn:
     """Each row's next token from the final hidden states [B, D] through ``head``: the
     :func:`rlkernels.linear_sample` draw keyed by (seed, stream, position), or a
-    tensor-parallel model's vocabulary-parallel sampler (sampled, untruncated: its callers
-    refuse the rest). Returns (token, logp, entropy), and the threshold where (top_k, top_p)
+    tensor-parallel model's vocabulary-parallel sampler (untruncated: its callers refuse
+    truncation). Returns (token, logp, entropy), and the threshold where (top_k, top_p)
     truncate."""
     parallel = parallel_modules()
     if parallel is not None and isinstance(head, parallel.VocabParallelHead):
-        return head.sample(hidden, temperature=temperature, seed=seed, streams=streams, positions=positions)
+        return head.sample(hidden, temperature=temperature, seed=seed, streams=streams, positions=positions,
+                           greedy=greedy)
     return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
                          seed=seed, streams=streams, positions=positions,
                          greedy=greedy, return_entropy=True, top_k=top_k, top_p=top_p,

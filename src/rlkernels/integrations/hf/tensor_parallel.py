@@ -133,9 +133,9 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     model's result, at TP = 1, 2, 4 and 8; the model's own forward gives every rank the
     whole fp32 logits. At TP > 1 scoring runs without gradients (a backward across the
     ranks is not built: the call refuses one); with ``group=None`` it trains.
-    A sampled ``rlkernels.generate`` (eager, untruncated) draws through the head's
-    vocabulary-parallel sampler: the same tokens and bits on every rank and at every TP
-    size, its log-probs ``token_logprobs``' bitwise. ``rollout`` refuses the model.
+    ``rlkernels.generate`` and ``rollout`` (eager, untruncated, sampled or greedy) draw
+    through the head's vocabulary-parallel sampler: the same tokens and bits on every rank
+    and at every TP size, their log-probs ``token_logprobs``' bitwise.
     Refusals (ValueError naming the value) come before any parameter moves: an unpatched
     model, a family other than Llama, Mistral, Qwen2 and Qwen3 (MoE included), or sizes
     the group, ``segments`` or ``vocab_shards`` do not divide.
