@@ -144,8 +144,8 @@ if triton is not None:
             # select (where(True, x, 0) is x; rows past q_len load q = do = 0, lse = +inf: p = 0).
             for m0 in range(m_lo, m_full, BLOCK_M):
                 dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d, q_len,
-                                   k_len, shift, D, k, v, dk, dv, qk_scale, softcap, WINDOW, CAUSAL, SLIDING, BLOCK_M, IEEE,
-                                   EVEN_D, True, None, None, 0, 0, 0, 0, False, SOFTCAP)
+                                   k_len, shift, D, k, v, dk, dv, qk_scale, softcap, WINDOW, CAUSAL, SLIDING, BLOCK_M,
+                                   IEEE, EVEN_D, True, None, None, 0, 0, 0, 0, False, SOFTCAP)
             if TMA:
                 q_row = tma_row(q_start, h, Q_HEAD_ROWS)
                 do_row = tma_row(q_start, h, DO_HEAD_ROWS)
@@ -156,8 +156,8 @@ if triton is not None:
                                        h * DO_HEAD_COLS, True, SOFTCAP)
             for m0 in range(m_tma, m_mid, BLOCK_M):
                 dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d, q_len,
-                                   k_len, shift, D, k, v, dk, dv, qk_scale, softcap, WINDOW, CAUSAL, SLIDING, BLOCK_M, IEEE,
-                                   EVEN_D, False, None, None, 0, 0, 0, 0, False, SOFTCAP)
+                                   k_len, shift, D, k, v, dk, dv, qk_scale, softcap, WINDOW, CAUSAL, SLIDING, BLOCK_M,
+                                   IEEE, EVEN_D, False, None, None, 0, 0, 0, 0, False, SOFTCAP)
             if SLIDING:
                 for m0 in range(m_mid, m_stop, BLOCK_M):
                     dk, dv = dkdv_step(q_base, do_base, l_base, d_base, stride_qt, stride_dot, m0, offs_n, offs_d,
