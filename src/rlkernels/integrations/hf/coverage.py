@@ -67,8 +67,8 @@ from .attention import NAME as ATTENTION
 # its final logit soft-cap, set in released checkpoints, is refused by the fused head.
 # OLMoE: Llama's decoder layer and norms, q and k normed over all heads and optionally
 # clamped (``clip_qkv``, elementwise), Qwen3-MoE's mixture-of-experts block.
-VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3",
-                                               "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
+VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2",
+                                               "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
 
 # Class-name endings of transformers' MoE modules: uncovered wherever they appear (the
 # block itself holds no parameter, so the family rule alone would let it through).
