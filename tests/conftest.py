@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -15,6 +16,24 @@ import torch
 from rlkernels._env import triton_interpret
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def machine_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's addopts): a worker per core on a CPU machine, none with a GPU.
+
+    GPU tests in parallel would share one card's memory and clocks, so a machine with CUDA
+    runs the suite in one process."""
+    return 0 if HAS_CUDA else machine_cores()
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The workers split the cores between them: intra-op threads past that only contend.
+    torch.set_num_threads(max(1, machine_cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def _fixed_order_interpreter_dot() -> None:
@@ -51,7 +70,20 @@ if triton_interpret():
     _fixed_order_interpreter_dot()
 
 
+def xdist_group_of(nodeid: str) -> str:
+    """The unit pytest-xdist hands one worker: a test file, or all of ``tests/parallel``.
+
+    A file's module-scoped fixtures (models, gloo worlds) are then built once, and the
+    package-scoped gloo worlds of ``tests/parallel`` once for its three files."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/parallel" if path.startswith("tests/parallel/") else path
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # tryfirst: xdist's own hook reads the group marks (``--dist loadgroup``) after this one.
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid)))
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -286,3 +286,25 @@ def test_every_verified_familys_rms_norm_is_a_formula_the_library_computes(famil
     norms = [getattr(module, name) for name in dir(module) if name.endswith("RMSNorm")]
     want = {"olmo2": (True, 0.0), "gemma2": (True, 1.0), "gemma3": (True, 1.0)}.get(family, (False, 0.0))
     assert norms and all(_rms_norm_formula(cls) == want for cls in norms)
+
+
+def _commented(x):  # a comment after the signature
+    y = x * 2  # "a comment" with # inside
+    return "#" + y  # the string's '#' stays
+
+
+def test_source_lines_drop_comments_and_keep_strings():
+    assert coverage.source_lines(_commented) == [
+        "def _commented(x):", 'y = x * 2', 'return "#" + y']
+    assert coverage.source_lines(len) is None  # a builtin has no source to read
+
+
+def test_source_lines_read_through_a_hub_kernel_wrapper():
+    # transformers decorates modeling functions with kernels' use_kernel_forward_from_hub,
+    # which makes them nn.Module instances; the formula checks read the function inside.
+    hub = pytest.importorskip("kernels")
+    wrapped = hub.use_kernel_forward_from_hub("rlkernels_test_layer")(_commented)
+    assert isinstance(wrapped, torch.nn.Module)
+    assert coverage.hub_function(wrapped) is _commented
+    assert coverage.source_lines(wrapped) == coverage.source_lines(_commented)
+    assert coverage.hub_function(torch.nn.Identity()) is not _commented  # another module is itself

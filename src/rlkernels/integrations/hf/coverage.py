@@ -39,7 +39,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import io
 import sys
+import textwrap
+import tokenize
 import types
 from typing import Any, Iterator
 
@@ -156,13 +159,40 @@ def is_silu(module: object) -> bool:
     return kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
 
 
+def hub_function(fn: Any) -> Any:
+    """The plain function behind ``fn``: the one a Hugging Face ``kernels`` hub layer wraps
+    where transformers decorates a modeling function with ``use_kernel_forward_from_hub``
+    (an ``nn.Module`` instance whose class forward closes over it as ``func``), else ``fn``.
+
+    This reads a layout private to ``kernels``; where it changes, ``fn`` comes back as it
+    is, its source cannot be read, and the fused path that needed the formula is not taken."""
+    if isinstance(fn, nn.Module):
+        forward = type(fn).forward
+        code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
+        if code is not None and cells and "func" in code.co_freevars:
+            inner = cells[code.co_freevars.index("func")].cell_contents
+            if inspect.isfunction(inner):
+                return inner
+    return fn
+
+
 def source_lines(fn: Any) -> list[str] | None:
-    """The stripped lines of ``fn``'s source, or None where it has none to read: how this
-    package checks that a transformers forward is the formula it computes."""
+    """The lines of ``fn``'s source (:func:`hub_function`'s), stripped of white space and
+    comments, or None where it has none to read: how this package checks that a
+    transformers forward is the formula it computes."""
     try:
-        return [line.strip() for line in inspect.getsource(fn).splitlines()]
+        source = textwrap.dedent(inspect.getsource(hub_function(fn)))
     except (OSError, TypeError):
         return None
+    lines = source.splitlines()
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.COMMENT:
+                row, col = token.start
+                lines[row - 1] = lines[row - 1][:col]
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    return [line.strip() for line in lines]
 
 
 def is_gelu_tanh(module: object) -> bool:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ...ops.rotary import fused_ok, rotary_embedding_fused
-from .coverage import VERIFIED_FAMILIES, family_of, modeling_module, source_lines
+from .coverage import VERIFIED_FAMILIES, family_of, hub_function, modeling_module, source_lines
 
 FUNCTION = "apply_rotary_pos_emb"
 _FORMULA = ("cos = cos.unsqueeze(unsqueeze_dim)", "sin = sin.unsqueeze(unsqueeze_dim)",
@@ -54,7 +54,7 @@ def run_inside(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def is_transformers_formula(module: Any) -> bool:
     """``module.apply_rotary_pos_emb`` is transformers' ``(q, k, cos, sin, unsqueeze_dim=1)``
     function with ``rotate_half = cat(-x2, x1)``, read from their source."""
-    fn, half = getattr(module, FUNCTION, None), getattr(module, "rotate_half", None)
+    fn, half = hub_function(getattr(module, FUNCTION, None)), hub_function(getattr(module, "rotate_half", None))
     if not callable(fn) or not callable(half):
         return False
     try:
@@ -67,7 +67,7 @@ def is_transformers_formula(module: Any) -> bool:
 
 
 def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @functools.wraps(hub_function(original))
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if (not torch.compiler.is_compiling() and unsqueeze_dim == 1 and _INSIDE_PATCHED_DECODER.get()
                 and fused_ok(q, k, cos, sin)):
