@@ -23,10 +23,15 @@ def bmm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def linear_logprob_ref(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                        bias: torch.Tensor | None = None, *, temperature: float = 1.0,
                        ignore_index: int = -100,
-                       logit_threshold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       logit_threshold: torch.Tensor | None = None, logit_scale: float = 1.0,
+                       logit_softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy) in float64, each shaped like ``target``; ignored positions give 0.
-    ``logit_threshold``: the truncated distribution over each row's logits >= it."""
-    logits = matmul_ref(hidden.reshape(-1, hidden.shape[-1]), weight.t(), bias) / temperature
+    ``logit_threshold``: the truncated distribution over each row's logits >= it.
+    ``logit_scale`` s, ``logit_softcap`` c: the logits ``c * tanh(x * s / c)`` (c = 0: x * s)."""
+    logits = matmul_ref(hidden.reshape(-1, hidden.shape[-1]), weight.t(), bias) * logit_scale
+    if logit_softcap:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    logits = logits / temperature
     finite = logits  # p * logits for the entropy: masked logits enter as 0, not -inf (0 * inf)
     if logit_threshold is not None:
         left_out = logits < logit_threshold.reshape(-1, 1).double()

@@ -12,9 +12,10 @@ if triton is not None:
     @triton.jit
     def grad_logits_tile(
         h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr, tile_id,
-        N, V, D, v0, v1, temperature,
+        N, V, D, v0, v1, temperature, logit_scale, cap_arg, cap,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+        HAS_GE: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_DESC: tl.constexpr, THRESHOLD: tl.constexpr,
     ):
@@ -22,15 +23,17 @@ if triton is not None:
 
         With G_DESC, g_ptr is a TMA descriptor over the chunk's [N, v1 - v0] columns.
         THRESHOLD: the gradient of the truncated distribution's log-prob (``keep_above``):
-        0 on every logit left out, the target's too where it was left out."""
+        0 on every logit left out, the target's too where it was left out. SCALE, CAP: the
+        model's logit transform (``model_logits``), whose slope scale * (1 - tanh^2) g takes
+        after the temperature's."""
         pid_m, pid_v = grouped_tile(tile_id, tl.cdiv(N, BLOCK_M), tl.cdiv(v1 - v0, BLOCK_V), GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rm = (offs_m % N).to(tl.int64)
         offs_v = v0 + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v0 + pid_v * BLOCK_V, V, D,
-                         temperature, stride_hn, stride_hd, stride_wv, stride_wd,
-                         HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+        z, tanh = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v0 + pid_v * BLOCK_V, V, D,
+                              temperature, logit_scale, cap_arg, cap, stride_hn, stride_hd, stride_wv, stride_wd,
+                              HAS_BIAS, TEMP, SCALE, CAP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
         z = keep_above(z, threshold_ptr, rm, THRESHOLD)
         lp = z - tl.load(lse_ptr + rm)[:, None]
         p = tl.exp(lp)
@@ -46,6 +49,10 @@ if triton is not None:
         if THRESHOLD:
             g = tl.where(z == float("-inf"), 0.0, g)  # p * coef is 0 * inf there
         g = scale_by_temperature(g, temperature, TEMP, BLOCK_M, BLOCK_V)
+        if CAP != 0:
+            g = g * (1.0 - tanh * tanh)
+        if SCALE:
+            g = g * logit_scale
         if G_DESC:
             # Through shared memory by TMA, clipped at the descriptor's [N, v1 - v0]: no
             # per-element pointers or masks in the epilogue's registers.
@@ -63,9 +70,10 @@ if triton is not None:
     @triton.jit
     def grad_logits_kernel(
         h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr,
-        N, V, D, v0, v1, temperature,
+        N, V, D, v0, v1, temperature, logit_scale, cap_arg, cap,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+        HAS_GE: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
         G_DESC: tl.constexpr, THRESHOLD: tl.constexpr,
@@ -76,15 +84,15 @@ if triton is not None:
             num_tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(v1 - v0, BLOCK_V)
             for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=False):
                 grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr,
-                                  tile_id, N, V, D, v0, v1, temperature,
+                                  tile_id, N, V, D, v0, v1, temperature, logit_scale, cap_arg, cap,
                                   stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-                                  HAS_BIAS, TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+                                  HAS_BIAS, TEMP, SCALE, CAP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
                                   G_DESC, THRESHOLD)
         else:
             grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr,
-                              tl.program_id(0), N, V, D, v0, v1, temperature,
+                              tl.program_id(0), N, V, D, v0, v1, temperature, logit_scale, cap_arg, cap,
                               stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-                              HAS_BIAS, TEMP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
+                              HAS_BIAS, TEMP, SCALE, CAP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
                               G_DESC, THRESHOLD)
 else:  # pragma: no cover - the torch backend still imports without Triton
     grad_logits_tile = grad_logits_kernel = None

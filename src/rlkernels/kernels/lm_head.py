@@ -5,6 +5,7 @@ statistics in the LSE order, the split merge and the row finish. Host side:
 from __future__ import annotations
 
 from ._triton import tl, triton
+from .cuda_math import tanhf
 from .lse import lse_step, merge_mass, tile_mass
 from .tiles import grouped_tile
 
@@ -27,11 +28,42 @@ if triton is not None:
         return x
 
     @triton.jit
-    def logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, m0, v_lo, V, D, temperature,
+    def model_logits(x, logit_scale, cap_arg, cap, SCALE: tl.constexpr, CAP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+        """The model's logits from the head's raw ones (``ops.lm_head.config.LogitTransform``):
+        x * scale where SCALE, then cap * tanh(x / cap) where CAP (the division's ``TEMP``
+        mode, ``cap_arg`` its argument), each rounded to fp32 as torch's ops on the device.
+        Returns them and the tanh, the backward's slope (x itself without a cap)."""
+        if SCALE:
+            x = x * logit_scale
+        t = x
+        if CAP != 0:
+            t = tanhf(scale_by_temperature(x, cap_arg, CAP, BLOCK_M, BLOCK_V))
+            x = t * cap
+        return x, t
+
+    @triton.jit
+    def scores_kernel(x_ptr, z_ptr, N, V, stride_x, stride_z, temperature, logit_scale, cap_arg, cap,
+                      TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+        """z = model_logits(x) / T over stored raw logits [N, V] fp32: the scores the fused
+        kernels compute from them, for a step that needs them whole (the truncation's
+        threshold). One row's BLOCK_V columns per program."""
+        row = tl.program_id(0).to(tl.int64)
+        offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        ok = (offs_v < V)[None, :]
+        x = tl.load(x_ptr + row * stride_x + offs_v[None, :], mask=ok, other=0.0)
+        z, _ = model_logits(x, logit_scale, cap_arg, cap, SCALE, CAP, 1, BLOCK_V)
+        z = scale_by_temperature(z, temperature, TEMP, 1, BLOCK_V)
+        tl.store(z_ptr + row * stride_z + offs_v[None, :], z, mask=ok)
+
+    @triton.jit
+    def logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, m0, v_lo, V, D, temperature, logit_scale, cap_arg, cap,
                      stride_hn, stride_hd, stride_wv, stride_wd,
-                     HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+                     IEEE: tl.constexpr, EVEN_D: tl.constexpr,
                      TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-        """z[BLOCK_M, BLOCK_V] = (h[rm] @ W[offs_v]^T + b) / T: the canonical ascending D-chain.
+        """z[BLOCK_M, BLOCK_V] = model_logits(h[rm] @ W[offs_v]^T + b) / T, the raw logits by the
+        canonical ascending D-chain; returned with the soft-cap's tanh (``model_logits``).
 
         With TMA, h_ptr/w_ptr are descriptors and (m0, v_lo) the tile's first row and column.
         """
@@ -64,8 +96,9 @@ if triton is not None:
         if HAS_BIAS:
             b = tl.load(b_ptr + rv)
             acc = acc + b.to(tl.float32)[None, :]
+        acc, t = model_logits(acc, logit_scale, cap_arg, cap, SCALE, CAP, BLOCK_M, BLOCK_V)
         acc = scale_by_temperature(acc, temperature, TEMP, BLOCK_M, BLOCK_V)
-        return acc
+        return acc, t
 
     @triton.jit
     def keep_above(z, threshold_ptr, rm, THRESHOLD: tl.constexpr):
@@ -94,9 +127,10 @@ if triton is not None:
     @triton.jit
     def fwd_partial_kernel(
         h_ptr, w_ptr, b_ptr, z_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, tile_m_ptr, tile_s_ptr, threshold_ptr,
-        N, V, D, temperature,
+        N, V, D, temperature, logit_scale, cap_arg, cap,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_zn,
-        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_TILES: tl.constexpr, ENTROPY: tl.constexpr,
         LOGITS: tl.constexpr, TARGET: tl.constexpr, THRESHOLD: tl.constexpr,
@@ -136,11 +170,12 @@ if triton is not None:
             if LOGITS:
                 z = tl.load(z_ptr + rm[:, None] * stride_zn + offs_v[None, :].to(tl.int64), mask=col_ok[None, :],
                             other=0.0)
+                z, _ = model_logits(z, logit_scale, cap_arg, cap, SCALE, CAP, BLOCK_M, BLOCK_V)
                 z = scale_by_temperature(z, temperature, TEMP, BLOCK_M, BLOCK_V)
             else:
-                z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
-                                temperature, stride_hn, stride_hd, stride_wv, stride_wd,
-                                HAS_BIAS, TEMP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+                z, _ = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
+                                   temperature, logit_scale, cap_arg, cap, stride_hn, stride_hd, stride_wv, stride_wd,
+                                   HAS_BIAS, TEMP, SCALE, CAP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
             z = keep_above(z, threshold_ptr, rm, THRESHOLD)
             # At most one column matches: the sum is that logit exactly. Taken first so
             # z's registers can be reused by the statistics below.
@@ -231,6 +266,6 @@ if triton is not None:
         tl.store(ent_ptr + rows, ent, mask=ok)
         tl.store(lse_ptr + rows, lse, mask=ok)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    scale_by_temperature = logits_tile = keep_above = online_stats = fwd_partial_kernel = merge_splits = None
+    scale_by_temperature = model_logits = scores_kernel = logits_tile = keep_above = online_stats = fwd_partial_kernel = merge_splits = None
     finish_row = None
     logprob_combine_kernel = None

@@ -151,9 +151,10 @@ if triton is not None:
     def sample_in_block_kernel(
         h_ptr, w_ptr, b_ptr, block_ptr, stream_ptr, pos_ptr, seed_ptr, m_ptr, s_ptr, u_ptr,
         token_ptr, logp_ptr, ent_ptr, status_ptr, ok_ptr, threshold_ptr,
-        N, V, D, n_split, temperature, seed_lo, seed_hi,
+        N, V, D, n_split, temperature, logit_scale, cap_arg, cap, seed_lo, seed_hi,
         stride_hn, stride_hd, stride_wv, stride_wd,
-        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         NOISE: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, POSITIONS: tl.constexpr, ENTROPY: tl.constexpr,
         THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
@@ -173,9 +174,9 @@ if triton is not None:
         rm = tl.zeros((BLOCK_M,), tl.int64) + row
         v_lo = tl.load(block_ptr + row) * BLOCK_V
         offs_v = v_lo + tl.arange(0, BLOCK_V)
-        z = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, 0, v_lo, V, D, temperature,
-                        stride_hn, stride_hd, stride_wv, stride_wd,
-                        HAS_BIAS, TEMP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
+        z, _ = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, 0, v_lo, V, D, temperature, logit_scale, cap_arg, cap,
+                           stride_hn, stride_hd, stride_wv, stride_wd,
+                           HAS_BIAS, TEMP, SCALE, CAP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
         z = keep_above(z, threshold_ptr, rm, THRESHOLD)
         col_ok = offs_v < V
         bad_position = rm < 0  # all False

@@ -51,9 +51,9 @@ from ..runtime.device import sm_count
 from ..runtime.launcher import cached_launcher
 from .lm_head.backward_schedule import (backward_chunk, dw_tail_rows, last_chunk_start, main_loop_chunk,
                                         main_loop_schedule)
-from .lm_head.config import kernel_operands, temperature_scaling
+from .lm_head.config import NO_TRANSFORM, LogitTransform, kernel_operands, temperature_scaling
 from .lm_head.statistics import TORCH_ROW_CHUNK, TorchHeadStatistics, TritonHeadStatistics, keep_above, torch_logits
-from .lm_head.validate import head_backend, validate_head, validate_targets, validate_threshold
+from .lm_head.validate import head_backend, validate_head, validate_targets, validate_threshold, validate_transform
 from .matmul import gemm_backend_for, main_grad_target
 from ..runtime.opaque import opaque_to_compile
 
@@ -71,13 +71,14 @@ class TorchLinearLogprobBackend(TorchHeadStatistics):
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
                     temperature: float, v0: int, v1: int, out: torch.Tensor,
-                    threshold: torch.Tensor | None = None) -> None:
+                    threshold: torch.Tensor | None = None, transform: LogitTransform = NO_TRANSFORM) -> None:
         """out[:, :] = dL/d(raw logits)[:, v0:v1] in out.dtype; with ``threshold``, of the
-        truncated distribution's log-prob (0 on the logits left out)."""
+        truncated distribution's log-prob (0 on the logits left out); through ``transform``'s
+        slope, scale * (1 - tanh^2), after the temperature's."""
         for r0 in range(0, h2.shape[0], TORCH_ROW_CHUNK):
             rows = slice(r0, r0 + TORCH_ROW_CHUNK)
-            z = keep_above(torch_logits(h2[rows], weight, bias, v0, v1, temperature),
-                           None if threshold is None else threshold[rows])
+            z, tanh = torch_logits(h2[rows], weight, bias, v0, v1, temperature, transform, return_tanh=True)
+            z = keep_above(z, None if threshold is None else threshold[rows])
             t = tgt[rows]
             lp = z - lse[rows].to(z.dtype)[:, None]
             p = torch.exp(lp)
@@ -90,6 +91,10 @@ class TorchLinearLogprobBackend(TorchHeadStatistics):
                 g = torch.where(z == -math.inf, 0.0, g)  # p * coef is 0 * inf there
             if temperature != 1.0:
                 g = g / temperature
+            if tanh is not None:
+                g = g * (1.0 - tanh * tanh)
+            if transform.scale != 1.0:
+                g = g * transform.scale
             out[rows].copy_(g)
 
 
@@ -103,7 +108,7 @@ class TritonLinearLogprobBackend(TritonHeadStatistics):
     def grad_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
                     temperature: float, v0: int, v1: int, out: torch.Tensor,
-                    threshold: torch.Tensor | None = None) -> None:
+                    threshold: torch.Tensor | None = None, transform: LogitTransform = NO_TRANSFORM) -> None:
         N, D = h2.shape
         if N == 0 or v1 <= v0:
             return
@@ -115,15 +120,16 @@ class TritonLinearLogprobBackend(TritonHeadStatistics):
         grid = (min(num_tiles, sms) if cfg.persistent else num_tiles,)
         g_desc = tma and cfg.tma_store and tma_layout_ok(out)
         temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
+        map_args, map_modes = transform.kernel_args(h2.device)
         g_arg = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [cfg.block_m, cfg.block_v]) if g_desc \
             else out
         _launch_grad_logits(
             grid,
             (h_arg, w_arg, bias if bias is not None else h2, tgt, lse, ent, g_logp,
              g_ent if g_ent is not None else g_logp, g_arg, threshold if threshold is not None else lse,
-             N, weight.shape[0], D, v0, v1, temp_arg,
+             N, weight.shape[0], D, v0, v1, temp_arg, *map_args,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1)),
-            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, HAS_GE=g_ent is not None, IEEE=h2.dtype == torch.float32,
+            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, **map_modes, HAS_GE=g_ent is not None, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
                  GROUP_M=cfg.group_m, PERSISTENT=cfg.persistent, NUM_SMS=sms, G_DESC=g_desc,
                  THRESHOLD=threshold is not None),
@@ -140,12 +146,14 @@ class LinearLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h2, weight, bias, tgt, temperature: float,  # type: ignore[override]
-                logprob_backend, gemm_backend, entropy: bool = True, threshold=None):
+                logprob_backend, gemm_backend, entropy: bool = True, threshold=None,
+                transform: LogitTransform = NO_TRANSFORM):
         # Without entropy its sums are skipped and the output is NaN: the caller drops it,
         # and the backward then never reads it (no gradient reaches an output not returned).
-        logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt, temperature, entropy, threshold)
+        logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt, temperature, entropy, threshold, transform)
         ctx.save_for_backward(h2, weight, bias, tgt, lse, ent, threshold)
         ctx.temperature, ctx.logprob_backend, ctx.gemm_backend = temperature, logprob_backend, gemm_backend
+        ctx.transform = transform
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -172,7 +180,7 @@ class LinearLogprobFunction(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if grad_logp is None and grad_ent is None or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None, None
         N, D = h2.shape
         vocab = weight.shape[0]
         dev, acc_dt = h2.device, lse.dtype
@@ -207,7 +215,8 @@ class LinearLogprobFunction(torch.autograd.Function):
 
         def grad_logits(g_buf: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
             g = g_buf[:, :v1 - v0]
-            logprob_backend.grad_logits(h2, weight, bias, tgt, lse, ent, g_logp, g_ent, T, v0, v1, g, threshold)
+            logprob_backend.grad_logits(h2, weight, bias, tgt, lse, ent, g_logp, g_ent, T, v0, v1, g, threshold,
+                                        ctx.transform)
             return g
 
         def weight_grads(g: torch.Tensor, v0: int, v1: int) -> None:
@@ -266,7 +275,7 @@ class LinearLogprobFunction(torch.autograd.Function):
                 v1 = min(kept, v0 + g_buf.shape[1])
                 weight_grads(grad_logits(g_buf, v0, v1), v0, v1)
         grad_b = db.to(bias.dtype) if need_b and b_main is None else None
-        return grad_h, dw, grad_b, None, None, None, None, None, None
+        return grad_h, dw, grad_b, None, None, None, None, None, None, None
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -295,17 +304,14 @@ class _LinearLogprobOp(OpImpl):
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
-                return_entropy: bool = False, logit_threshold: torch.Tensor | None = None):
+                return_entropy: bool = False, logit_threshold: torch.Tensor | None = None,
+                logit_scale: float = 1.0, logit_softcap: float = 0.0):
         return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, self.backend,
-                    self.backend_impl, logit_threshold)
+                    self.backend_impl, logit_threshold, logit_scale, logit_softcap)
 
-    def forward_fp32(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                     bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
-                     return_entropy: bool = False, logit_threshold: torch.Tensor | None = None):
+    def forward_fp32(self, *args, **kwargs):
         # Outputs are fp32 already (fp64 for fp64 inputs): the same path.
-        return self.forward(hidden, weight, target, bias, temperature=temperature,
-                            ignore_index=ignore_index, return_entropy=return_entropy,
-                            logit_threshold=logit_threshold)
+        return self.forward(*args, **kwargs)
 
     def invariance_case(self, device: torch.device, dtype: torch.dtype, generator: torch.Generator):
         n, d, v = (33, 40, 257) if device.type == "cpu" else (256, 1024, 32003)
@@ -336,13 +342,14 @@ def backends_for(op: str, hidden: torch.Tensor, backend: str | None = None, logp
 
 
 def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend, logprob_backend=None,
-         logit_threshold=None):
+         logit_threshold=None, logit_scale=1.0, logit_softcap=0.0):
     V_.require_tensor(OP, "hidden", hidden)
     V_.require_tensor(OP, "weight", weight)
     if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor) and hidden.is_floating_point() \
             and weight.is_floating_point():
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
     validate_head(OP, hidden, weight, bias, temperature)
+    transform = validate_transform(OP, logit_scale, logit_softcap)
     validate_targets(OP, hidden, weight, target, bias, ignore_index)
     if logit_threshold is not None:
         validate_threshold(OP, logit_threshold, tuple(hidden.shape[:-1]), hidden.dtype, hidden.device)
@@ -355,7 +362,7 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
     # The threshold is data (the sampler's kept set), never differentiated.
     threshold = logit_threshold.detach().reshape(-1).contiguous() if logit_threshold is not None else None
     logp, ent = LinearLogprobFunction.apply(h2, weight, bias, tgt, float(temperature), logprob_backend, gemm_backend,
-                                            bool(return_entropy), threshold)
+                                            bool(return_entropy), threshold, transform)
     logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp
 
@@ -364,7 +371,7 @@ def _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                    bias: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
                    return_entropy: bool = False, logit_threshold: torch.Tensor | None = None,
-                   backend: str | None = None):
+                   logit_scale: float = 1.0, logit_softcap: float = 0.0, backend: str | None = None):
     """Per-token log-prob (and entropy) of ``target`` under ``softmax((hidden @ weight.T + bias) / T)``.
 
     hidden: [..., D] bf16/fp16/fp32 (fp64 on the torch backend); weight: [V, D]
@@ -385,6 +392,12 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
     bitwise the sampler's, and the gradient flows through the kept logits only; a target
     outside its row's kept set gets -inf. -inf keeps every logit (the untruncated
     log-prob's value); NaN is refused. Without it, the untruncated log-prob.
+
+    ``logit_scale`` s and ``logit_softcap`` c: the logits a model makes from its head's
+    output x before any temperature, ``c * tanh(x * s / c)`` (Cohere's ``logit_scale``,
+    Gemma 2's ``final_logit_softcapping``; c = 0: no cap, ``x * s``), each step in fp32 as
+    torch computes it; the distribution is then ``softmax(that / T)``, and the gradient
+    flows through the cap's slope. The defaults leave x as it is (the same bits as without).
     """
     return _run(hidden, weight, target, bias, temperature, ignore_index, return_entropy, backend,
-                logit_threshold=logit_threshold)
+                logit_threshold=logit_threshold, logit_scale=logit_scale, logit_softcap=logit_softcap)

@@ -37,12 +37,12 @@ from ..kernels.sampling import sample_block_kernel, sample_in_block_kernel
 from ..registry import OpImpl, backend_object, register_backends
 from ..runtime.device import can_read_back
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
-from .lm_head.config import fused_config, temperature_scaling
+from .lm_head.config import NO_TRANSFORM, LogitTransform, fused_config, temperature_scaling
 from .lm_head.lse import LSE_TILE
 from .lm_head.statistics import TileRecord, TorchHeadStatistics, TritonHeadStatistics, keep_above, torch_logits
 from .lm_head import truncation
 from .lm_head.truncation import truncates, validate_truncation
-from .lm_head.validate import head_backend, validate_head
+from .lm_head.validate import head_backend, validate_head, validate_transform
 from ..runtime.opaque import opaque_to_compile
 
 OP = "linear_sample"
@@ -288,12 +288,13 @@ class TorchLinearSampleBackend:
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
-               greedy: bool, entropy: bool = True, top_k: int = 0, top_p: float = 1.0) -> SampleResult:
+               greedy: bool, entropy: bool = True, top_k: int = 0, top_p: float = 1.0,
+               transform: LogitTransform = NO_TRANSFORM) -> SampleResult:
         stats_backend = TorchHeadStatistics()
         N, vocab = h2.shape[0], weight.shape[0]
         threshold = None
         if truncates(top_k, top_p, vocab):
-            z = torch_logits(h2, weight, bias, 0, vocab, temperature)
+            z = torch_logits(h2, weight, bias, 0, vocab, temperature, transform)
             threshold = truncation.threshold(z, top_k, top_p, "torch")
         checked_positions = positions
         if not greedy and positions is None:
@@ -303,7 +304,7 @@ class TorchLinearSampleBackend:
         tiles = TileRecord(torch.empty(N, n_tiles, dtype=adt, device=dev),
                            torch.empty(N, n_tiles, dtype=adt, device=dev))
         m, s, u, _ = stats_backend.tile_statistics(h2, weight, bias, temperature, tiles, entropy=entropy,
-                                                   threshold=threshold)
+                                                   threshold=threshold, transform=transform)
         no_target = torch.full((N,), -1, dtype=torch.int64, device=dev)
         _, _, lse = stats_backend.finish(m, s, u, torch.zeros_like(m), no_target, entropy=False)
         blocks = pick_blocks(*tiles, lse, None if greedy else tile_uniform(seed, streams, positions), vocab,
@@ -313,7 +314,7 @@ class TorchLinearSampleBackend:
         for b in torch.unique(blocks).tolist():
             rows = (blocks == b).nonzero()[:, 0]
             v0, v1 = b * SAMPLE_BLOCK, min(vocab, (b + 1) * SAMPLE_BLOCK)
-            z = keep_above(torch_logits(h2[rows], weight, bias, v0, v1, temperature),
+            z = keep_above(torch_logits(h2[rows], weight, bias, v0, v1, temperature, transform),
                            None if threshold is None else threshold[rows])
             key = z
             if not greedy:
@@ -363,7 +364,8 @@ class TritonLinearSampleBackend:
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
-               greedy: bool, entropy: bool = True, top_k: int = 0, top_p: float = 1.0) -> SampleResult:
+               greedy: bool, entropy: bool = True, top_k: int = 0, top_p: float = 1.0,
+               transform: LogitTransform = NO_TRANSFORM) -> SampleResult:
         stats_backend = TritonHeadStatistics()
         N, D = h2.shape
         vocab = weight.shape[0]
@@ -381,8 +383,7 @@ class TritonLinearSampleBackend:
             # The [N, V] fp32 logits once, by the GEMM (the fused tiles' chain): the
             # threshold is found over them and both statistics passes read them.
             raw = stats_backend.raw_logits(h2, weight, bias)
-            z = raw / temperature if temperature != 1.0 else raw  # torch's division: the kernels' z
-            threshold = truncation.threshold(z, top_k, top_p, "triton")
+            threshold = truncation.threshold(stats_backend.scores(raw, temperature, transform), top_k, top_p, "triton")
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
         n_split = cdiv(vocab, cfg.split_v)
         # fp32 workspace: the forward's per-split (m, s, u) [n_split, N] and each tile's
@@ -391,7 +392,7 @@ class TritonLinearSampleBackend:
         m, s, u, tile_m, tile_s = torch.empty(3 * parts + 2 * tiles, dtype=torch.float32, device=dev).split(
             [parts, parts, parts, tiles, tiles])
         stats_backend.tile_statistics(h2, weight, bias, temperature, TileRecord(tile_m, tile_s), entropy=entropy,
-                                      partials=(m, s, u), threshold=threshold, logits=raw)
+                                      partials=(m, s, u), threshold=threshold, transform=transform, logits=raw)
         # A seed tensor is read by the kernels (a CUDA graph replays with its current value);
         # an int seed goes in as two int32 scalars of the same bits, and the pointer is unread.
         seed_in_memory = isinstance(seed, torch.Tensor)
@@ -410,13 +411,14 @@ class TritonLinearSampleBackend:
                       num_stages=DEFAULT_NUM_STAGES)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
+        map_args, map_modes = transform.kernel_args(h2.device)
         _launch_in_block(
             (N,),
             (h2, weight, bias if bias is not None else h2, blocks, stream_arg, pos_arg, seed_ptr, m, s, u,
              token, logp, ent, status, ok, threshold if threshold is not None else logp,
-             N, vocab, D, n_split, temp_arg, *seeds,
+             N, vocab, D, n_split, temp_arg, *map_args, *seeds,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
-            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
+            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, **map_modes, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, NOISE=noise, SEED_IN_MEMORY=seed_in_memory,
                  POSITIONS=has_positions, ENTROPY=entropy, THRESHOLD=threshold is not None,
                  BLOCK_M=IN_BLOCK_LANES, BLOCK_V=SAMPLE_BLOCK, BLOCK_K=cfg.block_k),
@@ -437,9 +439,9 @@ class _LinearSampleOp(OpImpl):
                 temperature: float = 1.0, seed: int | torch.Tensor | None = None,
                 streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 return_entropy: bool = False, greedy: bool = False, top_k: int = 0, top_p: float = 1.0,
-                return_threshold: bool = False):
+                return_threshold: bool = False, logit_scale: float = 1.0, logit_softcap: float = 0.0):
         return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy,
-                    self.backend, self.backend_impl, top_k, top_p, return_threshold)
+                    self.backend, self.backend_impl, top_k, top_p, return_threshold, logit_scale, logit_softcap)
 
     def forward_fp32(self, *args, **kwargs):
         return self.forward(*args, **kwargs)  # the log-probs are fp32 already
@@ -464,13 +466,14 @@ register_backends(OP, _LinearSampleOp, {"triton": TritonLinearSampleBackend(), "
 
 
 def _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend,
-         sample_backend=None, top_k=0, top_p=1.0, return_threshold=False):
+         sample_backend=None, top_k=0, top_p=1.0, return_threshold=False, logit_scale=1.0, logit_softcap=0.0):
     V_.require_tensor(OP, "hidden", hidden)
     V_.require_tensor(OP, "weight", weight)
     if hidden.is_floating_point() and weight.is_floating_point():
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
     validate(hidden, weight, bias, temperature, seed, streams, positions, greedy)
     validate_truncation(OP, top_k, top_p)
+    transform = validate_transform(OP, logit_scale, logit_softcap)
     top_k, top_p = int(top_k), float(top_p)
     name = head_backend(OP, OP, hidden, backend)
     if sample_backend is None:
@@ -499,13 +502,13 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
                 parts.append(sample_backend.sample(
                     h2[rows], weight, bias, float(temperature), seed if not greedy else 0,
                     None if greedy else streams[rows], None if greedy or positions is None else positions[rows],
-                    greedy, bool(return_entropy), top_k, top_p))
+                    greedy, bool(return_entropy), top_k, top_p, transform))
             result = SampleResult(*(torch.cat(field) if field[0] is not None else None for field in zip(*parts)))
             result = result._replace(ok=None)
         else:
             result = sample_backend.sample(
                 h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy,
-                bool(return_entropy), top_k, top_p)
+                bool(return_entropy), top_k, top_p, transform)
     check_status(result, positions)
     token, logp, ent = result.token, result.logp, result.entropy
     tau = result.threshold if truncating else torch.full((n,), -math.inf, dtype=adt, device=hidden.device)
@@ -520,7 +523,8 @@ def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                   temperature: float = 1.0, seed: int | torch.Tensor | None = None,
                   streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                   return_entropy: bool = False, greedy: bool = False, top_k: int = 0, top_p: float = 1.0,
-                  return_threshold: bool = False, backend: str | None = None):
+                  return_threshold: bool = False, logit_scale: float = 1.0, logit_softcap: float = 0.0,
+                  backend: str | None = None):
     """One token per row drawn exactly from ``softmax((hidden @ weight.T + bias) / T)`` in fp32.
 
     hidden: [..., D] bf16/fp16/fp32 (fp64 on the torch backend); weight: [V, D] (lm_head
@@ -553,6 +557,12 @@ def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     are that distribution's: bitwise ``linear_logprob(..., logit_threshold=tau)``. Neutral
     values give the untruncated draw's bits. While truncating, the rows' fp32 logits are
     materialised, :data:`TRUNCATED_ROWS` rows at a time ([rows, V] fp32).
+
+    ``logit_scale`` and ``logit_softcap``: the model's logits from the head's output x
+    before the temperature, as :func:`rlkernels.linear_logprob` takes them (``c * tanh(x *
+    s / c)``); z above is then that over T, and the log-probs stay bitwise
+    ``linear_logprob``'s with the same two values.
     """
     return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend,
-                top_k=top_k, top_p=top_p, return_threshold=return_threshold)
+                top_k=top_k, top_p=top_p, return_threshold=return_threshold, logit_scale=logit_scale,
+                logit_softcap=logit_softcap)

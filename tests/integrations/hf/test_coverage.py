@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
 from rlkernels.integrations.hf import coverage  # noqa: E402
+from rlkernels.ops.lm_head.config import NO_TRANSFORM, LogitTransform  # noqa: E402
 
 VOCAB = 300
 DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -119,27 +120,60 @@ def test_a_parameter_holding_module_in_a_verified_family_is_a_gap():
     assert any("LlamaMLP (e.g. model.layers.0.mlp)" in line for line in coverage.describe_gaps(model))
 
 
-@pytest.mark.parametrize("kind, over, field", [
-    ("cohere", dict(logit_scale=0.0625), "logit_scale=0.0625"),
-    ("gemma2", dict(final_logit_softcapping=2.0), "final_logit_softcapping=2.0"),
-])
-def test_heads_that_scale_or_cap_logits_are_refused(kind, over, field):
-    model = _build(kind, **over)
-    ids = torch.tensor([[1, 2, 3, 4]])
-    # What the fused head would have missed: the model's own log-probs differ from hidden @ W.T's.
+def test_cohere_logit_scale_is_applied_by_the_fused_head():
+    # Cohere multiplies its logits by logit_scale after the head. Its LayerNorm is not
+    # patched, so it runs under the mode; the head applies the scale, in the model's order.
+    stock = _build("cohere", logit_scale=0.0625)
     with torch.no_grad():
-        own = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-        hidden = model.model(ids).last_hidden_state
-        plain = torch.log_softmax((hidden @ model.lm_head.weight.T).float(), -1)[0, :-1]
-        plain = plain.gather(-1, ids[0, 1:, None])[:, 0]
-    assert not torch.allclose(own, plain, atol=1e-4)
+        stock.lm_head.weight.mul_(60.0 * 16)  # a trained model's logit spread after the scale
+    reference = copy.deepcopy(stock).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = rlkernels.patch_model(stock)
+    assert coverage.logit_transform(model)[0].scale == 0.0625
+    seqs, ids, mask = _ragged()
+    logp = rlkernels.token_logprobs(model, ids, mask)
+    for i, s in enumerate(seqs):
+        with torch.no_grad():
+            logits = reference(s[None]).logits[0, :-1]
+        want = logits.log_softmax(-1).gather(-1, s[1:, None])[:, 0]
+        assert logits.std() >= 5 and float((logp[i, :len(s) - 1].detach().double() - want).abs().max()) <= 1e-4
+    prompts = torch.stack([s[:3] for s in seqs])
+    seq, lp = rlkernels.generate(model, prompts, max_new_tokens=6, do_sample=True, seed=4, eos_token_id=[])
+    assert torch.equal(rlkernels.token_logprobs(model, seq)[:, 2:], lp)
+
+
+@pytest.mark.parametrize("kind, over, field", [
+    ("granite", dict(logits_scaling=8.0), "logits_scaling=8.0"),  # a division, not applied by the head
+    ("gemma2", dict(final_logit_softcapping=30.0, logit_scale=2.0), "logit_scale=2.0"),  # two at once
+])
+def test_heads_that_transform_logits_otherwise_are_refused(kind, over, field):
+    if kind == "granite":
+        model = transformers.GraniteForCausalLM(transformers.GraniteConfig(**DENSE, **over)).eval()
+    else:
+        model = _build(kind, **over)
+    ids = torch.tensor([[1, 2, 3, 4]])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rlkernels.patch_model(model)
-    with pytest.raises(ValueError, match=f"token_logprobs: .* changes its logits after the LM head \\({field}\\)"):
+    with pytest.raises(ValueError, match=rf"token_logprobs: .* changes its logits after the LM head \(.*{field}"):
         rlkernels.token_logprobs(model, ids)
-    with pytest.raises(ValueError, match=f"generate: .*\\({field}\\)"):
+    with pytest.raises(ValueError, match=f"generate: .*{field}"):
         rlkernels.generate(model, ids, max_new_tokens=1)
+
+
+def test_a_transform_is_taken_only_where_the_forward_makes_it():
+    model = _build("gemma2", final_logit_softcapping=30.0)
+    assert coverage.logit_transform(model) == (LogitTransform(softcap=30.0), [])
+
+    class Capped(type(model)):  # the same field, another formula in the forward
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = torch.clamp(out.logits, -30.0, 30.0)
+            return out
+
+    model.__class__ = Capped
+    assert coverage.logit_transform(model) == (NO_TRANSFORM, ["final_logit_softcapping=30.0"])
 
 
 def test_neutral_transform_values_are_not_refused():
@@ -194,13 +228,13 @@ def test_a_rotary_table_that_follows_the_batch_is_not_claimed():
     ("phi3", {}), ("phi3", dict(partial_rotary_factor=0.5)), ("phi3", dict(sliding_window=8)), ("olmo2", {}),
     ("mistral", dict(sliding_window=8)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)), ("gemma3", {}),
-    ("gemma2", dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=None))])
+    ("gemma2", dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=30.0))])
 def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, over):
     # Phi-3 and Phi-4 (Phi3ForCausalLM): Phi-4-mini rotates part of each head, Phi-3-mini-4k
     # has a sliding window. OLMo 2. Mistral's window; Qwen2's on its later layers only; Gemma 3's
     # and Gemma 2's on every other layer. The windows (8) are shorter than the sequences, so they
-    # hide keys. Gemma 2's attention scores are soft-capped (its final logit cap is refused by
-    # the fused head: test_heads_that_scale_or_cap_logits_are_refused).
+    # hide keys. Gemma 2's attention scores are soft-capped, and its logits at 30 as released
+    # (the head's spread reaches past the cap, so the cap moves the log-probs).
     stock = _build(kind, **over)
     with torch.no_grad():
         stock.lm_head.weight.mul_(60.0)  # a trained model's logit spread

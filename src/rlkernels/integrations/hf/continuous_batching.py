@@ -59,6 +59,7 @@ from torch import nn
 
 from ...ops._validate import require_temperature
 from ...ops.linear_sample import SEED_LIMIT
+from ...ops.lm_head.config import NO_TRANSFORM, LogitTransform
 from ...ops.lm_head.truncation import truncates, validate_truncation
 from ..trainers import fsdp
 from . import decode, moe, static_cache
@@ -121,6 +122,7 @@ class _Plan:
     return_entropy: bool
     top_k: int = 0
     top_p: float = 1.0
+    transform: LogitTransform = NO_TRANSFORM  # the model's logits from its head's (check_head)
 
     @property
     def truncating(self) -> bool:
@@ -271,7 +273,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
           return_entropy: bool, slots: int | None, smallest_step_batch: int = 8, step_spacing: int = 32,
           prefill_tokens: int = 8192, keep: bool | None = None, top_k: int = 0, top_p: float = 1.0) -> _Plan:
     """Every argument checked (errors name ``rlkernels.rollout``), before any compute."""
-    head = check_head(OP, model)
+    head, transform = check_head(OP, model)
     validate_truncation(OP, top_k, top_p)
     if not is_int(n) or n < 1:
         raise ValueError(f"rlkernels.rollout: n must be an int >= 1, got {n!r}")
@@ -338,7 +340,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
                  seed=seed, streams=stream_ids, eos=eos, max_batch=max_batch, prefill_tokens=prefill_tokens,
                  step_batches=step_batches(max_batch, smallest_step_batch, step_spacing), slots=slots,
                  cuda_graph=graphed, keep=keep, device=device,
-                 return_entropy=bool(return_entropy), top_k=int(top_k), top_p=float(top_p))
+                 return_entropy=bool(return_entropy), top_k=int(top_k), top_p=float(top_p), transform=transform)
 
 
 class _Engine:
@@ -448,7 +450,7 @@ class _Rollout:
         drawn = decode.draw(self.head, hidden.repeat_interleave(n, dim=0), temperature=plan.temperature,
                             greedy=plan.greedy, seed=self.seed, streams=torch.from_numpy(self.stream[owner]).to(dev),
                             positions=torch.tensor(lengths, device=dev).repeat_interleave(n), top_k=plan.top_k,
-                            top_p=plan.top_p)
+                            top_p=plan.top_p, transform=plan.transform)
         self._take(drawn, owner)
 
     # ----------------------------------------------------------------- the slot cache
@@ -609,7 +611,8 @@ class _Rollout:
         def step():
             return decode.decode_step(self.decoder, self.head, cache, self.ids[:b], self.mask[:b],
                                       self.positions[:b], temperature=plan.temperature, greedy=plan.greedy,
-                                      seed=self.seed, streams=self.streams[:b], top_k=plan.top_k, top_p=plan.top_p)
+                                      seed=self.seed, streams=self.streams[:b], top_k=plan.top_k, top_p=plan.top_p,
+                                      transform=plan.transform)
 
         if not plan.cuda_graph:
             return step()

@@ -26,8 +26,10 @@ is a gap: ``patch_model`` warns naming it and ``is_patched`` is False, so
 
 The LM head is part of the promise too: ``token_logprobs`` and ``generate`` take the
 log-probs from ``hidden @ lm_head.weight.T (+ bias)``. Some models scale or cap their
-logits after the head (:data:`LOGIT_TRANSFORMS`); the fused head does not apply those,
-so such a model is refused rather than scored by another formula.
+logits after the head (:data:`LOGIT_TRANSFORMS`); the fused head applies Cohere's scale
+and Gemma's final soft-cap where the model's forward is read to make them
+(:func:`logit_transform`), and a model with any other is refused rather than scored by
+another formula.
 
 The readings every other module of the package shares live here too: a model's base
 decoder (:func:`decoder_of`), its modeling module and family, its attention
@@ -50,6 +52,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from ...nn import GELUTanh, Linear, MoeExperts, MoeRouter, RMSNorm, SiLU, SparseMoeBlock
+from ...ops.lm_head.config import NO_TRANSFORM, LogitTransform
 from ..aten_mode import set_batch_invariant_mode
 from .attention import NAME as ATTENTION
 
@@ -89,6 +92,18 @@ LOGIT_TRANSFORMS: dict[str, tuple[Any, ...]] = {
     "output_multiplier": (None, 1, 1.0),       # MuseGlimmer, MuseSpark: logits * multiplier, then a cap
     "logits_mup_width_multiplier": (None, 1, 1.0),  # Inkling: the head's input / multiplier
     "unpadded_vocab_size": (None,),            # Inkling: logits cut to a smaller vocabulary
+}
+
+# The transforms of LOGIT_TRANSFORMS the fused head applies (ops.lm_head.config.LogitTransform):
+# each field with the statements, in order, by which a causal LM's forward makes it from the
+# head's output, read from that forward before the field is taken, and where its value is read.
+APPLIED_TRANSFORMS: dict[str, tuple[str, ...]] = {
+    # Cohere, Cohere2: the model's own attribute, set from the config.
+    "logit_scale": ("logits = logits * self.logit_scale",),
+    # Gemma 2 and 3: the config's field, read at each forward.
+    "final_logit_softcapping": ("logits = logits / self.config.final_logit_softcapping",
+                                "logits = torch.tanh(logits)",
+                                "logits = logits * self.config.final_logit_softcapping"),
 }
 
 # Modules that only gather, copy, take an exact max or hold other modules, whatever family they come from.
@@ -333,6 +348,28 @@ def logit_transforms(model: nn.Module) -> list[str]:
             if not _is_neutral(value, neutral) and f"{field}={value!r}" not in found:
                 found.append(f"{field}={value!r}")
     return found
+
+
+def logit_transform(model: nn.Module) -> tuple[LogitTransform, list[str]]:
+    """The transform by which ``model`` makes its logits from its head's output, as the fused
+    head applies it, and the ``field=value`` of every transform it does not apply (a field
+    outside :data:`APPLIED_TRANSFORMS`, one whose statements ``model``'s forward does not
+    hold in order, or two at once)."""
+    found = logit_transforms(model)
+    fields = [item.split("=", 1)[0] for item in found]
+    if len(found) != 1 or fields[0] not in APPLIED_TRANSFORMS:
+        return NO_TRANSFORM, found
+    lines = source_lines(type(model).forward) or []
+    statements = iter(lines)
+    if not all(statement in statements for statement in APPLIED_TRANSFORMS[fields[0]]):  # in order
+        return NO_TRANSFORM, found
+    if fields[0] == "logit_scale":
+        value = getattr(model, "logit_scale", None)
+        transform = LogitTransform(scale=float(value)) if isinstance(value, (int, float)) and value > 0 else None
+    else:
+        value = model.config.final_logit_softcapping
+        transform = LogitTransform(softcap=float(value)) if isinstance(value, (int, float)) and value > 0 else None
+    return (transform, []) if transform is not None else (NO_TRANSFORM, found)
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

@@ -80,10 +80,11 @@ from torch import nn
 
 from ..._env import SWITCHES, env_get
 from ...ops.linear_sample import linear_sample, validate_seed
+from ...ops.lm_head.config import NO_TRANSFORM, LogitTransform
 from ...ops.lm_head.truncation import truncates
 from ..aten_mode import is_batch_invariant_mode_enabled
 from . import static_cache
-from .coverage import cache_kwargs, decoder_of, mode_for, parallel_modules
+from .coverage import cache_kwargs, decoder_of, logit_transform, mode_for, parallel_modules
 
 OP = "generate"
 
@@ -199,11 +200,12 @@ def _memory_fingerprint(model: nn.Module) -> tuple:
 def decode_key(model: nn.Module, batch: int, total: int, device: torch.device, temperature: float,
                greedy: bool, top_k: int = 0, top_p: float = 1.0) -> tuple:
     """Everything a captured decode step bakes in, for :class:`DecodeGraph` reuse: shapes
-    (B, cache length), device, T, greedy vs sampled, top-k and top-p, the model's attention implementation,
+    (B, cache length), device, T, greedy vs sampled, top-k and top-p, the model's logit transform
+    (:func:`~rlkernels.integrations.hf.coverage.logit_transform`), its attention implementation,
     the batch-invariant mode, autocast, training mode, the ``RLKERNELS_*`` / Triton
     switches, and :func:`_memory_fingerprint`. Not the prompt length, seed or streams
     (read from buffers at replay)."""
-    return (batch, total, device, float(temperature), bool(greedy), int(top_k), float(top_p),
+    return (batch, total, device, float(temperature), bool(greedy), int(top_k), float(top_p), logit_transform(model),
             getattr(getattr(model, "config", None), "_attn_implementation", None),
             is_batch_invariant_mode_enabled(), model.training, _autocast_state(device),
             tuple([env_get(name) for name in SWITCHES]), _memory_fingerprint(model))
@@ -309,7 +311,7 @@ def last_hidden(decoder: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.T
 def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.Tensor,
                 positions: torch.Tensor, *, temperature: float, greedy: bool, seed: torch.Tensor,
                 streams: torch.Tensor, cache_position: torch.Tensor | None = None, top_k: int = 0,
-                top_p: float = 1.0) -> Drawn:
+                top_p: float = 1.0, transform: LogitTransform = NO_TRANSFORM) -> Drawn:
     """One forward of a patched decoder on a static cache, then the draw of each row's next token.
 
     ``ids`` [B, Lq] long are fed at ``positions`` [B, Lq] long; their keys and values are
@@ -319,7 +321,8 @@ def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tens
     ``temperature``, the argmax (``greedy``) or a draw keyed by ``seed`` (an int64 [] tensor),
     the row's stream (``streams``, int64 [B]) and its position ``positions[:, -1] + 1``.
     ``cache_position`` [Lq] long: the slots written, for transformers 4.x (5.x counts them
-    on the device). ``top_k``/``top_p`` truncate the draw (:func:`rlkernels.linear_sample`).
+    on the device). ``top_k``/``top_p`` truncate the draw (:func:`rlkernels.linear_sample`);
+    ``transform``: the model's logits from the head's (Gemma's final soft-cap, Cohere's scale).
     Returns (token [B] int64, logp [B] fp32, entropy [B] fp32), and each row's threshold
     [B] fp32 where (top_k, top_p) truncate. No host sync: the step can be captured into a
     CUDA graph whose inputs are these tensors.
@@ -327,16 +330,17 @@ def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tens
     hidden = last_hidden(decoder, cache, ids, mask, positions, cache_position)
     # The token drawn here is the row's next one: its position follows the last fed token's.
     return draw(head, hidden, temperature=temperature, greedy=greedy, seed=seed, streams=streams,
-                positions=positions[:, -1] + 1, top_k=top_k, top_p=top_p)
+                positions=positions[:, -1] + 1, top_k=top_k, top_p=top_p, transform=transform)
 
 
 def draw(head: nn.Module, hidden: torch.Tensor, *, temperature: float, greedy: bool, seed: torch.Tensor | int,
-         streams: torch.Tensor, positions: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> Drawn:
-    """Each row's next token from the final hidden states [B, D] through ``head``: the
-    :func:`rlkernels.linear_sample` draw keyed by (seed, stream, position), or a
-    tensor-parallel model's vocabulary-parallel sampler (untruncated: its callers refuse
-    truncation). Returns (token, logp, entropy), and the threshold where (top_k, top_p)
-    truncate."""
+         streams: torch.Tensor, positions: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
+         transform: LogitTransform = NO_TRANSFORM) -> Drawn:
+    """Each row's next token from the final hidden states [B, D] through ``head`` and the
+    model's logit ``transform``: the :func:`rlkernels.linear_sample` draw keyed by (seed,
+    stream, position), or a tensor-parallel model's vocabulary-parallel sampler
+    (untruncated, untransformed: its callers refuse the rest). Returns (token, logp,
+    entropy), and the threshold where (top_k, top_p) truncate."""
     parallel = parallel_modules()
     if parallel is not None and isinstance(head, parallel.VocabParallelHead):
         return head.sample(hidden, temperature=temperature, seed=seed, streams=streams, positions=positions,
@@ -344,7 +348,8 @@ def draw(head: nn.Module, hidden: torch.Tensor, *, temperature: float, greedy: b
     return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
                          seed=seed, streams=streams, positions=positions,
                          greedy=greedy, return_entropy=True, top_k=top_k, top_p=top_p,
-                         return_threshold=truncates(top_k, top_p, head.weight.shape[0]))
+                         return_threshold=truncates(top_k, top_p, head.weight.shape[0]),
+                         logit_scale=transform.scale, logit_softcap=transform.softcap)
 
 
 def decode_under_mode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -433,6 +438,7 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
     B, L = input_ids.shape
     dev = input_ids.device
     head = model.get_output_embeddings()
+    transform, _ = logit_transform(model)
     buffers, cache = state.buffers, state.cache
     mask_long = attention_mask.long()
     if state.calls:
@@ -451,7 +457,7 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
     def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Drawn:
         return decode_step(decoder, head, cache, ids, mask, positions, temperature=temperature, greedy=greedy,
                            seed=buffers.seed, streams=buffers.streams, cache_position=cache_position,
-                           top_k=top_k, top_p=top_p)
+                           top_k=top_k, top_p=top_p, transform=transform)
 
     def step() -> Drawn:
         return forward(buffers.ids, buffers.mask, buffers.positions)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ...ops._validate import require_temperature
 from ...ops.linear_logprob import linear_logprob
+from ...ops.lm_head.config import LogitTransform
 from ...ops.lm_head.validate import validate_threshold
 from ..trainers import fsdp
 from . import attention, coverage
@@ -98,27 +99,32 @@ def head_vocab(head: nn.Module) -> int:
     return head.vocab if vocab_parallel(head) else head.weight.shape[0]
 
 
-def check_head(op: str, model: nn.Module) -> nn.Module:
-    """The LM head, where the model's logits are ``hidden @ head.weight.T (+ bias)``; else ValueError.
+def check_head(op: str, model: nn.Module) -> tuple[nn.Module, LogitTransform]:
+    """The LM head, where the model's logits are ``transform(hidden @ head.weight.T (+ bias))``,
+    and that transform (:func:`~rlkernels.integrations.hf.coverage.logit_transform`: Cohere's
+    scale, Gemma's final soft-cap, or none); else ValueError.
 
-    The fused log-prob applies no scale or cap after the head: a model that has one
-    (:data:`~rlkernels.integrations.hf.coverage.LOGIT_TRANSFORMS`) would be scored by
-    another distribution than its own, so it is refused, naming the field."""
+    A model that changes its logits after the head in any other way
+    (:data:`~rlkernels.integrations.hf.coverage.LOGIT_TRANSFORMS`) would be scored by another
+    distribution than its own, so it is refused, naming the field."""
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if not vocab_parallel(head) and not isinstance(head, nn.Linear):
+        raise TypeError(f"rlkernels.{op}: {type(model).__name__}'s output embedding is "
+                        f"{type(head).__name__ if head is not None else 'missing'}, not a linear LM head")
+    transform, refused = coverage.logit_transform(model)
+    if refused:
+        raise ValueError(f"rlkernels.{op}: {type(model).__name__} changes its logits after the LM head "
+                         f"({', '.join(refused)}) in a way the fused head does not apply (it applies Cohere's "
+                         "logit_scale and Gemma's final_logit_softcapping), so its log-probs would not be the "
+                         "model's. Such heads are not supported")
     if vocab_parallel(head):
         if op not in ("token_logprobs", "generate", "rollout"):
             raise ValueError(f"rlkernels.{op}: the model is tensor-parallel (rlkernels.tensor_parallel), which "
                              "rlkernels.token_logprobs, generate and rollout take; this call does not yet")
-        return head
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"rlkernels.{op}: {type(model).__name__}'s output embedding is "
-                        f"{type(head).__name__ if head is not None else 'missing'}, not a linear LM head")
-    transforms = coverage.logit_transforms(model)
-    if transforms:
-        raise ValueError(f"rlkernels.{op}: {type(model).__name__} changes its logits after the LM head "
-                         f"({', '.join(transforms)}); the fused head computes hidden @ W.T only, so its "
-                         "log-probs would not be the model's. Such heads are not supported")
-    return head
+        if not transform.neutral:
+            raise ValueError(f"rlkernels.{op}: the model is tensor-parallel and its logits are soft-capped or "
+                             "scaled after the head, which the vocabulary-parallel head does not apply yet")
+    return head, transform
 
 
 def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.Tensor, *,
@@ -126,7 +132,7 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
                          logit_threshold: torch.Tensor | None = None):
     """linear_logprob of ``target`` [B, T] from ``hidden`` [B, T, H] through the LM head
     (``logit_threshold`` [B, T]: each position's truncated distribution)."""
-    head = check_head(op, model)
+    head, transform = check_head(op, model)
     B, T = target.shape
     h2 = hidden.reshape(B * T, hidden.shape[-1])
     threshold = logit_threshold.reshape(B * T) if logit_threshold is not None else None
@@ -141,7 +147,8 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
         else:
             out = sharded_linear_logprob(h2, head.weight, target.reshape(B * T), head.bias, shards=head.shards, **kw)
     else:
-        out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None), **kw)
+        out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None),
+                             logit_scale=transform.scale, logit_softcap=transform.softcap, **kw)
     if return_entropy:
         logp, ent = out
         return logp.reshape(B, T), ent.reshape(B, T)
@@ -243,7 +250,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         raise ValueError(f"rlkernels.token_logprobs: input_ids must be [B, L], got {tuple(input_ids.shape)}")
     check_mask("token_logprobs", input_ids, attention_mask)
     temperature = require_temperature("token_logprobs", temperature)
-    head = check_head("token_logprobs", model)
+    head, _ = check_head("token_logprobs", model)
     if (vocab_parallel(head) and head.world > 1 and torch.is_grad_enabled()
             and any(p.requires_grad for p in model.parameters())):
         raise ValueError(f"rlkernels.token_logprobs: the model is tensor-parallel over {head.world} ranks, where "

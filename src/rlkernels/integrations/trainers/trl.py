@@ -47,7 +47,7 @@ from torch import nn
 
 from ..hf.coverage import decoder_of, mode_for
 from ..hf.patch import patch_model
-from ..hf.scoring import IGNORE_INDEX, hidden_states
+from ..hf.scoring import IGNORE_INDEX, check_head, hidden_states
 from ...ops.linear_logprob import linear_logprob
 
 try:
@@ -92,9 +92,8 @@ def _fused_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
         raise ValueError(f"rlkernels.{OP}: the fused log-prob forward needs input_ids [B, L], got {shape}")
     if (labels is None) == (shift_labels is None):
         raise ValueError(f"rlkernels.{OP}: pass exactly one of labels / shift_labels to the fused log-prob forward")
-    head = model.get_output_embeddings()
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise TypeError(f"rlkernels.{OP}: {type(model).__name__} has no linear output embedding")
+    # The head and the model's transform of its logits (Gemma's final soft-cap), or a refusal.
+    head, transform = check_head(OP, model)
     with mode_for(model):
         hidden = hidden_states(model, input_ids, attention_mask)
         if shift_labels is None:
@@ -106,7 +105,8 @@ def _fused_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
         # Only scored positions go through the head: rows are independent in linear_logprob,
         # so selecting them changes no bits and saves the prompt's share of the head.
         logp, ent = linear_logprob(hidden[mask], head.weight, target[mask], getattr(head, "bias", None),
-                                   temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=True)
+                                   temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=True,
+                                   logit_scale=transform.scale, logit_softcap=transform.softcap)
     # masked_scatter keeps an all-ignored chunk connected to the graph (a zero with a gradient).
     log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
     entropy = ent.new_zeros(mask.shape).masked_scatter(mask, ent)

@@ -93,6 +93,38 @@ def kernel_operands(h2: torch.Tensor, weight: torch.Tensor, cfg: FusedConfig) ->
     return h2, weight, False
 
 
+@dataclasses.dataclass(frozen=True)
+class LogitTransform:
+    """How a model makes its logits from its head's raw output x = h W^T + b, before any
+    temperature: ``y = x * scale``, then, with a soft-cap c > 0, ``c * tanh(y / c)``
+    (Cohere's ``logit_scale``; Gemma 2's ``final_logit_softcapping``), each step in fp32 as
+    torch computes it on the logits' device (``y / c`` by :func:`temperature_scaling`'s
+    rule). The fused head's distribution is then ``softmax(transform(x) / T)``.
+    :data:`NO_TRANSFORM` (scale 1, soft-cap 0: none) leaves x as it is, and the kernels
+    compile the steps out."""
+
+    scale: float = 1.0
+    softcap: float = 0.0
+
+    @property
+    def neutral(self) -> bool:
+        return self.scale == 1.0 and self.softcap == 0.0
+
+    def kernel_args(self, device: torch.device) -> tuple[tuple[float, float, float], dict[str, int]]:
+        """((scale, the soft-cap division's argument, c), {SCALE, CAP}) for the kernels'
+        ``model_logits``: CAP is the division's ``TEMP`` mode, 0 without a soft-cap."""
+        if self.softcap == 0.0:
+            cap_arg, cap_mode = 1.0, TEMP_NONE
+        else:
+            cap_arg, cap_mode = temperature_scaling(self.softcap, device)
+            if cap_mode == TEMP_NONE:  # c = 1: y / c is y, but the cap still applies
+                cap_arg, cap_mode = 1.0, TEMP_DIVIDE
+        return (float(self.scale), cap_arg, float(self.softcap)), dict(SCALE=self.scale != 1.0, CAP=cap_mode)
+
+
+NO_TRANSFORM = LogitTransform()
+
+
 def temperature_scaling(temperature: float, device: torch.device) -> tuple[float, int]:
     """(kernel argument, ``TEMP`` constexpr) for z / T computed as torch computes
     ``logits / T`` for a Python float T on ``device`` -- what samplers and trainers write

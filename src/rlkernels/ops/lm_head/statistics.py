@@ -24,10 +24,10 @@ import torch
 
 from ...gemm.chain import accumulator_dtype, chain_matmul
 from ...kernels._triton import cdiv
-from ...kernels.lm_head import fwd_partial_kernel, logprob_combine_kernel
+from ...kernels.lm_head import fwd_partial_kernel, logprob_combine_kernel, scores_kernel
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from ..matmul import gemm_backend_for
-from .config import FusedConfig, fused_config, kernel_operands, temperature_scaling
+from .config import NO_TRANSFORM, FusedConfig, LogitTransform, fused_config, kernel_operands, temperature_scaling
 from .lse import LSE_SPLIT, LSE_TILE, lse_step, merge_splits, tile_mass
 
 # torch backend: token rows per step (memory only; every op is elementwise per row).
@@ -38,6 +38,9 @@ COMBINE_BLOCK = 256
 # The launches skip Triton's binder after their first call with a given key (runtime.launcher).
 _launch_fwd_partial = cached_launcher(fwd_partial_kernel) if fwd_partial_kernel is not None else None
 _launch_combine = cached_launcher(logprob_combine_kernel) if logprob_combine_kernel is not None else None
+_launch_scores = cached_launcher(scores_kernel) if scores_kernel is not None else None
+# Triton backend: columns per program of the scores kernel.
+SCORES_BLOCK = 1024
 
 
 class RowStatistics(NamedTuple):
@@ -74,17 +77,32 @@ def keep_above(z: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
     return torch.where(z < threshold.to(z.dtype)[:, None], -math.inf, z)
 
 
+def model_logits(x: torch.Tensor, transform: LogitTransform) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's logits from raw ones ``x`` (fp32, or fp64), in place where it can: x *
+    scale, then c * tanh(x / c) for a soft-cap c, as torch's ops on x's device compute them
+    (``kernels.lm_head.model_logits``). Returns them and the tanh (None without a cap)."""
+    if transform.scale != 1.0:
+        x.mul_(transform.scale)
+    if transform.softcap == 0.0:
+        return x, None
+    tanh = x.div_(transform.softcap).tanh_()
+    return tanh * transform.softcap, tanh
+
+
 def torch_logits(h_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 v0: int, v1: int, temperature: float) -> torch.Tensor:
-    """z = (h W[v0:v1]^T + b) / T for a block of rows, fp32 (fp64 for fp64), ascending D-chain;
-    / T is torch's own division by a Python float on that device (see
-    :func:`~.config.temperature_scaling`)."""
+                 v0: int, v1: int, temperature: float, transform: LogitTransform = NO_TRANSFORM, *,
+                 return_tanh: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    """z = transform(h W[v0:v1]^T + b) / T for a block of rows, fp32 (fp64 for fp64),
+    ascending D-chain (:func:`model_logits`); / T is torch's own division by a Python float
+    on that device (see :func:`~.config.temperature_scaling`). With ``return_tanh``, (z, the
+    soft-cap's tanh or None)."""
     z = chain_matmul(h_rows, weight[v0:v1].t())
     if bias is not None:
         z.add_(bias[v0:v1].to(z.dtype))
+    z, tanh = model_logits(z, transform)
     if temperature != 1.0:
         z.div_(temperature)
-    return z
+    return (z, tanh) if return_tanh else z
 
 
 class TorchHeadStatistics:
@@ -101,22 +119,25 @@ class TorchHeadStatistics:
         return cdiv(vocab, LSE_SPLIT) * (LSE_SPLIT // LSE_TILE)
 
     def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                   temperature: float, entropy: bool = True, threshold: torch.Tensor | None = None) -> RowStatistics:
+                   temperature: float, entropy: bool = True, threshold: torch.Tensor | None = None,
+                   transform: LogitTransform = NO_TRANSFORM) -> RowStatistics:
         """Each row's (m, s, u, zt) [N] over the whole vocabulary; ``tgt`` [N] int64 ids (-1
         where there is none: zt is then 0). ``threshold`` [N] (the accumulator dtype): the
-        truncated distribution's, each row's logits below it left out (:func:`keep_above`)."""
-        return self._pass(h2, weight, bias, tgt, temperature, entropy, None, threshold)
+        truncated distribution's, each row's logits below it left out (:func:`keep_above`).
+        ``transform``: the model's logits from the raw ones (:func:`model_logits`)."""
+        return self._pass(h2, weight, bias, tgt, temperature, entropy, None, threshold, transform)
 
     def tile_statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         temperature: float, tiles: TileRecord, entropy: bool = True,
-                        threshold: torch.Tensor | None = None) -> RowStatistics:
+                        threshold: torch.Tensor | None = None,
+                        transform: LogitTransform = NO_TRANSFORM) -> RowStatistics:
         """The sampler's pass: (m, s, u) as :meth:`statistics` gives them (zt None: no target
         yet), and every tile's running max and mass written into ``tiles`` [N, n_tiles]."""
-        return self._pass(h2, weight, bias, None, temperature, entropy, tiles, threshold)
+        return self._pass(h2, weight, bias, None, temperature, entropy, tiles, threshold, transform)
 
     def _pass(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor | None,
               temperature: float, entropy: bool, tiles: TileRecord | None,
-              threshold: torch.Tensor | None) -> RowStatistics:
+              threshold: torch.Tensor | None, transform: LogitTransform) -> RowStatistics:
         N = h2.shape[0]
         vocab = weight.shape[0]
         adt = accumulator_dtype(h2.dtype)
@@ -134,7 +155,7 @@ class TorchHeadStatistics:
             ztr = torch.zeros(R, dtype=adt, device=dev)
             for k in range(n_split):
                 v0, v1 = k * LSE_SPLIT, min(vocab, (k + 1) * LSE_SPLIT)
-                z_split = keep_above(torch_logits(h_rows, weight, bias, v0, v1, temperature),
+                z_split = keep_above(torch_logits(h_rows, weight, bias, v0, v1, temperature, transform),
                                      None if threshold is None else threshold[rows])
                 mr = torch.full((R,), -math.inf, dtype=adt, device=dev)
                 sr = torch.zeros(R, dtype=adt, device=dev)
@@ -175,12 +196,13 @@ class TorchHeadStatistics:
         return torch.where(valid, (zt - m) - log_s, zero), ent, m + log_s
 
     def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float, entropy: bool = True,
-                threshold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                temperature: float, entropy: bool = True, threshold: torch.Tensor | None = None,
+                transform: LogitTransform = NO_TRANSFORM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logp, entropy, lse) [N] in fp32 (fp64 for fp64 inputs); tgt is -1 where ignored;
         without ``entropy`` the entropy is NaN and its sums are skipped. ``threshold`` [N]:
         those of the truncated distribution (:meth:`statistics`)."""
-        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy, threshold), tgt, entropy)
+        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy, threshold, transform),
+                           tgt, entropy)
 
 
 class TritonHeadStatistics:
@@ -206,23 +228,25 @@ class TritonHeadStatistics:
 
     def statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
                    temperature: float, entropy: bool = True, threshold: torch.Tensor | None = None,
-                   logits: torch.Tensor | None = None) -> RowStatistics:
+                   transform: LogitTransform = NO_TRANSFORM, logits: torch.Tensor | None = None) -> RowStatistics:
         """Per-split (m, s, u) [n_split, N] (u is 0 without ``entropy``) and zt [N]; ``tgt``
         [N] int64 ids (-1 where there is none). ``threshold`` [N] fp32: the truncated
-        distribution's (``kernels.lm_head.keep_above``). ``logits``: the raw logits [N, V]
-        fp32 already computed by the GEMM backend (read instead of computed; same bits)."""
-        return self._pass(h2, weight, bias, tgt, temperature, entropy, None, None, threshold, logits)
+        distribution's (``kernels.lm_head.keep_above``). ``transform``: the model's logits
+        from the raw ones (``kernels.lm_head.model_logits``). ``logits``: the raw logits
+        [N, V] fp32 already computed by the GEMM backend (read instead of computed; same bits)."""
+        return self._pass(h2, weight, bias, tgt, temperature, entropy, None, None, threshold, transform, logits)
 
     def tile_statistics(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         temperature: float, tiles: TileRecord, entropy: bool = True,
                         partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                        threshold: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> RowStatistics:
+                        threshold: torch.Tensor | None = None, transform: LogitTransform = NO_TRANSFORM,
+                        logits: torch.Tensor | None = None) -> RowStatistics:
         """The sampler's pass: per-split (m, s, u) as :meth:`statistics` gives them (zt None:
         no target yet, and its kernel code is compiled out), and every tile's running max
         and mass written into ``tiles`` (``STORE_TILES``). ``partials``: flat (m, s, u)
         buffers of n_split * N fp32 to fill instead of new ones (the sampler carves them and
         ``tiles`` from one allocation)."""
-        return self._pass(h2, weight, bias, None, temperature, entropy, tiles, partials, threshold, logits)
+        return self._pass(h2, weight, bias, None, temperature, entropy, tiles, partials, threshold, transform, logits)
 
     def raw_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """h2 W^T + b [N, V] fp32 by the GEMM backend: the logits the pass reads at N <=
@@ -231,10 +255,28 @@ class TritonHeadStatistics:
         return gemm_backend_for(h2.device, "triton").gemm(h2, weight, bias=bias, out_dtype=torch.float32,
                                                           b_transposed=True)
 
+    @staticmethod
+    def scores(raw: torch.Tensor, temperature: float, transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
+        """z = transform(raw) / T [N, V] fp32 from :meth:`raw_logits`, by the kernels' own
+        steps (``kernels.lm_head.scores_kernel``): the scores every kernel of the pass
+        computes, whole. ``raw`` itself where there is nothing to apply."""
+        if temperature == 1.0 and transform.neutral:
+            return raw
+        N, V = raw.shape
+        z = torch.empty_like(raw)
+        if N:
+            temp_arg, temp_mode = temperature_scaling(temperature, raw.device)
+            map_args, map_modes = transform.kernel_args(raw.device)
+            _launch_scores((N, cdiv(V, SCORES_BLOCK)), (raw, z, N, V, raw.stride(0), z.stride(0), temp_arg, *map_args),
+                           dict(TEMP=temp_mode, **map_modes, BLOCK_V=SCORES_BLOCK), num_warps=4,
+                           num_stages=DEFAULT_NUM_STAGES)
+        return z
+
     def _pass(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor | None,
               temperature: float, entropy: bool, tiles: TileRecord | None,
               partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-              threshold: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> RowStatistics:
+              threshold: torch.Tensor | None = None, transform: LogitTransform = NO_TRANSFORM,
+              logits: torch.Tensor | None = None) -> RowStatistics:
         N, D = h2.shape
         vocab = weight.shape[0]
         dev = h2.device
@@ -252,6 +294,7 @@ class TritonHeadStatistics:
             return RowStatistics(m, s, u, zt)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
+        map_args, map_modes = transform.kernel_args(h2.device)
         tile_m, tile_s = tiles if tiles is not None else (m, m)
         if logits is not None or N <= cfg.small_n:
             if logits is None:
@@ -266,9 +309,9 @@ class TritonHeadStatistics:
             (cdiv(N, block_m) * n_split,),
             (h_arg, w_arg, bias if bias is not None else h2, logits, tgt if tgt is not None else m, m, s, u,
              zt if zt is not None else m, tile_m, tile_s, threshold if threshold is not None else m,
-             N, vocab, D, temp_arg,
+             N, vocab, D, temp_arg, *map_args,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), logits.stride(0)),
-            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, IEEE=h2.dtype == torch.float32,
+            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, **map_modes, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=block_m, BLOCK_V=cfg.block_v,
                  BLOCK_K=cfg.block_k, GROUP_M=group_m, STORE_TILES=tiles is not None, ENTROPY=entropy,
                  LOGITS=logits is not m, TARGET=tgt is not None, THRESHOLD=threshold is not None),
@@ -291,9 +334,10 @@ class TritonHeadStatistics:
         return logp, ent, lse
 
     def forward(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor,
-                temperature: float, entropy: bool = True,
-                threshold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                temperature: float, entropy: bool = True, threshold: torch.Tensor | None = None,
+                transform: LogitTransform = NO_TRANSFORM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logp, entropy, lse) [N] fp32; tgt is -1 where ignored; without ``entropy`` the
         entropy is NaN and its sums are skipped. ``threshold`` [N]: those of the truncated
         distribution (:meth:`statistics`)."""
-        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy, threshold), tgt, entropy)
+        return self.finish(*self.statistics(h2, weight, bias, tgt, temperature, entropy, threshold, transform),
+                           tgt, entropy)

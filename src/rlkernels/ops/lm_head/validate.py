@@ -6,11 +6,14 @@ the user called (``op``) and the operands as that op's signature names them
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import torch
 
 from .. import _validate as V_
 from ...registry import select_backend
+from .config import LogitTransform
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -118,3 +121,19 @@ def validate_threshold(op: str, threshold: object, lead: tuple[int, ...], dtype:
     if threshold.device.type == "cpu" and threshold.numel() and bool(torch.isnan(threshold).any()):
         pos = int(torch.isnan(threshold.reshape(-1)).nonzero()[0, 0])
         raise ValueError(f"rlkernels.{op}: {name} is NaN at flat position {pos} (use -inf to keep every logit)")
+
+
+def validate_transform(op: str, logit_scale: object, logit_softcap: object) -> LogitTransform:
+    """The model's logit transform (:class:`~.config.LogitTransform`) from an op's
+    ``logit_scale`` (a finite Python number > 0) and ``logit_softcap`` (a finite Python
+    number >= 0, 0: no soft-cap); raises TypeError/ValueError naming ``op``. Tensors are
+    refused, as temperatures are: reading one is a host sync."""
+    for name, value in (("logit_scale", logit_scale), ("logit_softcap", logit_softcap)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"rlkernels.{op}: {name} must be a Python number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(float(logit_scale)) or float(logit_scale) <= 0:
+        raise ValueError(f"rlkernels.{op}: logit_scale must be a finite number > 0 (1: none), got {logit_scale!r}")
+    if not math.isfinite(float(logit_softcap)) or float(logit_softcap) < 0:
+        raise ValueError(f"rlkernels.{op}: logit_softcap must be a finite number >= 0 (0: no soft-cap), got "
+                         f"{logit_softcap!r}")
+    return LogitTransform(float(logit_scale), float(logit_softcap))
