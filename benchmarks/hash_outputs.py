@@ -103,6 +103,16 @@ def dense_cases(device: str, dt: torch.dtype) -> dict[str, str]:
         lp_t = rlkernels.linear_logprob(h, w * 6, tok, temperature=0.8, logit_threshold=tau)
         lp_t.sum().backward()
         out[f"linear_sample top_k top_p {name} {nn_}x{d}x{v}"] = _digest(tok, tlp, tent, tau, lp_t, h.grad, w.grad)
+        # Gemma 2's final soft-cap (30, past a trained head's spread), truncated, and its trainer.
+        cap = dict(temperature=0.8, logit_softcap=30.0, logit_scale=1.5)
+        tok, tlp, tent, tau = rlkernels.linear_sample(h.detach(), w.detach() * 12, seed=11, streams=streams,
+                                                      positions=positions, return_entropy=True, top_p=0.95,
+                                                      return_threshold=True, **cap)
+        h.grad = w.grad = None
+        lp_c, ent_c = rlkernels.linear_logprob(h, w * 12, tok, logit_threshold=tau, return_entropy=True, **cap)
+        (lp_c.sum() + 0.1 * ent_c.sum()).backward()
+        out[f"linear_sample softcap top_p {name} {nn_}x{d}x{v}"] = _digest(tok, tlp, tent, tau, lp_c, ent_c, h.grad,
+                                                                           w.grad)
     for rows, r in [(7, 1000), (4096, 2048), (33, 16385)]:
         x = _rand(rows, r, dtype=dt, seed=r, grad=True, device=device)
         wn = _rand(r, dtype=dt, seed=5, grad=True, device=device)

@@ -338,6 +338,69 @@ def test_bad_thresholds_are_refused_naming_the_op(threshold, err, match, gen):
         linear_logprob(h, w, t, b, logit_threshold=threshold)
 
 
+# --------------------------------------------------- a model's logit transform (scale, soft-cap)
+
+# Cohere's scale, Gemma's soft-cap (at a trained head's spread, past the cap), and both.
+TRANSFORMS = [dict(logit_scale=0.25), dict(logit_softcap=6.0), dict(logit_scale=2.0, logit_softcap=6.0)]
+
+
+def _transform_cases(dtypes):
+    """(backend, dtype, transform): every transform on the torch backend, the combined one
+    interpreted (interpreter time)."""
+    return [pytest.param(*c.values, kw, id=f"{c.id}-{'-'.join(f'{k}{v:g}' for k, v in kw.items())}")
+            for c in _cases(dtypes) for kw in TRANSFORMS if c.values[0] == "torch" or len(kw) == 2]
+
+
+@pytest.mark.parametrize("backend,dtype,transform", _transform_cases((F32, F16, F64)))
+def test_logit_transform_forward_and_backward_match_float64(backend, dtype, transform, gen):
+    h, w, b, t = _trained(_data(9, 24, 70, dtype, gen))
+    gl, ge = torch.randn(9, generator=gen), torch.randn(9, generator=gen)
+    _check_forward(h, w, b, t, backend, temperature=TEMP, **transform)
+    got = _grads(h, w, b, t, backend, gl, ge, temperature=TEMP, **transform)
+    want = _ref_grads(h, w, b, t, gl, ge, temperature=TEMP, **transform)
+    for name, g, r in zip(("dhidden", "dweight", "dbias"), got, want):
+        assert rel_error(g, r) <= LINEAR_LOGPROB_GRAD_REL[dtype], name
+    # The transform moves the distribution: the plain head's log-probs are far off.
+    plain = linear_logprob(h, w, t, b, temperature=TEMP, backend=backend)
+    assert float((plain - linear_logprob(h, w, t, b, temperature=TEMP, backend=backend, **transform)).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("backend,dtype,transform", _transform_cases((F32, F16)))
+def test_logit_transform_rows_are_batch_invariant(backend, dtype, transform, gen):
+    h, w, b, t = _trained(_data(11, 24, 300, dtype, gen))
+    fn = _row_fn(h, w, b, t, backend, temperature=TEMP, **transform)
+    rows = torch.arange(11)
+    assert_batch_invariant(fn, rows, sizes=[1, 5, 10])
+    assert_padding_invariant(fn, rows, before=2, after=1)
+    assert_order_invariant(fn, rows)
+
+
+@pytest.mark.parametrize("backend,dtype", _cases((F32,)))
+def test_neutral_logit_transform_gives_the_plain_bits(backend, dtype, gen):
+    h, w, b, t = _trained(_data(7, 24, 70, dtype, gen))
+    plain = linear_logprob(h, w, t, b, temperature=TEMP, return_entropy=True, backend=backend)
+    neutral = linear_logprob(h, w, t, b, temperature=TEMP, return_entropy=True, backend=backend, logit_scale=1,
+                             logit_softcap=0)
+    for got, want in zip(neutral, plain):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(logit_scale=0.0), ValueError, r"logit_scale must be a finite number > 0 \(1: none\), got 0.0"),
+    (dict(logit_scale=-2.0), ValueError, r"logit_scale must be a finite number > 0"),
+    (dict(logit_scale=float("nan")), ValueError, r"logit_scale must be a finite number > 0"),
+    (dict(logit_scale=torch.tensor(0.5)), TypeError, r"logit_scale must be a Python number, got Tensor"),
+    (dict(logit_softcap=-1.0), ValueError, r"logit_softcap must be a finite number >= 0 \(0: no soft-cap\)"),
+    (dict(logit_softcap=float("inf")), ValueError, r"logit_softcap must be a finite number >= 0"),
+    (dict(logit_softcap=None), TypeError, r"logit_softcap must be a Python number, got NoneType"),
+    (dict(logit_softcap=True), TypeError, r"logit_softcap must be a Python number, got bool"),
+])
+def test_bad_logit_transforms_are_refused_naming_the_op(kw, err, match, gen):
+    h, w, b, t = _data(4, 8, 30, F32, gen, ignore=False)
+    with pytest.raises(err, match=rf"rlkernels.linear_logprob: {match}"):
+        linear_logprob(h, w, t, b, **kw)
+
+
 # ----------------------------------------------------------------------------- invariance
 
 def _row_fn(h, w, b, t, backend, **kw):

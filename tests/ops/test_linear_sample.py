@@ -15,6 +15,7 @@ import torch
 from rlkernels import linear_logprob, linear_sample
 from rlkernels._env import triton_interpret
 from rlkernels.ops.linear_sample import gumbel_from_words, noise_words, philox4x32
+from rlkernels.reference import linear_logprob_ref
 
 from ..conftest import cpu_backend_cases, randn
 
@@ -327,6 +328,55 @@ def test_truncated_draws_follow_the_truncated_fp64_distribution(truncation):
     assert not _accepts(counts, full), _chi_square(counts, full)
 
 
+# ------------------------------------------------------------------ a model's logit transform
+
+CAPPED = dict(logit_scale=2.0, logit_softcap=6.0)  # past the cap at a trained head's spread
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases((F32, F16)))
+@pytest.mark.parametrize("truncation", [{}, dict(top_k=40, top_p=0.8)], ids=["full", "truncated"])
+def test_a_transformed_draws_logp_is_linear_logprobs_and_rows_are_invariant(backend, dtype, truncation, gen):
+    n, d, v = 9, 40, 257
+    h, w, b = _head(n, d, v, dtype, gen)
+    streams, positions = _counters(n, gen)
+    kw = dict(temperature=0.7, streams=streams, positions=positions, return_entropy=True, return_threshold=True,
+              backend=backend, **CAPPED, **truncation)
+    tok, lp, ent, tau = linear_sample(h, w, b, seed=SEED, **kw)
+    ref_lp, ref_ent = linear_logprob(h, w, tok, b, temperature=0.7, return_entropy=True, backend=backend,
+                                     logit_threshold=tau if truncation else None, **CAPPED)
+    assert torch.equal(_bits(lp), _bits(ref_lp)) and torch.equal(_bits(ent), _bits(ref_ent))
+    rows = torch.tensor([6, 0, 3])
+    kw.update(streams=streams[rows], positions=positions[rows])
+    for got, want in zip(linear_sample(h[rows], w, b, seed=SEED, **kw), (tok, lp, ent, tau)):
+        assert torch.equal(got.view(torch.int64) if got.dtype == torch.int64 else _bits(got), _bits(want[rows])
+                           if want.dtype != torch.int64 else want[rows])
+
+
+def test_transformed_draws_follow_the_capped_fp64_distribution():
+    """Chi-square of 100k draws at T = 0.7 against softmax(c tanh(s x / c) / T) in fp64; the
+    same draws reject the uncapped distribution softmax(s x / T)."""
+    v, n, T, s, c = 16, 100_000, 0.7, 1.5, 9.0
+    h, w = _two_term_head(v)  # raw logits up to 10 (15 scaled): the cap binds at the top
+    tok, _ = linear_sample(h.expand(n, 2), w, temperature=T, seed=SEED, streams=torch.arange(n),
+                           positions=torch.full((n,), 3), backend="torch", logit_scale=s, logit_softcap=c)
+    x = (w[:, 0] + w[:, 1]).double() * s
+    capped, plain = torch.softmax(c * torch.tanh(x / c) / T, 0), torch.softmax(x / T, 0)
+    counts = torch.bincount(tok, minlength=v).double()
+    assert _accepts(counts, capped), _chi_square(counts, capped)
+    assert not _accepts(counts, plain), _chi_square(counts, plain)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(logit_scale=0), r"logit_scale must be a finite number > 0"),
+    (dict(logit_softcap=-3.0), r"logit_softcap must be a finite number >= 0"),
+    (dict(logit_softcap="30"), r"logit_softcap must be a Python number, got str"),
+])
+def test_bad_logit_transforms_are_refused_by_the_sampler(kw, match, gen):
+    h, w, b = _head(3, 8, 30, F32, gen)
+    with pytest.raises((TypeError, ValueError), match=rf"rlkernels.linear_sample: {match}"):
+        linear_sample(h, w, b, seed=SEED, streams=torch.arange(3), **kw)
+
+
 @pytest.mark.parametrize("kwargs, err, match", [
     (dict(top_k=-1), ValueError, r"top_k must be >= 0"),
     (dict(top_k=2.0), TypeError, r"top_k must be an int"),
@@ -605,6 +655,45 @@ def test_gpu_top_p_kernel_is_the_torch_definition_through_candidates_and_search(
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     monkeypatch.setattr(TR, "TOP_P_CANDIDATES", 4)
     assert torch.equal(TR.threshold(z, top_k, top_p, "triton").view(torch.int32), got.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("truncation", [{}, dict(top_k=40, top_p=0.9)], ids=["full", "truncated"])
+def test_gpu_a_soft_capped_draw_is_the_thresholded_linear_logprob_eager_and_in_a_graph(dtype, truncation, gen):
+    # Gemma 2's head: its final soft-cap of 30 on logits whose spread reaches past it.
+    n, d, v = 37, 2048, 151936
+    h, w, b = _head(n, d, v, dtype, gen, device="cuda", logit_std=12.0)
+    streams, positions = _counters(n, gen, device="cuda")
+    kw = dict(temperature=0.7, streams=streams, positions=positions, return_entropy=True, return_threshold=True,
+              logit_softcap=30.0, **truncation)
+    tok, lp, ent, tau = want = linear_sample(h, w, b, seed=SEED, **kw)
+    ref_lp, ref_ent = linear_logprob(h, w, tok, b, temperature=0.7, return_entropy=True, logit_softcap=30.0,
+                                     logit_threshold=tau if truncation else None)
+    assert torch.equal(_bits(lp), _bits(ref_lp)) and torch.equal(_bits(ent), _bits(ref_ent))
+    rows = torch.tensor([n - 1, 3, 0], device="cuda")
+    alone = linear_sample(h[rows], w, b, seed=SEED, **dict(kw, streams=streams[rows], positions=positions[rows]))
+    for x, y in zip(alone, want):
+        assert torch.equal(x if x.dtype == torch.int64 else _bits(x), y[rows] if y.dtype == torch.int64 else
+                           _bits(y[rows]))
+    seed = torch.tensor(SEED, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_sample(h, w, b, seed=seed, **kw)
+    graph.replay()
+    for x, y in zip(out, want):
+        assert torch.equal(x if x.dtype == torch.int64 else _bits(x), y if y.dtype == torch.int64 else _bits(y))
+    # Within the contract of the float64 capped log-probs, and its backward deterministic.
+    ref64, _ = linear_logprob_ref(h, w, tok, b, temperature=0.7, logit_softcap=30.0,
+                                  logit_threshold=tau if truncation else None)
+    assert float((ref_lp.double() - ref64).abs().max()) <= 5e-4
+    hh = h.detach().clone().requires_grad_()
+    grads = []
+    for _ in range(2):
+        hh.grad = None
+        linear_logprob(hh, w, tok, b, temperature=0.7, logit_softcap=30.0).sum().backward()
+        grads.append(hh.grad.clone())
+    assert torch.equal(grads[0], grads[1]) and torch.isfinite(grads[0]).all()
 
 
 @pytest.mark.gpu

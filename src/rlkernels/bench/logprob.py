@@ -1,13 +1,15 @@
 """Benchmark: fused lm-head log-prob (+ entropy) vs materialized logits and peers.
 
     python -m rlkernels.bench logprob [--quick] [--json PATH] [--no-peers] [--temperature T]
-        [--shape N,D,V ...] [--config BM,BV,BK,GROUP,WARPS,STAGES]
+        [--logit-softcap C] [--shape N,D,V ...] [--config BM,BV,BK,GROUP,WARPS,STAGES]
 
 bf16 inputs, per-token random upstream gradients on logp (and entropy for
 rlkernels / naive torch). Columns: forward ms, forward+backward ms (grads of hidden
 and weight), extra peak GiB of forward+backward (everything allocated during the
 call, dW and dhidden included). Peers, when importable: Liger's fused linear CE and
 Apple's Cut Cross-Entropy (both give -logp, no entropy; CCE is not row-invariant).
+With ``--logit-softcap``, a row of rlkernels with Gemma's final soft-cap beside the plain
+one, and naive torch capping its logits as Gemma's forward does.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", action="append", default=None, help="N,D,V (repeatable)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="T != 1 adds a correctly rounded division per logit (rlkernels and naive torch)")
+    parser.add_argument("--logit-softcap", type=float, default=0.0,
+                        help="C > 0 adds rlkernels with the logits soft-capped at C (Gemma 2's 30), and caps naive "
+                             "torch's logits")
 
 
 def _free() -> None:
@@ -56,7 +61,7 @@ def _measure(name: str, fwd: Callable[[], Any] | None, fwd_bwd: Callable[[], Any
     return row
 
 
-def _rlkernels_case(h, w, t, gl, ge, temperature: float, logprob_backend=None):
+def _rlkernels_case(h, w, t, gl, ge, temperature: float, logprob_backend=None, softcap: float = 0.0):
     """``linear_logprob`` as the public call runs it, or (``logprob_backend``, one with
     another tile config) its autograd Function with that backend passed explicitly."""
     from ..ops.linear_logprob import LinearLogprobFunction, linear_logprob
@@ -64,7 +69,7 @@ def _rlkernels_case(h, w, t, gl, ge, temperature: float, logprob_backend=None):
 
     if logprob_backend is None:
         def call(hh, ww):
-            return linear_logprob(hh, ww, t, temperature=temperature, return_entropy=True)
+            return linear_logprob(hh, ww, t, temperature=temperature, return_entropy=True, logit_softcap=softcap)
     else:
         gemm_backend = gemm_backend_for(h.device, "triton")
 
@@ -83,9 +88,12 @@ def _rlkernels_case(h, w, t, gl, ge, temperature: float, logprob_backend=None):
     return fwd, fwd_bwd
 
 
-def _naive_case(h, w, t, gl, ge, temperature: float):
+def _naive_case(h, w, t, gl, ge, temperature: float, softcap: float = 0.0):
     def compute(hh, ww):
-        z = (hh @ ww.t()).float() / temperature
+        z = (hh @ ww.t()).float()
+        if softcap:
+            z = torch.tanh(z / softcap) * softcap
+        z = z / temperature
         logz = torch.logsumexp(z, dim=-1)
         lp = z.gather(1, t[:, None])[:, 0] - logz
         ent = logz - (torch.softmax(z, dim=-1) * z).sum(-1)
@@ -178,6 +186,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..ops.lm_head.config import FusedConfig
 
     temperature = float(getattr(args, "temperature", 1.0) or 1.0)
+    softcap = float(getattr(args, "logit_softcap", 0.0) or 0.0)
     logprob_backend = None  # None: the public call with its own config
     if getattr(args, "config", None):
         parts = args.config.split(",")
@@ -195,11 +204,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         g = torch.Generator(device="cuda").manual_seed(0)
         h, w, t, gl, ge = make_inputs(n, d, v, g)
         cases: list[tuple[str, Any]] = [("rlkernels", _rlkernels_case(h, w, t, gl, ge, temperature, logprob_backend))]
+        if softcap:
+            cases.append((f"rlkernels softcap {softcap:g}",
+                          _rlkernels_case(h, w, t, gl, ge, temperature, logprob_backend, softcap)))
         if not getattr(args, "no_peers", False):
             free, _ = torch.cuda.mem_get_info()
             # fp32 logits, softmax, their grads and the bf16 copy: about 18 bytes per logit.
             if n * v * 18 < 0.8 * free:
-                cases.append(("torch (materialized)", _naive_case(h, w, t, gl, ge, temperature)))
+                cases.append(("torch (materialized)", _naive_case(h, w, t, gl, ge, temperature, softcap)))
             else:
                 rows.append({"N": n, "D": d, "V": v, "impl": "torch (materialized)", "note": "skipped: would OOM"})
             for name, case in (("liger FLCE", _liger_case(h, w, t, gl)), ("cut-cross-entropy", _cce_case(h, w, t, gl))):
@@ -239,5 +251,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     print_table("linear_logprob (bf16, per-token upstream grads)", rows,
                 ["N", "D", "V", "impl", "fwd_ms", "fwd_bwd_ms", "peak_extra_gib", "fwd_tflops", "fwd_bwd_tflops",
                  "logits_gemm_ms", "fwd_vs_gemm", "four_gemms_ms", "fwd_bwd_vs_four_gemms", "note"])
-    write_json(args.json, "logprob", rows, {"fused_config": cfg.short(), "temperature": temperature})
+    write_json(args.json, "logprob", rows, {"fused_config": cfg.short(), "temperature": temperature,
+                                             "logit_softcap": softcap})
     return rows

@@ -279,13 +279,28 @@ def _gemma3_gpu() -> torch.nn.Module:
     return transformers.Gemma3ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
 
 
+def _gemma2_gpu() -> torch.nn.Module:
+    """Gemma-2-2B's attention and head (8 query heads over 4 KV heads of 256, scores capped at
+    50, final logits at 30, every other layer windowed), hidden 1152, four layers, vocabulary
+    32000, a window of 64."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=32000, hidden_size=1152, intermediate_size=4608, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, sliding_window=64, query_pre_attn_scalar=256,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=False)
+    return transformers.Gemma2ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma2"])
 def test_a_sliding_window_keeps_graphed_generate_rollout_and_trainer_equal_gpu(family):
     # bf16, a window of 64 under prompts of up to 120 tokens and 40 new ones: Mistral's shape
-    # (every layer windowed) and Gemma 3's (head dim 256, one KV head, 5 windowed layers to 1).
+    # (every layer windowed), Gemma 3's (head dim 256, one KV head, 5 windowed layers to 1) and
+    # Gemma 2's (its scores and its final logits soft-capped).
     if family == "gemma3":
         model = _gemma3_gpu()
+    elif family == "gemma2":
+        model = _gemma2_gpu()
     else:
         model = _tiny("mistral", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
