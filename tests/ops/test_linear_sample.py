@@ -676,17 +676,12 @@ def test_gpu_a_soft_capped_draw_is_the_thresholded_linear_logprob_eager_and_in_a
     for x, y in zip(alone, want):
         assert torch.equal(x if x.dtype == torch.int64 else _bits(x), y[rows] if y.dtype == torch.int64 else
                            _bits(y[rows]))
-    seed = torch.tensor(SEED, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear_sample(h, w, b, seed=seed, **kw)
-    graph.replay()
-    for x, y in zip(out, want):
-        assert torch.equal(x if x.dtype == torch.int64 else _bits(x), y if y.dtype == torch.int64 else _bits(y))
-    # Within the contract of the float64 capped log-probs, and its backward deterministic.
-    ref64, _ = linear_logprob_ref(h, w, tok, b, temperature=0.7, logit_softcap=30.0,
-                                  logit_threshold=tau if truncation else None)
-    assert float((ref_lp.double() - ref64).abs().max()) <= 5e-4
+    _assert_a_graph_draws_the_same(h, w, b, want, **kw)
+    # Within the contract of the float64 capped log-probs (untruncated: a kept set's border is
+    # the fp32 scores', which float64 logits can fall either side of), its backward deterministic.
+    if not truncation:
+        ref64, _ = linear_logprob_ref(h, w, tok, b, temperature=0.7, logit_softcap=30.0)
+        assert float((ref_lp.double() - ref64).abs().max()) <= 5e-4
     hh = h.detach().clone().requires_grad_()
     grads = []
     for _ in range(2):
@@ -703,7 +698,12 @@ def test_gpu_a_truncated_draw_is_the_same_eager_and_in_a_graph(gen):
     streams, positions = _counters(n, gen, device="cuda")
     kw = dict(temperature=0.7, streams=streams, positions=positions, return_entropy=True, return_threshold=True,
               top_k=40, top_p=0.9)
-    want = linear_sample(h, w, b, seed=SEED, **kw)
+    _assert_a_graph_draws_the_same(h, w, b, linear_sample(h, w, b, seed=SEED, **kw), **kw)
+
+
+def _assert_a_graph_draws_the_same(h, w, b, want, **kw):
+    """``linear_sample(h, w, b, **kw)`` captured with a seed tensor holding SEED and
+    replayed gives ``want``, the eager call's outputs with the int seed, bitwise."""
     seed = torch.tensor(SEED, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -66,6 +66,21 @@ def _ragged(n: int = 5, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor
     return seqs, ids, mask
 
 
+def _scores_as_its_float64_forward(model: torch.nn.Module, reference: torch.nn.Module) -> list[torch.Tensor]:
+    """token_logprobs of a ragged batch within 1e-4 of ``reference`` (the stock model in
+    float64) at a trained model's logit spread; returns the sequences. Each goes through the
+    reference alone: eager attention (Gemma 2's, for its soft-cap) multiplies a padding row's
+    NaN values by the zero weights of real rows."""
+    seqs, ids, mask = _ragged()
+    logp = rlkernels.token_logprobs(model, ids, mask).detach()
+    for i, s in enumerate(seqs):
+        with torch.no_grad():
+            logits = reference(s[None]).logits[0, :-1]
+        want = logits.log_softmax(-1).gather(-1, s[1:, None])[:, 0]
+        assert logits.std() >= 5 and float((logp[i, :len(s) - 1].double() - want).abs().max()) <= 1e-4
+    return seqs
+
+
 def _rows_equal_alone_and_batched(model: torch.nn.Module, batch_invariant: bool | None) -> int:
     seqs, ids, mask = _ragged()
     batched = rlkernels.token_logprobs(model, ids, mask, batch_invariant=batch_invariant)
@@ -131,13 +146,7 @@ def test_cohere_logit_scale_is_applied_by_the_fused_head():
         warnings.simplefilter("ignore")
         model = rlkernels.patch_model(stock)
     assert coverage.logit_transform(model)[0].scale == 0.0625
-    seqs, ids, mask = _ragged()
-    logp = rlkernels.token_logprobs(model, ids, mask)
-    for i, s in enumerate(seqs):
-        with torch.no_grad():
-            logits = reference(s[None]).logits[0, :-1]
-        want = logits.log_softmax(-1).gather(-1, s[1:, None])[:, 0]
-        assert logits.std() >= 5 and float((logp[i, :len(s) - 1].detach().double() - want).abs().max()) <= 1e-4
+    seqs = _scores_as_its_float64_forward(model, reference)
     prompts = torch.stack([s[:3] for s in seqs])
     seq, lp = rlkernels.generate(model, prompts, max_new_tokens=6, do_sample=True, seed=4, eos_token_id=[])
     assert torch.equal(rlkernels.token_logprobs(model, seq)[:, 2:], lp)
@@ -241,15 +250,7 @@ def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, ove
     reference = copy.deepcopy(stock).double()
     model = rlkernels.patch_model(stock)
     assert rlkernels.is_patched(model)
-    seqs, ids, mask = _ragged()
-    logp = rlkernels.token_logprobs(model, ids, mask)
-    # Each sequence alone through the float64 stock forward: eager attention (Gemma 2's, for
-    # its soft-cap) multiplies a padding row's NaN values by the zero weights of real rows.
-    for i, s in enumerate(seqs):
-        with torch.no_grad():
-            logits = reference(s[None]).logits[0, :-1]
-        want = logits.log_softmax(-1).gather(-1, s[1:, None])[:, 0]
-        assert logits.std() >= 5 and float((logp[i, :len(s) - 1].detach().double() - want).abs().max()) <= 1e-4
+    seqs = _scores_as_its_float64_forward(model, reference)
     assert _rows_equal_alone_and_batched(model, None) == len(seqs)
     prompts = torch.stack([s[:3] for s in seqs])
     seq, lp = rlkernels.generate(model, prompts, max_new_tokens=10, do_sample=True, seed=4, temperature=0.8,

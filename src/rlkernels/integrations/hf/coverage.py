@@ -68,9 +68,9 @@ from .attention import NAME as ATTENTION
 # Gemma 3 (text): embeddings times a constant, four norms per layer (around the attention
 # and the MLP, Gemma's 1 + weight in fp32) and q/k norms, a tanh-GELU gated MLP, per-layer
 # sliding windows and a rotary table per layer type, each a one-term product of a
-# config-fixed frequency; its logits' soft-cap is a config field, refused where set.
-# Gemma 2: Gemma 3's layer and norms, its attention scores soft-capped (the op's softcap);
-# its final logit soft-cap, set in released checkpoints, is refused by the fused head.
+# config-fixed frequency; its logits' soft-cap, where set, is applied by the fused head.
+# Gemma 2: Gemma 3's layer and norms, its attention scores soft-capped (the op's softcap),
+# its final logit soft-cap applied by the fused head (logit_transform).
 # OLMoE: Llama's decoder layer and norms, q and k normed over all heads and optionally
 # clamped (``clip_qkv``, elementwise), Qwen3-MoE's mixture-of-experts block.
 VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2",
