@@ -26,6 +26,8 @@ TEMPERATURE = 0.7
 
 
 SIZES = (1, 2, 4, 8)
+# A model's logit transform the head applies (scale, then a soft-cap the scaled logits pass).
+CAPPED = dict(logit_scale=2.0, logit_softcap=6.0)
 
 
 def run_world(world: int, fn, start_method: str | None = None) -> list[dict]:
@@ -147,7 +149,7 @@ def logprob_thresholds(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: str,
-                    truncated: bool = False) -> None:
+                    truncated: bool = False, **transform) -> None:
     h, w, b, t = logprob_inputs(dtype)
     tau = None
     if truncated:
@@ -158,7 +160,7 @@ def _vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: s
     ws = w[rows].clone().requires_grad_(True)
     bs = b[rows].clone().requires_grad_(True)
     lp, ent = vp.vocab_parallel_linear_logprob(hs, ws, t, bs, shards=SHARDS, temperature=TEMPERATURE,
-                                               return_entropy=True, logit_threshold=tau)
+                                               return_entropy=True, logit_threshold=tau, **transform)
     g_lp, g_ent = logprob_grads(t.numel())
     torch.autograd.backward((lp, ent), (g_lp, g_ent))
     for name, value in (("logp", lp.detach()), ("ent", ent.detach()), ("dh", hs.grad), ("dw", ws.grad),
@@ -175,15 +177,15 @@ def sample_inputs(dtype: torch.dtype):
     return h, w, b, streams, positions, 1234
 
 
-def _vocab_parallel_sample(rank: int, world: int, dtype: torch.dtype, out: dict, tag: str) -> None:
+def _vocab_parallel_sample(rank: int, world: int, dtype: torch.dtype, out: dict, tag: str, **transform) -> None:
     h, w, b, streams, positions, seed = sample_inputs(dtype)
     rows = cols(w.shape[0], world, rank)
     tok, lp, ent = vps.vocab_parallel_linear_sample(h, w[rows], b[rows], shards=SHARDS, temperature=TEMPERATURE,
                                                     seed=seed, streams=streams, positions=positions,
-                                                    return_entropy=True)
+                                                    return_entropy=True, **transform)
     out[f"{tag}sample_token"], out[f"{tag}sample_logp"], out[f"{tag}sample_ent"] = tok, lp, ent
     tok, lp, ent = vps.vocab_parallel_linear_sample(h, w[rows], b[rows], shards=SHARDS, temperature=TEMPERATURE,
-                                                    greedy=True, return_entropy=True)
+                                                    greedy=True, return_entropy=True, **transform)
     out[f"{tag}greedy_token"], out[f"{tag}greedy_logp"], out[f"{tag}greedy_ent"] = tok, lp, ent
 
 
@@ -266,6 +268,8 @@ def worker(rank: int, world: int, folder: str) -> None:
             _vocab_parallel(rank, world, dtype, out, f"{name}/")
             _vocab_parallel(rank, world, dtype, out, f"{name}/truncated/", truncated=True)
             _vocab_parallel_sample(rank, world, dtype, out, f"{name}/")
+        _vocab_parallel(rank, world, torch.float32, out, "capped/", **CAPPED)
+        _vocab_parallel_sample(rank, world, torch.float32, out, "capped/", **CAPPED)
         _empty_batches(rank, world, out)
         dtype = torch.float32
         combine, order = tree._combine_ranks, vp._shard_order

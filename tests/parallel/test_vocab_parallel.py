@@ -18,16 +18,17 @@ from rlkernels.reference import linear_logprob_ref
 from . import _workers as W
 
 
-def _one_process(dtype: torch.dtype, backend: str | None = None, truncated: bool = False):
+def _one_process(dtype: torch.dtype, backend: str | None = None, truncated: bool = False, **transform):
     """logp, entropy and the grads (dh, dW, db) of the one-process op on the workers' inputs
-    (``truncated``: with their thresholds, W.logprob_thresholds)."""
+    (``truncated``: with their thresholds, W.logprob_thresholds; ``transform``: the model's
+    logit transform)."""
     h, w, b, t = W.logprob_inputs(dtype)
     tau = None
     if truncated:
         b, tau = W.logprob_thresholds(dtype)
     h, w, b = (x.clone().requires_grad_(True) for x in (h, w, b))
     lp, ent = sharded_linear_logprob(h, w, t, b, shards=W.SHARDS, temperature=W.TEMPERATURE, return_entropy=True,
-                                     backend=backend, logit_threshold=tau)
+                                     backend=backend, logit_threshold=tau, **transform)
     torch.autograd.backward((lp, ent), W.logprob_grads(t.numel()))
     return {"logp": lp.detach(), "ent": ent.detach(), "dh": h.grad, "dw": w.grad, "db": b.grad}
 
@@ -47,6 +48,22 @@ def test_vocab_parallel_bitwise_across_tp(results, dtype, truncated):
             for name in ("logp", "ent", "dh", "db", "dw"):
                 want = one[name][rows] if name in ("dw", "db") else one[name]
                 assert torch.equal(out[tag + "vocab_" + name], want), (world, rank, name)
+
+
+def test_a_transformed_head_is_the_one_process_bits_at_every_tp(results):
+    # The model's logit scale and soft-cap, applied by each shard to its own logits.
+    one = _one_process(torch.float32, **W.CAPPED)
+    h, w, b, t = W.logprob_inputs(torch.float32)
+    ref_lp, ref_ent = linear_logprob_ref(h, w, t, b, temperature=W.TEMPERATURE, **W.CAPPED)
+    tol = contract.CONTRACT["linear_logprob"][torch.float32].tolerance
+    assert float((one["logp"].double() - ref_lp).abs().max()) <= tol
+    assert float((one["ent"].double() - ref_ent).abs().max()) <= tol
+    for world in W.SIZES:
+        for rank, out in enumerate(results[world]):
+            rows = W.cols(w.shape[0], world, rank)
+            for name in ("logp", "ent", "dh", "db", "dw"):
+                want = one[name][rows] if name in ("dw", "db") else one[name]
+                assert torch.equal(out["capped/vocab_" + name], want), (world, rank, name)
 
 
 def test_empty_batch_at_every_tp(results):

@@ -34,6 +34,19 @@ def test_every_tp_size_draws_the_one_process_tokens_with_its_bits(results, dtype
     _every_rank_drew(results, f"{W.names(dtype)}sample", want)
 
 
+def test_a_transformed_head_draws_the_one_process_tokens_at_every_tp_size(results):
+    h, w, b, streams, positions, seed = W.sample_inputs(torch.float32)
+    kw = dict(shards=W.SHARDS, temperature=W.TEMPERATURE, return_entropy=True, **W.CAPPED)
+    want = sharded_linear_sample(h, w, b, seed=seed, streams=streams, positions=positions, **kw)
+    ref_lp, ref_ent = sharded_linear_logprob(h, w, want[0], b, **kw)
+    assert torch.equal(_bits(want[1]), _bits(ref_lp)) and torch.equal(_bits(want[2]), _bits(ref_ent))
+    plain = sharded_linear_sample(h, w, b, seed=seed, streams=streams, positions=positions, shards=W.SHARDS,
+                                  temperature=W.TEMPERATURE)
+    assert not torch.equal(plain[1], want[1])  # the transform moves the distribution
+    _every_rank_drew(results, "capped/sample", want)
+    _every_rank_drew(results, "capped/greedy", sharded_linear_sample(h, w, b, greedy=True, **kw))
+
+
 @pytest.mark.parametrize("dtype", W.dtypes(), ids=W.names)
 def test_greedy_takes_the_argmax_with_the_scorers_log_prob_at_every_tp_size(results, dtype):
     h, w, b, _, _, _ = W.sample_inputs(dtype)

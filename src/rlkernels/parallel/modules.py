@@ -85,12 +85,14 @@ class VocabParallelHead(nn.Module):
         return local if self.world == 1 else all_gather_cat(local, self.group, self.world, -1)
 
     def sample(self, hidden: torch.Tensor, *, temperature: float, seed: int | torch.Tensor, streams: torch.Tensor,
-               positions: torch.Tensor, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               positions: torch.Tensor, greedy: bool = False, logit_scale: float = 1.0,
+               logit_softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token, logp, entropy) [N] of rows ``hidden`` [N, D]: the vocabulary-parallel draw
         (:func:`~rlkernels.parallel.vocab_parallel_linear_sample`, or its greedy pick), whose
-        log-probs are the ones ``token_logprobs`` scores this head with."""
+        log-probs are the ones ``token_logprobs`` scores this head with; ``logit_scale`` and
+        ``logit_softcap``: the model's logit transform."""
         kw = dict(shards=self.shards, temperature=temperature, seed=seed, streams=streams, positions=positions,
-                  return_entropy=True, greedy=greedy)
+                  return_entropy=True, greedy=greedy, logit_scale=logit_scale, logit_softcap=logit_softcap)
         if self.group is None:
             return sharded_linear_sample(hidden, self.weight, self.bias, **kw)
         return vocab_parallel_linear_sample(hidden, self.weight, self.bias, group=self.group, **kw)

@@ -37,7 +37,9 @@ from torch.autograd.function import once_differentiable
 from ..ops import _validate as V
 from ..ops.linear_logprob import backends_for
 from ..ops.lm_head.backward_schedule import backward_chunk
-from ..ops.lm_head.validate import HeadNames, validate_head, validate_targets, validate_threshold
+from ..ops.lm_head.config import NO_TRANSFORM, LogitTransform
+from ..ops.lm_head.validate import (HeadNames, validate_head, validate_targets, validate_threshold,
+                                    validate_transform)
 from .tree import combine_across_ranks, leaf_width, process_group_world, stack_tree
 
 # Default number of vocabulary shards (TP up to 8; V = 151936 gives shards of 18992 rows).
@@ -84,10 +86,12 @@ def local_targets(tgt: torch.Tensor, first_id: int, width: int) -> torch.Tensor:
 
 
 def shard_stats(logprob_backend, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                tgt_local: torch.Tensor, temperature: float, threshold: torch.Tensor | None = None) -> torch.Tensor:
+                tgt_local: torch.Tensor, temperature: float, threshold: torch.Tensor | None = None,
+                transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
     """[3, N] fp32 (fp64 for fp64): the shard's (lse, entropy, logp of the target within it),
-    over its logits >= ``threshold`` [N] where given (lse -inf where it keeps none)."""
-    logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt_local, temperature, True, threshold)
+    over its logits >= ``threshold`` [N] where given (lse -inf where it keeps none), each
+    logit made by the model's ``transform`` (elementwise: a shard applies it to its own)."""
+    logp, ent, lse = logprob_backend.forward(h2, weight, bias, tgt_local, temperature, True, threshold, transform)
     return torch.stack([lse, ent, logp])
 
 
@@ -125,11 +129,11 @@ class _VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h2, weight, bias, tgt, layout: VocabLayout, temperature: float, group,  # type: ignore[override]
-                logprob_backend, gemm_backend, threshold=None):
+                logprob_backend, gemm_backend, threshold=None, transform: LogitTransform = NO_TRANSFORM):
         w = layout.width
         local = [shard_stats(logprob_backend, h2, weight[i * w:(i + 1) * w],
                              bias[i * w:(i + 1) * w] if bias is not None else None,
-                             local_targets(tgt, layout.first_id(i), w), temperature, threshold)
+                             local_targets(tgt, layout.first_id(i), w), temperature, threshold, transform)
                  for i in range(layout.per_rank)]
         if layout.world > 1:
             mine = torch.stack(local)
@@ -138,7 +142,7 @@ class _VocabParallelFunction(torch.autograd.Function):
             local = _shard_order(gathered, layout.per_rank)
         logp, ent, lse = merge_shards(local, tgt, w)
         ctx.save_for_backward(h2, weight, bias, tgt, lse, ent, threshold)
-        ctx.layout, ctx.temperature, ctx.group = layout, temperature, group
+        ctx.layout, ctx.temperature, ctx.group, ctx.transform = layout, temperature, group, transform
         ctx.logprob_backend, ctx.gemm_backend = logprob_backend, gemm_backend
         ctx.set_materialize_grads(False)
         return logp, ent
@@ -149,7 +153,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         h2, weight, bias, tgt, lse, ent, threshold = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        nothing = (None,) * 10
+        nothing = (None,) * 11
         if grad_logp is None and grad_ent is None or not (need_h or need_w or need_b):
             return nothing
         layout, T = ctx.layout, ctx.temperature
@@ -176,7 +180,8 @@ class _VocabParallelFunction(torch.autograd.Function):
             for v0 in range(0, w, cv):
                 v1 = min(w, v0 + cv)
                 g = g_buf[:, :v1 - v0]
-                logprob_backend.grad_logits(h2, w_i, b_i, t_i, lse, ent, g_logp, g_ent, T, v0, v1, g, threshold)
+                logprob_backend.grad_logits(h2, w_i, b_i, t_i, lse, ent, g_logp, g_ent, T, v0, v1, g, threshold,
+                                            ctx.transform)
                 if need_h and D > 0:
                     # One fp32 chain over the shard's columns, split at multiples of 256 (same bits).
                     gemm_backend.gemm(g, w_i[v0:v1], out=dh, accumulate=True)
@@ -200,11 +205,12 @@ class _VocabParallelFunction(torch.autograd.Function):
         if need_w and D == 0:
             dw.zero_()
         grad_b = db.to(bias.dtype) if need_b else None
-        return grad_h, dw, grad_b, None, None, None, None, None, None, None
+        return grad_h, dw, grad_b, None, None, None, None, None, None, None, None
 
 
 def _run(op: str, hidden, weight, target, bias, layout: VocabLayout, temperature, ignore_index, return_entropy,
-         group, backend, logit_threshold=None):
+         group, backend, logit_threshold=None, logit_scale=1.0, logit_softcap=0.0):
+    transform = validate_transform(op, logit_scale, logit_softcap)
     if logit_threshold is not None:
         validate_threshold(op, logit_threshold, tuple(hidden.shape[:-1]), hidden.dtype, hidden.device)
     logprob_backend, gemm_backend = backends_for(op, hidden, backend)
@@ -213,7 +219,7 @@ def _run(op: str, hidden, weight, target, bias, layout: VocabLayout, temperature
     tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
     threshold = logit_threshold.detach().reshape(-1).contiguous() if logit_threshold is not None else None
     logp, ent = _VocabParallelFunction.apply(h2, weight, bias, tgt, layout, float(temperature), group,
-                                             logprob_backend, gemm_backend, threshold)
+                                             logprob_backend, gemm_backend, threshold, transform)
     logp, ent = logp.reshape(target.shape), ent.reshape(target.shape)
     return (logp, ent) if return_entropy else logp
 
@@ -221,7 +227,8 @@ def _run(op: str, hidden, weight, target, bias, layout: VocabLayout, temperature
 def sharded_linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                            bias: torch.Tensor | None = None, *, shards: int = VOCAB_SHARDS,
                            temperature: float = 1.0, ignore_index: int = -100, return_entropy: bool = False,
-                           logit_threshold: torch.Tensor | None = None, backend: str | None = None):
+                           logit_threshold: torch.Tensor | None = None, logit_scale: float = 1.0,
+                           logit_softcap: float = 0.0, backend: str | None = None):
     """One-process :func:`vocab_parallel_linear_logprob`: the same shards, the same combines, the same bits.
 
     Arguments as :func:`rlkernels.linear_logprob` (hidden [..., D], weight [V, D], target
@@ -235,14 +242,15 @@ def sharded_linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: t
     validate_targets(op, hidden, weight, target, bias, ignore_index)
     layout = vocab_layout(op, weight.shape[0], shards, 0, 1)
     return _run(op, hidden, weight, target, bias, layout, temperature, ignore_index, return_entropy, None, backend,
-                logit_threshold)
+                logit_threshold, logit_scale, logit_softcap)
 
 
 def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
                                   bias_shard: torch.Tensor | None = None, *, shards: int = VOCAB_SHARDS,
                                   temperature: float = 1.0, ignore_index: int = -100, return_entropy: bool = False,
-                                  logit_threshold: torch.Tensor | None = None,
-                                  group: dist.ProcessGroup | None = None, backend: str | None = None):
+                                  logit_threshold: torch.Tensor | None = None, logit_scale: float = 1.0,
+                                  logit_softcap: float = 0.0, group: dist.ProcessGroup | None = None,
+                                  backend: str | None = None):
     """``linear_logprob`` with the lm head sharded on the vocabulary over ``group`` (TP = t ranks).
 
     hidden [..., D] and target [...] (global ids) are replicated; rank r holds rows
@@ -255,7 +263,9 @@ def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tens
     ``all_to_all`` of the fp32 [N, D] dhidden partials by column chunks and ``all_gather``
     of the finished chunks: exact copies, never a sum. ``logit_threshold`` (target's shape,
     replicated): the truncated distribution's, as :func:`rlkernels.linear_logprob` takes it;
-    every shard leaves out its logits below it.
+    every shard leaves out its logits below it. ``logit_scale``/``logit_softcap``: the
+    model's logit transform, as :func:`rlkernels.linear_logprob` takes it (each shard applies
+    it to its own logits).
     """
     op = VOCAB_OP
     V.require_tensor(op, "hidden", hidden)
@@ -266,4 +276,4 @@ def vocab_parallel_linear_logprob(hidden: torch.Tensor, weight_shard: torch.Tens
     vocab = validate_targets(op, hidden, weight_shard, target, bias_shard, ignore_index, SHARD_NAMES, world)
     layout = vocab_layout(op, vocab, shards, rank, world)
     return _run(op, hidden, weight_shard, target, bias_shard, layout, temperature, ignore_index, return_entropy,
-                group, backend, logit_threshold)
+                group, backend, logit_threshold, logit_scale, logit_softcap)

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from ..ops import _validate as V
 from ..ops.linear_logprob import backends_for
 from ..ops.linear_sample import linear_sample, tile_uniform, validate
+from ..ops.lm_head.config import LogitTransform
+from ..ops.lm_head.validate import validate_transform
 from .tree import all_gather_cat, process_group_world
 from .vocab_parallel import VOCAB_SHARDS, VocabLayout, merge_shards, shard_stats, vocab_layout
 
@@ -66,7 +68,7 @@ def _pick_shard(lse: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _sample(op: str, hidden, weight, bias, layout: VocabLayout, temperature: float, seed, streams, positions,
-            return_entropy: bool, group, backend, greedy: bool = False):
+            return_entropy: bool, group, backend, greedy: bool, transform: LogitTransform):
     logprob_backend, _ = backends_for(op, hidden, backend)
     N = hidden.shape[0]
     w = layout.width
@@ -78,9 +80,10 @@ def _sample(op: str, hidden, weight, bias, layout: VocabLayout, temperature: flo
         for i in range(layout.per_rank):
             w_i = weight[i * w:(i + 1) * w]
             b_i = bias[i * w:(i + 1) * w] if bias is not None else None
-            lse_ent = shard_stats(logprob_backend, hidden, w_i, b_i, first, temperature)[:2]
+            lse_ent = shard_stats(logprob_backend, hidden, w_i, b_i, first, temperature, transform=transform)[:2]
             tok, lp = linear_sample(hidden, w_i, b_i, temperature=temperature, seed=seed, streams=streams,
-                                    positions=positions, greedy=greedy, backend=backend)
+                                    positions=positions, greedy=greedy, backend=backend,
+                                    logit_scale=transform.scale, logit_softcap=transform.softcap)
             stats.append(torch.cat([lse_ent, lp.to(lse_ent.dtype)[None]]))
             tokens.append(tok + layout.first_id(i))
         stats = _gather(torch.stack(stats), layout, group)      # [shards, 3, N]
@@ -96,17 +99,20 @@ def _sample(op: str, hidden, weight, bias, layout: VocabLayout, temperature: flo
     return (token, logp, ent) if return_entropy else (token, logp)
 
 
-def _validate(op: str, hidden, weight, bias, temperature, seed, streams, positions, greedy):
+def _validate(op: str, hidden, weight, bias, temperature, seed, streams, positions, greedy, logit_scale,
+              logit_softcap) -> LogitTransform:
     V.require_tensor(op, "hidden", hidden)
     if hidden.dim() != 2:
         raise ValueError(f"rlkernels.{op}: hidden must be [N, D], got {tuple(hidden.shape)}")
     validate(hidden, weight, bias, temperature, seed, streams, positions, bool(greedy))
+    return validate_transform(op, logit_scale, logit_softcap)
 
 
 def sharded_linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                           shards: int = VOCAB_SHARDS, temperature: float = 1.0, seed: int | torch.Tensor = 0,
                           streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                          return_entropy: bool = False, greedy: bool = False, backend: str | None = None):
+                          return_entropy: bool = False, greedy: bool = False, logit_scale: float = 1.0,
+                          logit_softcap: float = 0.0, backend: str | None = None):
     """One-process :func:`vocab_parallel_linear_sample`: the same shards, the same draw, the same bits.
 
     hidden [N, D]; weight [V, D]; bias [V] or None; ``seed``, ``streams`` [N] and
@@ -115,20 +121,23 @@ def sharded_linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     dividing V. Returns ``(token [N] int64, logp [N])`` (and entropy) with no autograd
     graph: logp and entropy bitwise :func:`~rlkernels.parallel.sharded_linear_logprob` of
     the token with the same ``shards``. Tokens and log-probs differ from ``linear_sample``'s
-    (another cut of the vocabulary): an opt-in mode.
+    (another cut of the vocabulary): an opt-in mode. ``logit_scale``/``logit_softcap``: the
+    model's logit transform, as :func:`rlkernels.linear_sample` takes it.
     """
-    _validate(SHARDED_OP, hidden, weight, bias, temperature, seed, streams, positions, greedy)
+    transform = _validate(SHARDED_OP, hidden, weight, bias, temperature, seed, streams, positions, greedy,
+                          logit_scale, logit_softcap)
     layout = vocab_layout(SHARDED_OP, weight.shape[0], shards, 0, 1)
     return _sample(SHARDED_OP, hidden, weight, bias, layout, float(temperature), seed, streams, positions,
-                   return_entropy, None, backend, bool(greedy))
+                   return_entropy, None, backend, bool(greedy), transform)
 
 
 def vocab_parallel_linear_sample(hidden: torch.Tensor, weight_shard: torch.Tensor,
                                  bias_shard: torch.Tensor | None = None, *, shards: int = VOCAB_SHARDS,
                                  temperature: float = 1.0, seed: int | torch.Tensor = 0,
                                  streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                                 return_entropy: bool = False, greedy: bool = False,
-                                 group: dist.ProcessGroup | None = None, backend: str | None = None):
+                                 return_entropy: bool = False, greedy: bool = False, logit_scale: float = 1.0,
+                                 logit_softcap: float = 0.0, group: dist.ProcessGroup | None = None,
+                                 backend: str | None = None):
     """``linear_sample`` with the LM head sharded on the vocabulary over ``group`` (TP = t ranks).
 
     hidden [N, D], ``streams`` and ``positions`` replicated; rank r holds rows ``r*V/t ..
@@ -138,7 +147,8 @@ def vocab_parallel_linear_sample(hidden: torch.Tensor, weight_shard: torch.Tenso
     """
     V.require_tensor(VOCAB_OP, "weight_shard", weight_shard)
     rank, world = process_group_world(VOCAB_OP, group, True)
-    _validate(VOCAB_OP, hidden, weight_shard, bias_shard, temperature, seed, streams, positions, greedy)
+    transform = _validate(VOCAB_OP, hidden, weight_shard, bias_shard, temperature, seed, streams, positions, greedy,
+                          logit_scale, logit_softcap)
     layout = vocab_layout(VOCAB_OP, weight_shard.shape[0] * world, shards, rank, world)
     return _sample(VOCAB_OP, hidden, weight_shard, bias_shard, layout, float(temperature), seed, streams, positions,
-                   return_entropy, group, backend, bool(greedy))
+                   return_entropy, group, backend, bool(greedy), transform)

@@ -121,9 +121,6 @@ def check_head(op: str, model: nn.Module) -> tuple[nn.Module, LogitTransform]:
         if op not in ("token_logprobs", "generate", "rollout"):
             raise ValueError(f"rlkernels.{op}: the model is tensor-parallel (rlkernels.tensor_parallel), which "
                              "rlkernels.token_logprobs, generate and rollout take; this call does not yet")
-        if not transform.neutral:
-            raise ValueError(f"rlkernels.{op}: the model is tensor-parallel and its logits are soft-capped or "
-                             "scaled after the head, which the vocabulary-parallel head does not apply yet")
     return head, transform
 
 
@@ -137,7 +134,7 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
     h2 = hidden.reshape(B * T, hidden.shape[-1])
     threshold = logit_threshold.reshape(B * T) if logit_threshold is not None else None
     kw = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=return_entropy,
-              logit_threshold=threshold)
+              logit_threshold=threshold, logit_scale=transform.scale, logit_softcap=transform.softcap)
     if vocab_parallel(head):
         from ...parallel.vocab_parallel import sharded_linear_logprob, vocab_parallel_linear_logprob
 
@@ -147,8 +144,7 @@ def logprobs_from_hidden(model: nn.Module, hidden: torch.Tensor, target: torch.T
         else:
             out = sharded_linear_logprob(h2, head.weight, target.reshape(B * T), head.bias, shards=head.shards, **kw)
     else:
-        out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None),
-                             logit_scale=transform.scale, logit_softcap=transform.softcap, **kw)
+        out = linear_logprob(h2, head.weight, target.reshape(B * T), getattr(head, "bias", None), **kw)
     if return_entropy:
         logp, ent = out
         return logp.reshape(B, T), ent.reshape(B, T)
