@@ -357,11 +357,7 @@ def logit_transform(model: nn.Module) -> tuple[LogitTransform, list[str]]:
     hold in order, or two at once)."""
     found = logit_transforms(model)
     fields = [item.split("=", 1)[0] for item in found]
-    if len(found) != 1 or fields[0] not in APPLIED_TRANSFORMS:
-        return NO_TRANSFORM, found
-    lines = source_lines(type(model).forward) or []
-    statements = iter(lines)
-    if not all(statement in statements for statement in APPLIED_TRANSFORMS[fields[0]]):  # in order
+    if len(found) != 1 or fields[0] not in APPLIED_TRANSFORMS or not _forward_makes(type(model), fields[0]):
         return NO_TRANSFORM, found
     if fields[0] == "logit_scale":
         value = getattr(model, "logit_scale", None)
@@ -370,6 +366,14 @@ def logit_transform(model: nn.Module) -> tuple[LogitTransform, list[str]]:
         value = model.config.final_logit_softcapping
         transform = LogitTransform(softcap=float(value)) if isinstance(value, (int, float)) and value > 0 else None
     return (transform, []) if transform is not None else (NO_TRANSFORM, found)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_makes(model_type: type, field: str) -> bool:
+    """Whether ``model_type``'s forward holds the statements of ``field``'s transform
+    (:data:`APPLIED_TRANSFORMS`) in order; read once per class (scoring and decoding ask per call)."""
+    statements = iter(source_lines(model_type.forward) or [])
+    return all(statement in statements for statement in APPLIED_TRANSFORMS[field])
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
