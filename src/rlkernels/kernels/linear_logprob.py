@@ -86,8 +86,8 @@ if triton is not None:
                 grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr,
                                   tile_id, N, V, D, v0, v1, temperature, logit_scale, cap_arg, cap,
                                   stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_gv,
-                                  HAS_BIAS, TEMP, SCALE, CAP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K, GROUP_M,
-                                  G_DESC, THRESHOLD)
+                                  HAS_BIAS, TEMP, SCALE, CAP, HAS_GE, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K,
+                                  GROUP_M, G_DESC, THRESHOLD)
         else:
             grad_logits_tile(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, g_ptr, threshold_ptr,
                               tl.program_id(0), N, V, D, v0, v1, temperature, logit_scale, cap_arg, cap,

@@ -266,6 +266,7 @@ if triton is not None:
         tl.store(ent_ptr + rows, ent, mask=ok)
         tl.store(lse_ptr + rows, lse, mask=ok)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    scale_by_temperature = model_logits = scores_kernel = logits_tile = keep_above = online_stats = fwd_partial_kernel = merge_splits = None
+    scale_by_temperature = model_logits = scores_kernel = logits_tile = keep_above = online_stats = None
+    fwd_partial_kernel = merge_splits = None
     finish_row = None
     logprob_combine_kernel = None

@@ -51,7 +51,7 @@ from ..runtime.device import sm_count
 from ..runtime.launcher import cached_launcher
 from .lm_head.backward_schedule import (backward_chunk, dw_tail_rows, last_chunk_start, main_loop_chunk,
                                         main_loop_schedule)
-from .lm_head.config import NO_TRANSFORM, LogitTransform, kernel_operands, temperature_scaling
+from .lm_head.config import NO_TRANSFORM, LogitTransform, kernel_operands
 from .lm_head.statistics import TORCH_ROW_CHUNK, TorchHeadStatistics, TritonHeadStatistics, keep_above, torch_logits
 from .lm_head.validate import head_backend, validate_head, validate_targets, validate_threshold, validate_transform
 from .matmul import gemm_backend_for, main_grad_target
@@ -119,17 +119,16 @@ class TritonLinearLogprobBackend(TritonHeadStatistics):
         sms = sm_count(h2.device)
         grid = (min(num_tiles, sms) if cfg.persistent else num_tiles,)
         g_desc = tma and cfg.tma_store and tma_layout_ok(out)
-        temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
-        map_args, map_modes = transform.kernel_args(h2.device)
+        score_args, score_modes = transform.launch_args(temperature, h2.device)
         g_arg = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [cfg.block_m, cfg.block_v]) if g_desc \
             else out
         _launch_grad_logits(
             grid,
             (h_arg, w_arg, bias if bias is not None else h2, tgt, lse, ent, g_logp,
              g_ent if g_ent is not None else g_logp, g_arg, threshold if threshold is not None else lse,
-             N, weight.shape[0], D, v0, v1, temp_arg, *map_args,
+             N, weight.shape[0], D, v0, v1, *score_args,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1)),
-            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, **map_modes, HAS_GE=g_ent is not None, IEEE=h2.dtype == torch.float32,
+            dict(HAS_BIAS=bias is not None, **score_modes, HAS_GE=g_ent is not None, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
                  GROUP_M=cfg.group_m, PERSISTENT=cfg.persistent, NUM_SMS=sms, G_DESC=g_desc,
                  THRESHOLD=threshold is not None),

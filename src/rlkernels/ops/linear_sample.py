@@ -37,7 +37,7 @@ from ..kernels.sampling import sample_block_kernel, sample_in_block_kernel
 from ..registry import OpImpl, backend_object, register_backends
 from ..runtime.device import can_read_back
 from ..runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
-from .lm_head.config import NO_TRANSFORM, LogitTransform, fused_config, temperature_scaling
+from .lm_head.config import NO_TRANSFORM, LogitTransform, fused_config
 from .lm_head.lse import LSE_TILE
 from .lm_head.statistics import TileRecord, TorchHeadStatistics, TritonHeadStatistics, keep_above, torch_logits
 from .lm_head import truncation
@@ -410,15 +410,14 @@ class TritonLinearSampleBackend:
                       num_warps=4,
                       num_stages=DEFAULT_NUM_STAGES)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
-        temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
-        map_args, map_modes = transform.kernel_args(h2.device)
+        score_args, score_modes = transform.launch_args(temperature, h2.device)
         _launch_in_block(
             (N,),
             (h2, weight, bias if bias is not None else h2, blocks, stream_arg, pos_arg, seed_ptr, m, s, u,
              token, logp, ent, status, ok, threshold if threshold is not None else logp,
-             N, vocab, D, n_split, temp_arg, *map_args, *seeds,
+             N, vocab, D, n_split, *score_args, *seeds,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
-            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, **map_modes, IEEE=h2.dtype == torch.float32,
+            dict(HAS_BIAS=bias is not None, **score_modes, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, NOISE=noise, SEED_IN_MEMORY=seed_in_memory,
                  POSITIONS=has_positions, ENTROPY=entropy, THRESHOLD=threshold is not None,
                  BLOCK_M=IN_BLOCK_LANES, BLOCK_V=SAMPLE_BLOCK, BLOCK_K=cfg.block_k),

@@ -359,13 +359,11 @@ def logit_transform(model: nn.Module) -> tuple[LogitTransform, list[str]]:
     fields = [item.split("=", 1)[0] for item in found]
     if len(found) != 1 or fields[0] not in APPLIED_TRANSFORMS or not _forward_makes(type(model), fields[0]):
         return NO_TRANSFORM, found
-    if fields[0] == "logit_scale":
-        value = getattr(model, "logit_scale", None)
-        transform = LogitTransform(scale=float(value)) if isinstance(value, (int, float)) and value > 0 else None
-    else:
-        value = model.config.final_logit_softcapping
-        transform = LogitTransform(softcap=float(value)) if isinstance(value, (int, float)) and value > 0 else None
-    return (transform, []) if transform is not None else (NO_TRANSFORM, found)
+    scale = fields[0] == "logit_scale"  # where each forward reads its value
+    value = getattr(model, "logit_scale", None) if scale else model.config.final_logit_softcapping
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        return NO_TRANSFORM, found
+    return LogitTransform(scale=float(value)) if scale else LogitTransform(softcap=float(value)), []
 
 
 @functools.lru_cache(maxsize=None)

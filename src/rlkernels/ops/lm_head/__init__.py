@@ -7,7 +7,8 @@ on this package and on nothing of each other's. Modules, lowest first:
 * ``lse``: the LSE order on the torch backend (tile masses, the split merge) and
   ``log_softmax_rows``, the log-softmax of stored logits in that order;
 * ``config``: the fused kernels' tile configs (:func:`~.config.fused_config`), their
-  operands, and the temperature step (:func:`~.config.temperature_scaling`);
+  operands, the temperature step (:func:`~.config.temperature_scaling`) and a model's logit
+  transform (:class:`~.config.LogitTransform`, whose ``launch_args`` every logits kernel takes);
 * ``validate``: the head's input checks, naming the public op the user called;
 * ``statistics``: the forward statistics pass (per-row max, mass, entropy sum, target
   logit), torch and Triton, with its sampler variant that records every tile's mass;

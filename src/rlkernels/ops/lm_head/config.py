@@ -110,16 +110,20 @@ class LogitTransform:
     def neutral(self) -> bool:
         return self.scale == 1.0 and self.softcap == 0.0
 
-    def kernel_args(self, device: torch.device) -> tuple[tuple[float, float, float], dict[str, int]]:
-        """((scale, the soft-cap division's argument, c), {SCALE, CAP}) for the kernels'
-        ``model_logits``: CAP is the division's ``TEMP`` mode, 0 without a soft-cap."""
+    def launch_args(self, temperature: float, device: torch.device) -> tuple[tuple[float, ...], dict[str, int]]:
+        """What every logits kernel takes for z = transform(x) / T: the arguments (T's, the
+        scale, the soft-cap division's, c), in that order, and the constexprs TEMP
+        (:func:`temperature_scaling`), SCALE and CAP (the soft-cap division's ``TEMP`` mode,
+        0 without a soft-cap) of ``kernels.lm_head.model_logits``."""
+        temp_arg, temp_mode = temperature_scaling(temperature, device)
         if self.softcap == 0.0:
             cap_arg, cap_mode = 1.0, TEMP_NONE
         else:
             cap_arg, cap_mode = temperature_scaling(self.softcap, device)
             if cap_mode == TEMP_NONE:  # c = 1: y / c is y, but the cap still applies
                 cap_arg, cap_mode = 1.0, TEMP_DIVIDE
-        return (float(self.scale), cap_arg, float(self.softcap)), dict(SCALE=self.scale != 1.0, CAP=cap_mode)
+        return ((temp_arg, float(self.scale), cap_arg, float(self.softcap)),
+                dict(TEMP=temp_mode, SCALE=self.scale != 1.0, CAP=cap_mode))
 
 
 NO_TRANSFORM = LogitTransform()

@@ -27,7 +27,7 @@ from ...kernels._triton import cdiv
 from ...kernels.lm_head import fwd_partial_kernel, logprob_combine_kernel, scores_kernel
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from ..matmul import gemm_backend_for
-from .config import NO_TRANSFORM, FusedConfig, LogitTransform, fused_config, kernel_operands, temperature_scaling
+from .config import NO_TRANSFORM, FusedConfig, LogitTransform, fused_config, kernel_operands
 from .lse import LSE_SPLIT, LSE_TILE, lse_step, merge_splits, tile_mass
 
 # torch backend: token rows per step (memory only; every op is elementwise per row).
@@ -265,11 +265,9 @@ class TritonHeadStatistics:
         N, V = raw.shape
         z = torch.empty_like(raw)
         if N:
-            temp_arg, temp_mode = temperature_scaling(temperature, raw.device)
-            map_args, map_modes = transform.kernel_args(raw.device)
-            _launch_scores((N, cdiv(V, SCORES_BLOCK)), (raw, z, N, V, raw.stride(0), z.stride(0), temp_arg, *map_args),
-                           dict(TEMP=temp_mode, **map_modes, BLOCK_V=SCORES_BLOCK), num_warps=4,
-                           num_stages=DEFAULT_NUM_STAGES)
+            score_args, score_modes = transform.launch_args(temperature, raw.device)
+            _launch_scores((N, cdiv(V, SCORES_BLOCK)), (raw, z, N, V, raw.stride(0), z.stride(0), *score_args),
+                           dict(**score_modes, BLOCK_V=SCORES_BLOCK), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
         return z
 
     def _pass(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor | None,
@@ -293,8 +291,7 @@ class TritonHeadStatistics:
         if N == 0:
             return RowStatistics(m, s, u, zt)
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
-        temp_arg, temp_mode = temperature_scaling(temperature, h2.device)
-        map_args, map_modes = transform.kernel_args(h2.device)
+        score_args, score_modes = transform.launch_args(temperature, h2.device)
         tile_m, tile_s = tiles if tiles is not None else (m, m)
         if logits is not None or N <= cfg.small_n:
             if logits is None:
@@ -309,9 +306,9 @@ class TritonHeadStatistics:
             (cdiv(N, block_m) * n_split,),
             (h_arg, w_arg, bias if bias is not None else h2, logits, tgt if tgt is not None else m, m, s, u,
              zt if zt is not None else m, tile_m, tile_s, threshold if threshold is not None else m,
-             N, vocab, D, temp_arg, *map_args,
+             N, vocab, D, *score_args,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), logits.stride(0)),
-            dict(HAS_BIAS=bias is not None, TEMP=temp_mode, **map_modes, IEEE=h2.dtype == torch.float32,
+            dict(HAS_BIAS=bias is not None, **score_modes, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=block_m, BLOCK_V=cfg.block_v,
                  BLOCK_K=cfg.block_k, GROUP_M=group_m, STORE_TILES=tiles is not None, ENTROPY=entropy,
                  LOGITS=logits is not m, TARGET=tgt is not None, THRESHOLD=threshold is not None),
