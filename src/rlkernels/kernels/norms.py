@@ -25,6 +25,51 @@ if triton is not None:
         return tl.sum(x, axis=0)
 
     @triton.jit
+    def pairwise_row_sums(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+        # pairwise_sum_1024 of each row of x [ROWS, WIDTH] (WIDTH a power of two, 2..1024)
+        # padded with zero lanes: the tree's first levels over WIDTH lanes are the same
+        # pairs, and the levels above them add +0.0 to one value, which leaves it alone
+        # (a sum of squares is never -0.0).
+        if WIDTH >= 1024:
+            x = tl.sum(tl.reshape(x, (ROWS, 512, 2)), axis=2)
+        if WIDTH >= 512:
+            x = tl.sum(tl.reshape(x, (ROWS, 256, 2)), axis=2)
+        if WIDTH >= 256:
+            x = tl.sum(tl.reshape(x, (ROWS, 128, 2)), axis=2)
+        if WIDTH >= 128:
+            x = tl.sum(tl.reshape(x, (ROWS, 64, 2)), axis=2)
+        if WIDTH >= 64:
+            x = tl.sum(tl.reshape(x, (ROWS, 32, 2)), axis=2)
+        if WIDTH >= 32:
+            x = tl.sum(tl.reshape(x, (ROWS, 16, 2)), axis=2)
+        if WIDTH >= 16:
+            x = tl.sum(tl.reshape(x, (ROWS, 8, 2)), axis=2)
+        if WIDTH >= 8:
+            x = tl.sum(tl.reshape(x, (ROWS, 4, 2)), axis=2)
+        if WIDTH >= 4:
+            x = tl.sum(tl.reshape(x, (ROWS, 2, 2)), axis=2)
+        return tl.sum(x, axis=1)
+
+    @triton.jit
+    def rms_rstd(sum_sq, N, eps):
+        # div_rn: a plain fp32 '/' compiles to an approximate division on NVIDIA GPUs.
+        return tl.rsqrt(tl.math.div_rn(sum_sq, N * 1.0) + eps)
+
+    @triton.jit
+    def rms_scale(x, rstd, w, dt: tl.constexpr, KEEP_FP32: tl.constexpr, HAS_W: tl.constexpr):
+        # The normed value in fp32, before its rounding to the output's dtype.
+        xhat = x.to(tl.float32) * rstd
+        if KEEP_FP32:
+            h = xhat
+        else:
+            # HF rounds xhat to the input dtype before the weight multiply.
+            h = xhat.to(dt).to(tl.float32)
+        if HAS_W:
+            # One fp32 product rounded once to the promoted dtype, as torch's mul.
+            h = w.to(tl.float32) * h
+        return h
+
+    @triton.jit
     def row_dot_kernel(a_ptr, b_ptr, out_ptr, R, stride_a, stride_b,
                         HAS_B: tl.constexpr, BLOCK: tl.constexpr):
         # One row per program; lanes accumulate tile by tile in ascending order.
@@ -65,8 +110,7 @@ if triton is not None:
                 tl.store(s_row + idx.to(tl.int64), x, mask=idx < N)
             x = x.to(tl.float32)
             acc += x * x
-        # div_rn: a plain fp32 '/' compiles to an approximate division on NVIDIA GPUs.
-        rstd = tl.rsqrt(tl.math.div_rn(pairwise_sum_1024(acc), N * 1.0) + eps)
+        rstd = rms_rstd(pairwise_sum_1024(acc), N, eps)
         for start in range(0, N, BLOCK):
             idx = start + offs
             mask = idx < N
@@ -74,15 +118,10 @@ if triton is not None:
             if ADD:
                 x = (x.to(tl.float32) + tl.load(r_row + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32)
                      ).to(x_ptr.dtype.element_ty)
-            xhat = x.to(tl.float32) * rstd
-            if KEEP_FP32:
-                h = xhat
-            else:
-                # HF rounds xhat to the input dtype before the weight multiply.
-                h = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
+            w = x
             if HAS_W:
-                # One fp32 product rounded once to the promoted dtype, as torch's mul.
-                h = tl.load(w_ptr + idx.to(tl.int64), mask=mask, other=0.0).to(tl.float32) * h
+                w = tl.load(w_ptr + idx.to(tl.int64), mask=mask, other=0.0)
+            h = rms_scale(x, rstd, w, x_ptr.dtype.element_ty, KEEP_FP32, HAS_W)
             tl.store(y_row + idx.to(tl.int64), h.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + row, rstd)
 
@@ -165,5 +204,6 @@ if triton is not None:
                 acc += tl.load(part_ptr + q * N + cols, mask=cols < tl.where(q < P, N, 0), other=0.0)
         tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    pairwise_sum_1024 = row_dot_kernel = rms_norm_fwd_kernel = rms_norm_bwd_kernel = None
+    pairwise_sum_1024 = pairwise_row_sums = rms_rstd = rms_scale = None
+    row_dot_kernel = rms_norm_fwd_kernel = rms_norm_bwd_kernel = None
     col_partial_kernel = col_finish_kernel = None

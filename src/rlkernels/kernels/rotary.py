@@ -28,10 +28,34 @@ if triton is not None:
         dt = dst.dtype.element_ty
         x1 = tl.load(src + src_off, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + src_off + HALF, mask=mask, other=0.0).to(tl.float32)
+        out1, out2 = rotate_pair(x1, x2, c1, c2, s1, s2, dt)
+        tl.store(dst + dst_off, out1, mask=mask)
+        tl.store(dst + dst_off + HALF, out2, mask=mask)
+
+    @triton.jit
+    def token_rotary(cos_ptr, sin_ptr, L, s_cb, s_cl, s_sb, s_sl, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        """(b, pos, c1, c2, s1, s2) of the token of grid axis 0 (b * L + pos): its batch row and
+        position (int64), and its cos and sin halves in fp32, each [1, BLOCK_HALF]."""
+        token = tl.program_id(0)
+        b = (token // L).to(tl.int64)
+        pos = (token % L).to(tl.int64)
+        c_row = cos_ptr + b * s_cb + pos * s_cl
+        s_row = sin_ptr + b * s_sb + pos * s_sl
+        cols = tl.arange(0, BLOCK_HALF)
+        in_half = cols < HALF
+        c1 = tl.load(c_row + cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(c_row + HALF + cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(s_row + cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(s_row + HALF + cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        return b, pos, c1, c2, s1, s2
+
+    @triton.jit
+    def rotate_pair(x1, x2, c1, c2, s1, s2, dt: tl.constexpr):
+        """(x1 c1 - x2 s1, x2 c2 + x1 s2) in dt, every product and the sum rounded to dt
+        as the eager ops round them; x1, x2, c, s in fp32 (values of dt)."""
         out1 = (x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)
         out2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-        tl.store(dst + dst_off, out1.to(dt), mask=mask)
-        tl.store(dst + dst_off + HALF, out2.to(dt), mask=mask)
+        return out1.to(dt), out2.to(dt)
 
     @triton.jit
     def rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, L, HQ, HK,
@@ -41,18 +65,8 @@ if triton is not None:
         """q [B, HQ, L, 2 HALF], k [B, HK, L, 2 HALF], cos/sin [B or 1, L, 2 HALF] (a batch
         stride of 0 broadcasts) -> q_out, k_out of q's and k's shapes; the last dimension
         of every tensor has unit stride. Grid: (B * L, cdiv(HQ, BLOCK_H) + cdiv(HK, BLOCK_H))."""
-        token = tl.program_id(0)
         block = tl.program_id(1)
-        b = (token // L).to(tl.int64)
-        pos = (token % L).to(tl.int64)
-        cols = tl.arange(0, BLOCK_HALF)
-        in_half = cols < HALF
-        c_row = cos_ptr + b * s_cb + pos * s_cl
-        s_row = sin_ptr + b * s_sb + pos * s_sl
-        c1 = tl.load(c_row + cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
-        c2 = tl.load(c_row + HALF + cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
-        s1 = tl.load(s_row + cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
-        s2 = tl.load(s_row + HALF + cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        b, pos, c1, c2, s1, s2 = token_rotary(cos_ptr, sin_ptr, L, s_cb, s_cl, s_sb, s_sl, HALF, BLOCK_HALF)
         q_blocks = tl.cdiv(HQ, BLOCK_H)
         if block < q_blocks:
             _rotate_heads(q_ptr + b * s_qb + pos * s_ql, s_qh, q_out_ptr + b * o_qb + pos * o_ql, o_qh,

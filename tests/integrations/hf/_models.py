@@ -39,3 +39,15 @@ def _same_training_gradients(model, twin, seed: int = 1) -> bool:
         rlkernels.token_logprobs(m, ids).sum().backward()
         grads.append([p.grad for p in m.parameters()])
     return all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def llama_subclass(base: str, source: str, tmp_path, name: str) -> type:
+    """A subclass ``name`` of the Llama modeling module's class ``base`` whose forward is
+    ``source`` (written to a file, so that ``inspect.getsource`` reads it as it reads
+    transformers' own)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(f"from transformers.models.llama.modeling_llama import {base}\n\n"
+                    f"class {name}({base}):\n" + "".join(f"    {line}\n" for line in source.splitlines()))
+    namespace: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    return namespace[name]

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 import rlkernels  # noqa: E402
 from rlkernels.integrations.hf import decoder_layer  # noqa: E402
 
-from ._models import _same_training_gradients, _tiny  # noqa: E402
+from ._models import _same_training_gradients, _tiny, llama_subclass  # noqa: E402
 
 
 def _layers(model):
@@ -85,14 +85,7 @@ def forward(self, hidden_states, attention_mask=None, **kwargs):
 
 
 def _layer_with(source: str, tmp_path, name: str):
-    """A Llama decoder layer class whose forward is ``source`` (written to a file, so that
-    ``inspect.getsource`` reads it as it reads transformers' own)."""
-    path = tmp_path / f"{name}.py"
-    path.write_text("from transformers.models.llama.modeling_llama import LlamaDecoderLayer\n\n"
-                    f"class {name}(LlamaDecoderLayer):\n" + "".join(f"    {line}\n" for line in source.splitlines()))
-    namespace: dict = {}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    return namespace[name]
+    return llama_subclass("LlamaDecoderLayer", source, tmp_path, name)
 
 
 def test_another_order_of_the_same_statements_is_not_bound(monkeypatch, tmp_path):

@@ -115,7 +115,13 @@ def modeling_module(module: nn.Module) -> str | None:
 
     Wrappers that subclass the module's class on the fly (FSDP2's ``fully_shard``) are
     looked through: the first class of the MRO defined outside ``torch`` decides."""
-    for cls in type(module).__mro__:
+    return class_modeling_module(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def class_modeling_module(module_type: type) -> str | None:
+    """:func:`modeling_module` of the instances of ``module_type``."""
+    for cls in module_type.__mro__:
         parts = cls.__module__.split(".")
         if parts[0] == "torch":
             continue

@@ -11,7 +11,8 @@ prefill vs decode. SDPA / flash kernels pick their split and tile strategy from 
 batch and sequence shape, and eager attention's row sums shift with left padding.
 The per-module swaps live beside it: the mixture-of-experts blocks (:mod:`.moe`), the
 rotary embedding (:mod:`.rotary`), the gated MLPs (:mod:`.mlp`), the attention's q, k and v
-projections (:mod:`.qkv`) and the decoder layers' residual adds (:mod:`.decoder_layer`); what the patched
+projections (:mod:`.qkv`), their q/k norms, rotary embedding and cache write (:mod:`.attention_layer`) and the
+decoder layers' residual adds (:mod:`.decoder_layer`); what the patched
 forward then covers is read by :mod:`.coverage`.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from ...nn import GELUTanh, Linear, LMHead, RMSNorm, SiLU
-from . import attention, coverage, decoder_layer, mlp, moe, qkv, rotary
+from . import attention, attention_layer, coverage, decoder_layer, mlp, moe, qkv, rotary
 from .coverage import decoder_of, is_gelu_tanh, is_silu, source_lines
 from ...runtime.opaque import opaque_to_compile
 
@@ -97,7 +98,8 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     ``apply_rotary_pos_emb`` becomes a dispatcher that calls the original anywhere else), and
     the gated MLPs' ``silu(gate) * up`` is one launch (:mod:`~rlkernels.integrations.hf.mlp`),
     at decode sizes the attention layers' q, k and v projections are one launch
-    (:mod:`~rlkernels.integrations.hf.qkv`), and the decoder layers' residual adds run inside
+    (:mod:`~rlkernels.integrations.hf.qkv`), their q/k norms, rotary embedding and KV-cache write are one
+    launch (:mod:`~rlkernels.integrations.hf.attention_layer`), and the decoder layers' residual adds run inside
     the post-attention norm and the down projection
     (:mod:`~rlkernels.integrations.hf.decoder_layer`), each with the separate ops' bits.
 
@@ -128,6 +130,7 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     rotary.install(model)
     mlp.install(model)
     qkv.install(model)
+    attention_layer.install(model)
     decoder_layer.install(model)
     _keep_out_of_compile(model)
     gaps = coverage.describe_gaps(model)

@@ -51,6 +51,11 @@ def run_inside(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         _INSIDE_PATCHED_DECODER.reset(token)
 
 
+def inside_patched_decoder() -> bool:
+    """Whether this call runs inside a patched decoder's forward (:func:`run_inside`)."""
+    return _INSIDE_PATCHED_DECODER.get()
+
+
 def is_transformers_formula(module: Any) -> bool:
     """``module.apply_rotary_pos_emb`` is transformers' ``(q, k, cos, sin, unsqueeze_dim=1)``
     function with ``rotate_half = cat(-x2, x1)``, read from their source."""
@@ -69,7 +74,7 @@ def is_transformers_formula(module: Any) -> bool:
 def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(hub_function(original))
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if (not torch.compiler.is_compiling() and unsqueeze_dim == 1 and _INSIDE_PATCHED_DECODER.get()
+        if (not torch.compiler.is_compiling() and unsqueeze_dim == 1 and inside_patched_decoder()
                 and fused_ok(q, k, cos, sin)):
             return rotary_embedding_fused(q, k, cos, sin)
         return original(q, k, cos, sin, unsqueeze_dim)

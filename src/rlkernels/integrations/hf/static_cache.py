@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,6 +41,37 @@ def _update(layer: Any, counter: _Counter, is_last: bool, key_states: torch.Tens
     if is_last:  # every layer of this forward has read the counter
         counter.slots.add_(key_states.shape[-2])
     return layer.keys, layer.values
+
+
+class CountedWrite(NamedTuple):
+    """Where a :func:`count_once` layer's next write goes: its keys and values [B, H, S, D],
+    the shared counter (the first slot), and whether this layer advances it."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+    advances: bool
+
+
+def counted_write(cache: Any, layer_idx: int) -> CountedWrite | None:
+    """The :class:`CountedWrite` of layer ``layer_idx`` of ``cache``, where that layer has the
+    one-launch update and has been written (its storage exists); else None. Whoever writes
+    the layer's slots itself, instead of calling its update, calls :func:`written` after."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or getattr(cache, "offloading", False) or not 0 <= layer_idx < len(layers):
+        return None
+    layer = layers[layer_idx]
+    update = vars(layer).get("update")
+    if type(update) is not functools.partial or update.func is not _update or not layer.is_initialized:
+        return None
+    _, counter, is_last = update.args
+    return CountedWrite(layer.keys, layer.values, counter.slots, is_last)
+
+
+def written(write: CountedWrite, tokens: int) -> None:
+    """What the update does after its copy: the last layer advances the shared counter."""
+    if write.advances:
+        write.slots.add_(tokens)
 
 
 def count_once(cache: Any) -> bool:

@@ -55,15 +55,17 @@ class BwdLaunch:
 
 def default_fwd_launch(head_dim: int, max_q: int = 0) -> FwdLaunch:
     """Measured on an H100 (bf16, causal, B * L = 16384; benchmarks/results/attention_h100.json):
-    D = 128: 128 rows / 8 warps / 3 stages beat 2 and 4 stages and 64-row tiles at every L;
-    the decode kernel's 8 warps beat 2 and 4 (4 at D = 64). D = 64: 64 rows / 4 warps at
+    D = 128: 128 rows / 8 warps / 3 stages beat 2 and 4 stages and 64-row tiles at every L.
+    The split-KV (decode) kernel: 4 warps / 3 stages at both head dims (D = 128, one query
+    over 560-700 keys: 13.5 / 61.2 / 216 us at B = 16 / 64 / 256 against 15.0 / 63.4 / 226
+    for 8 warps; docs/design/attention_kernels.md#decode). D = 64: 64 rows / 4 warps at
     L <= 2048 (190 vs 167 TFLOP/s for 128 / 8 at L = 1024), 128 rows / 4 warps beyond."""
     if triton_interpret():
         return FwdLaunch(KernelLaunch(16, 1, 1), KernelLaunch(16, 1, 1))
     if head_dim <= 64:
         return FwdLaunch(KernelLaunch(64, 4, 3) if max_q <= 2048 else KernelLaunch(128, 4, 3))
     if head_dim <= 128:
-        return FwdLaunch(KernelLaunch(128, 8, 3), KernelLaunch(16, 8, 3))
+        return FwdLaunch(KernelLaunch(128, 8, 3), KernelLaunch(16, 4, 3))
     return FwdLaunch(KernelLaunch(64, 4, 2))
 
 
