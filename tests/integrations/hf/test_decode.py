@@ -508,3 +508,27 @@ def test_gpu_a_truncated_graphed_decode_is_the_eager_one_and_the_thresholded_tra
     trainer = token_logprobs(model, seq, full_mask, temperature=0.9, logit_threshold=threshold)[:, L - 1:]
     assert torch.equal(trainer, lp)
     decode.release_decode_graphs(model)
+
+
+def test_decode_steps_vouch_their_queries_real_and_zero_no_padding_row(monkeypatch):
+    """The prefill of a left-padded batch zeroes its padding rows' attention; the decode steps
+    feed real tokens only and skip that ``where`` (one launch per layer), with the same bits."""
+    from rlkernels.integrations.hf import attention as hf_attention
+
+    model = rlkernels.patch_model(_tiny("qwen3"))
+    ids = torch.randint(1, 300, (3, 7), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    zeroed = []
+    real_zero = hf_attention._zero
+    monkeypatch.setattr(hf_attention, "_zero", lambda *a: zeroed.append(1) or real_zero(*a))
+    vouched = _static(model, ids, mask, max_new_tokens=5, greedy=False, temperature=1.0, seed=3,
+                      streams=torch.arange(3))
+    layers = model.config.num_hidden_layers
+    assert len(zeroed) == layers  # the prefill's, once per layer
+    zeroed.clear()
+    monkeypatch.setattr(decode, "QUERIES_REAL", "not_vouched")  # the same loop without the keyword
+    plain = _static(model, ids, mask, max_new_tokens=5, greedy=False, temperature=1.0, seed=3,
+                    streams=torch.arange(3))
+    assert len(zeroed) == 5 * layers  # the prefill and four decode steps
+    assert _same(vouched[:2], plain[:2])

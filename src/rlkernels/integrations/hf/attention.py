@@ -85,12 +85,13 @@ _LAST_BOUNDS: list = [None]
 
 
 def _bounds_of(attention_mask: torch.Tensor | None, offset: int | torch.Tensor, b: int, lq: int, s: int,
-               device: torch.device):
+               device: torch.device, queries_real: bool = False):
     """(q_start, q_len, k_start, k_len, valid_rows [B, Lq] or None where every row is valid) of
     each row's one interval of real tokens: q_start counts rows of the [B * Lq] queries,
-    k_start slots of row b's keys."""
+    k_start slots of row b's keys. ``queries_real``: the caller vouches that every query is
+    a real token (:data:`QUERIES_REAL`), so no row is padding."""
     key = (attention_mask, offset, b, lq, s, device,
-           None if attention_mask is None else attention_mask._version)
+           None if attention_mask is None else attention_mask._version, queries_real)
     cached = _LAST_BOUNDS[0]
     if cached is not None and cached[0][0] is attention_mask and cached[0][2:] == key[2:] and (
             cached[0][1] is offset or (type(offset) is int and type(cached[0][1]) is int and cached[0][1] == offset)):
@@ -106,7 +107,7 @@ def _bounds_of(attention_mask: torch.Tensor | None, offset: int | torch.Tensor, 
     base_q = torch.arange(b, dtype=torch.int32, device=device) * lq
     k_len = (ke - ks).clamp(min=0)
     q_len = torch.minimum((end_q - first_q).clamp(min=0), k_len)
-    if valid is None and type(offset) is int and 0 <= offset <= s - lq:
+    if queries_real or (valid is None and type(offset) is int and 0 <= offset <= s - lq):
         valid_rows = None  # every query row is a real token: nothing to zero
     else:
         pos = torch.arange(lq, device=device)
@@ -180,7 +181,8 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
         # Keys before the first query (a cache): the last lq keys are the queries', unless
         # the mask hook said where they start (a static cache's slots).
         offset: int | torch.Tensor = getattr(attention_mask, Q_OFFSET, s - lq)
-        q_start, q_len, k_start, k_len, valid_rows = _bounds_of(attention_mask, offset, b, lq, s, dev)
+        q_start, q_len, k_start, k_len, valid_rows = _bounds_of(attention_mask, offset, b, lq, s, dev,
+                                                                kwargs.get(QUERIES_REAL) is True)
     # transformers' window: a query sees keys fewer than `window` positions before it.
     out = attention_by_bounds("attention (Hugging Face)", q_rows, k_rows, v_rows, q_start, q_len, k_start, k_len, lq, s,
                               causal=True, scale=scale, window_size=(-1 if window is None else window - 1, -1),
@@ -194,6 +196,10 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
 
 # The attribute that carries the queries' first key slot on the mask the hook returns.
 Q_OFFSET = "rlkernels_q_offset"
+# The forward keyword (handed down to every attention call) with which a decode loop vouches
+# that every query it feeds is a real token whose slot its mask holds: no padding row to
+# zero, so no ``where`` per layer. The library's decode steps pass it; nothing else should.
+QUERIES_REAL = "rlkernels_queries_real"
 
 
 def _pass_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, q_offset: Any = None,

@@ -612,7 +612,7 @@ class _Rollout:
             return decode.decode_step(self.decoder, self.head, cache, self.ids[:b], self.mask[:b],
                                       self.positions[:b], temperature=plan.temperature, greedy=plan.greedy,
                                       seed=self.seed, streams=self.streams[:b], top_k=plan.top_k, top_p=plan.top_p,
-                                      transform=plan.transform)
+                                      transform=plan.transform, queries_real=True)  # slot c is set in every row
 
         if not plan.cuda_graph:
             return step()

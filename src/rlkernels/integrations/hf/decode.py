@@ -84,6 +84,7 @@ from ...ops.lm_head.config import NO_TRANSFORM, LogitTransform
 from ...ops.lm_head.truncation import truncates
 from ..aten_mode import is_batch_invariant_mode_enabled
 from . import static_cache
+from .attention import QUERIES_REAL
 from .coverage import cache_kwargs, decoder_of, logit_transform, mode_for, parallel_modules
 
 OP = "generate"
@@ -298,20 +299,22 @@ def new_cache(model: nn.Module, length: int) -> Any:
 
 
 def last_hidden(decoder: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                cache_position: torch.Tensor | None = None) -> torch.Tensor:
+                cache_position: torch.Tensor | None = None, queries_real: bool = False) -> torch.Tensor:
     """The forward half of :func:`decode_step`: the final hidden state [B, H] of each row's
     last fed token, the keys and values of ``ids`` [B, Lq] written into ``cache`` (the
     arguments as there)."""
-    slots = {"cache_position": cache_position} if cache_position is not None else {}
+    extra = {"cache_position": cache_position} if cache_position is not None else {}
+    if queries_real:
+        extra[QUERIES_REAL] = True
     out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                  **cache_kwargs(decoder, cache), **slots)
+                  **cache_kwargs(decoder, cache), **extra)
     return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
 
 
 def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.Tensor,
                 positions: torch.Tensor, *, temperature: float, greedy: bool, seed: torch.Tensor,
                 streams: torch.Tensor, cache_position: torch.Tensor | None = None, top_k: int = 0,
-                top_p: float = 1.0, transform: LogitTransform = NO_TRANSFORM) -> Drawn:
+                top_p: float = 1.0, transform: LogitTransform = NO_TRANSFORM, queries_real: bool = False) -> Drawn:
     """One forward of a patched decoder on a static cache, then the draw of each row's next token.
 
     ``ids`` [B, Lq] long are fed at ``positions`` [B, Lq] long; their keys and values are
@@ -323,11 +326,13 @@ def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tens
     ``cache_position`` [Lq] long: the slots written, for transformers 4.x (5.x counts them
     on the device). ``top_k``/``top_p`` truncate the draw (:func:`rlkernels.linear_sample`);
     ``transform``: the model's logits from the head's (Gemma's final soft-cap, Cohere's scale).
+    ``queries_real``: every fed token is real and its slot is 1 in ``mask`` (a decode step's,
+    never a left-padded prefill's), so the attention has no padding row to zero.
     Returns (token [B] int64, logp [B] fp32, entropy [B] fp32), and each row's threshold
     [B] fp32 where (top_k, top_p) truncate. No host sync: the step can be captured into a
     CUDA graph whose inputs are these tensors.
     """
-    hidden = last_hidden(decoder, cache, ids, mask, positions, cache_position)
+    hidden = last_hidden(decoder, cache, ids, mask, positions, cache_position, queries_real)
     # The token drawn here is the row's next one: its position follows the last fed token's.
     return draw(head, hidden, temperature=temperature, greedy=greedy, seed=seed, streams=streams,
                 positions=positions[:, -1] + 1, top_k=top_k, top_p=top_p, transform=transform)
@@ -454,13 +459,14 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
     # counts the writes on the device itself and takes no such argument.
     cache_position = torch.arange(L, device=dev) if buffers.cache_position is not None else None
 
-    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Drawn:
+    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, queries_real: bool) -> Drawn:
         return decode_step(decoder, head, cache, ids, mask, positions, temperature=temperature, greedy=greedy,
                            seed=buffers.seed, streams=buffers.streams, cache_position=cache_position,
-                           top_k=top_k, top_p=top_p, transform=transform)
+                           top_k=top_k, top_p=top_p, transform=transform, queries_real=queries_real)
 
     def step() -> Drawn:
-        return forward(buffers.ids, buffers.mask, buffers.positions)
+        # Every row's token is real: its slot L + t is set in the mask before the step.
+        return forward(buffers.ids, buffers.mask, buffers.positions, True)
 
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=dev) if eos_token_ids else None
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
@@ -469,7 +475,7 @@ def _decode(state: DecodeGraph, model: nn.Module, decoder: nn.Module, input_ids:
 
     with torch.no_grad():
         # Prefill: the prompt's keys fill slots [0, L); the mask's later slots are still 0.
-        drawn = forward(input_ids, buffers.mask, (mask_long.cumsum(-1) - 1).clamp(min=0))
+        drawn = forward(input_ids, buffers.mask, (mask_long.cumsum(-1) - 1).clamp(min=0), False)
         new_tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
         entropies: list[torch.Tensor] = []
