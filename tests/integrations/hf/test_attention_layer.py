@@ -13,6 +13,7 @@ from rlkernels.integrations.hf import attention_layer  # noqa: E402
 from rlkernels.testing import _bits_equal  # noqa: E402
 
 from ._models import _same_training_gradients, _tiny, llama_subclass  # noqa: E402
+from .test_continuous_batching import _scale_head  # noqa: E402
 
 ARCHS = ["qwen3", "qwen2", "llama", "mistral"]
 
@@ -64,10 +65,13 @@ def test_patch_model_binds_every_attention_layer_and_generate_keeps_its_bits(arc
 
 
 def test_rollout_keeps_its_bits():
-    model = _trained(rlkernels.patch_model(_tiny("qwen3", tie_word_embeddings=False)))
+    model = _tiny("qwen3", tie_word_embeddings=False)
+    _scale_head(model, 2.5)  # a trained head's scale, and an EOS that ends samples early
+    model = rlkernels.patch_model(model)
     prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 5)]
-    kw = dict(n=2, max_new_tokens=7, seed=11, max_batch=3)
+    kw = dict(n=3, max_new_tokens=12, seed=11, max_batch=3)
     fused = rlkernels.rollout(model, prompts, **kw)
+    assert any(r.finished and len(r.tokens) < 12 for r in fused)  # slots free early and refill
     _unbind(model)
     own = rlkernels.rollout(model, prompts, **kw)
     for a, b in zip(fused, own):
