@@ -24,7 +24,8 @@ Rows (tokens/s counts the new tokens each side kept, EOS included, up to each sa
   transformers' static-cache ``generate`` compiled, the same subset as one batch.
 
 The decode step against its HBM floor, at each batch of ``--step-batches`` (prompts of 512):
-step time = (graphed greedy ``generate`` of 160 new tokens - of 32) / 128; bytes = the
+step time = (graphed greedy ``generate`` of 160 new tokens - of 32) / 128, the medians of
+three calls each after one of each; bytes = the
 model's parameters + the KV cache the step reads, at the measured device-to-device copy
 bandwidth. Launches per layer: the kernels of one eager decode step (profiler) / layers.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import statistics
 import time
 from typing import Any
 
@@ -45,6 +47,7 @@ from . import model as whole
 from .common import only_arg, print_table, write_json
 
 NEEDS_CUDA = False  # `--device cpu --config tiny` runs anywhere
+STEP_REPS = 3  # timed calls of each length per decode-step row (medians)
 PEERS = ("generate_batch", "compiled")
 
 
@@ -303,15 +306,21 @@ def step_rows(model: nn.Module, batches: tuple[int, ...], device: torch.device, 
         prompt = 512
         g = torch.Generator().manual_seed(batch)
         ids = torch.randint(3, vocab, (batch, prompt), generator=g).to(device)
-        times = {}
+        def call(new):
+            return rlk_generate(model, ids, max_new_tokens=new, do_sample=False, cuda_graph=True,
+                                cache_len=prompt + 160)
+
+        # Both lengths once before any timing: a kept state's later calls take paths (and
+        # compile kernels) the first call does not, and a compile inside one timed call
+        # would swing the difference by seconds.
         for new in (32, 160):
-            def call(new=new):
-                return rlk_generate(model, ids, max_new_tokens=new, do_sample=False, cuda_graph=True,
-                                    cache_len=prompt + 160)
-            call()
-            _, times[new] = _timed(device, call)
+            call(new)
+        times: dict[int, list[float]] = {32: [], 160: []}
+        for _ in range(STEP_REPS):
+            for new in (32, 160):
+                times[new].append(_timed(device, lambda: call(new))[1])
         release_decode_graphs(model)
-        step_ms = (times[160] - times[32]) / 128
+        step_ms = (statistics.median(times[160]) - statistics.median(times[32])) / 128
         kv = kv_per_token * batch * (prompt + 96)  # the mean context over the 128 steps
         floor_ms = (params + kv) / (bandwidth * 1e9) * 1e3
         rows.append(dict(engine="decode step", batch=batch, prompt=prompt, step_ms=round(step_ms, 4),
