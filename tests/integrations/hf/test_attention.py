@@ -10,6 +10,7 @@ import rlkernels  # noqa: E402
 from rlkernels.integrations.hf import attention  # noqa: E402
 from rlkernels.integrations.hf import patch_model, token_logprobs  # noqa: E402
 from rlkernels.integrations.hf.scoring import hidden_states  # noqa: E402
+from rlkernels.integrations.hf.coverage import cache_kwargs  # noqa: E402
 
 from ._models import _tiny  # noqa: E402
 
@@ -227,9 +228,16 @@ def test_a_window_shorter_than_the_sequence_keeps_sampler_and_trainer_equal():
     assert torch.equal(alone[0][0, 7:], seq[1, 12:]) and torch.equal(alone[1][0], lp[1])
     samples = rlkernels.rollout(model, [ids[0], ids[1, 5:]], max_new_tokens=6, seed=3, eos_token_id=[])
     assert torch.equal(samples[1].tokens, seq[1, 12:]) and torch.equal(samples[1].logprobs, lp[1])
-    # transformers' own sliding-window cache keeps the last 7 keys only: refused once it drops one.
+    # Hugging Face's own generate keeps every key (own_generate) and gives the greedy decode's
+    # tokens, left-padded rows included; transformers' rolling cache, passed in, keeps the last
+    # 7 keys only: refused once it drops one.
+    greedy, _ = rlkernels.generate(model, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=[])
+    theirs = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+    assert torch.equal(theirs[:, 12:], greedy[:, 12:])
+    rolling = transformers.DynamicCache(config=model.config)
     with pytest.raises(ValueError, match="the cache has dropped its first"):
-        model.generate(ids[:1], max_new_tokens=3, do_sample=False)
+        model.generate(ids[:1], max_new_tokens=3, do_sample=False, **cache_kwargs(model, rolling))
 
 
 def test_registered_for_from_config_and_set_attn_implementation():

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...nn import GELUTanh, Linear, LMHead, RMSNorm, SiLU
-from . import attention, attention_layer, coverage, decoder_layer, mlp, moe, qkv, rotary
+from . import attention, attention_layer, coverage, decoder_layer, mlp, moe, own_generate, qkv, rotary
 from .coverage import decoder_of, is_gelu_tanh, is_silu, source_lines
 from ...runtime.opaque import opaque_to_compile
 
@@ -132,6 +132,7 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     qkv.install(model)
     attention_layer.install(model)
     decoder_layer.install(model)
+    own_generate.install(model)
     _keep_out_of_compile(model)
     gaps = coverage.describe_gaps(model)
     if gaps is not None:

@@ -1,0 +1,78 @@
+"""Hugging Face's own ``generate`` on a patched model with sliding-window layers.
+
+For a layer with a sliding window, transformers' dynamic cache keeps the last ``window - 1``
+keys and rolls them, so a key's slot stops being its position. The invariant attention
+counts a sequence's keys from its first; it refuses a cache that has dropped keys, in the
+mask hook (:mod:`.attention`). :func:`install` gives such a model a ``generate`` that,
+where a call brings no cache of its own, asks for no cache implementation and leaves
+``use_cache`` on, hands transformers a ``DynamicCache()`` built without the config. Every
+layer of that cache is a full one, so every key is kept at its position, and the
+attention applies the window itself (its ``sliding_window`` argument). The tokens are
+those of the rolling cache, and each token's bits those of ``token_logprobs``. Memory:
+every key of a sequence, as a full-attention model's cache holds. Everything else, the
+static cache implementations included, goes to transformers' ``generate`` unchanged.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from torch import nn
+
+from .coverage import cache_kwargs
+
+_CACHE_NAMES = ("past_key_values", "cache")
+
+
+def has_windows(model: nn.Module) -> bool:
+    """Whether a layer of ``model``'s (text) config attends through a sliding window."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return False
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text(decoder=True) if callable(get_text) else config
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        return any("sliding" in str(kind) for kind in layer_types)
+    return getattr(text, "sliding_window", None) is not None
+
+
+def _keeps_its_own_cache(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """The call brings a cache, names a cache implementation, or turns the cache off (itself
+    or through its or the model's generation config)."""
+    if any(kwargs.get(name) is not None for name in _CACHE_NAMES) or kwargs.get("cache_implementation") is not None:
+        return True
+    if kwargs.get("use_cache") is False:
+        return True
+    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        if config is not None and (getattr(config, "cache_implementation", None) is not None
+                                   or getattr(config, "use_cache", True) is False):
+            return True
+    return False
+
+
+def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not _keeps_its_own_cache(self, kwargs):
+        from transformers import DynamicCache
+
+        kwargs.update(cache_kwargs(self, DynamicCache()))
+    return type(self).generate(self, *args, **kwargs)
+
+
+# Bound per model as its ``generate`` (``copy.deepcopy`` rebinds a bound method to the copy).
+_generate.__name__ = "generate"
+
+
+def install(model: nn.Module) -> bool:
+    """Bind the key-keeping ``generate`` to ``model`` where it has sliding-window layers and
+    a ``generate`` of transformers'; returns whether it did (idempotent)."""
+    if is_installed(model):
+        return True
+    if not has_windows(model) or not callable(getattr(type(model), "generate", None)):
+        return False
+    model.generate = types.MethodType(_generate, model)
+    return True
+
+
+def is_installed(model: nn.Module) -> bool:
+    return getattr(vars(model).get("generate"), "__func__", None) is _generate
