@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -201,21 +202,29 @@ def test_shrinking_the_step_batch_and_moving_rows_change_no_bit(monkeypatch):
     prompts = _prompts()
     reference = _by_key(_reference("qwen3"), prompts)
     batches = _count_calls(monkeypatch, _Rollout, "_forward")
-    moved = []
+    moves = []  # (rows moved, the step batch before, after) of every pack that moved rows
     original = _Rollout.pack
 
+    def top_batch(rollout):
+        return rollout.step_batch(int(np.flatnonzero(rollout.row_sample >= 0)[-1]) + 1)
+
     def pack(self):
-        before = self.row_sample.copy()
+        before, batch = self.row_sample.copy(), top_batch(self) if (self.row_sample >= 0).any() else 0
         original(self)
-        moved.extend(r for r, s in enumerate(before) if s >= 0 and self.row_sample[r] != s)
+        moved = [r for r, s in enumerate(before) if s >= 0 and self.row_sample[r] != s]
+        if moved:
+            moves.append((moved, batch, top_batch(self)))
 
     monkeypatch.setattr(_Rollout, "pack", pack)
     # 15 samples on 8 rows: once none waits, the samples left move to the first rows and the
-    # steps run at 4 rows, then 2.
+    # steps run at 4 rows, then 2, then 1.
     got = _by_key(_rollout(model, prompts, max_batch=8, smallest_step_batch=1, **KW), prompts)
     steps = [b for (b,) in batches]
     assert steps[0] == 8 and {2, 4} <= set(steps) and steps == sorted(steps, reverse=True)
-    assert moved and _same(got, reference)
+    assert moves and _same(got, reference)
+    # Rows move only where the step shrinks, so at most once per step batch left behind.
+    assert all(after < before for _, before, after in moves), moves
+    assert len(moves) <= len(set(steps)) - 1
 
 
 def test_prefilling_prompts_together_changes_no_bit(monkeypatch):

@@ -32,12 +32,12 @@ are moved left so that the longest window starts at slot 0 and the counter moves
 with them (copies only). The memory the keys and values take is therefore bounded by
 ``max_batch`` x S slots per layer, S = 2 x (longest prompt + ``max_new_tokens``).
 
-A step runs the cache's first b rows only, b the smallest of the step batches (powers of
-two from 8, and ``max_batch``) that holds every row in use: a sample takes the lowest free
-row, and once no sample waits, the samples in rows past the count in use move down into
-the free rows (their keys, values and mask copied to the same slots). So the tail of a
-rollout, where few samples are left, runs at a small batch. A row's bits depend on
-neither b nor the row it sits in.
+A step runs the cache's first b rows only, b the smallest of the step batches
+(:func:`step_batches`) that holds every row in use: a sample takes the lowest free row,
+and once no sample waits and the samples left fit a smaller step batch than their
+highest row needs, those past it move down into its free rows (their keys, values and
+mask copied to the same slots). So the tail of a rollout, where few samples are left,
+runs at a small batch. A row's bits depend on neither b nor the row it sits in.
 
 With ``cuda_graph`` the decode step at each b -- decoder, final norm, head and draw -- is
 captured (:class:`~rlkernels.integrations.hf.decode.DecodeGraph`) after one eager step at
@@ -515,15 +515,25 @@ class _Rollout:
         self.mask[:, width:] = 0
         self._set_counter(width)
 
+    def step_batch(self, rows: int) -> int:
+        """The smallest step batch that holds the cache's first ``rows`` rows."""
+        return next(b for b in self.plan.step_batches if b >= rows)
+
     def pack(self) -> None:
-        """Move the samples of rows at or past a (the rows in use) into the free rows below a,
-        so that the next steps run at the smallest step batch that holds them. Copies only:
-        a row's keys, values and mask move to the same slots of another row."""
+        """Where the samples in use fit a smaller step batch than their highest row needs, move
+        those in rows at or past that batch into its free rows, so that the next steps run at
+        it. Copies only: a row's keys, values and mask move to the same slots of another row.
+
+        A move costs two copies per layer, so rows move only when the step shrinks: moving
+        the top sample down whenever any lower one ends would copy at most steps."""
         used = np.flatnonzero(self.row_sample >= 0)
-        sources = used[used >= used.size]
-        if not sources.size:
+        if not used.size:
             return
-        targets = np.flatnonzero(self.row_sample[:used.size] < 0)
+        b = self.step_batch(used.size)
+        if self.step_batch(int(used[-1]) + 1) == b:
+            return
+        sources = used[used >= b]
+        targets = np.flatnonzero(self.row_sample[:b] < 0)[:sources.size]
         c = self.counter
         start = c - self._window(sources)  # the widest window's first slot
         dev = self.plan.device
@@ -578,8 +588,7 @@ class _Rollout:
         use; each row in use takes its drawn token."""
         if self.counter == self.plan.slots:
             self.compact()
-        top = int(np.flatnonzero(self.row_sample >= 0)[-1]) + 1
-        b = next(b for b in self.plan.step_batches if b >= top)
+        b = self.step_batch(int(np.flatnonzero(self.row_sample >= 0)[-1]) + 1)
         owner = self.row_sample[:b].copy()
         used = owner >= 0
         samples = owner[used]
