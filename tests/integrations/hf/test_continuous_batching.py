@@ -232,10 +232,12 @@ def test_prefilling_prompts_together_changes_no_bit(monkeypatch):
     prompts = _prompts()
     reference = _by_key(_reference("qwen3"), prompts)
     groups = _count_calls(monkeypatch, _Rollout, "_prefill")
-    for budget, sizes in ((8192, [5]), (24, [2, 2, 1])):  # LENGTHS: 5, 9, 3, 12, 7 tokens
+    # LENGTHS: 5, 9, 3, 12, 7 tokens, which wait shortest first: 3, 5, 7 | 9, 12 within 24
+    # padded tokens (in the given order, 5, 9 | 3, 12 | 7).
+    for budget, lengths in ((8192, [[3, 5, 7, 9, 12]]), (24, [[3, 5, 7], [9, 12]])):
         groups.clear()
         got = _by_key(_rollout(model, prompts, max_batch=15, prefill_tokens=budget, **KW), prompts)
-        assert [len(g) for (g,) in groups] == sizes and _same(got, reference), budget
+        assert [[LENGTHS[p] for p in g] for (g,) in groups] == lengths and _same(got, reference), budget
 
 
 def test_the_engine_a_call_keeps_is_reused_and_changes_no_bit():

@@ -21,8 +21,9 @@ The cache is one ``StaticCache`` (:func:`~rlkernels.integrations.hf.decode.new_c
 every row and layer (:mod:`.static_cache`). A sample whose prompt has L tokens is placed
 left-padded so that it ends at the counter: its prompt's keys and values fill slots
 [c - L, c) of its row, its mask row is 1 there, and its position ids are its own (0 to
-L - 1, then L + t for its t-th new token), as in a left-padded row of ``generate``. The
-waiting prompts whose samples the free rows take are prefilled together, one left-padded
+L - 1, then L + t for its t-th new token), as in a left-padded row of ``generate``.
+Samples wait shortest prompt first, and the waiting prompts whose samples the free rows
+take are prefilled together (so a group's prompts are of about one length), one left-padded
 batch in a cache of its own (each row is its prompt's prefill alone, bit for bit: padding
 and batch-mates change no bit); a prompt's n samples' first tokens are drawn from its one
 forward and its keys and values are copied into each sample's row. A decode step feeds
@@ -638,7 +639,9 @@ class _Rollout:
     def run(self) -> list[RolloutSample]:
         plan = self.plan
         if plan.max_new_tokens > 0:
-            waiting = deque(range(len(self.stream)))
+            # Shortest prompts first: a prefill group pads to its longest prompt, so prompts
+            # of about one length are prefilled together.
+            waiting = deque(np.argsort(self.length, kind="stable").tolist())
             while True:
                 self._admit(waiting)
                 if not (self.row_sample >= 0).any():
