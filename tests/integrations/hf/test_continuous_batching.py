@@ -240,6 +240,29 @@ def test_prefilling_prompts_together_changes_no_bit(monkeypatch):
         assert [[LENGTHS[p] for p in g] for (g,) in groups] == lengths and _same(got, reference), budget
 
 
+def test_admitting_once_rows_are_free_changes_no_bit(monkeypatch):
+    model = _model("qwen3")
+    prompts = _prompts()
+    reference = _by_key(_reference("qwen3"), prompts)
+    admissions = []  # (free rows, waiting samples) at each admission
+    original = _Rollout._admit
+
+    def admit(self, waiting):
+        admissions.append((int((self.row_sample < 0).sum()), len(waiting)))
+        return original(self, waiting)
+
+    monkeypatch.setattr(_Rollout, "_admit", admit)
+    counts = {}
+    for rows in (1, 2, 4):
+        admissions.clear()
+        got = _by_key(_rollout(model, prompts, max_batch=4, admit_rows=rows, **KW), prompts)
+        assert _same(got, reference), rows
+        # An admission waits for `rows` free rows (or every waiting sample's), unless none decodes.
+        assert all(free == 4 or free >= min(rows, waiting) for free, waiting in admissions), (rows, admissions)
+        counts[rows] = len(admissions)
+    assert counts[1] > counts[4], counts
+
+
 def test_the_engine_a_call_keeps_is_reused_and_changes_no_bit():
     model = _model("qwen3")
     prompts = _prompts()

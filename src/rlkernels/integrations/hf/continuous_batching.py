@@ -75,6 +75,10 @@ CPU_MAX_BATCH = 64
 # The share of free device memory the automatic max_batch gives the cache and mask; the
 # rest is left for the step's activations and the prefill.
 CACHE_MEMORY_SHARE = 0.5
+# While samples decode, waiting ones are admitted once max(n, max_batch // ADMIT_SHARE)
+# rows are free: an admission's prefill forward and its copies cost about as much for a
+# few prompts as for one, and a few rows idle for a few steps cost less.
+ADMIT_SHARE = 16
 
 
 @dataclass(frozen=True, eq=False)  # tensors have no single truth value: identity equality
@@ -115,6 +119,7 @@ class _Plan:
     eos: frozenset[int]
     max_batch: int
     prefill_tokens: int
+    admit_rows: int  # the free rows that admit waiting samples while others decode
     step_batches: tuple[int, ...]  # the batch sizes a decode step runs at, ascending
     slots: int
     cuda_graph: bool
@@ -272,7 +277,8 @@ def step_batches(max_batch: int, smallest: int = 8, spacing: int = 32) -> tuple[
 def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, temperature: float, do_sample: bool,
           seed: int | None, streams: object, eos_token_id: object, max_batch: int | None, cuda_graph: bool | None,
           return_entropy: bool, slots: int | None, smallest_step_batch: int = 8, step_spacing: int = 32,
-          prefill_tokens: int = 8192, keep: bool | None = None, top_k: int = 0, top_p: float = 1.0) -> _Plan:
+          prefill_tokens: int = 8192, admit_rows: int | None = None, keep: bool | None = None, top_k: int = 0,
+          top_p: float = 1.0) -> _Plan:
     """Every argument checked (errors name ``rlkernels.rollout``), before any compute."""
     head, transform = check_head(OP, model)
     validate_truncation(OP, top_k, top_p)
@@ -337,8 +343,11 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
         max_batch = max(1, min(max_batch, samples))
     if seed is None:
         seed = int(torch.randint(0, 1 << 62, (1,))) if not greedy else 0  # generate's draw of a seed
+    if admit_rows is None:
+        admit_rows = max(n, max_batch // ADMIT_SHARE)
     return _Plan(prompts=ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
                  seed=seed, streams=stream_ids, eos=eos, max_batch=max_batch, prefill_tokens=prefill_tokens,
+                 admit_rows=max(1, admit_rows),
                  step_batches=step_batches(max_batch, smallest_step_batch, step_spacing), slots=slots,
                  cuda_graph=graphed, keep=keep, device=device,
                  return_entropy=bool(return_entropy), top_k=int(top_k), top_p=float(top_p), transform=transform)
@@ -565,6 +574,12 @@ class _Rollout:
             group.append(prompt)
         return group
 
+    def _admits(self, waiting: int) -> bool:
+        """Whether to admit now: no sample decodes, or ``admit_rows`` rows are free (or as
+        many as samples wait)."""
+        free = int((self.row_sample < 0).sum())
+        return free == self.plan.max_batch or free >= min(self.plan.admit_rows, waiting)
+
     def _admit(self, waiting: deque[int]) -> None:
         """Fill the free rows with waiting samples, prompt-major; a sample whose first draw ends it takes none."""
         free = deque(np.flatnonzero(self.row_sample < 0).tolist())
@@ -643,7 +658,8 @@ class _Rollout:
             # of about one length are prefilled together.
             waiting = deque(np.argsort(self.length, kind="stable").tolist())
             while True:
-                self._admit(waiting)
+                if waiting and self._admits(len(waiting)):
+                    self._admit(waiting)
                 if not (self.row_sample >= 0).any():
                     break
                 if not waiting:  # nothing will take the free rows: shrink the step
@@ -701,14 +717,15 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
              streams: Sequence[int] | torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
              max_batch: int | None = None, cuda_graph: bool | None = None, return_entropy: bool = False,
              slots: int | None = None, smallest_step_batch: int = 8, step_spacing: int = 32,
-             prefill_tokens: int = 8192, keep: bool | None = None, batch_invariant: bool | None = None,
-             top_k: int = 0, top_p: float = 1.0) -> list[RolloutSample]:
+             prefill_tokens: int = 8192, admit_rows: int | None = None, keep: bool | None = None,
+             batch_invariant: bool | None = None, top_k: int = 0, top_p: float = 1.0) -> list[RolloutSample]:
     """:func:`rollout` on any model, patched or not (``batch_invariant`` as in
     :func:`rlkernels.token_logprobs`), with the slot cache's length ``slots`` (None: 2 x
     (longest prompt + ``max_new_tokens``); at least the longest prompt plus
     ``max_new_tokens``), the smallest batch a decode step runs at and the spacing of the
-    larger ones (:func:`step_batches`), and
-    the padded tokens a batch of prompts prefilled together may hold (at least one prompt).
+    larger ones (:func:`step_batches`), the padded tokens a batch of prompts prefilled
+    together may hold (at least one prompt), and the free rows ``admit_rows`` at which
+    waiting samples are admitted while others decode (None: max(n, max_batch // 16)).
     ``keep`` (None: as the step is graphed): decode on the engine kept for the model and
     keep it for the next call (:class:`_Engine`); on the CPU, for tests of that reuse.
     For comparisons and tuning: only a patched model's samples are their prompts' decodes
@@ -717,8 +734,7 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
                  seed=seed, streams=streams, eos_token_id=eos_token_id, max_batch=max_batch,
                  cuda_graph=cuda_graph, return_entropy=return_entropy, slots=slots,
                  smallest_step_batch=smallest_step_batch, step_spacing=step_spacing,
-                 prefill_tokens=prefill_tokens, keep=keep,
-                 top_k=top_k, top_p=top_p)
+                 prefill_tokens=prefill_tokens, admit_rows=admit_rows, keep=keep, top_k=top_k, top_p=top_p)
     if not plan.prompts:
         return []
     return fsdp.run_as_forward(model, _run, model, plan, batch_invariant)
