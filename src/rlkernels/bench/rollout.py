@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..integrations.hf import generate as rlk_generate, release_decode_graphs
+from ..integrations.hf import decode, generate as rlk_generate, release_decode_graphs
 from ..integrations.hf.continuous_batching import _rollout as rlk_rollout_impl
 from . import model as whole
 from .common import only_arg, print_table, write_json
@@ -201,11 +201,13 @@ def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=Non
     call()  # compile, capture
     _release(device)  # the warm-up's cache, before the timed call allocates its own
     results, ms = _timed(device, call)
+    kept = decode.kept_state("rollout", model)  # a graphed call's engine: the rows it chose
+    rows = kept.max_batch if kept is not None else max_batch
     release_decode_graphs(model)
     _release(device)
     name = "rollout" if spacing is None else f"rollout, step batches spaced {spacing}"
     return _row(name, len(results), sum(len(r.tokens) for r in results), ms,
-                finished=sum(r.finished for r in results), max_batch=max_batch)
+                finished=sum(r.finished for r in results), max_batch=rows)
 
 
 def _generate_row(model, prompts, n, max_new, eos, device) -> dict[str, Any]:
