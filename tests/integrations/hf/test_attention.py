@@ -368,3 +368,21 @@ def test_hugging_face_static_cache_generate_gives_the_dynamic_cache_bits(arch):
     static = model.generate(ids, cache_implementation="static", **kw)  # patch_model keeps it uncompiled
     assert torch.equal(dynamic.sequences, static.sequences)
     assert all(torch.equal(a, b) for a, b in zip(dynamic.scores, static.scores))
+    # Without a mask the hook's mask is built from an expanded row; generate makes the mask
+    # contiguous, which must not drop the queries' first slot.
+    ids = ids[:, -3:]
+    del kw["attention_mask"]
+    dynamic, static = model.generate(ids, **kw), model.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(dynamic.sequences, static.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(dynamic.scores, static.scores))
+
+
+def test_a_hook_mask_copied_without_its_query_slot_is_refused():
+    model = _model("llama")
+    q, k = torch.zeros(2, 4, 3, 8), torch.zeros(2, 2, 9, 8)
+    carrier = attention._pass_padding_mask(attention_mask=None, q_offset=torch.tensor(2), batch_size=2,
+                                          kv_length=9, q_length=3)
+    layer = model.model.layers[0].self_attn
+    assert attention.rlkernels_attention_forward(layer, q, k, k, carrier)[0].shape == (2, 3, 4, 8)
+    with pytest.raises(ValueError, match="without the queries' first slot"):
+        attention.rlkernels_attention_forward(layer, q, k, k, carrier.clone())

@@ -181,6 +181,13 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
         # Keys before the first query (a cache): the last lq keys are the queries', unless
         # the mask hook said where they start (a static cache's slots).
         offset: int | torch.Tensor = getattr(attention_mask, Q_OFFSET, s - lq)
+        if (1 < lq < s and attention_mask is not None and attention_mask.dim() == 4
+                and attention_mask.shape[2] == 1 and not hasattr(attention_mask, Q_OFFSET)):
+            # The hook's [B, 1, 1, S] mask, copied on the way without the queries' first slot:
+            # taking the last lq slots would be a guess.
+            raise ValueError("rlkernels attention: a [B, 1, 1, S] mask for several queries on a cache of "
+                             f"{s} slots without the queries' first slot (a copy of the mask the rlkernels mask "
+                             "hook made lost its attribute); pass the 2-D padding mask instead")
         q_start, q_len, k_start, k_len, valid_rows = _bounds_of(attention_mask, offset, b, lq, s, dev,
                                                                 kwargs.get(QUERIES_REAL) is True)
     # transformers' window: a query sees keys fewer than `window` positions before it.
@@ -234,7 +241,9 @@ def _pass_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, q
                              "attention_mask")
         device = q_offset.device if isinstance(q_offset, torch.Tensor) else kwargs.get("device")
         attention_mask = (torch.arange(kv_length, device=device) < q_offset + q_length).expand(batch_size, -1)
-    carrier = attention_mask.bool()[:, None, None, :]
+    # Contiguous, so that transformers' generate, which makes the mask it builds for a
+    # static cache contiguous, hands on this very tensor with its attribute.
+    carrier = attention_mask.bool()[:, None, None, :].contiguous()
     setattr(carrier, Q_OFFSET, q_offset)
     return carrier
 

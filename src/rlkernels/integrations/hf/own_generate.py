@@ -1,25 +1,33 @@
 """Hugging Face's own ``generate`` on a patched model with sliding-window layers.
 
-For a layer with a sliding window, transformers' dynamic cache keeps the last ``window - 1``
-keys and rolls them, so a key's slot stops being its position. The invariant attention
-counts a sequence's keys from its first; it refuses a cache that has dropped keys, in the
-mask hook (:mod:`.attention`). :func:`install` gives such a model a ``generate`` that,
-where a call brings no cache of its own, asks for no cache implementation and leaves
-``use_cache`` on, hands transformers a ``DynamicCache()`` built without the config. Every
-layer of that cache is a full one, so every key is kept at its position, and the
-attention applies the window itself (its ``sliding_window`` argument). The tokens are
-those of the rolling cache, and each token's bits those of ``token_logprobs``. Memory:
-every key of a sequence, as a full-attention model's cache holds. Everything else, the
-static cache implementations included, goes to transformers' ``generate`` unchanged.
+For a layer with a sliding window, transformers' caches keep the last ``window - 1`` keys
+and roll them, so a key's slot stops being its position. The invariant attention counts
+a sequence's keys from its first; it refuses a cache that has dropped keys, in the mask
+hook (:mod:`.attention`). :func:`install` gives such a model two bound methods:
+
+* a ``generate`` that, where a call brings no cache of its own, asks for no cache
+  implementation and leaves ``use_cache`` on, hands transformers a ``DynamicCache()``
+  built without the config: every layer of that cache is a full one;
+* a ``_prepare_static_cache`` (what ``generate`` calls for ``cache_implementation="static"``)
+  whose ``StaticCache`` has full layers where transformers' has sliding ones, of the
+  cache's length (:func:`.static_cache.keep_every_key`, as ``rlkernels.generate``'s).
+
+Either way every key is kept at its position, and the attention applies the window itself
+(its ``sliding_window`` argument). The tokens are those of the rolling cache, and each
+token's bits those of ``token_logprobs``. Memory: every key of a sequence, as a
+full-attention model's cache holds. A cache the call brings is its own, and a rolling one
+is still refused.
 """
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
 from torch import nn
 
 from .coverage import cache_kwargs
+from .static_cache import keep_every_key
 
 _CACHE_NAMES = ("past_key_values", "cache")
 
@@ -63,14 +71,46 @@ def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _generate.__name__ = "generate"
 
 
+def _static_length(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> int | None:
+    """The slots transformers' ``_prepare_static_cache`` allocates for this call: the call's
+    length, or a longer one kept from an earlier call (None where the signature is not read)."""
+    try:
+        bound = inspect.signature(type(model)._prepare_static_cache).bind(model, *args, **kwargs)
+    except TypeError:
+        return None
+    length = bound.arguments.get("max_cache_len", bound.arguments.get("max_length"))
+    if not isinstance(length, int):
+        return None
+    return max(length, getattr(model, "_previous_max_cache_length", -1))
+
+
+def _prepare_static_cache(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    length = _static_length(self, args, kwargs)
+    cache = type(self)._prepare_static_cache(self, *args, **kwargs)
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    # A full layer's slots are the cache's length; with none, the length the call asked for.
+    full = [layer.max_cache_len for layer in layers if not getattr(layer, "is_sliding", False)
+            and isinstance(getattr(layer, "max_cache_len", None), int)]
+    length = max(full) if full else length
+    if length is not None:
+        keep_every_key(getattr(cache, "self_attention_cache", cache), length)
+    return cache
+
+
+_prepare_static_cache.__name__ = "_prepare_static_cache"
+
+
 def install(model: nn.Module) -> bool:
-    """Bind the key-keeping ``generate`` to ``model`` where it has sliding-window layers and
-    a ``generate`` of transformers'; returns whether it did (idempotent)."""
+    """Bind the key-keeping ``generate`` (and, where transformers' generation has one, the
+    key-keeping ``_prepare_static_cache``) to ``model`` where it has sliding-window layers
+    and a ``generate`` of transformers'; returns whether it did (idempotent)."""
     if is_installed(model):
         return True
     if not has_windows(model) or not callable(getattr(type(model), "generate", None)):
         return False
     model.generate = types.MethodType(_generate, model)
+    if callable(getattr(type(model), "_prepare_static_cache", None)):
+        model._prepare_static_cache = types.MethodType(_prepare_static_cache, model)
     return True
 
 
