@@ -43,7 +43,7 @@ from torch import nn
 
 from ...nn import RMSNorm
 from ...ops.attention_inputs import attention_inputs
-from . import rotary, static_cache
+from . import binding, rotary, static_cache
 from .coverage import VERIFIED_FAMILIES, class_modeling_module, family_of, has_hooks
 
 _CACHE_NAMES = ("past_key_values", "cache")
@@ -193,13 +193,8 @@ def is_fusable_attention(module: nn.Module) -> bool:
 
 def install(model: nn.Module) -> int:
     """Bind the fused forward to every such attention layer of ``model``; returns how many."""
-    count = 0
-    for module in model.modules():
-        if "forward" not in vars(module) and is_fusable_attention(module):
-            module.forward = types.MethodType(_fused_forward, module)
-            count += 1
-    return count
+    return binding.bind_where(model, _fused_forward, is_fusable_attention)
 
 
 def is_installed(module: nn.Module) -> bool:
-    return getattr(vars(module).get("forward"), "__func__", None) is _fused_forward
+    return binding.is_bound(module, "forward", _fused_forward)

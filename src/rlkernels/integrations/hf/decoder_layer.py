@@ -32,7 +32,6 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-import types
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ from torch import nn
 from ...nn import RMSNorm
 from ...ops.matmul import linear_residual
 from ...ops.norms import add_rms_norm
-from . import mlp as gated_mlp
+from . import binding, mlp as gated_mlp
 from .coverage import VERIFIED_FAMILIES, family_of, has_hooks
 
 # The class forward's statements after the signature, as ``ast.unparse`` writes them; the
@@ -129,13 +128,8 @@ _fused_forward.__name__ = "forward"
 
 def install(model: nn.Module) -> int:
     """Bind the fused forward to every such decoder layer of ``model``; returns how many."""
-    count = 0
-    for module in model.modules():
-        if "forward" not in vars(module) and is_fusable_decoder_layer(module):
-            module.forward = types.MethodType(_fused_forward, module)
-            count += 1
-    return count
+    return binding.bind_where(model, _fused_forward, is_fusable_decoder_layer)
 
 
 def is_installed(module: nn.Module) -> bool:
-    return getattr(vars(module).get("forward"), "__func__", None) is _fused_forward
+    return binding.is_bound(module, "forward", _fused_forward)

@@ -13,13 +13,13 @@ activation is the library's SiLU.
 """
 from __future__ import annotations
 
-import types
 
 import torch
 from torch import nn
 
 from ...nn import Linear, SiLU
 from ...ops.activations import linear_silu_mul, silu_mul
+from . import binding
 from .coverage import VERIFIED_FAMILIES, family_of, has_hooks, source_lines
 
 _FORMULA = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
@@ -57,13 +57,8 @@ def is_gated_silu_mlp(module: nn.Module) -> bool:
 
 def install(model: nn.Module) -> int:
     """Bind the one-launch forward to every gated SiLU MLP of ``model``; returns how many."""
-    count = 0
-    for module in model.modules():
-        if is_gated_silu_mlp(module):
-            module.forward = types.MethodType(_gated_forward, module)
-            count += 1
-    return count
+    return binding.bind_where(model, _gated_forward, is_gated_silu_mlp)
 
 
 def is_installed(module: nn.Module) -> bool:
-    return getattr(vars(module).get("forward"), "__func__", None) is _gated_forward
+    return binding.is_bound(module, "forward", _gated_forward)

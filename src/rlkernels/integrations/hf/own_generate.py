@@ -21,11 +21,11 @@ is still refused.
 from __future__ import annotations
 
 import inspect
-import types
 from typing import Any
 
 from torch import nn
 
+from . import binding
 from .coverage import cache_kwargs
 from .static_cache import keep_every_key
 
@@ -73,7 +73,8 @@ _generate.__name__ = "generate"
 
 def _static_length(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> int | None:
     """The slots transformers' ``_prepare_static_cache`` allocates for this call: the call's
-    length, or a longer one kept from an earlier call (None where the signature is not read)."""
+    length, or the longer one transformers keeps on the model for its static caches (None
+    where the signature is not read)."""
     try:
         bound = inspect.signature(type(model)._prepare_static_cache).bind(model, *args, **kwargs)
     except TypeError:
@@ -108,11 +109,11 @@ def install(model: nn.Module) -> bool:
         return True
     if not has_windows(model) or not callable(getattr(type(model), "generate", None)):
         return False
-    model.generate = types.MethodType(_generate, model)
+    binding.bind(model, "generate", _generate)
     if callable(getattr(type(model), "_prepare_static_cache", None)):
-        model._prepare_static_cache = types.MethodType(_prepare_static_cache, model)
+        binding.bind(model, "_prepare_static_cache", _prepare_static_cache)
     return True
 
 
 def is_installed(model: nn.Module) -> bool:
-    return getattr(vars(model).get("generate"), "__func__", None) is _generate
+    return binding.is_bound(model, "generate", _generate)
