@@ -13,7 +13,6 @@ activation is the library's SiLU.
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
