@@ -31,7 +31,8 @@ every row its last token, writes slot c of every row and advances c by one; a ro
 without a sample is fed token 0 with only slot c unmasked (finite, discarded). When c reaches S, every row's keys
 are moved left so that the longest window starts at slot 0 and the counter moves back
 with them (copies only). The memory the keys and values take is therefore bounded by
-``max_batch`` x S slots per layer, S = 2 x (longest prompt + ``max_new_tokens``).
+``max_batch`` x S slots per layer, S = longest prompt + 1.5 x ``max_new_tokens``
+(:func:`default_slots`).
 
 A step runs the cache's first b rows only, b the smallest of the step batches
 (:func:`step_batches`) that holds every row in use: a sample takes the lowest free row,
@@ -256,6 +257,16 @@ def _check_model(model: nn.Module) -> None:
                          "row's keys sit in the cache, which the patched attention is)")
 
 
+def default_slots(longest: int, max_new_tokens: int) -> int:
+    """The slot cache's length where the call gives none: the longest prompt plus
+    ``max_new_tokens`` (the widest window a row can hold), plus half of ``max_new_tokens``
+    again (at least 64) before the counter runs out. A compaction then comes at most once
+    per that many steps and copies every row's window once, about what a decode step reads
+    of the keys; the memory a row takes, and so the rows a device holds, is what sets the
+    batch."""
+    return longest + max_new_tokens + max(max_new_tokens // 2, 64)
+
+
 def step_batches(max_batch: int, smallest: int = 8, spacing: int = 32) -> tuple[int, ...]:
     """The batch sizes a decode step runs at: the powers of two from ``smallest`` up to
     ``spacing``, then the multiples of ``spacing``, below ``max_batch``, and ``max_batch``
@@ -333,7 +344,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
         slots, max_batch = kept.slots, kept.max_batch
     else:
         if slots is None:
-            slots = 2 * window
+            slots = default_slots(longest, max_new_tokens)
         elif slots < window:
             i = next(i for i, p in enumerate(ids) if len(p) == longest)
             raise ValueError(f"rlkernels.rollout: prompts[{i}] ({longest} tokens) plus max_new_tokens "
@@ -720,8 +731,8 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
              prefill_tokens: int = 8192, admit_rows: int | None = None, keep: bool | None = None,
              batch_invariant: bool | None = None, top_k: int = 0, top_p: float = 1.0) -> list[RolloutSample]:
     """:func:`rollout` on any model, patched or not (``batch_invariant`` as in
-    :func:`rlkernels.token_logprobs`), with the slot cache's length ``slots`` (None: 2 x
-    (longest prompt + ``max_new_tokens``); at least the longest prompt plus
+    :func:`rlkernels.token_logprobs`), with the slot cache's length ``slots`` (None:
+    :func:`default_slots`; at least the longest prompt plus
     ``max_new_tokens``), the smallest batch a decode step runs at and the spacing of the
     larger ones (:func:`step_batches`), the padded tokens a batch of prompts prefilled
     together may hold (at least one prompt), and the free rows ``admit_rows`` at which
@@ -771,8 +782,8 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], *
     ``logit_threshold`` under which ``token_logprobs`` gives those log-probs bitwise
     (``generate(..., top_k=, top_p=, return_thresholds=True)`` gives the same tokens).
 
-    The samples share ``max_batch`` rows of one ``StaticCache`` of S = 2 x (longest prompt
-    + ``max_new_tokens``) slots (module docstring): the keys and values take at most
+    The samples share ``max_batch`` rows of one ``StaticCache`` of S = longest prompt + 1.5 x
+    ``max_new_tokens`` slots (at least 64 past the window; module docstring): the keys and values take at most
     ``max_batch`` x S slots per layer. ``max_batch`` None: on CUDA, the rows half the free
     memory holds (logged at debug level), elsewhere 64; never more rows than samples. A
     graphed call keeps its cache and captured steps for the next call that fits them (the
