@@ -44,9 +44,8 @@ from torch import nn
 from ...nn import RMSNorm
 from ...ops.attention_inputs import attention_inputs
 from . import binding, rotary, static_cache
-from .coverage import VERIFIED_FAMILIES, class_modeling_module, family_of, has_hooks
+from .coverage import CACHE_ARGUMENT_NAMES, VERIFIED_FAMILIES, class_modeling_module, family_of, has_hooks
 
-_CACHE_NAMES = ("past_key_values", "cache")
 _HEAD = ("input_shape = hidden_states.shape[:-1]", "hidden_shape = (*input_shape, -1, self.head_dim)")
 _NORMED = ("query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)",
            "key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)",
@@ -116,7 +115,7 @@ def _formula(cls: type) -> _Formula | None:
         return None
     params = [a.arg for a in fn.args.args]
     if params[:4] != ["self", "hidden_states", "position_embeddings", "attention_mask"] or len(params) != 5 \
-            or params[4] not in _CACHE_NAMES or fn.args.kwonlyargs:
+            or params[4] not in CACHE_ARGUMENT_NAMES or fn.args.kwonlyargs:
         return None
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(body) != 13:

@@ -148,6 +148,11 @@ def attention_implementation(model: nn.Module) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
+# The names transformers gives the KV cache argument: ``past_key_values``, and ``cache`` in
+# recent 5.x releases.
+CACHE_ARGUMENT_NAMES = ("past_key_values", "cache")
+
+
 @functools.lru_cache(maxsize=None)
 def _cache_keyword(module_type: type) -> str:
     params = inspect.signature(module_type.forward).parameters

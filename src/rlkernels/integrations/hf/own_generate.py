@@ -26,10 +26,8 @@ from typing import Any
 from torch import nn
 
 from . import binding
-from .coverage import cache_kwargs
+from .coverage import CACHE_ARGUMENT_NAMES, cache_kwargs
 from .static_cache import keep_every_key
-
-_CACHE_NAMES = ("past_key_values", "cache")
 
 
 def has_windows(model: nn.Module) -> bool:
@@ -48,7 +46,7 @@ def has_windows(model: nn.Module) -> bool:
 def _keeps_its_own_cache(model: nn.Module, kwargs: dict[str, Any]) -> bool:
     """The call brings a cache, names a cache implementation, or turns the cache off (itself
     or through its or the model's generation config)."""
-    if any(kwargs.get(name) is not None for name in _CACHE_NAMES) or kwargs.get("cache_implementation") is not None:
+    if any(kwargs.get(name) is not None for name in CACHE_ARGUMENT_NAMES) or kwargs.get("cache_implementation") is not None:
         return True
     if kwargs.get("use_cache") is False:
         return True
