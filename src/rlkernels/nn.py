@@ -7,7 +7,7 @@ from torch import nn
 from .gemm.chain import accumulator_dtype
 from .ops.activations import gelu_tanh, sigmoid, silu
 from .ops.matmul import linear
-from .ops.moe import moe_experts, moe_topk
+from .ops.moe import SILU_GATE, GatedActivation, moe_experts, moe_topk
 from .ops.norms import rms_norm
 
 
@@ -116,14 +116,18 @@ class SiLU(nn.Module):
 
 
 class MoeRouter(nn.Module):
-    """Top-k router over ``weight`` [E, H] (no bias): logits by the canonical chain in the
-    input's dtype, then :func:`rlkernels.ops.moe.moe_topk` (fp32 softmax, top-k with ties
-    to the lowest expert id, renormalised with ``normalize``; ``round_weights`` rounds the
-    weights to the logits' dtype, as Qwen2-MoE / Qwen3-MoE do)."""
+    """Top-k router over ``weight`` [E, H] (and ``bias`` [E] or None): logits by the
+    canonical chain in the input's dtype, then :func:`rlkernels.ops.moe.moe_topk` (fp32
+    softmax, top-k with ties to the lowest expert id, renormalised with ``normalize``;
+    ``round_weights`` rounds the weights to the logits' dtype, as Qwen2-MoE / Qwen3-MoE /
+    GPT-OSS do). GPT-OSS's softmax over the k largest logits is the renormalised softmax
+    over all of them."""
 
-    def __init__(self, weight: nn.Parameter, top_k: int, *, normalize: bool, round_weights: bool = False) -> None:
+    def __init__(self, weight: nn.Parameter, top_k: int, *, normalize: bool, round_weights: bool = False,
+                 bias: nn.Parameter | None = None) -> None:
         super().__init__()
         self.weight = weight
+        self.bias = bias
         if isinstance(top_k, bool) or not isinstance(top_k, int):
             raise TypeError(f"rlkernels.nn.MoeRouter: top_k must be an int, got {top_k!r}")
         self.top_k = top_k
@@ -133,35 +137,50 @@ class MoeRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (logits [T, E] in x's dtype, weights [T, k] fp32, expert ids [T, k] int64)."""
-        logits = linear(x, self.weight)
+        logits = linear(x, self.weight, self.bias)
         weights, index = moe_topk(logits, self.top_k, normalize=self.normalize,
                                   round_weights_to=logits.dtype if self.round_weights else None)
         return logits, weights, index
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, "
-                f"round_weights={self.round_weights}")
+                f"round_weights={self.round_weights}, bias={self.bias is not None}")
 
 
 class MoeExperts(nn.Module):
-    """E gated-SiLU experts held as transformers' fused 3-D parameters: ``gate_up_proj``
-    [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I]; forward is
-    :func:`rlkernels.ops.moe.moe_experts`."""
+    """E gated experts held as transformers' fused 3-D parameters: ``gate_up_proj``
+    [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I] with SiLU (the default), or
+    GPT-OSS's layout with ``transposed`` ([E, H, 2I] and [E, I, H]), the biases
+    ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H], and its interleaved,
+    clamped SwiGLU (``activation``); forward is :func:`rlkernels.ops.moe.moe_experts`."""
 
-    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter) -> None:
+    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, *,
+                 gate_up_proj_bias: nn.Parameter | None = None, down_proj_bias: nn.Parameter | None = None,
+                 activation: GatedActivation = SILU_GATE, transposed: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
+        self.gate_up_proj_bias = gate_up_proj_bias
+        self.down_proj_bias = down_proj_bias
+        self.activation = activation
+        self.transposed = transposed
         self.num_experts = gate_up_proj.shape[0]
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                 out_dtype: torch.dtype | None = None, check_ids: bool = True) -> torch.Tensor:
-        return moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, out_dtype=out_dtype,
+        return moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                           gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                           activation=self.activation, transposed=self.transposed, out_dtype=out_dtype,
                            check_ids=check_ids)
 
     def extra_repr(self) -> str:
-        E, two_i, H = self.gate_up_proj.shape
-        return f"experts={E}, hidden={H}, intermediate={two_i // 2}"
+        if self.transposed:
+            E, H, two_i = self.gate_up_proj.shape
+        else:
+            E, two_i, H = self.gate_up_proj.shape
+        extra = "" if self.activation == SILU_GATE else f", activation={self.activation}"
+        return (f"experts={E}, hidden={H}, intermediate={two_i // 2}, bias={self.gate_up_proj_bias is not None}"
+                f"{extra}")
 
 
 class SparseMoeBlock(nn.Module):
@@ -206,3 +225,30 @@ class SparseMoeBlock(nn.Module):
                 shared = sigmoid(linear(x, w, self.shared_expert_gate.bias, out_dtype=acc)) * shared
             out = out + shared
         return out.to(hidden_states.dtype).reshape(shape)
+
+
+class RoutedExpertsMlp(nn.Module):
+    """GPT-OSS's MLP (``GptOssMLP``) with every token's output a function of its own row:
+    children ``router`` (:class:`MoeRouter` with a bias) and ``experts``
+    (:class:`MoeExperts` with biases and the clamped SwiGLU), transformers' names, so a
+    patched model's state_dict keys are the stock ones.
+
+    forward(x [B, L, H]) -> (out [B, L, H] in x's dtype, routing weights [B*L, k] in x's
+    dtype): the routed experts' combine in fp32 in ascending rank order, rounded once.
+    """
+
+    def __init__(self, router: MoeRouter, experts: MoeExperts) -> None:
+        super().__init__()
+        if router.num_experts != experts.num_experts:
+            raise ValueError(f"rlkernels.RoutedExpertsMlp: the router scores {router.num_experts} experts but the "
+                             f"experts module holds {experts.num_experts}")
+        self.router = router
+        self.experts = experts
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, index = self.router(x)
+        # The router's ids are in [0, E) by construction: no range check, no read back per layer.
+        out = self.experts(x, index, weights, out_dtype=x.dtype, check_ids=False)
+        return out.reshape(shape), weights.to(x.dtype)

@@ -94,12 +94,29 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def moe_experts_ref(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
-    """sum_r weights[t, r] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = index[t, r], in float64:
-    x [T, H], index / weights [T, k], gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+                    down: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None, interleaved: bool = False, limit: float | None = None,
+                    alpha: float = 1.0, transposed: bool = False) -> torch.Tensor:
+    """sum_r weights[t, r] * (down_e(act(gate_e(x_t), up_e(x_t))) + down_bias_e), e = index[t, r],
+    in float64: x [T, H], index / weights [T, k], gate_up [E, 2I, H] and down [E, H, I]
+    ([E, H, 2I] and [E, I, H] with ``transposed``), biases [E, 2I] and [E, H] or None. act is
+    silu(gate) * up, or with ``limit`` GPT-OSS's (up' + 1) * gate' * sigmoid(alpha * gate'),
+    gate' = min(gate, limit), up' = clamp(up, -limit, limit); gate and up are the halves of
+    gate_up's output, or its even and odd columns with ``interleaved``."""
+    if transposed:
+        gate_up, down = gate_up.mT, down.mT
     inter = down.shape[2]
     xd, wd = x.double(), weights.double()
     gu = torch.einsum("th,tkih->tki", xd, gate_up.double()[index])  # [T, k, 2I]
-    h = torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias.double()[index]
+    gate, up = (gu[..., 0::2], gu[..., 1::2]) if interleaved else (gu[..., :inter], gu[..., inter:])
+    if limit is None:
+        h = torch.nn.functional.silu(gate) * up
+    else:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        h = (up + 1) * gate * torch.sigmoid(alpha * gate)
     y = torch.einsum("tki,tkhi->tkh", h, down.double()[index])      # [T, k, H]
+    if down_bias is not None:
+        y = y + down_bias.double()[index]
     return (wd[..., None] * y).sum(1)

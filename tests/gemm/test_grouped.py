@@ -5,6 +5,8 @@ chained into main_grad); ``moe_experts`` on the grouped kernels equals the per-e
 loop, forward and backward (dh and dX through the transposed weight views, dW grouped)."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -130,28 +132,61 @@ def test_moe_experts_grouped_equals_the_per_expert_loop(dtype, keep):
     H, I, E, k, T = 24, 12, 7, 3, 11  # noqa: E741
     x, gate_up, index = _case(T, E, k, H, 2 * I, dtype, seed=7, crowd=1)
     down = (torch.randn(E, H, I, generator=torch.Generator().manual_seed(8)) / I ** 0.5).to(dtype)
+    weights = torch.softmax(torch.randn(T, k, generator=torch.Generator().manual_seed(9)), -1)
     routing = moe_ops._Routing(index, E, "test")
-    y_loop, gu_loop = moe_ops.per_expert_forward(TritonGemmBackend(), x, gate_up, down, routing, keep)
-    y, gu = moe_ops.grouped_experts_forward(x, gate_up, down, routing, keep)
-    assert y.dtype == torch.float32 and torch.equal(y, y_loop)
-    assert (gu is None) == (not keep) and (gu is None or torch.equal(gu, gu_loop))
+    experts = moe_ops._Experts(gate_up, down, None, None, moe_ops.SILU_GATE)
+    (out, (gu, y)), (out_loop, (gu_loop, y_loop)) = (
+        moe_ops.experts_forward(TritonGemmBackend(), x, weights, experts, routing, keep, dtype, grouped=grouped)
+        for grouped in (True, False))
+    assert torch.equal(out, out_loop)
+    assert (gu is None) == (y is None) == (not keep)
+    if keep:
+        assert y.dtype == torch.float32 and torch.equal(y, y_loop) and torch.equal(gu, gu_loop)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpt_oss_experts_grouped_equal_the_per_expert_loop_forward_and_backward(dtype):
+    """Transposed weights, biases and the interleaved clamped SwiGLU: the grouped launches
+    give the per-expert loop's bits, the output, dX and every weight and bias gradient."""
+    from rlkernels.gemm.backends import TritonGemmBackend
+    H, I, E, k, T = 20, 6, 7, 3, 13  # noqa: E741
+    g = torch.Generator().manual_seed(5)
+    x, _, index = _case(T, E, k, H, 2 * I, dtype, seed=5, crowd=2)
+    params = [(torch.randn(*shape, generator=g) * scale).to(dtype) for shape, scale in
+              (((E, H, 2 * I), 3.5 / H ** 0.5), ((E, I, H), I ** -0.5), ((E, 2 * I), 1.0), ((E, H), 1.0))]
+    act = moe_ops.GatedActivation(interleaved=True, limit=7.0, alpha=1.702)
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+    grad = torch.randn(T, H, generator=g).to(dtype).float()
+    runs = []
+    for grouped in (True, False):
+        routing = moe_ops._Routing(index, E, "test")
+        experts = moe_ops._Experts.of(*params, act, transposed=True)
+        out, (gu_sorted, _) = moe_ops.experts_forward(TritonGemmBackend(), x, weights, experts, routing, True, dtype,
+                                                      grouped=grouped)
+        grads = [moe_ops._expert_grads("test", t, True, grouped, "w") for t in params]
+        views = [(grads[0][0].mT, None), (grads[1][0].mT, None), grads[2], grads[3]]
+        dx = moe_ops.experts_backward(TritonGemmBackend(), grad, x, weights, experts, gu_sorted, routing,
+                                      (True,) * 5, views, grouped)
+        runs.append([out, dx, *(pair[0] for pair in grads)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert all(t.abs().max() > 0 for t in runs[0][2:])
 
 
 # ---------------------------------------------------------------- weight gradient (interpreter)
 
 
 def _per_expert_dw(a, b, slot_end, *, b_rows=None, out=None, out_dtype=None):
-    """What the per-expert loop computes (``ops.moe._weight_grad`` per expert with slots):
+    """What the per-expert loop computes (``ops.moe._weight_grads``, not grouped):
     gemm(a[s0:s1]^T, b[s0:s1]) rounded into a zeroed [E, M, N], or chained into ``out``."""
     from rlkernels.gemm.backends import TritonGemmBackend
-    rows = b if b_rows is None else b.index_select(0, b_rows)
     ends = slot_end.tolist()
+    spans = [(e, s0, s1) for e, (s0, s1) in enumerate(zip([0] + ends[:-1], ends)) if s1 > s0]
+    routing = types.SimpleNamespace(slot_end=slot_end, spans=lambda: spans)
     grad = None
     if out is None:
         grad = torch.zeros(len(ends), a.shape[1], b.shape[1], dtype=out_dtype or a.dtype, device=a.device)
-    for e, (s0, s1) in enumerate(zip([0] + ends[:-1], ends)):
-        if s1 > s0:
-            moe_ops._weight_grad(TritonGemmBackend(), a[s0:s1], rows[s0:s1], grad, out, e)
+    moe_ops._weight_grads(TritonGemmBackend(), a, b, b_rows, routing, grad, out, grouped=False)
     return out if grad is None else grad
 
 
@@ -260,21 +295,34 @@ def test_grouped_wgrad_micro_batches_chain_like_one_batch(dtype):
 def _backward_case(T, E, k, H, I, dtype, seed=0, crowd=None):  # noqa: E741
     """What :func:`moe_ops.experts_backward` reads: x, weights, gate_up, down, routing, the
     kept gate/up outputs (sorted slot order) and g = dOut fp32."""
+    from rlkernels.gemm.backends import TritonGemmBackend
     x, gate_up, index = _case(T, E, k, H, 2 * I, dtype, seed=seed, crowd=crowd)
     gen = torch.Generator().manual_seed(seed + 100)
     down = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(dtype)
     weights = torch.softmax(torch.randn(T, k, generator=gen), -1)
     g = torch.randn(T, H, generator=gen).to(dtype).float()
     routing = moe_ops._Routing(index, E, "test")
-    _, gu_sorted = moe_ops.grouped_experts_forward(x, gate_up, down, routing, True)
+    experts = moe_ops._Experts(gate_up, down, None, None, moe_ops.SILU_GATE)
+    _, (gu_sorted, _) = moe_ops.experts_forward(TritonGemmBackend(), x, weights, experts, routing, True, dtype,
+                                                grouped=True)
     return x, weights, gate_up, down, index, routing, gu_sorted, g
 
 
-def _both_backwards(case, needs):
+def _experts_backward(case, needs, grouped, routing=None):
+    """(dX, d gate_up, d down) of :func:`moe_ops.experts_backward`; ``needs`` for those three.
+    A weight with a ``main_grad`` has it continued and gives None."""
     from rlkernels.gemm.backends import TritonGemmBackend
-    x, weights, gate_up, down, _, routing, gu_sorted, g = case
-    return [moe_ops.experts_backward(TritonGemmBackend(), g, x, weights, gate_up, down, gu_sorted, routing, needs,
-                                     grouped=grouped) for grouped in (True, False)]
+    x, weights, gate_up, down, _, case_routing, gu_sorted, g = case
+    experts = moe_ops._Experts(gate_up, down, None, None, moe_ops.SILU_GATE)
+    grads = [moe_ops._expert_grads("test", t, need, grouped, name)
+             for t, need, name in ((gate_up, needs[1], "gate_up_proj"), (down, needs[2], "down_proj"))]
+    dx = moe_ops.experts_backward(TritonGemmBackend(), g, x, weights, experts, gu_sorted, routing or case_routing,
+                                  (*needs, False, False), [*grads, (None, None), (None, None)], grouped)
+    return dx, grads[0][0], grads[1][0]
+
+
+def _both_backwards(case, needs):
+    return [_experts_backward(case, needs, grouped) for grouped in (True, False)]
 
 
 BACKWARD_CASES = [
@@ -311,15 +359,15 @@ def test_grouped_backward_chains_main_grad_like_the_per_expert_backward(dtype, T
     per-expert loop's bits (experts nobody chose keep theirs), and the grouped backward
     reads no count on the host."""
     from rlkernels.gemm.backends import TritonGemmBackend
-    x, weights, gate_up, down, index, _, gu_sorted, g = _backward_case(T, E, k, H, I, dtype, crowd=crowd)
+    case = _backward_case(T, E, k, H, I, dtype, crowd=crowd)
+    x, weights, gate_up, down, index, _, gu_sorted, g = case
     gen = torch.Generator().manual_seed(21)
     starts = [torch.randn(w.shape, generator=gen) for w in (gate_up, down)]
     runs = []
     for grouped in (True, False):
         routing = moe_ops._Routing(index, E, "test")
         gate_up.main_grad, down.main_grad = (s.clone() for s in starts)
-        got = moe_ops.experts_backward(TritonGemmBackend(), g, x, weights, gate_up, down, gu_sorted, routing,
-                                       (True, True, True), grouped=grouped)
+        got = _experts_backward(case, (True, True, True), grouped, routing)
         assert got[1] is None and got[2] is None
         if grouped:
             assert routing._counts is None  # no count read on the host
@@ -439,11 +487,13 @@ def test_grouped_moe_layer_gpu(dtype, T):
     assert torch.equal(gu_kept, gu)
     assert torch.equal(h, F.silu(gu[:, :I]) * gu[:, I:])
     # The layer: the grouped path equals the per-expert loop, alone and in the batch.
+    experts = moe_ops._Experts(gate_up, down, None, None, moe_ops.SILU_GATE)
     for keep in (False, True):
-        y_loop, gu_loop = moe_ops.per_expert_forward(TritonGemmBackend(), x, gate_up, down, routing, keep)
-        y, gu_g = moe_ops.grouped_experts_forward(x, gate_up, down, routing, keep)
-        assert torch.equal(y, y_loop)
-        assert gu_g is None if not keep else torch.equal(gu_g, gu_loop)
+        (out, (gu_g, y)), (out_loop, (gu_loop, y_loop)) = (
+            moe_ops.experts_forward(TritonGemmBackend(), x, weights, experts, routing, keep, dtype, grouped=grouped)
+            for grouped in (True, False))
+        assert torch.equal(out, out_loop)
+        assert gu_g is None if not keep else torch.equal(gu_g, gu_loop) and torch.equal(y, y_loop)
     batched = rlkernels.ops.moe.moe_experts(x, index, weights, gate_up, down)
     for t in sorted({0, T // 2, T - 1}):
         alone = rlkernels.ops.moe.moe_experts(x[t:t + 1], index[t:t + 1], weights[t:t + 1], gate_up, down)
@@ -512,13 +562,15 @@ def test_grouped_moe_backward_gpu(dtype, T):
     x, gate_up, down, index, weights = _gpu_layer(T, dtype, unused=8)
     E, k = gate_up.shape[0], index.shape[1]
     routing = moe_ops._Routing(index, E, "test")
-    _, gu_sorted = moe_ops.grouped_experts_forward(x, gate_up, down, routing, True)
+    experts = moe_ops._Experts(gate_up, down, None, None, moe_ops.SILU_GATE)
+    _, (gu_sorted, _) = moe_ops.experts_forward(TritonGemmBackend(), x, weights, experts, routing, True, dtype,
+                                                grouped=True)
     g = torch.randn(T, x.shape[1], generator=torch.Generator().manual_seed(1)).to("cuda", dtype).float()
+    case = (x, weights, gate_up, down, index, routing, gu_sorted, g)
     runs = {}
     for needs in ((True, False, False), (True, True, True)):
         for grouped in (True, False):
-            runs[needs, grouped] = moe_ops.experts_backward(TritonGemmBackend(), g, x, weights, gate_up, down,
-                                                            gu_sorted, routing, needs, grouped=grouped)
+            runs[needs, grouped] = _experts_backward(case, needs, grouped)
     full, full_loop = runs[(True, True, True), True], runs[(True, True, True), False]
     assert all(torch.equal(a, b) for a, b in zip(full, full_loop))
     assert torch.equal(runs[(True, False, False), True][0], full[0])
@@ -529,8 +581,7 @@ def test_grouped_moe_backward_gpu(dtype, T):
     mains = []
     for grouped in (True, False):
         gate_up.main_grad, down.main_grad = (s.clone() for s in starts)
-        moe_ops.experts_backward(TritonGemmBackend(), g, x, weights, gate_up, down, gu_sorted, routing,
-                                 (False, True, True), grouped=grouped)
+        _experts_backward(case, (False, True, True), grouped)
         mains.append((gate_up.main_grad, down.main_grad))
     del gate_up.main_grad, down.main_grad
     assert torch.equal(mains[0][0], mains[1][0]) and torch.equal(mains[0][1], mains[1][1])

@@ -368,6 +368,131 @@ def test_router_refuses_a_top_k_that_is_not_an_int(top_k):
         MoeRouter(torch.nn.Parameter(torch.randn(E, 8)), top_k, normalize=True)
 
 
+# ---------------------------------------------------------------- GPT-OSS's experts
+
+GPT_OSS = moe_mod.GatedActivation(interleaved=True, limit=7.0, alpha=1.702)
+GH, GI, GE = 24, 12, 10  # small enough for the interpreter's backward
+
+
+def _gpt_oss_weights(dtype, device="cpu", seed=0, experts=GE, hidden=GH, inter=GI):
+    """[E, H, 2I] and [E, I, H] weights with biases. The gate/up weights are scaled so
+    that a few percent of the gate/up outputs pass the clamp at 7."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(experts, hidden, 2 * inter, generator=g) * 3.5 / hidden ** 0.5)
+    down = torch.randn(experts, inter, hidden, generator=g) / inter ** 0.5
+    gate_up_bias = torch.randn(experts, 2 * inter, generator=g)
+    down_bias = torch.randn(experts, hidden, generator=g)
+    return [t.to(device=device, dtype=dtype) for t in (gate_up, down, gate_up_bias, down_bias)]
+
+
+def _gpt_oss_batch(n, dtype):
+    """_crowded_batch over GE experts, with GH features."""
+    x, index, weights = _crowded_batch([3, 9, 2, 5], n, dtype, experts=GE)
+    return x[:, :GH].contiguous(), index, weights
+
+
+def _gpt_oss(x, index, weights, params, **kw):
+    gate_up, down, gate_up_bias, down_bias = params
+    return moe_experts(x, index, weights, gate_up, down, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                       activation=GPT_OSS, transposed=True, **kw)
+
+
+def _gpt_oss_ref(x, index, weights, params):
+    gate_up, down, gate_up_bias, down_bias = params
+    return reference.moe_experts_ref(x, index, weights, gate_up, down, gate_up_bias=gate_up_bias,
+                                     down_bias=down_bias, interleaved=True, limit=7.0, alpha=1.702, transposed=True)
+
+
+def _gpt_oss_grads(x, index, weights, params, grad, backend="torch"):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, *params)]
+    _gpt_oss(leaves[0], index, leaves[1], leaves[2:], backend=backend).backward(grad)
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_gpt_oss_experts_a_tokens_output_and_dx_are_the_same_alone_and_in_a_crowded_batch(backend, dtype):
+    params = _gpt_oss_weights(dtype)
+    x, index, weights = _gpt_oss_batch(31, dtype)
+    with torch.no_grad():
+        gu = torch.einsum("th,thi->ti", x[:8].double(), params[0].double()[index[:8, 0]])
+    assert float(gu.abs().max()) > 7  # the clamp is reached
+    batched = _gpt_oss(x, index, weights, params, backend=backend)
+    for t in (0, 1, 17, 30):
+        alone = _gpt_oss(x[t:t + 1], index[t:t + 1], weights[t:t + 1], params, backend=backend)
+        assert torch.equal(alone[0], batched[t]), t
+    grad = torch.randn(31, GH, generator=torch.Generator().manual_seed(9)).to(dtype)
+    first = _gpt_oss_grads(x, index, weights, params, grad, backend)
+    assert all(torch.equal(a, b) for a, b in zip(first, _gpt_oss_grads(x, index, weights, params, grad, backend)))
+    alone = _gpt_oss_grads(x[:1], index[:1], weights[:1], params, grad[:1], backend)
+    assert torch.equal(alone[0][0], first[0][0]) and torch.equal(alone[1][0], first[1][0])
+    unused = sorted(set(range(GE)) - set(index.reshape(-1).tolist()))
+    assert unused and all(float(g[e].abs().max()) == 0 for g in first[2:] for e in unused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_experts_against_the_float64_reference(dtype):
+    params = _gpt_oss_weights(dtype)
+    x, index, weights = _gpt_oss_batch(64, dtype)
+    out = _gpt_oss(x, index, weights, params)
+    contract.check("moe", dtype, out, _gpt_oss_ref(x, index, weights, params))
+    # The stock SiLU formula on the same weights is another function: the test can fail.
+    gate_up, down, *_ = params
+    silu = moe_experts(x, index, weights, gate_up.mT.contiguous(), down.mT.contiguous())
+    assert float((silu.double() - out.double()).abs().max()) > 0.1
+
+
+def test_gpt_oss_experts_gradcheck_float64():
+    params = _gpt_oss_weights(torch.float64, experts=5, hidden=8, inter=4)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 8, generator=g, dtype=torch.float64)
+    index = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=g, dtype=torch.float64)
+    args = [t.clone().requires_grad_() for t in (x, weights, *params)]
+    assert torch.autograd.gradcheck(lambda a, w, *p: _gpt_oss(a, index, w, p), args)
+    # And against autograd of the float64 formula, the clamp reached.
+    grad = torch.randn(9, 8, generator=g, dtype=torch.float64)
+    ours = _gpt_oss_grads(x, index, weights, params, grad)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, *params)]
+    _gpt_oss_ref(leaves[0], index, leaves[1], leaves[2:]).backward(grad)
+    for a, b in zip(ours, leaves):
+        assert torch.allclose(a, b.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_gpt_oss_gradients_chain_into_main_grad(backend, dtype):
+    """main_grad on the transposed weights and the biases, in their own layout: the chains
+    continued from zero are the returned gradients' chains before their one rounding."""
+    params = _gpt_oss_weights(dtype)
+    x, index, weights = _gpt_oss_batch(20, dtype)
+    grad = torch.randn(20, GH, generator=torch.Generator().manual_seed(9)).to(dtype)
+    plain = _gpt_oss_grads(x, index, weights, params, grad, backend)
+    leaves = [t.clone().requires_grad_() for t in params]
+    for t in leaves:
+        t.main_grad = torch.zeros(t.shape)
+    _gpt_oss(x, index, weights, leaves, backend=backend).backward(grad)
+    for t, want in zip(leaves, plain[2:]):
+        assert t.grad is None
+        assert t.main_grad.dtype == torch.float32 and torch.equal(t.main_grad.to(dtype), want)
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (dict(gate_up_bias=torch.zeros(GE, 2 * GI + 1)), ValueError, r"gate_up_bias must be \(10, 24\)"),
+    (dict(down_bias=torch.zeros(GE - 1, GH)), ValueError, r"down_bias must be \(10, 24\)"),
+    (dict(down_bias=torch.zeros(GE, GH, dtype=torch.float64)), ValueError, "tensors must share one dtype"),
+    (dict(transposed=False), ValueError, r"down_proj must be \[E, H, I\]"),
+    (dict(transposed=1), TypeError, "transposed must be a bool"),
+    (dict(activation="swiglu"), TypeError, "activation must be a rlkernels.ops.moe.GatedActivation"),
+    (dict(activation=moe_mod.GatedActivation(limit=-1.0)), ValueError, "limit must be > 0"),
+    (dict(activation=moe_mod.GatedActivation(limit=7.0, alpha=float("nan"))), ValueError, "alpha must be a finite"),
+])
+def test_gpt_oss_bad_input_is_refused(change, err, match):
+    gate_up, down, gate_up_bias, down_bias = _gpt_oss_weights(torch.float32)
+    args = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, activation=GPT_OSS, transposed=True)
+    args.update(change)
+    with pytest.raises(err, match=match):
+        moe_experts(torch.randn(1, GH), torch.tensor([[0, 1]]), torch.ones(1, 2), gate_up, down, **args)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_crowded_batch_bitwise_and_deterministic_backward_gpu_bf16():

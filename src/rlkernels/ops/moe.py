@@ -39,11 +39,14 @@ canonical K-chain of its row alone, an expert's dW the chain over its tokens.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from . import _validate as V
-from .activations import silu_chain
+from .activations import sigmoid_chain, silu_chain
 from .matmul import gemm_backend_for, linear, main_grad_target
 from .reductions import ROW_BLOCK, TorchReductionBackend, TritonReductionBackend, reduction_backend_for
 from .softmax import softmax
@@ -210,14 +213,106 @@ def _silu(g: torch.Tensor) -> torch.Tensor:
     return silu_chain(g) if g.device.type == "cpu" else F.silu(g)
 
 
+def _sigmoid(g: torch.Tensor) -> torch.Tensor:
+    """sigmoid with per-element bits, as :func:`_silu`."""
+    return sigmoid_chain(g) if g.device.type == "cpu" else torch.sigmoid(g)
+
+
+@dataclass(frozen=True)
+class GatedActivation:
+    """How an expert's gate/up output gu [n, 2I] becomes its hidden state h [n, I].
+
+    ``interleaved``: gate and up alternate by column, the gate first (GPT-OSS); else the
+    gate is the first half (transformers' fused ``*Experts``). ``limit`` None:
+    h = silu(gate) * up. A float (GPT-OSS's clamped SwiGLU): gate = min(gate, limit),
+    up = clamp(up, -limit, limit), h = (up + 1) * (gate * sigmoid(gate * alpha)). Each op
+    rounds to gu's dtype as torch's elementwise op does; silu and sigmoid run the fixed
+    chains on the CPU."""
+
+    interleaved: bool = False
+    limit: float | None = None
+    alpha: float = 1.0
+
+    def split(self, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate [n, I], up [n, I]) views of gu [n, 2I]."""
+        if self.interleaved:
+            return gu[:, 0::2], gu[:, 1::2]
+        inter = gu.shape[1] // 2
+        return gu[:, :inter], gu[:, inter:]
+
+    def join(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """[n, 2I] with gate and up in :meth:`split`'s columns."""
+        if self.interleaved:
+            return torch.stack((gate, up), dim=-1).flatten(-2)
+        return torch.cat((gate, up), dim=-1)
+
+    def forward(self, gu: torch.Tensor) -> torch.Tensor:
+        """h [n, I] in gu's dtype."""
+        gate, up = self.split(gu)
+        if self.limit is None:
+            return _silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * _sigmoid(gate * self.alpha))
+
+    def backward(self, dh: torch.Tensor, gu: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d gu [n, 2I] in ``dtype``, h [n, I]) from dh [n, I] in the accumulator dtype:
+        elementwise, so a row's bits do not depend on which rows are beside it. A clamp
+        passes the gradient where its input lies within the bounds, ends included (torch's
+        clamp backward)."""
+        acc = dh.dtype
+        gate, up = self.split(gu)
+        h = self.forward(gu)
+        gf, uf = gate.to(acc), up.to(acc)
+        if self.limit is None:
+            sig = 1 / (1 + torch.exp(-gf))
+            d_gate = dh * uf * (sig * (1 + gf * (1 - sig)))
+            d_up = dh * _silu(gate).to(acc)
+        else:
+            gc, uc = gf.clamp(max=self.limit), uf.clamp(min=-self.limit, max=self.limit)
+            sig = 1 / (1 + torch.exp(-(gc * self.alpha)))
+            glu = gc * sig
+            d_gate = dh * (uc + 1) * (sig + self.alpha * glu * (1 - sig)) * (gf <= self.limit)
+            d_up = dh * glu * ((uf >= -self.limit) & (uf <= self.limit))
+        return self.join(d_gate, d_up).to(dtype), h
+
+
+SILU_GATE = GatedActivation()
+
+
+@dataclass(frozen=True)
+class _Experts:
+    """One layer's experts as the GEMMs read them: ``gate_up`` [E, 2I, H] and ``down`` [E, H, I]
+    (views of [E, H, 2I] and [E, I, H] parameters where those are transposed), the biases
+    [E, 2I] and [E, H] or None, and the activation."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    act: GatedActivation
+
+    @classmethod
+    def of(cls, gate_up, down, gate_up_bias, down_bias, act: GatedActivation, transposed: bool) -> "_Experts":
+        if transposed:
+            gate_up, down = gate_up.mT, down.mT
+        return cls(gate_up, down, gate_up_bias, down_bias, act)
+
+    @property
+    def fuses_silu_up(self) -> bool:
+        """The grouped gate/up launch can apply the activation in its epilogue (CUDA)."""
+        return self.act == SILU_GATE and self.gate_up_bias is None
+
+
 class _Routing:
     """The (token, rank) slots grouped by expert: slot s = t * k + r.
 
-    ``order``: the slots sorted by expert id, stably (ascending slot, hence ascending
-    token, within an expert); ``slot_end`` [E] on the device: where each expert's sorted
-    slots end (a search in the sorted ids: no count is read on the host, so the grouped
-    forward launches without a sync). ``counts`` and ``inverse`` are worked out when first
-    asked for: the per-expert loops (the torch backend) read the counts on the host.
+    ``ids``: each slot's expert; ``order``: the slots sorted by expert id, stably
+    (ascending slot, hence ascending token, within an expert); ``sorted_ids``: the expert
+    of each sorted slot; ``slot_end`` [E] on the device: where each expert's sorted slots
+    end (a search in the sorted ids: no count is read on the host, so the grouped forward
+    launches without a sync). ``counts`` and ``inverse`` are worked out when first asked
+    for: the per-expert loops (the torch backend) read the counts on the host.
 
     The expert ids are range-checked before any launch wherever they can be read back
     (one sync); during a CUDA-graph capture or a torch.compile trace they cannot, and are
@@ -233,13 +328,19 @@ class _Routing:
                 k = index.shape[1]
                 raise ValueError(f"rlkernels.{op}: top_k_index[{i // k}, {i % k}] = {int(flat[i])} is not an "
                                  f"expert id in [0, {num_experts})")
-        sorted_ids, self.order = torch.sort(flat, stable=True)
-        experts = torch.arange(num_experts, device=flat.device, dtype=sorted_ids.dtype)
-        self.slot_end = torch.searchsorted(sorted_ids, experts, right=True)
+        self.ids = flat
+        self.sorted_ids, self.order = torch.sort(flat, stable=True)
+        experts = torch.arange(num_experts, device=flat.device, dtype=self.sorted_ids.dtype)
+        self.slot_end = torch.searchsorted(self.sorted_ids, experts, right=True)
         self.k = index.shape[1]
         self.slots = flat.numel()
         self._counts: list[int] | None = None
         self._inverse: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The token of each sorted slot."""
+        return self.order // self.k
 
     @property
     def counts(self) -> list[int]:
@@ -295,225 +396,184 @@ def sum_ranks(slots: torch.Tensor, weights: torch.Tensor | None, out_dtype: torc
     return out.to(out_dtype)
 
 
-def experts_forward(gemm_backend, x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, routing: _Routing, keep: bool, out_dtype: torch.dtype):
+def experts_forward(gemm_backend, x: torch.Tensor, weights: torch.Tensor, p: _Experts, routing: _Routing,
+                    keep: bool, out_dtype: torch.dtype, grouped: bool):
     """The output [T, H] (the fp32 combine, rounded once to ``out_dtype``) and, with
-    ``keep``, what the backward reads: (gate_up outputs in sorted slot order [T*k, 2I] in
-    x's dtype, y in slot order [T*k, H] fp32).
+    ``keep``, what the backward reads: (gate_up outputs, bias added, in sorted slot order
+    [T*k, 2I] in x's dtype, y in slot order [T*k, H] fp32).
 
-    The Triton backend runs each projection as one grouped launch over all experts
-    (:func:`grouped_experts_forward`), the torch backend one GEMM per expert
-    (:func:`per_expert_forward`); a slot's bits are the same either way."""
-    if gemm_backend.name == "triton":
-        y, gu_sorted = grouped_experts_forward(x, gate_up, down, routing, keep)
-    else:
-        y, gu_sorted = per_expert_forward(gemm_backend, x, gate_up, down, routing, keep)
-    T, H = x.shape
-    out = sum_ranks(y.view(T, routing.k, H), weights, out_dtype, fused=gemm_backend.name == "triton")
-    return out, (gu_sorted, y if keep else None)
-
-
-def per_expert_forward(gemm_backend, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                       routing: _Routing, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y in slot order [T*k, H] fp32, gate_up outputs in sorted slot order or None): three
-    GEMMs per expert that received tokens, the counts read on the host."""
-    T, H = x.shape
-    k = routing.k
-    inter = down.shape[2]
+    gate_up: each slot's row of x times its expert's weight, rounded to x's dtype, plus the
+    expert's bias (an add in x's dtype, as ``x @ W + b`` rounds); the activation; down in
+    fp32, plus its bias in fp32. ``grouped`` (the Triton backend) runs each projection as
+    one grouped launch over all experts, else one GEMM per expert that received tokens
+    (the counts read on the host); a slot's bits are the same either way. On CUDA the
+    grouped gate/up launch applies ``silu(gate) * up`` itself where the experts are the
+    stock SiLU ones without a bias (the bits of ATen's silu and mul, which ``_silu`` runs
+    there). Under the interpreter ``_silu``'s CPU chain uses torch's exp, which the
+    interpreter's numpy exp does not match bit for bit, so h is made from the stored
+    gate_up outputs there."""
     acc = accumulator_dtype(x.dtype)
-    rows = x.index_select(0, routing.order // k)  # token of each sorted slot
-    y_sorted = torch.empty(T * k, H, dtype=acc, device=x.device)
-    gu_sorted = torch.empty(T * k, 2 * inter, dtype=x.dtype, device=x.device) if keep else None
+    if grouped and x.is_cuda and p.fuses_silu_up:
+        h, gu_sorted = grouped_gemm(x, p.gate_up, routing.slot_end, routing.slots, a_rows=routing.tokens,
+                                    silu_up=True, keep_gate_up=keep, config=grouped_config(routing.slots, x.dtype))
+    else:
+        gu_sorted = _gate_up(gemm_backend, x, p, routing, grouped)
+        h = p.act.forward(gu_sorted)
+    y = _down(gemm_backend, h, p.down, routing, grouped)
+    if p.down_bias is not None:
+        y = y + p.down_bias.to(acc).index_select(0, routing.ids)
+    T, H = x.shape
+    out = sum_ranks(y.view(T, routing.k, H), weights, out_dtype, fused=grouped)
+    return out, (gu_sorted if keep else None, y if keep else None)
+
+
+def _gate_up(gemm_backend, x: torch.Tensor, p: _Experts, routing: _Routing, grouped: bool) -> torch.Tensor:
+    """gu in sorted slot order [T*k, 2I], x's dtype, the experts' biases added."""
+    if grouped:
+        # A's row of a sorted slot is its token's row of x, gathered in the kernel.
+        gu, _ = grouped_gemm(x, p.gate_up, routing.slot_end, routing.slots, a_rows=routing.tokens,
+                             config=grouped_config(routing.slots, x.dtype))
+    else:
+        rows = x.index_select(0, routing.tokens)
+        gu = torch.empty(routing.slots, p.gate_up.shape[1], dtype=x.dtype, device=x.device)
+        for e, s0, s1 in routing.spans():
+            gu[s0:s1] = gemm_backend.gemm(rows[s0:s1], p.gate_up[e], b_transposed=True)
+    if p.gate_up_bias is not None:
+        gu = gu + p.gate_up_bias.index_select(0, routing.sorted_ids)
+    return gu
+
+
+def _down(gemm_backend, h: torch.Tensor, down: torch.Tensor, routing: _Routing, grouped: bool) -> torch.Tensor:
+    """y = h @ down_e^T in (token, rank) slot order [T*k, H], fp32: the canonical chain's
+    sums, rounded once after the combine, not here."""
+    acc = accumulator_dtype(h.dtype)
+    if grouped:  # each sorted slot's row is written straight to its (token, rank) slot
+        y, _ = grouped_gemm(h, down, routing.slot_end, routing.slots, c_rows=routing.order, out_dtype=acc,
+                            config=grouped_config(routing.slots, h.dtype))
+        return y
+    y_sorted = torch.empty(routing.slots, down.shape[1], dtype=acc, device=h.device)
     for e, s0, s1 in routing.spans():
-        gu = gemm_backend.gemm(rows[s0:s1], gate_up[e], b_transposed=True)
-        if keep:
-            gu_sorted[s0:s1] = gu
-        h = _silu(gu[:, :inter]) * gu[:, inter:]
-        # fp32 out: the canonical chain's sums, rounded once after the combine, not here.
-        y_sorted[s0:s1] = gemm_backend.gemm(h, down[e], b_transposed=True, out_dtype=acc)
-    return y_sorted.index_select(0, routing.inverse), gu_sorted  # back to (token, rank) slots: a gather
+        y_sorted[s0:s1] = gemm_backend.gemm(h[s0:s1], down[e], b_transposed=True, out_dtype=acc)
+    return y_sorted.index_select(0, routing.inverse)  # back to (token, rank) slots: a gather
 
 
-def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, routing: _Routing,
-                            keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`per_expert_forward`'s results from two grouped launches and no host sync.
-
-    gate_up: A's row of a sorted slot is its token's row of x, gathered in the kernel (no
-    [T*k, H] copy). On CUDA the same launch applies ``silu(gate) * up`` (the bits of
-    ATen's silu and mul, which ``_silu`` runs there) and writes h once; under the
-    interpreter ``_silu``'s CPU chain uses torch's exp, which the interpreter's numpy exp
-    does not match bit for bit, so h is made from the stored gate_up outputs as in the
-    per-expert loop. down: each sorted slot's row is written straight to its (token, rank)
-    slot, fp32 (no gather through the inverse permutation)."""
-    k, slots = routing.k, routing.slots
-    inter = down.shape[2]
-    acc = accumulator_dtype(x.dtype)
-    cfg = grouped_config(slots, x.dtype)
-    tokens = routing.order // k
-    if x.is_cuda:
-        h, gu_sorted = grouped_gemm(x, gate_up, routing.slot_end, slots, a_rows=tokens, silu_up=True,
-                                    keep_gate_up=keep, config=cfg)
-    else:
-        gu_sorted, _ = grouped_gemm(x, gate_up, routing.slot_end, slots, a_rows=tokens, config=cfg)
-        h = _silu(gu_sorted[:, :inter]) * gu_sorted[:, inter:]
-        if not keep:
-            gu_sorted = None
-    y, _ = grouped_gemm(h, down, routing.slot_end, slots, c_rows=routing.order, out_dtype=acc, config=cfg)
-    return y, gu_sorted
-
-
-def _expert_grads(param: torch.Tensor, need: bool, grouped: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _expert_grads(op: str, param: torch.Tensor | None, need: bool, grouped: bool, what: str
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(the .grad to return or None, the fp32 main_grad to accumulate into or None). The
     grouped weight gradient writes every expert's slice, zeros where no token came; the
     per-expert loop writes only the experts that received tokens, so its .grad starts zeroed."""
-    if not need:
+    if not need or param is None:
         return None, None
-    main = main_grad_target("moe_experts", param, tuple(param.shape), "expert weight")
+    main = main_grad_target(op, param, tuple(param.shape), what)
     if main is not None:
         return None, main
     return (torch.empty_like(param) if grouped else torch.zeros_like(param)), None
 
 
-def _weight_grad(gemm_backend, dy: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor | None,
-                 main: torch.Tensor | None, e: int) -> None:
-    """dW_e = dy^T @ rows: reduced over the expert's tokens in ascending token order, fp32,
-    rounded once into ``grad[e]`` or accumulated into ``main[e]``."""
-    if main is not None:
-        gemm_backend.gemm(dy.t(), rows, out=main[e], accumulate=True)
-    elif grad is not None:
-        grad[e].copy_(gemm_backend.gemm(dy.t(), rows, out_dtype=grad.dtype))
+def _weight_grads(gemm_backend, a: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor | None, routing: _Routing,
+                  grad: torch.Tensor | None, main: torch.Tensor | None, grouped: bool) -> None:
+    """dW_e = a[slots of e]^T @ b[rows of those slots] for every expert: the canonical chain
+    over the expert's slots ascending (its tokens in order), fp32, rounded once into
+    ``grad[e]`` or continuing ``main[e]``'s chain. ``grouped``: one launch
+    (``gemm.grouped.grouped_wgrad``, b's rows read through ``b_rows`` in the kernel; an
+    expert with no token gets zeros or keeps main's values); else one GEMM per expert that
+    received tokens, the same chains."""
+    if grouped:
+        if main is not None:
+            grouped_wgrad(a, b, routing.slot_end, b_rows=b_rows, out=main, accumulate=True)
+        else:
+            grouped_wgrad(a, b, routing.slot_end, b_rows=b_rows, out=grad)
+        return
+    rows = b if b_rows is None else b.index_select(0, b_rows)
+    for e, s0, s1 in routing.spans():
+        if main is not None:
+            gemm_backend.gemm(a[s0:s1].t(), rows[s0:s1], out=main[e], accumulate=True)
+        else:
+            grad[e].copy_(gemm_backend.gemm(a[s0:s1].t(), rows[s0:s1], out_dtype=grad.dtype))
 
 
-def _silu_backward(dh: torch.Tensor, gu: torch.Tensor, inter: int, acc: torch.dtype,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d gate_up [n, 2I] in ``dtype``, silu(gate) [n, I]) from dh [n, I] fp32 and the kept
-    gate/up outputs: elementwise, so a row's bits do not depend on which rows are beside it."""
-    gate, up = gu[:, :inter], gu[:, inter:]
-    act = _silu(gate)
-    gf = gate.to(acc)
-    sig = 1 / (1 + torch.exp(-gf))
-    d_gate = dh * up.to(acc) * (sig * (1 + gf * (1 - sig)))
-    d_up = dh * act.to(acc)
-    return torch.cat([d_gate, d_up], dim=-1).to(dtype), act
+def _bias_grads(gemm_backend, d: torch.Tensor, routing: _Routing, grad: torch.Tensor | None,
+                main: torch.Tensor | None, grouped: bool) -> None:
+    """d bias_e = the sum of d's rows over the expert's slots: :func:`_weight_grads` against a
+    column of ones, so the same chain over the same tokens."""
+    ones = d.new_ones(routing.slots, 1)
+    _weight_grads(gemm_backend, d, ones, None, routing, None if grad is None else grad[..., None],
+                  None if main is None else main[..., None], grouped)
 
 
-def experts_backward(gemm_backend, g: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor, gu_sorted: torch.Tensor, routing: _Routing,
-                     needs: tuple[bool, bool, bool], grouped: bool):
-    """(dX [T, H] or None, d gate_up or None, d down or None) from g = dOut [T, H] fp32;
-    ``needs``: (dX, d gate_up, d down). The weights' gradients are returned where the
-    parameter has no ``main_grad``; with one they are accumulated into it (None returned).
+def experts_backward(gemm_backend, g: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, p: _Experts,
+                     gu_sorted: torch.Tensor, routing: _Routing, needs: tuple[bool, ...], grads, grouped: bool
+                     ) -> torch.Tensor | None:
+    """dX [T, H] or None from g = dOut [T, H] fp32, and the weight and bias gradients written
+    into ``grads``: (grad, main) pairs for gate_up, down, gate_up_bias, down_bias, in the
+    orientation of ``p``'s views. ``needs``: (dX, d gate_up, d down, d gate_up_bias,
+    d down_bias).
 
-    ``grouped`` (the Triton backend, :func:`grouped_backward`): dh, dX and each weight
-    gradient one grouped launch over all experts, the silu backward elementwise over all
-    slots at once, dX written straight to the (token, rank) slots; no count is read on the
-    host. Else (:func:`per_expert_backward`) one GEMM per expert. A slot's dh and dX rows
-    and an expert's dW are the same canonical chains on either path, so the bits are the
-    same."""
-    need_x, need_gu, need_down = needs
+    dh = dY @ down_e and dX = d gu @ gate_up_e run like the forward's GEMMs (grouped: one
+    launch each, dX rows straight to their (token, rank) slots, B read through the
+    transposed views ``down.mT`` and ``gate_up.mT``, no copy of a weight); the activation's
+    backward is elementwise over all slots at once; each weight gradient is a chain over
+    its expert's tokens ascending (:func:`_weight_grads`). No count is read on the host on
+    the grouped path. A slot's rows and an expert's gradients are the same chains on either
+    path, so the bits are the same."""
+    need_x, need_gu, need_down, need_gu_bias, need_down_bias = needs
+    (grad_gu, main_gu), (grad_down, main_down), (grad_gub, main_gub), (grad_db, main_db) = grads
     T, H = x.shape
-    k = routing.k
+    k, slots = routing.k, routing.slots
     acc = accumulator_dtype(x.dtype)
     # d out / d y_{t,r} = w_{t,r} g_t, rounded to x's dtype as a linear's dY is.
     dy_slots = (weights.to(acc)[:, :, None] * g[:, None, :]).view(T * k, H)
     dy_sorted = dy_slots.index_select(0, routing.order).to(x.dtype)
-    grad_gu, main_gu = _expert_grads(gate_up, need_gu, grouped)
-    grad_down, main_down = _expert_grads(down, need_down, grouped)
-    run = grouped_backward if grouped else per_expert_backward
-    dx_slots = run(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routing, needs,
-                   (grad_gu, main_gu, grad_down, main_down))
-    grad_x = sum_ranks(dx_slots.view(T, k, H), None, x.dtype, fused=grouped) if need_x else None
-    return grad_x, grad_gu, grad_down
-
-
-def per_expert_backward(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routing, needs, grads):
-    """dX per slot in (token, rank) slot order [T*k, H] fp32 (None without ``needs[0]``), and
-    the weight gradients into ``grads``: per expert that received tokens, dh = dY @ down_e
-    (``rlkernels.matmul(dy, down[e])``'s chain, fp32), the silu backward, dX = d gate_up @
-    gate_up_e (``rlkernels.matmul(dgu, gate_up[e])``'s chain, fp32), dW over its tokens."""
-    need_x, need_gu, need_down = needs
-    grad_gu, main_gu, grad_down, main_down = grads
-    k = routing.k
-    inter = down.shape[2]
-    acc = accumulator_dtype(x.dtype)
-    rows = x.index_select(0, routing.order // k) if need_gu else None
-    dx_sorted = torch.empty(routing.slots, x.shape[1], dtype=acc, device=x.device) if need_x else None
-    for e, s0, s1 in routing.spans():
-        dy = dy_sorted[s0:s1]
-        gu = gu_sorted[s0:s1]
-        if need_down:
-            _weight_grad(gemm_backend, dy, _silu(gu[:, :inter]) * gu[:, inter:], grad_down, main_down, e)
-        if not (need_x or need_gu):
-            continue
-        dh = gemm_backend.gemm(dy, down[e], out_dtype=acc)  # [n, I]
-        dgu, _ = _silu_backward(dh, gu, inter, acc, x.dtype)
-        if need_gu:
-            _weight_grad(gemm_backend, dgu, rows[s0:s1], grad_gu, main_gu, e)
-        if need_x:
-            dx_sorted[s0:s1] = gemm_backend.gemm(dgu, gate_up[e], out_dtype=acc)
-    # Experts nobody chose leave no slot; every slot of a token holds its expert's dX.
-    return dx_sorted.index_select(0, routing.inverse) if need_x else None
-
-
-def grouped_backward(gemm_backend, x, gate_up, down, gu_sorted, dy_sorted, routing, needs, grads):
-    """:func:`per_expert_backward`'s results from one grouped launch per GEMM, no count read
-    on the host.
-
-    The grouped kernel reads B through its strides, so the transposed views
-    ``down.mT`` [E, I, H] and ``gate_up.mT`` [E, H, 2I] make it compute dY @ down_e and
-    d gate_up @ gate_up_e -- the per-expert GEMMs' operands in the per-expert GEMMs'
-    orientation, no copy of a weight. dX rows go straight to their (token, rank) slots.
-    The weight gradients (``gemm.grouped.grouped_wgrad``): d down_e = dY^T @ h and
-    d gate_up_e = dgu^T @ x over the expert's slots, x's rows read through the slots'
-    tokens in the kernel (no [T*k, H] gather): the per-expert loop's chains over each
-    expert's tokens ascending."""
-    need_x, need_gu, need_down = needs
-    grad_gu, main_gu, grad_down, main_down = grads
-    k, slots = routing.k, routing.slots
-    inter = down.shape[2]
-    acc = accumulator_dtype(x.dtype)
-    cfg = grouped_config(slots, x.dtype)
-    dgu = act = None
-    if need_x or need_gu:
-        dh, _ = grouped_gemm(dy_sorted, down.mT, routing.slot_end, slots, out_dtype=acc, config=cfg)
-        dgu, act = _silu_backward(dh, gu_sorted, inter, acc, x.dtype)
+    dgu = h = None
+    if need_x or need_gu or need_gu_bias:
+        if grouped:
+            dh, _ = grouped_gemm(dy_sorted, p.down.mT, routing.slot_end, slots, out_dtype=acc,
+                                 config=grouped_config(slots, x.dtype))
+        else:
+            dh = torch.empty(slots, p.down.shape[2], dtype=acc, device=x.device)
+            for e, s0, s1 in routing.spans():
+                dh[s0:s1] = gemm_backend.gemm(dy_sorted[s0:s1], p.down[e], out_dtype=acc)
+        dgu, h = p.act.backward(dh, gu_sorted, x.dtype)
     if need_down:
-        if act is None:
-            act = _silu(gu_sorted[:, :inter])
-        _grouped_weight_grad(dy_sorted, act * gu_sorted[:, inter:], None, routing, grad_down, main_down)
+        _weight_grads(gemm_backend, dy_sorted, p.act.forward(gu_sorted) if h is None else h, None, routing,
+                      grad_down, main_down, grouped)
+    if need_down_bias:
+        _bias_grads(gemm_backend, dy_sorted, routing, grad_db, main_db, grouped)
     if need_gu:
-        _grouped_weight_grad(dgu, x, routing.order // k, routing, grad_gu, main_gu)
+        _weight_grads(gemm_backend, dgu, x, routing.tokens, routing, grad_gu, main_gu, grouped)
+    if need_gu_bias:
+        _bias_grads(gemm_backend, dgu, routing, grad_gub, main_gub, grouped)
     if not need_x:
         return None
-    dx, _ = grouped_gemm(dgu, gate_up.mT, routing.slot_end, slots, c_rows=routing.order, out_dtype=acc, config=cfg)
-    return dx
-
-
-def _grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor | None, routing: _Routing,
-                         grad: torch.Tensor | None, main: torch.Tensor | None) -> None:
-    """dW_e = a[slots of e]^T @ b[rows of those slots] for every expert in one launch: rounded
-    once into ``grad`` (zeros for an expert with no token) or continuing ``main``'s chain
-    (an expert with no token keeps its value), as :func:`_weight_grad` does per expert."""
-    if main is not None:
-        grouped_wgrad(a, b, routing.slot_end, b_rows=b_rows, out=main, accumulate=True)
+    if grouped:
+        dx, _ = grouped_gemm(dgu, p.gate_up.mT, routing.slot_end, slots, c_rows=routing.order, out_dtype=acc,
+                             config=grouped_config(slots, x.dtype))
     else:
-        grouped_wgrad(a, b, routing.slot_end, b_rows=b_rows, out=grad)
+        dx_sorted = torch.empty(slots, H, dtype=acc, device=x.device)
+        for e, s0, s1 in routing.spans():
+            dx_sorted[s0:s1] = gemm_backend.gemm(dgu[s0:s1], p.gate_up[e], out_dtype=acc)
+        # Experts nobody chose leave no slot; every slot of a token holds its expert's dX.
+        dx = dx_sorted.index_select(0, routing.inverse)
+    # A token's dX: the fp32 sum of its k slots, ascending rank, rounded once.
+    return sum_ranks(dx.view(T, k, H), None, x.dtype, fused=grouped)
 
 
 class _MoeExpertsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, gate_up, down, routing, gemm_backend, out_dtype):  # type: ignore[override]
-        out, (gu_sorted, y) = experts_forward(gemm_backend, x, weights, gate_up, down, routing, keep=True,
-                                              out_dtype=out_dtype)
-        ctx.save_for_backward(x, weights, gate_up, down, gu_sorted, y)
-        ctx.routing, ctx.gemm_backend = routing, gemm_backend
+    def forward(ctx, x, weights, gate_up, down, gate_up_bias, down_bias, routing, gemm_backend,  # type: ignore[override]
+                out_dtype, act, transposed):
+        p = _Experts.of(gate_up, down, gate_up_bias, down_bias, act, transposed)
+        out, (gu_sorted, y) = experts_forward(gemm_backend, x, weights, p, routing, keep=True, out_dtype=out_dtype,
+                                              grouped=gemm_backend.name == "triton")
+        ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias, gu_sorted, y)
+        ctx.routing, ctx.gemm_backend, ctx.act, ctx.transposed = routing, gemm_backend, act, transposed
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        x, weights, gate_up, down, gu_sorted, y = ctx.saved_tensors
-        routing, gemm_backend = ctx.routing, ctx.gemm_backend
-        need_x, need_w, need_gu, need_down = ctx.needs_input_grad[:4]
+        x, weights, gate_up, down, gate_up_bias, down_bias, gu_sorted, y = ctx.saved_tensors
+        routing, gemm_backend, transposed = ctx.routing, ctx.gemm_backend, ctx.transposed
+        need_x, need_w, *need_params = ctx.needs_input_grad[:6]
         T, H = x.shape
         k = routing.k
         g = grad_out.to(accumulator_dtype(x.dtype))
@@ -523,18 +583,33 @@ class _MoeExpertsFunction(torch.autograd.Function):
             reduce = _REDUCTIONS[gemm_backend.name]
             g_slots = g[:, None, :].expand(T, k, H).reshape(T * k, H)
             grad_w = reduce.row_dot(g_slots, y).view(T, k).to(weights.dtype)
-        grad_x = grad_gu = grad_down = None
-        if need_x or need_gu or need_down:
-            grad_x, grad_gu, grad_down = experts_backward(
-                gemm_backend, g, x, weights, gate_up, down, gu_sorted, routing, (need_x, need_gu, need_down),
-                grouped=gemm_backend.name == "triton")
-        return grad_x, grad_w, grad_gu, grad_down, None, None, None
+        grouped = gemm_backend.name == "triton"
+        params = (gate_up, down, gate_up_bias, down_bias)
+        names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+        raw = [_expert_grads("moe_experts", t, need, grouped, name)
+               for t, need, name in zip(params, need_params, names)]
+        # The weights' gradients are written through the views the GEMMs read.
+        views = [tuple(None if t is None else (t.mT if transposed and i < 2 else t) for t in pair)
+                 for i, pair in enumerate(raw)]
+        grad_x = None
+        if need_x or any(need_params):
+            p = _Experts.of(gate_up, down, gate_up_bias, down_bias, ctx.act, transposed)
+            grad_x = experts_backward(gemm_backend, g, x, weights, p, gu_sorted, routing,
+                                      (need_x, *(n and t is not None for n, t in zip(need_params, params))),
+                                      views, grouped)
+        return (grad_x, grad_w, *(pair[0] for pair in raw), None, None, None, None, None)
 
 
-def validate_moe_experts(op: str, x, index, weights, gate_up, down) -> None:
+def validate_moe_experts(op: str, x, index, weights, gate_up, down, gate_up_bias=None, down_bias=None,
+                         transposed: bool = False) -> None:
     for name, t in (("hidden_states", x), ("top_k_index", index), ("top_k_weights", weights),
                     ("gate_up_proj", gate_up), ("down_proj", down)):
         V.require_tensor(op, name, t)
+    for name, t in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if t is not None:
+            V.require_tensor(op, name, t)
+            V.require_float(op, name, t)
+            V.require_ndim(op, name, t, 2, 2)
     V.require_float(op, "hidden_states", x)
     V.require_float(op, "gate_up_proj", gate_up)
     V.require_float(op, "down_proj", down)
@@ -543,19 +618,28 @@ def validate_moe_experts(op: str, x, index, weights, gate_up, down) -> None:
     V.require_ndim(op, "gate_up_proj", gate_up, 3, 3)
     V.require_ndim(op, "down_proj", down, 3, 3)
     V.require_ndim(op, "top_k_index", index, 2, 2)
+    biases = {n: t for n, t in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)) if t is not None}
     V.require_same_device(op, hidden_states=x, top_k_index=index, top_k_weights=weights, gate_up_proj=gate_up,
-                          down_proj=down)
-    V.require_same_dtype(op, hidden_states=x, gate_up_proj=gate_up, down_proj=down)
+                          down_proj=down, **biases)
+    V.require_same_dtype(op, hidden_states=x, gate_up_proj=gate_up, down_proj=down, **biases)
     if index.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"rlkernels.{op}: top_k_index must be int64 or int32, got {index.dtype}")
     T, H = x.shape
-    E, two_i, h_in = gate_up.shape
+    if transposed:
+        E, h_in, two_i = gate_up.shape
+        layout, down_want = "[E, H, 2 * I]", (E, two_i // 2, H)
+    else:
+        E, two_i, h_in = gate_up.shape
+        layout, down_want = "[E, 2 * I, H]", (E, H, two_i // 2)
     if h_in != H or two_i % 2:
-        raise ValueError(f"rlkernels.{op}: gate_up_proj must be [E, 2 * I, H] with H = {H} (hidden_states' last "
+        raise ValueError(f"rlkernels.{op}: gate_up_proj must be {layout} with H = {H} (hidden_states' last "
                          f"dim), got {tuple(gate_up.shape)}")
-    if tuple(down.shape) != (E, H, two_i // 2):
-        raise ValueError(f"rlkernels.{op}: down_proj must be [E, H, I] = {(E, H, two_i // 2)} to match "
-                         f"gate_up_proj {tuple(gate_up.shape)}, got {tuple(down.shape)}")
+    if tuple(down.shape) != down_want:
+        raise ValueError(f"rlkernels.{op}: down_proj must be {'[E, I, H]' if transposed else '[E, H, I]'} = "
+                         f"{down_want} to match gate_up_proj {tuple(gate_up.shape)}, got {tuple(down.shape)}")
+    for name, t, want in (("gate_up_bias", gate_up_bias, (E, two_i)), ("down_bias", down_bias, (E, H))):
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(f"rlkernels.{op}: {name} must be {want} (one row per expert), got {tuple(t.shape)}")
     if index.shape[0] != T or tuple(weights.shape) != tuple(index.shape):
         raise ValueError(f"rlkernels.{op}: top_k_index and top_k_weights must both be [T, k] with T = {T}, got "
                          f"{tuple(index.shape)} and {tuple(weights.shape)}")
@@ -564,26 +648,55 @@ def validate_moe_experts(op: str, x, index, weights, gate_up, down) -> None:
                          "in gate_up_proj)")
 
 
+def _check_activation(op: str, activation: object) -> GatedActivation:
+    if not isinstance(activation, GatedActivation):
+        raise TypeError(f"rlkernels.{op}: activation must be a rlkernels.ops.moe.GatedActivation, got {activation!r}")
+    limit, alpha = activation.limit, activation.alpha
+    for name, value in (("limit", limit), ("alpha", alpha)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise ValueError(f"rlkernels.{op}: the activation's {name} must be a finite number, got {value!r}")
+    if limit is not None and limit <= 0:
+        raise ValueError(f"rlkernels.{op}: the activation's limit must be > 0, got {limit!r}")
+    return activation
+
+
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-                check_ids: bool = True, backend: str | None = None) -> torch.Tensor:
-    """sum_r w[t, r] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, r]: [T, H].
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, activation: GatedActivation = SILU_GATE,
+                transposed: bool = False, out_dtype: torch.dtype | None = None, check_ids: bool = True,
+                backend: str | None = None) -> torch.Tensor:
+    """sum_r w[t, r] * (down_e(act(gate_up_e(x_t))) + down_bias_e), e = top_k_index[t, r]: [T, H].
 
     hidden_states [T, H] (bf16/fp16/fp32; fp64 on the torch backend); top_k_index [T, k]
     int64/int32 expert ids (a token's k ids distinct, as a top-k gives them); top_k_weights
-    [T, k] (any float dtype, used in fp32); gate_up_proj [E, 2I, H] (rows [0, I) the gate,
-    [I, 2I) the up projection: transformers' fused ``*Experts`` layout); down_proj [E, H, I].
-    The combine is fp32 in ascending rank order, rounded once to ``out_dtype`` (default
-    hidden_states' dtype; fp32 keeps it unrounded so a block can add a shared expert
-    first). A token's output is a function of its own row, ids and weights alone.
-    Autograd to hidden_states, top_k_weights and both weights (``main_grad`` honoured).
-    ``check_ids``: range-check the ids before any launch (one read back from the device);
-    False where they come from :func:`moe_topk`, which only gives ids in [0, E) -- an id
-    outside it then gives its slot garbage, never an access outside the tensors.
+    [T, k] (any float dtype, used in fp32); gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    (transformers' fused ``*Experts`` layout), or with ``transposed`` [E, H, 2I] and
+    [E, I, H] (GPT-OSS: ``x @ W[e]``); gate_up_bias [E, 2I] and down_bias [E, H] or None.
+    ``activation`` (:class:`GatedActivation`): where the gate and up columns sit and the
+    formula; the default is ``silu(gate) * up`` with the gate in the first half.
+
+    gate_up_e(x) is the canonical chain rounded to x's dtype, then its bias added in x's
+    dtype; down_e in fp32 plus its bias in fp32. The combine is fp32 in ascending rank
+    order, rounded once to ``out_dtype`` (default hidden_states' dtype; fp32 keeps it
+    unrounded so a block can add a shared expert first). A token's output is a function of
+    its own row, ids and weights alone. Autograd to hidden_states, top_k_weights, both
+    weights and both biases (``main_grad`` honoured). ``check_ids``: range-check the ids
+    before any launch (one read back from the device); False where they come from
+    :func:`moe_topk`, which only gives ids in [0, E) -- an id outside it then gives its
+    slot garbage, never an access outside the tensors.
     """
     op = "moe_experts"
-    validate_moe_experts(op, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    if not isinstance(transposed, bool):
+        raise TypeError(f"rlkernels.{op}: transposed must be a bool, got {transposed!r}")
+    activation = _check_activation(op, activation)
+    validate_moe_experts(op, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                         down_bias, transposed)
     hidden_states, gate_up_proj, down_proj = V.autocast(hidden_states, gate_up_proj, down_proj)
+    if gate_up_bias is not None:
+        gate_up_bias = gate_up_bias.to(hidden_states.dtype)
+    if down_bias is not None:
+        down_bias = down_bias.to(hidden_states.dtype)
     out_dtype = out_dtype or hidden_states.dtype
     if out_dtype not in V.FLOAT_DTYPES_WITH_FP64:
         raise ValueError(f"rlkernels.{op}: out_dtype must be a float dtype, got {out_dtype}")
@@ -591,18 +704,19 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     V.refuse_interpreted_bf16(op, gemm_backend.name, hidden_states)
     if hidden_states.dtype == torch.float64 and gemm_backend.name == "triton":
         raise ValueError(f"rlkernels.{op}: float64 runs on the torch backend only (RLKERNELS_BACKEND=torch)")
+    params = [t for t in (gate_up_proj, down_proj, gate_up_bias, down_bias) if t is not None]
     T, H = hidden_states.shape
     if T == 0:
-        zero = (hidden_states.sum() + top_k_weights.sum() + gate_up_proj.sum() + down_proj.sum()) * 0
+        zero = (hidden_states.sum() + top_k_weights.sum() + sum(t.sum() for t in params)) * 0
         return zero.to(out_dtype).expand(0, H).clone()
     routing = _Routing(top_k_index.long(), gate_up_proj.shape[0], op, check=check_ids)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, gate_up_proj,
-                                                                  down_proj)):
-        return _MoeExpertsFunction.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, routing,
-                                         gemm_backend, out_dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, *params)):
+        return _MoeExpertsFunction.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                                         down_bias, routing, gemm_backend, out_dtype, activation, transposed)
     # Inference (scoring, decode): the Function's forward without keeping what the backward reads.
-    out, _ = experts_forward(gemm_backend, hidden_states, top_k_weights, gate_up_proj, down_proj, routing, keep=False,
-                             out_dtype=out_dtype)
+    p = _Experts.of(gate_up_proj, down_proj, gate_up_bias, down_bias, activation, transposed)
+    out, _ = experts_forward(gemm_backend, hidden_states, top_k_weights, p, routing, keep=False, out_dtype=out_dtype,
+                             grouped=gemm_backend.name == "triton")
     return out
 
 

@@ -47,6 +47,16 @@ def _build(kind: str, **over) -> torch.nn.Module:
     elif kind == "olmo2":  # post-norms, q/k norms over all heads, its own RMSNorm order
         model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
             **DENSE, pad_token_id=0, bos_token_id=1, eos_token_id=2, **over))
+    elif kind == "gpt_oss":  # sinks, biased projections, YaRN's table, windows of 8, its MoE MLP
+        config = transformers.GptOssConfig(**{**DENSE, "hidden_size": 64}, head_dim=16, num_local_experts=8,
+                                           num_experts_per_tok=2, sliding_window=8,
+                                           layer_types=["sliding_attention", "full_attention"], **over)
+        model = transformers.GptOssForCausalLM(config)
+        model.config._experts_implementation = "eager"  # the float64 reference (grouped_mm takes no float64)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("sinks", "bias")):
+                    p.normal_(0.0, 0.5)  # initialised to zeros or near them: give each its own values
     elif kind == "phi3":  # Phi-3 / Phi-4: fused qkv and gate_up projections
         model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
             **DENSE, pad_token_id=0, bos_token_id=1, eos_token_id=2, **over))
@@ -88,7 +98,7 @@ def _rows_equal_alone_and_batched(model: torch.nn.Module, batch_invariant: bool 
                            batched[i, :len(s) - 1]) for i, s in enumerate(seqs))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3", "qwen3_moe", "gpt_oss"])
 def test_verified_families_are_patched_without_a_warning(kind):
     model = _build(kind)
     with warnings.catch_warnings():
@@ -237,13 +247,14 @@ def test_a_rotary_table_that_follows_the_batch_is_not_claimed():
     ("phi3", {}), ("phi3", dict(partial_rotary_factor=0.5)), ("phi3", dict(sliding_window=8)), ("olmo2", {}),
     ("mistral", dict(sliding_window=8)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)), ("gemma3", {}),
-    ("gemma2", dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=30.0))])
+    ("gemma2", dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=30.0)), ("gpt_oss", {})])
 def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, over):
     # Phi-3 and Phi-4 (Phi3ForCausalLM): Phi-4-mini rotates part of each head, Phi-3-mini-4k
     # has a sliding window. OLMo 2. Mistral's window; Qwen2's on its later layers only; Gemma 3's
     # and Gemma 2's on every other layer. The windows (8) are shorter than the sequences, so they
     # hide keys. Gemma 2's attention scores are soft-capped, and its logits at 30 as released
-    # (the head's spread reaches past the cap, so the cap moves the log-probs).
+    # (the head's spread reaches past the cap, so the cap moves the log-probs). GPT-OSS: attention
+    # sinks, a window on every other layer, biased experts with the clamped SwiGLU.
     stock = _build(kind, **over)
     with torch.no_grad():
         stock.lm_head.weight.mul_(60.0)  # a trained model's logit spread
@@ -258,32 +269,22 @@ def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, ove
     assert torch.equal(rlkernels.token_logprobs(model, seq, temperature=0.8)[:, 2:], lp)
 
 
-def test_gpt_oss_sinks_and_windows_run_in_the_invariant_attention_under_the_mode():
-    # GPT-OSS: attention sinks (s_aux) and a window of 8 on every other layer go through the
-    # library's attention; its experts and norms are not patched, so it runs under the mode.
-    config = transformers.GptOssConfig(**{**DENSE, "hidden_size": 64}, head_dim=16, num_local_experts=8,
-                                       num_experts_per_tok=2, sliding_window=8,
-                                       layer_types=["sliding_attention", "full_attention"])
-    torch.manual_seed(0)
-    stock = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in stock.named_parameters():
-            if name.endswith("sinks"):
-                p.normal_(0.0, 1.0)  # initialised to zeros: give each head its own sink
-        stock.lm_head.weight.mul_(60.0)
-    reference = copy.deepcopy(stock).double()
-    reference.config._experts_implementation = "eager"  # grouped_mm takes no float64
-    with pytest.warns(UserWarning, match="(?s)only partly covered.*GptOssExperts"):
-        model = rlkernels.patch_model(stock)
-    seqs, ids, mask = _ragged()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logp = rlkernels.token_logprobs(model, ids, mask)
-        assert _rows_equal_alone_and_batched(model, None) == len(seqs)
-    with torch.no_grad():
-        logits = reference(ids, attention_mask=mask).logits[:, :-1]
-    want = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
-    assert logits.std() >= 5 and float((logp.detach().double() - want).abs().max()) <= 1e-4
+def test_an_attention_that_does_not_hand_its_sinks_on_is_not_covered():
+    # GPT-OSS's attention holds its sinks and hands them to the attention as s_aux; a
+    # subclass whose forward does not is a module holding a weight the library does not apply.
+    model = _build("gpt_oss")
+
+    class QuietSinks(type(model.model.layers[0].self_attn)):
+        def forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
+            return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    QuietSinks.__module__ = type(model.model.layers[0].self_attn).__module__  # a GPT-OSS module by family
+    model.model.layers[1].self_attn.__class__ = QuietSinks
+    assert coverage.family_of(model.model.layers[1].self_attn) == "gpt_oss"
+    with pytest.warns(UserWarning, match="(?s)only partly covered.*QuietSinks"):
+        rlkernels.patch_model(model)
+    assert not rlkernels.is_patched(model)
+    assert coverage._covered(model.model.layers[0].self_attn)
 
 
 def test_rms_norms_are_swapped_only_for_a_formula_the_library_computes():
@@ -319,7 +320,8 @@ def test_every_verified_familys_rms_norm_is_a_formula_the_library_computes(famil
 
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     norms = [getattr(module, name) for name in dir(module) if name.endswith("RMSNorm")]
-    want = {"olmo2": (True, 0.0), "gemma2": (True, 1.0), "gemma3": (True, 1.0)}.get(family, (False, 0.0))
+    want = {"olmo2": (True, 0.0), "gpt_oss": (True, 0.0), "gemma2": (True, 1.0),
+            "gemma3": (True, 1.0)}.get(family, (False, 0.0))
     assert norms and all(_rms_norm_formula(cls) == want for cls in norms)
 
 

@@ -1,4 +1,5 @@
-"""patch_model on Qwen3-MoE, Qwen2-MoE and Mixtral: the invariant MoE block, on tiny models built from configs."""
+"""patch_model on Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GPT-OSS: the invariant MoE block, on tiny
+models built from configs."""
 from __future__ import annotations
 
 import copy
@@ -12,12 +13,13 @@ transformers = pytest.importorskip("transformers")
 import rlkernels  # noqa: E402
 from rlkernels import reference  # noqa: E402
 from rlkernels.integrations.hf import coverage, moe  # noqa: E402
-from rlkernels.nn import SparseMoeBlock  # noqa: E402
+from rlkernels.nn import RoutedExpertsMlp, SparseMoeBlock  # noqa: E402
 
 from ...conftest import HAS_CUDA  # noqa: E402
 
 VOCAB = 300
-KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")  # SparseMoeBlock
+ALL_KINDS = KINDS + ("gpt_oss",)                       # and GPT-OSS's RoutedExpertsMlp
 HIDDEN, EXPERTS, TOP_K = 64, 16, 4
 
 
@@ -39,6 +41,10 @@ def _config(kind: str, **over):
     if kind == "olmoe":
         fields = dict(common, intermediate_size=32, num_experts=EXPERTS, norm_topk_prob=True)
         return transformers.OlmoeConfig(**{**fields, **over})
+    if kind == "gpt_oss":  # sinks, biases, the clamped SwiGLU, a window of 8 on every other layer
+        fields = dict(common, intermediate_size=32, num_local_experts=EXPERTS, head_dim=16, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"])
+        return transformers.GptOssConfig(**{**fields, **over})
     if kind == "phimoe":
         fields = dict(common, intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=2)
         return transformers.PhimoeConfig(**{**fields, **over})
@@ -46,12 +52,14 @@ def _config(kind: str, **over):
 
 
 _MODEL_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "phimoe": "PhimoeForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "phimoe": "PhimoeForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
 
 
 def build(kind: str, dtype=torch.float32, device="cpu", config=None, **over) -> torch.nn.Module:
-    """A random model whose every layer matters: matrices N(0, 1/fan_in), a router three times
-    sharper (decisive routing), the LM head scaled so the logits' std is 6."""
+    """A random model whose every layer matters: matrices N(0, 1/fan_in) (GPT-OSS's gate/up
+    weights three times that, so its clamp at 7 is reached), other 1-D weights 0.1 N(0, 1), a
+    router three times sharper (decisive routing), the LM head scaled so the logits' std is 6."""
     config = config or _config(kind, **over)
     torch.manual_seed(0)
     with torch.device(device):  # built and drawn where it runs: the 30B-shaped layers are 2.4e9 numbers
@@ -66,6 +74,9 @@ def build(kind: str, dtype=torch.float32, device="cpu", config=None, **over) -> 
         for m in model.modules():
             if type(m).__name__.endswith("TopKRouter"):
                 m.weight.mul_(3.0)
+            if type(m).__name__ == "GptOssExperts":
+                m.gate_up_proj.mul_(3.0)
+        model.config._experts_implementation = "eager"  # the stock reference in float64 (no grouped_mm)
         model.eval()
         ids = torch.randint(0, VOCAB, (4, 16), generator=g, device=device)
         model.lm_head.weight.mul_(6.0 / model(ids).logits.std())
@@ -109,10 +120,19 @@ def _blocks(model) -> list[torch.nn.Module]:
     return [layer.mlp for layer in model.model.layers]
 
 
+def _router(block: torch.nn.Module) -> torch.nn.Module:
+    return block.router if hasattr(block, "router") else block.gate
+
+
+def _output(result) -> torch.Tensor:
+    """A block's output: GPT-OSS's MLP returns (output, routing weights)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 # ---------------------------------------------------------------- patching
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_patch_model_replaces_the_blocks_sharing_every_parameter(kind):
     model = build(kind)
     params = dict(model.named_parameters())
@@ -124,12 +144,16 @@ def test_patch_model_replaces_the_blocks_sharing_every_parameter(kind):
         warnings.simplefilter("error")
         assert rlkernels.patch_model(model) is model
     assert rlkernels.is_patched(model) and list(coverage.uncovered_modules(model)) == []
-    assert all(isinstance(b, SparseMoeBlock) for b in _blocks(model))
+    assert all(isinstance(b, RoutedExpertsMlp if kind == "gpt_oss" else SparseMoeBlock) for b in _blocks(model))
     assert set(model.state_dict()) == keys
     for name, p in model.named_parameters():
         assert p is params[name], name
     block = _blocks(model)[0]
-    assert block.gate.top_k == TOP_K and block.gate.num_experts == EXPERTS
+    assert _router(block).top_k == TOP_K and _router(block).num_experts == EXPERTS
+    if kind == "gpt_oss":
+        assert block.router.bias is not None and block.experts.transposed
+        assert block.experts.activation == rlkernels.ops.moe.GatedActivation(interleaved=True, limit=7.0, alpha=1.702)
+        return
     assert block.gate.normalize is (kind != "qwen2_moe") and block.gate.round_weights is (kind != "mixtral")
     assert (block.shared_expert is not None) is (kind == "qwen2_moe")
 
@@ -146,12 +170,12 @@ def test_an_unread_moe_family_stays_uncovered():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_alone_right_and_left_padded_are_bitwise_equal(kind, dtype):
     _alone_vs_padded(_patched(kind, dtype), _seqs())
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_generate_logprobs_are_the_trainers(kind):
     model = _patched(kind, torch.bfloat16 if kind == "qwen3_moe" else torch.float32)
     prompts = _seqs(4, 2, 9, seed=1)
@@ -169,7 +193,7 @@ def test_generate_logprobs_are_the_trainers(kind):
         assert torch.equal(one[0, len(prompts[2]):], seq[2, ids.shape[1]:]) and torch.equal(one_logp[0], logp[2])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_training_backward_is_bitwise_reproducible(kind):
     model = _patched(kind)
     ids, mask = _padded(_seqs(), left=False)
@@ -183,7 +207,8 @@ def test_training_backward_is_bitwise_reproducible(kind):
     moe = [n for n, _ in model.named_parameters() if ".mlp." in n]
     assert moe and all(n in runs[0] and torch.isfinite(runs[0][n]).all() for n in moe)
     # The router gets a gradient (through the routing weights), so do the experts that were used.
-    assert float(runs[0]["model.layers.0.mlp.gate.weight"].abs().max()) > 0
+    router = "router" if kind == "gpt_oss" else "gate"
+    assert float(runs[0][f"model.layers.0.mlp.{router}.weight"].abs().max()) > 0
 
 
 # ---------------------------------------------------------------- the block
@@ -199,19 +224,19 @@ def _crowd(block, dtype, n=300, seed=0) -> tuple[torch.Tensor, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_a_token_alone_and_in_a_crowded_batch_is_the_same(kind, dtype):
     block = _blocks(_patched(kind, dtype))[0]
     x, at = _crowd(block, dtype)
     with torch.no_grad():
-        _, _, index = block.gate(x[0])
+        _, _, index = _router(block)(x[0])
         counts = torch.bincount(index.reshape(-1), minlength=EXPERTS)
         assert counts.max() >= 300 and (counts == 0).sum() >= EXPERTS - 2 * TOP_K  # crowded and empty experts
-        batched = block(x)
-        assert torch.equal(block(x[:, at:at + 1])[0, 0], batched[0, at])
-        assert torch.equal(block(x[:, :1])[0, 0], batched[0, 0])
+        batched = _output(block(x))
+        assert torch.equal(_output(block(x[:, at:at + 1]))[0, 0], batched[0, at])
+        assert torch.equal(_output(block(x[:, :1]))[0, 0], batched[0, 0])
         # Batch layout does not matter either: [B, L, H] with the target in another row.
-        assert torch.equal(block(x[:, :300].reshape(3, 100, HIDDEN))[1, at - 100], batched[0, at])
+        assert torch.equal(_output(block(x[:, :300].reshape(3, 100, HIDDEN)))[1, at - 100], batched[0, at])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -249,8 +274,17 @@ def test_control_the_stock_block_moves_with_the_batch_on_the_cpu(impl):
 def _family_reference(block, x: torch.Tensor) -> torch.Tensor:
     """The stock block's formula in float64 (routing from the logits rounded to the model
     dtype, as the stock router computes them)."""
-    gate = block.gate
     xd = x.reshape(-1, x.shape[-1])
+    if hasattr(block, "router"):  # GPT-OSS: softmax over the k largest logits
+        router, experts = block.router, block.experts
+        logits = (xd.double() @ router.weight.double().T + router.bias.double()).to(x.dtype).double()
+        top, index = torch.topk(logits, router.top_k, dim=-1)
+        out = reference.moe_experts_ref(
+            xd, index, torch.softmax(top, -1), experts.gate_up_proj, experts.down_proj,
+            gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias, interleaved=True,
+            limit=experts.limit, alpha=experts.alpha, transposed=True)
+        return out.reshape(x.shape)
+    gate = block.gate
     logits = (xd.double() @ gate.weight.double().T).to(x.dtype).double()
     probs = torch.softmax(logits, -1)
     top, index = torch.topk(probs, gate.top_k, dim=-1)
@@ -271,7 +305,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_the_block_computes_the_families_math(kind, dtype, tol):
     model = build(kind, dtype)
     stock = copy.deepcopy(_blocks(model)[0])
@@ -279,14 +313,14 @@ def test_the_block_computes_the_families_math(kind, dtype, tol):
     x = torch.randn(1, 200, HIDDEN, generator=torch.Generator().manual_seed(2)).to(dtype)
     with torch.no_grad():
         ref = _family_reference(stock, x)
-        got, theirs = ours(x), stock(x)
+        got, theirs = _output(ours(x)), _output(stock(x))
     assert got.dtype == dtype
     err, stock_err = _rel(got, ref), _rel(theirs, ref)
     assert err <= tol, (err, stock_err)
     assert err <= 2 * stock_err + 1e-7, (err, stock_err)  # no less accurate than stock (it rounds more often)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_the_blocks_gradients_are_the_stock_blocks_in_float64(kind):
     model = build(kind, torch.float64)
     model.config._experts_implementation = "eager"  # torch's grouped_mm takes no float64
@@ -298,7 +332,7 @@ def test_the_blocks_gradients_are_the_stock_blocks_in_float64(kind):
     for block in (ours, stock):
         xi = x.clone().requires_grad_()
         block.zero_grad(set_to_none=True)
-        block(xi).backward(grad)
+        _output(block(xi)).backward(grad)
         results.append([xi.grad] + [p.grad for _, p in sorted(block.named_parameters())])
     # The stock routers take the softmax in fp32 even for a float64 model (ours: fp64), hence 1e-5.
     for a, b in zip(*results):
@@ -316,7 +350,7 @@ def _refused(model, match: str) -> None:
 def test_a_router_with_a_bias_is_refused():
     model = build("qwen3_moe")
     model.model.layers[1].mlp.gate.register_parameter("bias", torch.nn.Parameter(torch.zeros(EXPERTS)))
-    _refused(model, r"model\.layers\.1\.mlp \(Qwen3MoeSparseMoeBlock\).*router with a bias")
+    _refused(model, r"model\.layers\.1\.mlp \(Qwen3MoeSparseMoeBlock\).*\['bias', 'weight'\].*router without a bias")
     # Nothing was swapped: the refusal comes before any replacement.
     assert not any(isinstance(m, SparseMoeBlock) for m in model.modules())
 
@@ -362,7 +396,7 @@ def _gpu_patched(kind: str, config=None) -> torch.nn.Module:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_alone_right_and_left_padded_are_bitwise_equal_gpu_bf16(kind):
     model = _gpu_patched(kind)
     assert rlkernels.is_patched(model)
@@ -371,12 +405,12 @@ def test_alone_right_and_left_padded_are_bitwise_equal_gpu_bf16(kind):
     x, at = _crowd(block, torch.bfloat16, n=4000)
     x = x.cuda()
     with torch.no_grad():
-        assert torch.equal(block(x[:, at:at + 1])[0, 0], block(x)[0, at])
+        assert torch.equal(_output(block(x[:, at:at + 1]))[0, 0], _output(block(x))[0, at])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_generate_and_backward_gpu_bf16(kind):
     model = _gpu_patched(kind)
     prompts = _seqs(4, 2, 9, seed=1)
@@ -420,6 +454,43 @@ def test_qwen3_30b_a3b_shaped_four_layers_gpu_bf16():
     graphed = rlkernels.generate(model, ids, mask, max_new_tokens=4, eos_token_id=[], pad_token_id=0,
                                  cuda_graph=True)
     assert torch.equal(graphed[0], seq) and torch.equal(graphed[1], logp)
+
+
+GPT_OSS_20B_2L = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=2,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                      num_experts_per_tok=4, sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpt_oss_20b_shaped_two_layers_gpu_bf16():
+    """GPT-OSS-20B's layer shapes (sinks, a window of 128 that the prompts cross, 32 biased
+    experts of the clamped SwiGLU): alone == padded, generate (eager and graphed) == the
+    trainer's log-probs, and a deterministic backward."""
+    config = transformers.GptOssConfig(**GPT_OSS_20B_2L)
+    model = _gpu_patched("gpt_oss", config=config)
+    assert rlkernels.is_patched(model)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (17, 200, 5, 141)]
+    _alone_vs_padded(model, seqs, "cuda")
+    ids, mask = _padded(seqs[1::2], left=True, device="cuda")
+    seq, logp = rlkernels.generate(model, ids, mask, max_new_tokens=4, do_sample=True, seed=1, eos_token_id=[],
+                                   pad_token_id=0)
+    full = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype, device="cuda")], dim=1)
+    with torch.no_grad():
+        assert torch.equal(logp, rlkernels.token_logprobs(model, seq, full)[:, ids.shape[1] - 1:])
+    graphed = rlkernels.generate(model, ids, mask, max_new_tokens=4, do_sample=True, seed=1, eos_token_id=[],
+                                 pad_token_id=0, cuda_graph=True)
+    assert torch.equal(graphed[0], seq) and torch.equal(graphed[1], logp)
+    runs = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        rlkernels.token_logprobs(model, seq, full).sum().backward()
+        runs.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    moe = [n for n, _ in model.named_parameters() if ".mlp." in n or n.endswith("sinks")]
+    assert moe and all(n in runs[0] and torch.isfinite(runs[0][n]).all() for n in moe)
+    assert runs[0].keys() == runs[1].keys() and all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ covered when it is
 
 * one of the library's own modules (:class:`rlkernels.Linear`, :class:`rlkernels.RMSNorm`,
   :class:`rlkernels.nn.SiLU`, and the mixture-of-experts :class:`~rlkernels.nn.SparseMoeBlock`
+  (GPT-OSS's: :class:`~rlkernels.nn.RoutedExpertsMlp`)
   with its :class:`~rlkernels.nn.MoeRouter` and :class:`~rlkernels.nn.MoeExperts`);
 * a module that only gathers, copies or holds others (``nn.Embedding``, dropout, identity,
   ``ReLU``, containers). Other activations are not: ATen's CPU ``silu`` rounds the
@@ -17,7 +18,7 @@ covered when it is
 A stock mixture-of-experts block (``*SparseMoeBlock``, its ``*TopKRouter`` and fused
 ``*Experts``) is never covered, even in a verified family: its experts run over a
 batch-dependent token count and are combined with ``index_add_``. ``patch_model`` replaces
-those of Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`.moe`).
+those of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GPT-OSS (:mod:`.moe`).
 
 Anything else -- GPT-2's ``Conv1D``, a ``LayerNorm``, another family's mixture-of-experts
 block, a family nobody has read --
@@ -51,7 +52,7 @@ from typing import Any, Iterator
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from ...nn import GELUTanh, Linear, MoeExperts, MoeRouter, RMSNorm, SiLU, SparseMoeBlock
+from ...nn import GELUTanh, Linear, MoeExperts, MoeRouter, RMSNorm, RoutedExpertsMlp, SiLU, SparseMoeBlock
 from ...ops.lm_head.config import NO_TRANSFORM, LogitTransform
 from ..aten_mode import set_batch_invariant_mode
 from .attention import NAME as ATTENTION
@@ -73,8 +74,20 @@ from .attention import NAME as ATTENTION
 # its final logit soft-cap applied by the fused head (logit_transform).
 # OLMoE: Llama's decoder layer and norms, q and k normed over all heads and optionally
 # clamped (``clip_qkv``, elementwise), Qwen3-MoE's mixture-of-experts block.
+# GPT-OSS: Llama's decoder layer (its MLP returns the output and the routing weights) with
+# biased q/k/v/o projections, OLMo 2's RMSNorm order, a rotary table of cos and sin of one
+# product (times YaRN's constant scale) applied to the two halves of a head, per-head
+# attention sinks handed to the attention (:data:`ATTENTION_PARAMETERS`), sliding windows on
+# every other layer, and its MLP replaced by :class:`~rlkernels.nn.RoutedExpertsMlp`.
 VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2",
-                                               "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
+                                               "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"})
+
+# Parameters an attention module of a verified family holds itself and hands to the
+# library's attention, with the statement of its forward that hands them: covered where
+# that statement is read there (the attention applies them, :mod:`.attention`).
+ATTENTION_PARAMETERS: dict[str, tuple[frozenset[str], str]] = {
+    "GptOssAttention": (frozenset({"sinks"}), "s_aux=self.sinks,"),  # per-head sink logits
+}
 
 # Class-name endings of transformers' MoE modules: uncovered wherever they appear (the
 # block itself holds no parameter, so the family rule alone would let it through).
@@ -264,14 +277,23 @@ def _parallel_layers() -> tuple[type, ...]:
     return (mods.TreeRowParallelLinear, mods.VocabParallelEmbedding, mods.VocabParallelHead) if mods else ()
 
 
+def _hands_its_parameters_to_the_attention(module: nn.Module) -> bool:
+    """Whether every parameter ``module`` holds itself is one :data:`ATTENTION_PARAMETERS`
+    names for its class, handed on by the statement read in its forward."""
+    names, statement = ATTENTION_PARAMETERS.get(type(module).__name__, (frozenset(), ""))
+    own = {n for n, _ in module.named_parameters(recurse=False)}
+    return bool(names) and own <= names and statement in (source_lines(type(module).forward) or ())
+
+
 def _covered(module: nn.Module) -> bool:
-    if isinstance(module, (Linear, RMSNorm, SiLU, GELUTanh, SparseMoeBlock, MoeRouter, MoeExperts, *_EXACT,
-                           *_parallel_layers())):
+    if isinstance(module, (Linear, RMSNorm, SiLU, GELUTanh, SparseMoeBlock, RoutedExpertsMlp, MoeRouter,
+                           MoeExperts, *_EXACT, *_parallel_layers())):
         return True
     if type(module).__name__.endswith(STOCK_MOE_SUFFIXES) or batch_dependent_rope(module) is not None:
         return False
-    owns_parameters = next(module.parameters(recurse=False), None) is not None
-    return family_of(module) in VERIFIED_FAMILIES and not owns_parameters
+    if family_of(module) not in VERIFIED_FAMILIES:
+        return False
+    return next(module.parameters(recurse=False), None) is None or _hands_its_parameters_to_the_attention(module)
 
 
 def uncovered_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -285,11 +307,11 @@ def is_patched(model: nn.Module) -> bool:
     """True where ``model``'s forward is invariant without the mode: the ``"rlkernels"``
     attention is selected and every module is covered
     (:func:`~rlkernels.integrations.hf.coverage.uncovered_modules` finds none): the
-    library's Linear, RMSNorm and MoE block, gathers and elementwise modules, and the
-    parameter-free modules of the verified families (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-    OLMo 2 and the MoE Qwen3-MoE, Qwen2-MoE, Mixtral), whose other ops do
-    not reduce across tokens (embedding gathers, rotary tables from a one-term product,
-    elementwise activations and residual adds).
+    library's Linear, RMSNorm and MoE blocks, gathers and elementwise modules, and the
+    parameter-free modules of the verified families (:data:`VERIFIED_FAMILIES`), whose
+    other ops do not reduce across tokens (embedding gathers, rotary tables from a one-term
+    product, elementwise activations and residual adds); an attention module whose own
+    parameters it hands to the library's attention (:data:`ATTENTION_PARAMETERS`) too.
     """
     if attention_implementation(model) != ATTENTION:
         return False
