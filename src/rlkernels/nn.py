@@ -8,7 +8,7 @@ from .gemm.chain import accumulator_dtype
 from .ops.activations import gelu_tanh, sigmoid, silu
 from .ops.matmul import linear
 from .ops.moe import SILU_GATE, GatedActivation, moe_experts, moe_topk
-from .ops.norms import rms_norm
+from .ops.norms import layer_norm, rms_norm
 
 
 class Linear(nn.Linear):
@@ -97,6 +97,32 @@ def _check_offset(offset: float, weight_in_fp32: bool) -> float:
         raise ValueError(f"rlkernels.RMSNorm: weight_offset={offset} needs weight_in_fp32=True (the factor "
                          "offset + weight is formed in fp32)")
     return offset
+
+
+class LayerNorm(nn.Module):
+    """Drop-in for Cohere's ``CohereLayerNorm`` (``weight`` of the normalized shape, [N] or
+    per-head [heads, N] for its q/k norms, ``variance_epsilon``, no bias):
+    ``(weight.float() * ((x - mean) * rsqrt(var + eps))).to(x.dtype)`` with the statistics
+    in fp32 (:func:`rlkernels.ops.norms.layer_norm`)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.variance_epsilon)
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> "LayerNorm":
+        """A ``LayerNorm`` sharing ``module.weight`` (no copy), eps from ``variance_epsilon``."""
+        eps = getattr(module, "variance_epsilon", None)
+        if eps is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
+            raise TypeError(f"rlkernels.nn.LayerNorm.from_module: {type(module).__name__} has no weight/eps")
+        return cls(module.weight, eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class GELUTanh(nn.Module):

@@ -47,6 +47,14 @@ def linear_logprob_ref(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     return logp.reshape(target.shape), entropy.reshape(target.shape)
 
 
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's LayerNorm (no bias) in float64: weight * (x - mean) / sqrt(var + eps) over the
+    last dim; weight of x's last ``weight.dim()`` dims."""
+    xd = x.double()
+    centred = xd - xd.mean(-1, keepdim=True)
+    return weight.double() * centred * torch.rsqrt((centred * centred).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float64."""
     xd = x.double()

@@ -1,4 +1,4 @@
-"""rms_norm / softmax / log_softmax: accuracy vs fp64, bitwise invariance, backward."""
+"""rms_norm / layer_norm / softmax / log_softmax: accuracy vs fp64, bitwise invariance, backward."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 from rlkernels import contract, reference, testing
 from rlkernels.nn import RMSNorm
 from rlkernels.ops import norms, reductions, softmax as softmax_ops
+from rlkernels.ops.norms import layer_norm, rms_norm
 from rlkernels.registry import implementation
 from rlkernels.registry import get_op
 
@@ -507,3 +508,70 @@ def test_add_rms_norm_one_launch_gives_the_two_ops_bits_gpu(dtype):
         want_sum = residual + x
         assert testing._bits_equal(summed, want_sum), (rows, n, dtype)
         assert testing._bits_equal(normed, norms.rms_norm(want_sum, w, 1e-6)), (rows, n, dtype)
+
+
+# ---------------------------------------------------------------- layer_norm (Cohere's)
+
+
+def _ln_case(rows, n, dtype, seed=0, heads=None):
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows, heads, n) if heads else (rows, n)
+    x = (3 + 2 * torch.randn(*shape, generator=g)).to(dtype)  # a mean far from 0: the centring matters
+    w = (1 + 0.3 * torch.randn(*shape[1:], generator=g)).to(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+@pytest.mark.parametrize("n, heads", [(1, None), (96, None), (1031, None), (16, 3)])
+def test_layer_norm_rows_are_the_same_alone_and_in_any_batch(backend, dtype, n, heads):
+    x, w = _ln_case(37, n, dtype, heads=heads)
+    batched = layer_norm(x, w, 1e-5, backend=backend)
+    for r in (0, 18, 36):
+        assert torch.equal(layer_norm(x[r:r + 1], w, 1e-5, backend=backend)[0], batched[r]), r
+    assert torch.equal(layer_norm(x.flip(0), w, 1e-5, backend=backend).flip(0), batched)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    xs = [x.clone().requires_grad_(), x[5:6].clone().requires_grad_()]
+    for xi, gi in zip(xs, (grad, grad[5:6])):
+        layer_norm(xi, w, 1e-5, backend=backend).backward(gi)
+    assert torch.equal(xs[1].grad[0], xs[0].grad[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [None, 4])
+def test_layer_norm_against_the_float64_reference(dtype, heads):
+    x, w = _ln_case(29, 257, dtype, seed=2, heads=heads)
+    contract.check("layer_norm", dtype, layer_norm(x, w, 1e-5), reference.layer_norm_ref(x, w, 1e-5))
+    # Without the centring it is another function (the RMS norm): the test can fail.
+    assert testing.rel_error(rms_norm(x.reshape(-1, 257), None, 1e-5).reshape(x.shape) * w,
+                              reference.layer_norm_ref(x, w, 1e-5)) > 0.1
+
+
+def test_layer_norm_gradients_float64():
+    x, w = _ln_case(7, 11, torch.float64, seed=3, heads=2)
+    assert torch.autograd.gradcheck(lambda a, b: layer_norm(a, b, 1e-5), (x.requires_grad_(), w.requires_grad_()))
+
+
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_layer_norm_backward_is_deterministic_and_matches_the_reference(backend, dtype):
+    x, w = _ln_case(40, 64, dtype, seed=4, heads=2)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    runs = []
+    for _ in range(2):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        layer_norm(xi, wi, 1e-5, backend=backend).backward(grad)
+        runs.append((xi.grad, wi.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    reference.layer_norm_ref(xd, wd, 1e-5).backward(grad.double())
+    contract.check("layer_norm", dtype, runs[0][0], xd.grad)
+    assert testing.rel_error(runs[0][1], wd.grad) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("weight, match", [
+    (torch.ones(7), r"weight \(7,\) must be the last dims of x \(3, 8\)"),
+    (torch.ones(2, 3, 8), r"weight \(2, 3, 8\) must be the last dims"),
+    (torch.ones(8, dtype=torch.long), r"rlkernels.layer_norm: weight has dtype torch.int64"),
+])
+def test_layer_norm_bad_input_is_refused(weight, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        layer_norm(torch.randn(3, 8), weight)

@@ -5,6 +5,11 @@ fused, one program per row, with the row sums in that order.
 
 ``add_rms_norm(x, residual, weight)`` is a decoder layer's residual add and the norm after
 it: one launch on the Triton backend without gradients, the two ops' bits.
+
+``layer_norm(x, weight)`` is Cohere's LayerNorm (no bias): the mean and the variance of
+the centred row by the same fixed-order row sums, the weight applied in fp32 and the
+result rounded once; its backward's row sums and weight gradient likewise. It runs as
+torch elementwise ops around those sums on either backend.
 """
 from __future__ import annotations
 
@@ -197,6 +202,72 @@ def _check_rms(op: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:
                              f"input of shape [*, {weight.shape[0]}], got {tuple(x.shape)}")
 
 
+class _LayerNormFunction(torch.autograd.Function):
+    """y = (weight * ((x - mean) * rsqrt(var + eps))).to(x.dtype), the statistics and the
+    product in fp32 (fp64 for fp64): Cohere's ``CohereLayerNorm``. ``weight`` has the
+    shape of x's last ``weight.dim()`` dims; the rows normed are x's last dim."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, reduction_backend):  # type: ignore[override]
+        N = x.shape[-1]
+        adt = accumulator_dtype(x.dtype)
+        xf = _rows(x).to(adt)
+        mean = reduction_backend.row_dot(xf) / N
+        centred = xf - mean[:, None]
+        rstd = torch.rsqrt(reduction_backend.row_dot(centred, centred) / N + eps)
+        xhat = (centred * rstd[:, None]).reshape(x.shape)
+        y = (weight.to(adt) * xhat).to(x.dtype)
+        ctx.save_for_backward(xhat, weight, rstd)
+        ctx.reduction_backend, ctx.dtype = reduction_backend, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        xhat, weight, rstd = ctx.saved_tensors
+        reduction_backend = ctx.reduction_backend
+        N = xhat.shape[-1]
+        adt = xhat.dtype
+        g = grad.to(adt)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gx = _rows(weight.to(adt) * g)
+            xh = _rows(xhat)
+            mean_g = reduction_backend.row_dot(gx) / N
+            mean_gx = reduction_backend.row_dot(gx, xh) / N
+            grad_x = (rstd[:, None] * (gx - mean_g[:, None] - xh * mean_gx[:, None])).to(ctx.dtype)
+            grad_x = grad_x.reshape(xhat.shape)
+        if ctx.needs_input_grad[1]:
+            # Over the leading rows, ascending (the weight's elements are the columns).
+            cols = weight.numel()
+            grad_w = reduction_backend.col_sum((g * xhat).reshape(-1, cols)).reshape(weight.shape).to(weight.dtype)
+        return grad_x, grad_w, None, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, backend: str | None = None
+               ) -> torch.Tensor:
+    """Batch-invariant LayerNorm without a bias over the last dim, Cohere's formula, forward
+    and backward: ``(weight.float() * ((x - mean) * rsqrt(var + eps))).to(x.dtype)`` with x
+    in fp32 and var the mean of the centred row's squares.
+
+    x: [..., N] (bf16/fp16/fp32; fp64 on the torch backend); weight: x's last
+    ``weight.dim()`` dims, [N] or Cohere's per-head [heads, N] for its q/k norms. Both
+    means are :mod:`~rlkernels.ops.reductions` row sums in a fixed order, / N; the weight
+    gradient sums over the leading rows in a fixed order.
+    """
+    op = "layer_norm"
+    V.require_tensor(op, "x", x)
+    V.require_tensor(op, "weight", weight)
+    V.require_float(op, "x", x)
+    V.require_float(op, "weight", weight)
+    V.require_ndim(op, "x", x, 1)
+    V.require_same_device(op, x=x, weight=weight)
+    if weight.dim() < 1 or weight.dim() > x.dim() or tuple(weight.shape) != tuple(x.shape[x.dim() - weight.dim():]):
+        raise ValueError(f"rlkernels.{op}: weight {tuple(weight.shape)} must be the last dims of x "
+                         f"{tuple(x.shape)} (normalized over the last one)")
+    reduction_backend = reduction_backend_for(op, x.device, backend)
+    return _LayerNormFunction.apply(x, weight, float(eps), reduction_backend)
+
+
 # ---------------------------------------------------------------- registry entries
 
 
@@ -220,3 +291,25 @@ class _RMSNormOp(OpImpl):
 
 
 register_backends("rms_norm", _RMSNormOp, {"triton": TritonReductionBackend(), "torch": TorchReductionBackend()})
+
+
+class _LayerNormOp(OpImpl):
+    op_class = "layer_norm"
+    backend_impl: TorchReductionBackend | TritonReductionBackend
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+        return layer_norm(x, weight, eps, backend=self.backend)
+
+    def forward_fp32(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+        # The statistics and the product are fp32 already: the same math without the last rounding.
+        acc = accumulator_dtype(x.dtype)
+        return layer_norm(x.to(acc), weight.to(acc), eps, backend=self.backend)
+
+    def invariance_case(self, device, dtype, generator):
+        n = 96 if device.type == "cpu" else 2048
+        x = (3 + torch.randn(33, n, generator=generator)).to(device=device, dtype=dtype)
+        w = (1 + 0.1 * torch.randn(n, generator=generator)).to(device=device, dtype=dtype)
+        return (lambda rows: self.forward(rows, w, 1e-5)), x
+
+
+register_backends("layer_norm", _LayerNormOp, {"triton": TritonReductionBackend(), "torch": TorchReductionBackend()})

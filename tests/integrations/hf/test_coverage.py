@@ -33,6 +33,10 @@ def _build(kind: str, **over) -> torch.nn.Module:
             num_key_value_heads=2, num_local_experts=16, num_experts_per_tok=2))
     elif kind == "cohere":
         model = transformers.CohereForCausalLM(transformers.CohereConfig(**DENSE, **over))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.3)  # initialised to ones: give each its own weights
     elif kind == "gemma2":
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**DENSE, head_dim=8, **over))
     elif kind == "mistral":
@@ -98,7 +102,8 @@ def _rows_equal_alone_and_batched(model: torch.nn.Module, batch_invariant: bool 
                            batched[i, :len(s) - 1]) for i, s in enumerate(seqs))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3", "qwen3_moe", "gpt_oss",
+                                  "cohere"])
 def test_verified_families_are_patched_without_a_warning(kind):
     model = _build(kind)
     with warnings.catch_warnings():
@@ -146,16 +151,16 @@ def test_a_parameter_holding_module_in_a_verified_family_is_a_gap():
 
 
 def test_cohere_logit_scale_is_applied_by_the_fused_head():
-    # Cohere multiplies its logits by logit_scale after the head. Its LayerNorm is not
-    # patched, so it runs under the mode; the head applies the scale, in the model's order.
+    # Cohere multiplies its logits by logit_scale after the head; the head applies the
+    # scale, in the model's order.
     stock = _build("cohere", logit_scale=0.0625)
     with torch.no_grad():
         stock.lm_head.weight.mul_(60.0 * 16)  # a trained model's logit spread after the scale
     reference = copy.deepcopy(stock).double()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")
         model = rlkernels.patch_model(stock)
-    assert coverage.logit_transform(model)[0].scale == 0.0625
+    assert rlkernels.is_patched(model) and coverage.logit_transform(model)[0].scale == 0.0625
     seqs = _scores_as_its_float64_forward(model, reference)
     prompts = torch.stack([s[:3] for s in seqs])
     seq, lp = rlkernels.generate(model, prompts, max_new_tokens=6, do_sample=True, seed=4, eos_token_id=[])
@@ -247,14 +252,16 @@ def test_a_rotary_table_that_follows_the_batch_is_not_claimed():
     ("phi3", {}), ("phi3", dict(partial_rotary_factor=0.5)), ("phi3", dict(sliding_window=8)), ("olmo2", {}),
     ("mistral", dict(sliding_window=8)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)), ("gemma3", {}),
-    ("gemma2", dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=30.0)), ("gpt_oss", {})])
+    ("gemma2", dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=30.0)), ("gpt_oss", {}),
+    ("cohere", dict(use_qk_norm=True, logit_scale=1.0))])
 def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, over):
     # Phi-3 and Phi-4 (Phi3ForCausalLM): Phi-4-mini rotates part of each head, Phi-3-mini-4k
     # has a sliding window. OLMo 2. Mistral's window; Qwen2's on its later layers only; Gemma 3's
     # and Gemma 2's on every other layer. The windows (8) are shorter than the sequences, so they
     # hide keys. Gemma 2's attention scores are soft-capped, and its logits at 30 as released
     # (the head's spread reaches past the cap, so the cap moves the log-probs). GPT-OSS: attention
-    # sinks, a window on every other layer, biased experts with the clamped SwiGLU.
+    # sinks, a window on every other layer, biased experts with the clamped SwiGLU. Cohere: its
+    # LayerNorms (per-head q/k norms too) and parallel block, interleaved rotary pairs.
     stock = _build(kind, **over)
     with torch.no_grad():
         stock.lm_head.weight.mul_(60.0)  # a trained model's logit spread
@@ -319,6 +326,10 @@ def test_every_verified_familys_rms_norm_is_a_formula_the_library_computes(famil
     from rlkernels.integrations.hf.patch import _rms_norm_formula
 
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    if family == "cohere":  # LayerNorms, Cohere's formula (rlkernels.nn.LayerNorm)
+        from rlkernels.integrations.hf.patch import _is_cohere_layer_norm
+        assert _is_cohere_layer_norm(module.CohereLayerNorm)
+        return
     norms = [getattr(module, name) for name in dir(module) if name.endswith("RMSNorm")]
     want = {"olmo2": (True, 0.0), "gpt_oss": (True, 0.0), "gemma2": (True, 1.0),
             "gemma3": (True, 1.0)}.get(family, (False, 0.0))

@@ -23,7 +23,8 @@ from ._models import _tiny  # noqa: E402
 # Verified families whose rotary is another formula (Phi-3's may leave part of each head
 # unrotated, OLMo 2's rounds back to q's dtype): it runs as transformers' elementwise ops,
 # which the fused launch must not take.
-OTHER_FORMULA = {"phi3", "olmo2", "gpt_oss"}  # GPT-OSS: a half-width table applied to two halves
+# GPT-OSS: a half-width table applied to two halves; Cohere: interleaved pairs, in fp32.
+OTHER_FORMULA = {"phi3", "olmo2", "gpt_oss", "cohere"}
 
 
 @pytest.mark.parametrize("family", sorted(VERIFIED_FAMILIES))

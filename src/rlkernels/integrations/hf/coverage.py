@@ -5,6 +5,7 @@ tokens runs an invariant kernel. It is kept by an allowlist, not a guess. A modu
 covered when it is
 
 * one of the library's own modules (:class:`rlkernels.Linear`, :class:`rlkernels.RMSNorm`,
+  :class:`rlkernels.nn.LayerNorm` (Cohere's),
   :class:`rlkernels.nn.SiLU`, and the mixture-of-experts :class:`~rlkernels.nn.SparseMoeBlock`
   (GPT-OSS's: :class:`~rlkernels.nn.RoutedExpertsMlp`)
   with its :class:`~rlkernels.nn.MoeRouter` and :class:`~rlkernels.nn.MoeExperts`);
@@ -20,7 +21,7 @@ A stock mixture-of-experts block (``*SparseMoeBlock``, its ``*TopKRouter`` and f
 batch-dependent token count and are combined with ``index_add_``. ``patch_model`` replaces
 those of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GPT-OSS (:mod:`.moe`).
 
-Anything else -- GPT-2's ``Conv1D``, a ``LayerNorm``, another family's mixture-of-experts
+Anything else -- GPT-2's ``Conv1D``, ``nn.LayerNorm``, another family's mixture-of-experts
 block, a family nobody has read --
 is a gap: ``patch_model`` warns naming it and ``is_patched`` is False, so
 ``token_logprobs`` runs such a model under the batch-invariant mode.
@@ -52,7 +53,8 @@ from typing import Any, Iterator
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from ...nn import GELUTanh, Linear, MoeExperts, MoeRouter, RMSNorm, RoutedExpertsMlp, SiLU, SparseMoeBlock
+from ...nn import (GELUTanh, LayerNorm, Linear, MoeExperts, MoeRouter, RMSNorm, RoutedExpertsMlp, SiLU,
+                   SparseMoeBlock)
 from ...ops.lm_head.config import NO_TRANSFORM, LogitTransform
 from ..aten_mode import set_batch_invariant_mode
 from .attention import NAME as ATTENTION
@@ -79,8 +81,13 @@ from .attention import NAME as ATTENTION
 # product (times YaRN's constant scale) applied to the two halves of a head, per-head
 # attention sinks handed to the attention (:data:`ATTENTION_PARAMETERS`), sliding windows on
 # every other layer, and its MLP replaced by :class:`~rlkernels.nn.RoutedExpertsMlp`.
+# Cohere (Command R): one LayerNorm before a parallel block (the residual plus the
+# attention's and the MLP's outputs, two adds), optional q/k LayerNorms per head (Cohere's
+# formula, :class:`~rlkernels.nn.LayerNorm`), a rotary table repeated per pair and applied
+# to interleaved pairs in fp32, Llama's MLP; its logits' scale is applied by the fused head.
 VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2",
-                                               "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"})
+                                               "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss",
+                                               "cohere"})
 
 # Parameters an attention module of a verified family holds itself and hands to the
 # library's attention, with the statement of its forward that hands them: covered where
@@ -286,7 +293,7 @@ def _hands_its_parameters_to_the_attention(module: nn.Module) -> bool:
 
 
 def _covered(module: nn.Module) -> bool:
-    if isinstance(module, (Linear, RMSNorm, SiLU, GELUTanh, SparseMoeBlock, RoutedExpertsMlp, MoeRouter,
+    if isinstance(module, (Linear, RMSNorm, LayerNorm, SiLU, GELUTanh, SparseMoeBlock, RoutedExpertsMlp, MoeRouter,
                            MoeExperts, *_EXACT, *_parallel_layers())):
         return True
     if type(module).__name__.endswith(STOCK_MOE_SUFFIXES) or batch_dependent_rope(module) is not None:

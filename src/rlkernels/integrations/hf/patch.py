@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...nn import GELUTanh, Linear, LMHead, RMSNorm, SiLU
+from ...nn import GELUTanh, LayerNorm, Linear, LMHead, RMSNorm, SiLU
 from . import attention, attention_layer, coverage, decoder_layer, mlp, moe, own_generate, qkv, rotary
 from .coverage import decoder_of, is_gelu_tanh, is_silu, source_lines
 from ...runtime.opaque import opaque_to_compile
@@ -70,6 +70,34 @@ def _rms_norm_swap(module: nn.Module) -> tuple[bool, float] | None:
             or not (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))):
         return None
     return _rms_norm_formula(type(module))
+
+
+# Cohere's LayerNorm (``CohereLayerNorm``, its q/k norms too), statement by statement.
+_COHERE_LAYER_NORM = ("input_dtype = hidden_states.dtype",
+                      "hidden_states = hidden_states.to(torch.float32)",
+                      "mean = hidden_states.mean(-1, keepdim=True)",
+                      "variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)",
+                      "hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)",
+                      "hidden_states = self.weight.to(torch.float32) * hidden_states",
+                      "return hidden_states.to(input_dtype)")
+
+
+@functools.lru_cache(maxsize=None)
+def _is_cohere_layer_norm(module_type: type) -> bool:
+    """Whether ``module_type``'s forward is Cohere's LayerNorm, the formula of
+    :class:`rlkernels.nn.LayerNorm` (its source read)."""
+    lines = [line for line in source_lines(module_type.forward) or () if line]
+    return tuple(lines[-len(_COHERE_LAYER_NORM):]) == _COHERE_LAYER_NORM
+
+
+def _layer_norm_swap(module: nn.Module) -> bool:
+    """Whether ``module`` is a stock LayerNorm the library computes: Cohere's formula, a
+    weight and eps, no other parameter."""
+    return (type(module).__name__.endswith("LayerNorm") and not isinstance(module, LayerNorm)
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and isinstance(getattr(module, "variance_epsilon", None), float)
+            and {n for n, _ in module.named_parameters(recurse=False)} == {"weight"}
+            and _is_cohere_layer_norm(type(module)))
 
 
 def patch_model(model: nn.Module, *, attn_implementation: str | None = attention.NAME) -> nn.Module:
@@ -121,6 +149,8 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
                 setattr(parent, name, (LMHead if child is head else Linear).from_torch(child))
             elif (formula := _rms_norm_swap(child)) is not None:
                 setattr(parent, name, RMSNorm.from_module(child, weight_in_fp32=formula[0], weight_offset=formula[1]))
+            elif _layer_norm_swap(child):
+                setattr(parent, name, LayerNorm.from_module(child))
             elif is_silu(child):
                 setattr(parent, name, SiLU())
             elif is_gelu_tanh(child):
