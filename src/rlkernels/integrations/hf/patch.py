@@ -115,8 +115,11 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     default, the invariant one; "eager" is invariant under the mode except to left
     padding; None leaves it unchanged) is set on the model.
 
-    The mixture-of-experts blocks of Qwen3-MoE, Qwen2-MoE and Mixtral become
-    :class:`rlkernels.nn.SparseMoeBlock` (:mod:`~rlkernels.integrations.hf.moe`); one whose
+    A LayerNorm whose forward is Cohere's becomes :class:`rlkernels.nn.LayerNorm`.
+
+    The mixture-of-experts blocks of Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE become
+    :class:`rlkernels.nn.SparseMoeBlock`, GPT-OSS's MLP :class:`rlkernels.nn.RoutedExpertsMlp`
+    (:mod:`~rlkernels.integrations.hf.moe`); one whose
     configuration that block would compute differently (a router with a bias, expert
     counts or top-k that do not match the weights, router jitter, another activation) is
     refused with a ValueError naming it, before anything is swapped.
@@ -132,7 +135,7 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     (:mod:`~rlkernels.integrations.hf.decoder_layer`), each with the separate ops' bits.
 
     A model with modules the library does not cover (:mod:`~rlkernels.integrations.hf.coverage`:
-    GPT-2's ``Conv1D``, ``LayerNorm``, other mixture-of-experts blocks, families not verified)
+    GPT-2's ``Conv1D``, ``nn.LayerNorm``, other mixture-of-experts blocks, families not verified)
     is patched as far as it goes, with a warning naming those modules; :func:`rlkernels.is_patched`
     is then False, so :func:`rlkernels.token_logprobs` and :func:`rlkernels.generate` run it under the mode.
     """
