@@ -299,16 +299,53 @@ def _gemma2_gpu() -> torch.nn.Module:
     return transformers.Gemma2ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
 
 
+def _gpt_oss_gpu() -> torch.nn.Module:
+    """GPT-OSS-20B's layer shape (hidden 2880, 64 query heads over 8 KV heads of 64, sinks, 32
+    biased experts of 2880, top 4), two layers, the first windowed, vocabulary 32000, a window of 64."""
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=32000, hidden_size=2880, intermediate_size=2880, num_hidden_layers=2, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                p.normal_(0.0, 0.5)  # initialised to zeros or near them
+    return model.to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def _cohere_gpu() -> torch.nn.Module:
+    """A Command-R-like shape (hidden 2048, 16 query heads over 4 KV heads of 128, per-head q/k
+    LayerNorms, the parallel block, logits scaled by 1/16), four layers, vocabulary 32000."""
+    torch.manual_seed(0)
+    config = transformers.CohereConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, use_qk_norm=True, logit_scale=0.0625, tie_word_embeddings=False)
+    model = transformers.CohereForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+        model.lm_head.weight.mul_(16.0)  # the scale's 1/16 undone: a trained model's spread below
+    return model.to(device="cuda", dtype=torch.bfloat16).eval()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma2", "gpt_oss", "cohere"])
 def test_a_sliding_window_keeps_graphed_generate_rollout_and_trainer_equal_gpu(family):
     # bf16, a window of 64 under prompts of up to 120 tokens and 40 new ones: Mistral's shape
-    # (every layer windowed), Gemma 3's (head dim 256, one KV head, 5 windowed layers to 1) and
-    # Gemma 2's (its scores and its final logits soft-capped).
+    # (every layer windowed), Gemma 3's (head dim 256, one KV head, 5 windowed layers to 1),
+    # Gemma 2's (its scores and its final logits soft-capped), GPT-OSS's (sinks, its MoE
+    # experts) and Cohere's (no window: its LayerNorms, parallel block and logit scale).
     if family == "gemma3":
         model = _gemma3_gpu()
     elif family == "gemma2":
         model = _gemma2_gpu()
+    elif family == "gpt_oss":
+        model = _gpt_oss_gpu()
+    elif family == "cohere":
+        model = _cohere_gpu()
     else:
         model = _tiny("mistral", dtype=torch.bfloat16, device="cuda", hidden_size=1024, intermediate_size=2816,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
