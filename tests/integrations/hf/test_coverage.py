@@ -31,8 +31,13 @@ def _build(kind: str, **over) -> torch.nn.Module:
         model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=16, num_experts_per_tok=2))
-    elif kind == "cohere":
-        model = transformers.CohereForCausalLM(transformers.CohereConfig(**DENSE, **over))
+    elif kind in ("cohere", "cohere2"):
+        if kind == "cohere":
+            model = transformers.CohereForCausalLM(transformers.CohereConfig(**DENSE, **over))
+        else:  # windows of 8 on three layers of four, no rotary on the full one
+            fields = dict(DENSE, num_hidden_layers=4, sliding_window=8,
+                          layer_types=["sliding_attention"] * 3 + ["full_attention"])
+            model = transformers.Cohere2ForCausalLM(transformers.Cohere2Config(**{**fields, **over}))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -253,7 +258,7 @@ def test_a_rotary_table_that_follows_the_batch_is_not_claimed():
     ("mistral", dict(sliding_window=8)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)), ("gemma3", {}),
     ("gemma2", dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=30.0)), ("gpt_oss", {}),
-    ("cohere", dict(use_qk_norm=True, logit_scale=1.0))])
+    ("cohere", dict(use_qk_norm=True, logit_scale=1.0)), ("cohere2", dict(logit_scale=1.0))])
 def test_a_family_scores_as_its_own_forward_and_samples_what_it_scores(kind, over):
     # Phi-3 and Phi-4 (Phi3ForCausalLM): Phi-4-mini rotates part of each head, Phi-3-mini-4k
     # has a sliding window. OLMo 2. Mistral's window; Qwen2's on its later layers only; Gemma 3's
@@ -326,9 +331,10 @@ def test_every_verified_familys_rms_norm_is_a_formula_the_library_computes(famil
     from rlkernels.integrations.hf.patch import _rms_norm_formula
 
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    if family == "cohere":  # LayerNorms, Cohere's formula (rlkernels.nn.LayerNorm)
+    if family.startswith("cohere"):  # LayerNorms, Cohere's formula (rlkernels.nn.LayerNorm)
         from rlkernels.integrations.hf.patch import _is_cohere_layer_norm
-        assert _is_cohere_layer_norm(module.CohereLayerNorm)
+        norms = [getattr(module, name) for name in dir(module) if name.endswith("LayerNorm")]
+        assert norms and all(_is_cohere_layer_norm(cls) for cls in norms)
         return
     norms = [getattr(module, name) for name in dir(module) if name.endswith("RMSNorm")]
     want = {"olmo2": (True, 0.0), "gpt_oss": (True, 0.0), "gemma2": (True, 1.0),

@@ -24,7 +24,7 @@ from ._models import _tiny  # noqa: E402
 # unrotated, OLMo 2's rounds back to q's dtype): it runs as transformers' elementwise ops,
 # which the fused launch must not take.
 # GPT-OSS: a half-width table applied to two halves; Cohere: interleaved pairs, in fp32.
-OTHER_FORMULA = {"phi3", "olmo2", "gpt_oss", "cohere"}
+OTHER_FORMULA = {"phi3", "olmo2", "gpt_oss", "cohere", "cohere2"}
 
 
 @pytest.mark.parametrize("family", sorted(VERIFIED_FAMILIES))

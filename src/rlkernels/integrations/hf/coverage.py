@@ -85,9 +85,11 @@ from .attention import NAME as ATTENTION
 # attention's and the MLP's outputs, two adds), optional q/k LayerNorms per head (Cohere's
 # formula, :class:`~rlkernels.nn.LayerNorm`), a rotary table repeated per pair and applied
 # to interleaved pairs in fp32, Llama's MLP; its logits' scale is applied by the fused head.
+# Cohere 2 (Command R7B): Cohere's layer without q/k norms, sliding windows on most layers,
+# the rotary embedding on the windowed layers only.
 VERIFIED_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2",
                                                "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss",
-                                               "cohere"})
+                                               "cohere", "cohere2"})
 
 # Parameters an attention module of a verified family holds itself and hands to the
 # library's attention, with the statement of its forward that hands them: covered where
