@@ -408,27 +408,32 @@ def test_alone_right_and_left_padded_are_bitwise_equal_gpu_bf16(kind):
         assert torch.equal(_output(block(x[:, at:at + 1]))[0, 0], _output(block(x))[0, at])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ALL_KINDS)
-def test_generate_and_backward_gpu_bf16(kind):
-    model = _gpu_patched(kind)
-    prompts = _seqs(4, 2, 9, seed=1)
-    ids, mask = _padded(prompts, left=True, device="cuda")
-    seq, logp = rlkernels.generate(model, ids, mask, max_new_tokens=6, do_sample=True, seed=3, eos_token_id=[],
-                                   pad_token_id=0)
-    full = torch.cat([mask, torch.ones(4, 6, dtype=mask.dtype, device="cuda")], dim=1)
+def _generate_equals_the_trainer_and_backward_repeats(model, ids, mask, new: int, seed: int) -> dict:
+    """Sampled ``generate``, eager and graphed, gives the trainer's log-probs bitwise, and two
+    backward passes over its sequences give the same gradients; returns them by name."""
+    kw = dict(max_new_tokens=new, do_sample=True, seed=seed, eos_token_id=[], pad_token_id=0)
+    seq, logp = rlkernels.generate(model, ids, mask, **kw)
+    full = torch.cat([mask, torch.ones(len(ids), new, dtype=mask.dtype, device=mask.device)], dim=1)
     with torch.no_grad():
         assert torch.equal(logp, rlkernels.token_logprobs(model, seq, full)[:, ids.shape[1] - 1:])
-    graphed = rlkernels.generate(model, ids, mask, max_new_tokens=6, do_sample=True, seed=3, eos_token_id=[],
-                                 pad_token_id=0, cuda_graph=True)
+    graphed = rlkernels.generate(model, ids, mask, cuda_graph=True, **kw)
     assert torch.equal(graphed[0], seq) and torch.equal(graphed[1], logp)
     runs = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         rlkernels.token_logprobs(model, seq, full).sum().backward()
-        runs.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+        runs.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert runs[0].keys() == runs[1].keys() and all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+    return runs[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_generate_and_backward_gpu_bf16(kind):
+    model = _gpu_patched(kind)
+    ids, mask = _padded(_seqs(4, 2, 9, seed=1), left=True, device="cuda")
+    _generate_equals_the_trainer_and_backward_repeats(model, ids, mask, new=6, seed=3)
 
 
 QWEN3_30B_A3B_4L = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -475,22 +480,9 @@ def test_gpt_oss_20b_shaped_two_layers_gpu_bf16():
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (17, 200, 5, 141)]
     _alone_vs_padded(model, seqs, "cuda")
     ids, mask = _padded(seqs[1::2], left=True, device="cuda")
-    seq, logp = rlkernels.generate(model, ids, mask, max_new_tokens=4, do_sample=True, seed=1, eos_token_id=[],
-                                   pad_token_id=0)
-    full = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype, device="cuda")], dim=1)
-    with torch.no_grad():
-        assert torch.equal(logp, rlkernels.token_logprobs(model, seq, full)[:, ids.shape[1] - 1:])
-    graphed = rlkernels.generate(model, ids, mask, max_new_tokens=4, do_sample=True, seed=1, eos_token_id=[],
-                                 pad_token_id=0, cuda_graph=True)
-    assert torch.equal(graphed[0], seq) and torch.equal(graphed[1], logp)
-    runs = []
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        rlkernels.token_logprobs(model, seq, full).sum().backward()
-        runs.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    grads = _generate_equals_the_trainer_and_backward_repeats(model, ids, mask, new=4, seed=1)
     moe = [n for n, _ in model.named_parameters() if ".mlp." in n or n.endswith("sinks")]
-    assert moe and all(n in runs[0] and torch.isfinite(runs[0][n]).all() for n in moe)
-    assert runs[0].keys() == runs[1].keys() and all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+    assert moe and all(n in grads and torch.isfinite(grads[n]).all() for n in moe)
 
 
 @pytest.mark.gpu
