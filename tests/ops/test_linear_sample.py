@@ -15,6 +15,7 @@ import torch
 from rlkernels import linear_logprob, linear_sample
 from rlkernels._env import triton_interpret
 from rlkernels.ops.linear_sample import gumbel_from_words, noise_words, philox4x32
+from rlkernels.ops.lm_head.config import LogitTransform
 from rlkernels.reference import linear_logprob_ref
 
 from ..conftest import cpu_backend_cases, randn
@@ -643,18 +644,24 @@ def test_gpu_truncated_logp_is_the_thresholded_linear_logprob_and_rows_are_invar
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (2000, 0.99)])
-def test_gpu_top_p_kernel_is_the_torch_definition_through_candidates_and_search(top_k, top_p, gen, monkeypatch):
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (50, 0.9), (2000, 0.99)])
+@pytest.mark.parametrize("temperature, transform", [(1.0, LogitTransform()), (0.7, LogitTransform(0.5, 30.0))],
+                         ids=["plain", "scaled-capped"])
+def test_gpu_top_p_kernel_is_the_torch_definition_through_candidates_and_search(top_k, top_p, temperature,
+                                                                               transform, gen, monkeypatch):
     from rlkernels.ops.lm_head import truncation as TR
+    from rlkernels.ops.lm_head.statistics import TritonHeadStatistics
 
-    z = randn(24, 151936, generator=gen, scale=6.0, device="cuda")
-    z[:4] *= 0.05  # flat rows: their nucleus is wider than the candidates, so the kernel searches the row
-    got = TR.threshold(z, top_k, top_p, "triton")
-    want = TR.threshold(z, top_k, top_p, "torch")
+    raw = randn(24, 151936, generator=gen, scale=6.0, device="cuda")
+    raw[:4] *= 0.05  # flat rows: their nucleus is wider than the candidates, so the kernel searches the row
+    raw[4] *= 0.4  # a nucleus past the row's 64 largest, within the candidates
+    got = TR.threshold_of_logits(raw, temperature, transform, top_k, top_p)
+    want = TR.threshold(TritonHeadStatistics.scores(raw, temperature, transform), top_k, top_p)
     # fp64 sums in two orders: equal away from a border within ~1e-15 of p, where no random row sits.
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     monkeypatch.setattr(TR, "TOP_P_CANDIDATES", 4)
-    assert torch.equal(TR.threshold(z, top_k, top_p, "triton").view(torch.int32), got.view(torch.int32))
+    assert torch.equal(TR.threshold_of_logits(raw, temperature, transform, top_k, top_p).view(torch.int32),
+                       got.view(torch.int32))
 
 
 @pytest.mark.gpu

@@ -43,6 +43,14 @@ if triton is not None:
         return x, t
 
     @triton.jit
+    def scores(x, temperature, logit_scale, cap_arg, cap, TEMP: tl.constexpr, SCALE: tl.constexpr,
+               CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+        """z = model_logits(x) / T [BLOCK_M, BLOCK_V] from raw fp32 logits: the scores every
+        kernel of the pass computes (the soft-cap's tanh dropped)."""
+        z, _ = model_logits(x, logit_scale, cap_arg, cap, SCALE, CAP, BLOCK_M, BLOCK_V)
+        return scale_by_temperature(z, temperature, TEMP, BLOCK_M, BLOCK_V)
+
+    @triton.jit
     def scores_kernel(x_ptr, z_ptr, N, V, stride_x, stride_z, temperature, logit_scale, cap_arg, cap,
                       TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, BLOCK_V: tl.constexpr):
         """z = model_logits(x) / T over stored raw logits [N, V] fp32: the scores the fused
@@ -52,8 +60,7 @@ if triton is not None:
         offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         ok = (offs_v < V)[None, :]
         x = tl.load(x_ptr + row * stride_x + offs_v[None, :], mask=ok, other=0.0)
-        z, _ = model_logits(x, logit_scale, cap_arg, cap, SCALE, CAP, 1, BLOCK_V)
-        z = scale_by_temperature(z, temperature, TEMP, 1, BLOCK_V)
+        z = scores(x, temperature, logit_scale, cap_arg, cap, TEMP, SCALE, CAP, 1, BLOCK_V)
         tl.store(z_ptr + row * stride_z + offs_v[None, :], z, mask=ok)
 
     @triton.jit
@@ -170,8 +177,7 @@ if triton is not None:
             if LOGITS:
                 z = tl.load(z_ptr + rm[:, None] * stride_zn + offs_v[None, :].to(tl.int64), mask=col_ok[None, :],
                             other=0.0)
-                z, _ = model_logits(z, logit_scale, cap_arg, cap, SCALE, CAP, BLOCK_M, BLOCK_V)
-                z = scale_by_temperature(z, temperature, TEMP, BLOCK_M, BLOCK_V)
+                z = scores(z, temperature, logit_scale, cap_arg, cap, TEMP, SCALE, CAP, BLOCK_M, BLOCK_V)
             else:
                 z, _ = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
                                    temperature, logit_scale, cap_arg, cap, stride_hn, stride_hd, stride_wv, stride_wd,
@@ -266,7 +272,7 @@ if triton is not None:
         tl.store(ent_ptr + rows, ent, mask=ok)
         tl.store(lse_ptr + rows, lse, mask=ok)
 else:  # pragma: no cover - the torch backend still imports without Triton
-    scale_by_temperature = model_logits = scores_kernel = logits_tile = keep_above = online_stats = None
+    scale_by_temperature = model_logits = scores = scores_kernel = logits_tile = keep_above = online_stats = None
     fwd_partial_kernel = merge_splits = None
     finish_row = None
     logprob_combine_kernel = None

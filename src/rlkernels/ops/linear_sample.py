@@ -295,7 +295,7 @@ class TorchLinearSampleBackend:
         threshold = None
         if truncates(top_k, top_p, vocab):
             z = torch_logits(h2, weight, bias, 0, vocab, temperature, transform)
-            threshold = truncation.threshold(z, top_k, top_p, "torch")
+            threshold = truncation.threshold(z, top_k, top_p)
         checked_positions = positions
         if not greedy and positions is None:
             positions = torch.zeros_like(streams)
@@ -383,7 +383,7 @@ class TritonLinearSampleBackend:
             # The [N, V] fp32 logits once, by the GEMM (the fused tiles' chain): the
             # threshold is found over them and both statistics passes read them.
             raw = stats_backend.raw_logits(h2, weight, bias)
-            threshold = truncation.threshold(stats_backend.scores(raw, temperature, transform), top_k, top_p, "triton")
+            threshold = truncation.threshold_of_logits(raw, temperature, transform, top_k, top_p)
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
         n_split = cdiv(vocab, cfg.split_v)
         # fp32 workspace: the forward's per-split (m, s, u) [n_split, N] and each tile's

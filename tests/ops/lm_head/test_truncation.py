@@ -13,6 +13,8 @@ import torch
 
 from rlkernels._env import triton_interpret
 from rlkernels.ops.lm_head import truncation as TR
+from rlkernels.ops.lm_head.config import LogitTransform
+from rlkernels.ops.lm_head.statistics import TritonHeadStatistics
 from rlkernels.ops.lm_head.truncation import split_p, threshold, top_k_floor, truncates, validate_truncation
 
 from ...conftest import randn
@@ -65,7 +67,7 @@ def _small_chunks(monkeypatch, candidates):
 def test_the_threshold_is_the_sorted_references(candidates, top_k, top_p, gen, monkeypatch):
     monkeypatch.setattr(TR, "TOP_P_CANDIDATES", candidates)
     z = _scaled_logits(37, 257, gen)
-    tau = threshold(z, top_k, top_p, "torch")
+    tau = threshold(z, top_k, top_p)
     want, margin = reference_threshold(z, top_k, top_p)
     clear = margin > 1e-12
     assert clear.sum() >= 30
@@ -78,25 +80,35 @@ def test_the_threshold_is_the_sorted_references(candidates, top_k, top_p, gen, m
 
 @kernels_only
 @pytest.mark.parametrize("candidates", [4, 8])
-def test_the_kernels_threshold_is_the_torch_backends(candidates, gen, monkeypatch):
+@pytest.mark.parametrize("temperature, transform", [(1.0, LogitTransform()), (0.7, LogitTransform(0.5, 20.0))],
+                         ids=["plain", "scaled-capped"])
+def test_the_kernels_threshold_is_the_torch_backends(candidates, temperature, transform, gen, monkeypatch):
     _small_chunks(monkeypatch, candidates)
-    z = _scaled_logits(4, 300, gen)
-    z[1] *= 0.02  # a flat row: its nucleus is wider than every chunk's candidates
-    z[3, 5:9] = z[3].max()  # ties at the top, in one chunk
+    raw = _scaled_logits(5, 300, gen)
+    raw[1] *= 0.02  # a flat row: its nucleus is wider than every chunk's candidates
+    raw[3, 5:9] = raw[3].max()  # ties at the top, in one chunk
+    # Twelve near-equal largest logits, one per chunk and two in the first: a nucleus wider
+    # than the row's `candidates` largest, within the chunks' candidates.
+    raw[4] = raw[4] * 0.1 - 20.0
+    raw[4, [0, 1, 64, 65, 128, 129, 192, 193, 256, 257, 2, 66]] = 10.0 + torch.arange(12) * 0.01
+    # The kernels score the raw logits themselves (the model's transform, then / T).
+    z = TritonHeadStatistics.scores(raw, temperature, transform)
     for top_k, top_p in TRUNCATIONS:
-        got = TR._triton_threshold(z, top_k, top_p)
+        got = TR._triton_threshold(raw, top_k, top_p, temperature, transform)
         want, margin = reference_threshold(z, top_k, top_p)
         clear = margin > 1e-12
-        assert clear.sum() >= 3
+        assert clear.sum() >= 4
         assert torch.equal(got.double()[clear], want[clear]), (top_k, top_p)
-        assert torch.equal(got[clear].view(torch.int32), threshold(z, top_k, top_p, "torch")[clear].view(torch.int32))
+        assert torch.equal(got[clear].view(torch.int32), threshold(z, top_k, top_p)[clear].view(torch.int32))
+    # Row 4's nucleus at p = 0.9 holds about eleven logits: past the row's largest few.
+    assert (z[4] >= TR._triton_threshold(raw, 0, 0.9, temperature, transform)[4]).sum() > candidates
 
 
 BACKENDS = ["torch", pytest.param("kernels", marks=kernels_only)]
 
 
 def _threshold(backend, z, top_k, top_p):
-    return threshold(z, top_k, top_p, "torch") if backend == "torch" else TR._triton_threshold(z, top_k, top_p)
+    return threshold(z, top_k, top_p) if backend == "torch" else TR._triton_threshold(z, top_k, top_p)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -16,10 +16,10 @@ are ``exp(z - max)`` in fp64 and p is taken of their total over the top-k set, s
 nucleus is resolved to fp64 precision even for p near 1; they are summed over the row's
 largest values in descending order (the nucleus's candidates, :data:`TOP_P_CANDIDATES`
 of them), and where those do not reach p the threshold is searched over the whole row.
-The Triton backend finds the candidates chunk by chunk (``kernels.truncation``: no sort of
-the row, two launches); the torch backend by ``torch.topk``, and it sums
-by a prefix scan of elementwise adds and pairwise trees, whose orders are fixed by the
-counts.
+The Triton backend reads the raw logits, scores them in registers and finds the candidates
+chunk by chunk (``kernels.truncation``: no sort of the row, two launches); the torch
+backend by ``torch.topk`` over the scores, and it sums by a prefix scan of elementwise adds
+and pairwise trees, whose orders are fixed by the counts.
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ from ..._env import triton_interpret
 from ...kernels._triton import cdiv, pow2_at_least
 from ...kernels.truncation import chunk_top_kernel, threshold_kernel
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
-from .config import to_fp32
+from .config import NO_TRANSFORM, LogitTransform, to_fp32
 from .lse import tree_rowsum
+from .statistics import TritonHeadStatistics
 
 # How many of a row's largest logits the nucleus is first looked for in (a power of two);
 # rows whose nucleus is wider are searched in full. The threshold does not depend on it
@@ -100,14 +101,9 @@ def candidates(z: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor,
     return vals, floor, bool(k) or count == V
 
 
-def threshold(z: torch.Tensor, top_k: int, top_p: float, backend: str) -> torch.Tensor:
-    """Each row's kept-set threshold tau [N] from its scaled logits ``z`` [N, V] (fp32; fp64
-    on the torch backend): the k-th largest, then the nucleus of the distribution top-k
-    leaves, on the ``"torch"`` or ``"triton"`` backend."""
-    if backend == "triton" and not triton_interpret():
-        return _triton_threshold(z, top_k, top_p)
-    # (The interpreter runs the kernels' sorting networks element by element in numpy, about
-    # a second per row: it takes the torch definition, whose thresholds are the kernels'.)
+def threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Each row's kept-set threshold tau [N] from its scores ``z`` [N, V] (fp32 or fp64), on
+    the torch backend: the k-th largest, then the nucleus of the distribution top-k leaves."""
     if float(top_p) >= 1.0:
         return top_k_floor(z, top_k)
     vals, floor, covers = candidates(z, top_k)
@@ -163,13 +159,27 @@ def _torch_search(z: torch.Tensor, keys: torch.Tensor, e: torch.Tensor, lo: torc
     return torch.where(keys >= lo[:, None], z, torch.full_like(z, math.inf)).amin(dim=1)
 
 
-def _triton_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """:func:`_torch_top_p`'s threshold (or top-k's) by ``kernels.truncation`` (fp32 z): each
-    chunk's candidates, then the threshold from their sorted values."""
-    N, V = z.shape
+def threshold_of_logits(raw: torch.Tensor, temperature: float, transform: LogitTransform, top_k: int,
+                        top_p: float) -> torch.Tensor:
+    """:func:`threshold` of the scores ``transform(raw) / temperature`` on the Triton backend,
+    from the raw fp32 logits ``raw`` [N, V] (the GEMM's), which it scores in registers."""
+    if triton_interpret():
+        # The interpreter runs the kernels' sorting networks element by element in numpy,
+        # about a second per row: it takes the torch definition, whose thresholds are the
+        # kernels', over the scores kernel's z.
+        return threshold(TritonHeadStatistics.scores(raw, temperature, transform), top_k, top_p)
+    return _triton_threshold(raw, top_k, top_p, temperature, transform)
+
+
+def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: float = 1.0,
+                      transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
+    """:func:`_torch_top_p`'s threshold (or top-k's) by ``kernels.truncation`` from the raw
+    fp32 logits: each chunk's candidates, then the threshold from the row's largest of them
+    (all of them sorted, or the whole row, where the nucleus is wider)."""
+    N, V = raw.shape
     k = top_k if 0 < top_k < V else 0
     nucleus = float(top_p) < 1.0
-    out = torch.full((N,), -math.inf, dtype=torch.float32, device=z.device)
+    out = torch.full((N,), -math.inf, dtype=torch.float32, device=raw.device)
     if not N or not (k or nucleus):
         return out
     count = min(TOP_P_CANDIDATES, pow2_at_least(V))
@@ -178,18 +188,23 @@ def _triton_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
     chunk = min(chunk, max(count, pow2_at_least(V)))
     n_chunks = cdiv(V, chunk)
     floor_given = k > count
-    floor = top_k_floor(z, k) if floor_given else out
+    # A k beyond the candidates: its k-th largest by torch.topk over the scores, written out.
+    floor = top_k_floor(TritonHeadStatistics.scores(raw, temperature, transform), k) if floor_given else out
     if floor_given and not nucleus:
         return floor
-    top = torch.empty(N, n_chunks * count, dtype=torch.float32, device=z.device)
-    cm = torch.empty(N, n_chunks, dtype=torch.float32, device=z.device)
-    cs = torch.empty(N, n_chunks, dtype=torch.float64, device=z.device)
-    _launch_chunk_top((cdiv(N, ROWS_PER_PROGRAM), n_chunks), (z, top, cm, cs, N, V, z.stride(0), n_chunks),
-                      dict(CHUNK=chunk, C=count, BLOCK_R=ROWS_PER_PROGRAM, MASS=nucleus), num_warps=4,
+    top = torch.empty(N, n_chunks * count, dtype=torch.float32, device=raw.device)
+    cm = torch.empty(N, n_chunks, dtype=torch.float32, device=raw.device)
+    cs = torch.empty(N, n_chunks, dtype=torch.float64, device=raw.device)
+    score_args, score_modes = transform.launch_args(temperature, raw.device)
+    _launch_chunk_top((cdiv(N, ROWS_PER_PROGRAM), n_chunks),
+                      (raw, top, cm, cs, N, V, raw.stride(0), n_chunks, *score_args),
+                      dict(**score_modes, CHUNK=chunk, C=count, BLOCK_R=ROWS_PER_PROGRAM, MASS=nucleus), num_warps=4,
                       num_stages=DEFAULT_NUM_STAGES)
     hi, lo = split_p(top_p)
     _launch_threshold((cdiv(N, ROWS_PER_PROGRAM),),
-                      (top, cm, cs, z, floor, out, N, n_chunks, V, z.stride(0), 0 if floor_given else k, hi, lo),
-                      dict(FINAL=pow2_at_least(n_chunks * count), C=count, BLOCK_R=ROWS_PER_PROGRAM, TOP_P=nucleus,
-                           FLOOR_GIVEN=floor_given, BLOCK=SEARCH_BLOCK), num_warps=8, num_stages=DEFAULT_NUM_STAGES)
+                      (top, cm, cs, raw, floor, out, N, n_chunks, V, raw.stride(0), 0 if floor_given else k, hi, lo,
+                       *score_args),
+                      dict(**score_modes, FINAL=pow2_at_least(n_chunks * count), CHUNKS=pow2_at_least(n_chunks),
+                           C=count, BLOCK_R=ROWS_PER_PROGRAM, TOP_P=nucleus, FLOOR_GIVEN=floor_given,
+                           BLOCK=SEARCH_BLOCK), num_warps=8, num_stages=DEFAULT_NUM_STAGES)
     return out
