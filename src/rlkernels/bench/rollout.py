@@ -203,6 +203,9 @@ def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=Non
     results, ms = _timed(device, call)
     kept = decode.kept_state("rollout", model)  # a graphed call's engine: the rows it chose
     rows = kept.max_batch if kept is not None else max_batch
+    # No reference to the engine may outlive the release: its cache is most of the memory
+    # the next row (a static batch with a cache of its own) needs.
+    del kept
     release_decode_graphs(model)
     _release(device)
     name = "rollout" if spacing is None else f"rollout, step batches spaced {spacing}"
@@ -219,6 +222,7 @@ def _generate_row(model, prompts, n, max_new, eos, device) -> dict[str, Any]:
     def call():
         return rlk_generate(model, ids, mask, max_new_tokens=max_new, do_sample=True, temperature=1.0, seed=0,
                             streams=streams, eos_token_id=eos, cuda_graph=graphed)
+    _release(device)
     call()
     (seq, _), ms = _timed(device, call)
     out = _row("generate" + (" graphed" if graphed else ""), len(rows), _kept(seq[:, ids.shape[1]:], eos), ms)
