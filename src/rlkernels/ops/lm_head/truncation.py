@@ -36,9 +36,11 @@ from .config import NO_TRANSFORM, LogitTransform, to_fp32
 from .lse import tree_rowsum
 from .statistics import TritonHeadStatistics
 
-# How many of a row's largest logits the nucleus is first looked for in (a power of two);
-# rows whose nucleus is wider are searched in full. The threshold does not depend on it
-# (beyond the fp64 rounding of the Triton backend's chunk masses, through the chunk).
+# How many of a row's largest logits the nucleus is first looked for in (a power of two):
+# the torch backend's candidates, and each Triton chunk's (the kernels look in the row's
+# this many largest, then in all the chunks' candidates); rows whose nucleus is wider are
+# searched in full. The threshold does not depend on it (beyond fp64 rounding: the Triton
+# backend's chunk masses, and its prefix sums over this many or over all the candidates).
 TOP_P_CANDIDATES = 64
 # The Triton backend's smallest chunk of a row (a power of two): each yields its
 # TOP_P_CANDIDATES largest, and the row's mass is merged from the chunks', so its fp64
