@@ -290,6 +290,49 @@ def test_a_truncated_call_in_row_blocks_gives_the_one_block_bits(backend, dtype,
         assert torch.equal(got.view(torch.int64) if got.dtype == torch.int64 else _bits(got), _bits(want))
 
 
+@pytest.mark.parametrize("backend, dtype", cpu_backend_cases())
+def test_a_given_threshold_draws_what_top_k_top_p_drew_with_it_and_rows_are_invariant(backend, dtype, gen):
+    n, d, v = 9, 40, 257
+    h, w, b = _head(n, d, v, dtype, gen)
+    streams, positions = _counters(n, gen)
+    kw = dict(temperature=0.7, seed=SEED, streams=streams, positions=positions, return_entropy=True,
+              return_threshold=True, backend=backend)
+    want = linear_sample(h, w, b, top_k=40, top_p=0.8, **kw)
+    tau = want[3].clone()
+    tau[2] = -math.inf  # a row that keeps every logit: the untruncated draw's bits
+    got = linear_sample(h, w, b, logit_threshold=tau, **kw)
+    full = linear_sample(h, w, b, **kw)
+    for i, (x, y, f) in enumerate(zip(got, want, full)):
+        bits = (lambda t: t) if x.dtype == torch.int64 else _bits
+        if i < 3:
+            assert torch.equal(bits(x[[0, 1, 3]]), bits(y[[0, 1, 3]])) and torch.equal(bits(x[2]), bits(f[2]))
+    assert torch.equal(_bits(got[3]), _bits(tau))
+    for rows in (torch.tensor([4]), torch.tensor([8, 0, 2, 2])):
+        part = linear_sample(h[rows], w, b, logit_threshold=tau[rows], **dict(kw, streams=streams[rows],
+                                                                              positions=positions[rows]))
+        for x, y in zip(part, got):
+            assert torch.equal(x if x.dtype == torch.int64 else _bits(x), y[rows] if y.dtype == torch.int64
+                               else _bits(y[rows]))
+
+
+def test_a_given_threshold_is_refused_with_top_k_top_p_or_the_wrong_shape_or_dtype(gen):
+    h, w, b = _head(4, 16, 97, F32, gen)
+    streams, positions = _counters(4, gen)
+    kw = dict(seed=SEED, streams=streams, positions=positions, backend="torch")
+    tau = torch.full((4,), -math.inf)
+    with pytest.raises(ValueError, match=r"rlkernels.linear_sample: logit_threshold gives the kept set itself"):
+        linear_sample(h, w, b, logit_threshold=tau, top_p=0.9, **kw)
+    with pytest.raises(ValueError, match=r"rlkernels.linear_sample: logit_threshold shape \(3,\) must equal \(4,\)"):
+        linear_sample(h, w, b, logit_threshold=tau[:3], **kw)
+    with pytest.raises(ValueError, match=r"logit_threshold must be torch.float32"):
+        linear_sample(h, w, b, logit_threshold=tau.double(), **kw)
+    with pytest.raises(TypeError, match=r"rlkernels.linear_sample: logit_threshold must be a tensor"):
+        linear_sample(h, w, b, logit_threshold=0.5, **kw)
+    tau[1] = math.inf  # keeps nothing: not a distribution
+    with pytest.raises(ValueError, match=r"rlkernels.linear_sample: row 1's logits are not a distribution"):
+        linear_sample(h, w, b, logit_threshold=tau, **kw)
+
+
 def _two_term_head(v):
     """Logits 8.0625 k - 0.5 |k - 8| +- 0.03 over k < v: none a bf16 value, a peaked distribution."""
     k = torch.arange(v, dtype=torch.float64)

@@ -168,6 +168,10 @@ def _vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, tag: s
         out[f"{tag}vocab_{name}"] = value
 
 
+# The truncated draw's top-k and top-p: rows keep a few logits, some of them across shards.
+TRUNCATION = dict(top_k=40, top_p=0.9)
+
+
 def sample_inputs(dtype: torch.dtype):
     """logprob_inputs' head and rows, with each row's (stream, position) and a seed."""
     h, w, b, _ = logprob_inputs(dtype)
@@ -187,6 +191,12 @@ def _vocab_parallel_sample(rank: int, world: int, dtype: torch.dtype, out: dict,
     tok, lp, ent = vps.vocab_parallel_linear_sample(h, w[rows], b[rows], shards=SHARDS, temperature=TEMPERATURE,
                                                     greedy=True, return_entropy=True, **transform)
     out[f"{tag}greedy_token"], out[f"{tag}greedy_logp"], out[f"{tag}greedy_ent"] = tok, lp, ent
+    tok, lp, ent, tau = vps.vocab_parallel_linear_sample(h, w[rows], b[rows], shards=SHARDS, temperature=TEMPERATURE,
+                                                         seed=seed, streams=streams, positions=positions,
+                                                         return_entropy=True, return_threshold=True, **TRUNCATION,
+                                                         **transform)
+    out[f"{tag}truncated_token"], out[f"{tag}truncated_logp"], out[f"{tag}truncated_ent"] = tok, lp, ent
+    out[f"{tag}truncated_tau"] = tau
 
 
 def _empty_batches(rank: int, world: int, out: dict) -> None:

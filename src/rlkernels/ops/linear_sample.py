@@ -42,7 +42,7 @@ from .lm_head.lse import LSE_TILE
 from .lm_head.statistics import TileRecord, TorchHeadStatistics, TritonHeadStatistics, keep_above, torch_logits
 from .lm_head import truncation
 from .lm_head.truncation import truncates, validate_truncation
-from .lm_head.validate import head_backend, validate_head, validate_transform
+from .lm_head.validate import head_backend, validate_head, validate_threshold, validate_transform
 from ..runtime.opaque import opaque_to_compile
 
 OP = "linear_sample"
@@ -282,18 +282,20 @@ def pick_blocks(tile_m: torch.Tensor, tile_s: torch.Tensor, lse: torch.Tensor, u
 
 
 class TorchLinearSampleBackend:
-    """The head's torch statistics pass with each tile's mass, then the two draws."""
+    """The head's torch statistics pass with each tile's mass, then the two draws.
+
+    A backend's ``sample`` draws from the kept set of ``threshold`` [N] where it is given
+    (the call's ``logit_threshold``), else of (``top_k``, ``top_p``) where they truncate."""
 
     name = "torch"
 
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
                greedy: bool, entropy: bool = True, top_k: int = 0, top_p: float = 1.0,
-               transform: LogitTransform = NO_TRANSFORM) -> SampleResult:
+               transform: LogitTransform = NO_TRANSFORM, threshold: torch.Tensor | None = None) -> SampleResult:
         stats_backend = TorchHeadStatistics()
         N, vocab = h2.shape[0], weight.shape[0]
-        threshold = None
-        if truncates(top_k, top_p, vocab):
+        if threshold is None and truncates(top_k, top_p, vocab):
             z = torch_logits(h2, weight, bias, 0, vocab, temperature, transform)
             threshold = truncation.threshold(z, top_k, top_p)
         checked_positions = positions
@@ -365,7 +367,7 @@ class TritonLinearSampleBackend:
     def sample(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                seed: int | torch.Tensor, streams: torch.Tensor | None, positions: torch.Tensor | None,
                greedy: bool, entropy: bool = True, top_k: int = 0, top_p: float = 1.0,
-               transform: LogitTransform = NO_TRANSFORM) -> SampleResult:
+               transform: LogitTransform = NO_TRANSFORM, threshold: torch.Tensor | None = None) -> SampleResult:
         stats_backend = TritonHeadStatistics()
         N, D = h2.shape
         vocab = weight.shape[0]
@@ -377,9 +379,9 @@ class TritonLinearSampleBackend:
         ok, _, blocks, status = torch.empty(4 + 2 * N, dtype=torch.int32, device=dev).split([1, 3, N, N])
         if N == 0:
             return SampleResult(token, logp, ent, status, None,
-                                logp.clone() if truncates(top_k, top_p, vocab) else None)
-        threshold = raw = None
-        if truncates(top_k, top_p, vocab):
+                                logp.clone() if truncates(top_k, top_p, vocab) else threshold)
+        raw = None
+        if threshold is None and truncates(top_k, top_p, vocab):
             # The [N, V] fp32 logits once, by the GEMM (the fused tiles' chain): the
             # threshold is found over them and both statistics passes read them.
             raw = stats_backend.raw_logits(h2, weight, bias)
@@ -438,9 +440,11 @@ class _LinearSampleOp(OpImpl):
                 temperature: float = 1.0, seed: int | torch.Tensor | None = None,
                 streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 return_entropy: bool = False, greedy: bool = False, top_k: int = 0, top_p: float = 1.0,
-                return_threshold: bool = False, logit_scale: float = 1.0, logit_softcap: float = 0.0):
+                return_threshold: bool = False, logit_threshold: torch.Tensor | None = None,
+                logit_scale: float = 1.0, logit_softcap: float = 0.0):
         return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy,
-                    self.backend, self.backend_impl, top_k, top_p, return_threshold, logit_scale, logit_softcap)
+                    self.backend, self.backend_impl, top_k, top_p, return_threshold, logit_threshold, logit_scale,
+                    logit_softcap)
 
     def forward_fp32(self, *args, **kwargs):
         return self.forward(*args, **kwargs)  # the log-probs are fp32 already
@@ -465,13 +469,19 @@ register_backends(OP, _LinearSampleOp, {"triton": TritonLinearSampleBackend(), "
 
 
 def _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend,
-         sample_backend=None, top_k=0, top_p=1.0, return_threshold=False, logit_scale=1.0, logit_softcap=0.0):
+         sample_backend=None, top_k=0, top_p=1.0, return_threshold=False, logit_threshold=None, logit_scale=1.0,
+         logit_softcap=0.0):
     V_.require_tensor(OP, "hidden", hidden)
     V_.require_tensor(OP, "weight", weight)
     if hidden.is_floating_point() and weight.is_floating_point():
         hidden, weight, bias = V_.autocast(hidden, weight, bias)
     validate(hidden, weight, bias, temperature, seed, streams, positions, greedy)
     validate_truncation(OP, top_k, top_p)
+    if logit_threshold is not None:
+        if truncates(top_k, top_p, weight.shape[0]):
+            raise ValueError(f"rlkernels.{OP}: logit_threshold gives the kept set itself; it cannot be combined "
+                             f"with top_k={top_k!r}, top_p={top_p!r} (leave them at 0 and 1.0)")
+        validate_threshold(OP, logit_threshold, tuple(hidden.shape[:-1]), hidden.dtype, hidden.device)
     transform = validate_transform(OP, logit_scale, logit_softcap)
     top_k, top_p = int(top_k), float(top_p)
     name = head_backend(OP, OP, hidden, backend)
@@ -491,6 +501,7 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
         streams = streams.reshape(n)
         positions = positions.reshape(n) if positions is not None else None
     truncating = truncates(top_k, top_p, weight.shape[0])
+    given = logit_threshold.detach().reshape(n).contiguous() if logit_threshold is not None else None
     with torch.no_grad():
         if truncating and n > TRUNCATED_ROWS:
             # The threshold is found over [rows, V] fp32 logits: a bounded block of rows at
@@ -507,10 +518,13 @@ def _run(hidden, weight, bias, temperature, seed, streams, positions, return_ent
         else:
             result = sample_backend.sample(
                 h2, weight, bias, float(temperature), seed if not greedy else 0, streams, positions, greedy,
-                bool(return_entropy), top_k, top_p, transform)
+                bool(return_entropy), top_k, top_p, transform, given)
     check_status(result, positions)
     token, logp, ent = result.token, result.logp, result.entropy
-    tau = result.threshold if truncating else torch.full((n,), -math.inf, dtype=adt, device=hidden.device)
+    if truncating or given is not None:
+        tau = result.threshold
+    else:
+        tau = torch.full((n,), -math.inf, dtype=adt, device=hidden.device)
     if not flat:
         token, logp, ent, tau = token.reshape(lead), logp.reshape(lead), ent.reshape(lead), tau.reshape(lead)
     out = (token, logp, ent) if return_entropy else (token, logp)
@@ -522,8 +536,8 @@ def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                   temperature: float = 1.0, seed: int | torch.Tensor | None = None,
                   streams: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                   return_entropy: bool = False, greedy: bool = False, top_k: int = 0, top_p: float = 1.0,
-                  return_threshold: bool = False, logit_scale: float = 1.0, logit_softcap: float = 0.0,
-                  backend: str | None = None):
+                  return_threshold: bool = False, logit_threshold: torch.Tensor | None = None,
+                  logit_scale: float = 1.0, logit_softcap: float = 0.0, backend: str | None = None):
     """One token per row drawn exactly from ``softmax((hidden @ weight.T + bias) / T)`` in fp32.
 
     hidden: [..., D] bf16/fp16/fp32 (fp64 on the torch backend); weight: [V, D] (lm_head
@@ -557,11 +571,17 @@ def linear_sample(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     values give the untruncated draw's bits. While truncating, the rows' fp32 logits are
     materialised, :data:`TRUNCATED_ROWS` rows at a time ([rows, V] fp32).
 
+    ``logit_threshold`` (instead of ``top_k``/``top_p``): each row's kept set given, a tensor
+    of hidden's leading shape, fp32 (fp64 for fp64 inputs), -inf keeping every logit; the
+    token is drawn from ``{v : z_v >= tau}`` renormalised, with the log-probs of
+    ``linear_logprob(..., logit_threshold=tau)``, and no [N, V] logits are formed. A row
+    that keeps no logit is refused as a row that is not a distribution.
+
     ``logit_scale`` and ``logit_softcap``: the model's logits from the head's output x
     before the temperature, as :func:`rlkernels.linear_logprob` takes them (``c * tanh(x *
     s / c)``); z above is then that over T, and the log-probs stay bitwise
     ``linear_logprob``'s with the same two values.
     """
     return _run(hidden, weight, bias, temperature, seed, streams, positions, return_entropy, greedy, backend,
-                top_k=top_k, top_p=top_p, return_threshold=return_threshold, logit_scale=logit_scale,
-                logit_softcap=logit_softcap)
+                top_k=top_k, top_p=top_p, return_threshold=return_threshold, logit_threshold=logit_threshold,
+                logit_scale=logit_scale, logit_softcap=logit_softcap)

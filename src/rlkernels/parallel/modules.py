@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.lm_head.truncation import truncates
 from ..ops.matmul import linear
 from .row_parallel import TREE_SEGMENTS, row_parallel_tree_linear, tree_linear
 from .tree import all_gather_cat
@@ -85,14 +86,17 @@ class VocabParallelHead(nn.Module):
         return local if self.world == 1 else all_gather_cat(local, self.group, self.world, -1)
 
     def sample(self, hidden: torch.Tensor, *, temperature: float, seed: int | torch.Tensor, streams: torch.Tensor,
-               positions: torch.Tensor, greedy: bool = False, logit_scale: float = 1.0,
-               logit_softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(token, logp, entropy) [N] of rows ``hidden`` [N, D]: the vocabulary-parallel draw
+               positions: torch.Tensor, greedy: bool = False, top_k: int = 0, top_p: float = 1.0,
+               logit_scale: float = 1.0, logit_softcap: float = 0.0) -> tuple[torch.Tensor, ...]:
+        """(token, logp, entropy) [N] of rows ``hidden`` [N, D], and each row's kept-set
+        threshold where (``top_k``, ``top_p``) truncate: the vocabulary-parallel draw
         (:func:`~rlkernels.parallel.vocab_parallel_linear_sample`, or its greedy pick), whose
-        log-probs are the ones ``token_logprobs`` scores this head with; ``logit_scale`` and
-        ``logit_softcap``: the model's logit transform."""
+        log-probs are the ones ``token_logprobs`` scores this head with (under that
+        threshold); ``logit_scale`` and ``logit_softcap``: the model's logit transform."""
         kw = dict(shards=self.shards, temperature=temperature, seed=seed, streams=streams, positions=positions,
-                  return_entropy=True, greedy=greedy, logit_scale=logit_scale, logit_softcap=logit_softcap)
+                  return_entropy=True, greedy=greedy, top_k=top_k, top_p=top_p,
+                  return_threshold=truncates(top_k, top_p, self.vocab), logit_scale=logit_scale,
+                  logit_softcap=logit_softcap)
         if self.group is None:
             return sharded_linear_sample(hidden, self.weight, self.bias, **kw)
         return vocab_parallel_linear_sample(hidden, self.weight, self.bias, group=self.group, **kw)

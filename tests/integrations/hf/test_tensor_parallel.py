@@ -77,6 +77,25 @@ def _rollout(model, greedy: bool = False):
         return [(r.tokens, r.logprobs, r.entropy) for r in rlkernels.rollout(model, _prompts(), **kw)]
 
 
+# A truncated draw: rows keep a few tokens, through generate and rollout. These tiny models'
+# largest logit stands ~30 above the next: at T = 8 a nucleus of 0.99 holds several tokens.
+TRUNCATION = dict(top_k=40, top_p=0.99, temperature=8.0)
+
+
+def _generate_truncated(model):
+    ids, mask = _batch()
+    with torch.no_grad():
+        return rlkernels.generate(model, ids, mask, max_new_tokens=5, eos_token_id=[], return_entropy=True,
+                                  do_sample=True, seed=17, streams=torch.tensor([5, 1 << 40, 9]),
+                                  return_thresholds=True, **TRUNCATION)
+
+
+def _rollout_truncated(model):
+    with torch.no_grad():
+        return [(r.tokens, r.logprobs, r.thresholds)
+                for r in rlkernels.rollout(model, _prompts(), **dict(ROLLOUT, **TRUNCATION))]
+
+
 def _worker(rank: int, world: int, folder: str) -> None:
     with gloo_group(rank, world, folder):
         out: dict = {}
@@ -95,11 +114,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
                     out["grad"] = "ran"
                 except ValueError as e:
                     out["grad"] = str(e)
-                try:  # top_k between a rank's V / t rows and V truncates the whole vocabulary: refused
-                    rlkernels.rollout(model, _prompts(), max_new_tokens=1, seed=1, top_k=300, cuda_graph=False)
-                    out["top_k"] = "ran"
-                except ValueError as e:
-                    out["top_k"] = str(e)
+                out["truncated"] = (_generate_truncated(model), _rollout_truncated(model))
         few_kv = rlkernels.patch_model(_tiny("llama", **dict(SHAPE, num_key_value_heads=2)))
         try:
             rlkernels.tensor_parallel(few_kv, dist.group.WORLD)
@@ -165,6 +180,50 @@ def test_greedy_at_every_tp_size_is_the_one_process_layouts_and_its_scores(world
                                    _bits(ref) if ref.is_floating_point() else ref), (world, rank)
             for got, ref in zip(got_roll, rolled):
                 assert torch.equal(got[0], ref[0]) and torch.equal(_bits(got[1]), _bits(ref[1])), (world, rank)
+
+
+def test_truncated_draws_at_every_tp_size_are_the_one_process_layouts_and_its_thresholded_scores(worlds):
+    model = rlkernels.tensor_parallel(rlkernels.patch_model(_model(*CASES[0])), None)
+    seq, lp, ent, tau = _generate_truncated(model)
+    rolled = _rollout_truncated(model)
+    ids, mask = _batch()
+    L = ids.shape[1]
+    # The draws truncate: every kept set is smaller than the vocabulary (a finite tau).
+    assert torch.isfinite(tau).all() and all(torch.isfinite(r[2]).all() for r in rolled)
+    # The draws' log-probs are the scorer's under each draw's kept set, bitwise.
+    threshold = torch.full((seq.shape[0], seq.shape[1] - 1), -float("inf"))
+    threshold[:, L - 1:] = tau
+    T = TRUNCATION["temperature"]
+    with torch.no_grad():
+        scored, scored_ent = rlkernels.token_logprobs(model, seq, torch.cat([mask, torch.ones_like(seq[:, L:])], 1),
+                                                      temperature=T, return_entropy=True, logit_threshold=threshold)
+        full = rlkernels.token_logprobs(model, seq, torch.cat([mask, torch.ones_like(seq[:, L:])], 1),
+                                        temperature=T)
+        logits = model(input_ids=seq, attention_mask=torch.cat([mask, torch.ones_like(seq[:, L:])], 1)).logits
+    assert torch.equal(_bits(scored[:, L - 1:]), _bits(lp)) and torch.equal(_bits(scored_ent[:, L - 1:]), _bits(ent))
+    assert (full[:, L - 1:] < lp).all()  # the kept set's mass is renormalised: each token's log-prob rises
+    kept = (logits[:, L - 1:-1] / T >= tau[..., None]).sum(dim=-1)
+    assert (kept > 1).any() and (kept <= TRUNCATION["top_k"]).all()
+    # Each rollout sample is its prompt's truncated generate alone, thresholds included.
+    n = ROLLOUT["n"]
+    for i, prompt in enumerate(_prompts()):
+        with torch.no_grad():
+            alone = rlkernels.generate(model, torch.tensor([prompt]), max_new_tokens=ROLLOUT["max_new_tokens"],
+                                       eos_token_id=[], do_sample=True, seed=ROLLOUT["seed"],
+                                       streams=torch.tensor([i * n]), return_thresholds=True, **TRUNCATION)
+        tokens, logps, taus = rolled[i * n]
+        assert torch.equal(tokens, alone[0][0, len(prompt):]) and torch.equal(_bits(logps), _bits(alone[1][0]))
+        assert torch.equal(_bits(taus), _bits(alone[2][0]))
+    for world, ranks in worlds.items():
+        for rank, out in enumerate(ranks):
+            got_gen, got_roll = out["truncated"]
+            for got, ref in zip(got_gen, (seq, lp, ent, tau)):
+                assert torch.equal(_bits(got) if got.is_floating_point() else got,
+                                   _bits(ref) if ref.is_floating_point() else ref), (world, rank)
+            for got, ref in zip(got_roll, rolled):
+                assert all(torch.equal(_bits(a) if a.is_floating_point() else a,
+                                       _bits(b) if b.is_floating_point() else b) for a, b in zip(got, ref)), (world,
+                                                                                                           rank)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -235,7 +294,6 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
                 assert "backward is not built" in out["grad"]
             if world in (4, 8):
                 assert f"num_key_value_heads (2) must divide by {world}" in out["kv"]
-            assert "rlkernels.rollout: on a tensor-parallel model" in out["top_k"], world
     model = rlkernels.patch_model(_model("qwen3", torch.float32, {}))
     weight = model.lm_head.weight
     with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: segments \(3\) must be a power of two"):
@@ -256,16 +314,8 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
     sharded = rlkernels.tensor_parallel(model, None)
     with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: the model is tensor-parallel already"):
         rlkernels.tensor_parallel(sharded, None)
-    ids, mask = _batch()
-    for kw in (dict(top_p=0.9), dict(top_k=300)):  # top_k 300 < V = 384: truncates
-        with pytest.raises(ValueError, match=r"rlkernels.rollout: on a tensor-parallel model"):
-            rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1, **kw)
     with pytest.raises(ValueError, match=r"cannot capture the decode step here: a tensor-parallel model's sampler"):
         rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1, cuda_graph=True)
-    for kw in (dict(do_sample=True, top_p=0.9, return_thresholds=True),
-               dict(do_sample=True, top_k=300, return_thresholds=True)):
-        with pytest.raises(ValueError, match=r"rlkernels.generate: on a tensor-parallel model"):
-            rlkernels.generate(sharded, ids, mask, max_new_tokens=2, seed=1, **kw)
 
 
 # ---------------------------------------------------------------- several GPUs (NCCL)

@@ -318,10 +318,6 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
         raise ValueError("rlkernels.rollout: needs transformers 5.x, whose StaticCache counts its writes on the "
                          "device (this decoder takes cache_position, as transformers 4.x's do)")
     tensor_parallel = vocab_parallel(head)
-    if tensor_parallel and (top_k, top_p) != (0, 1.0):  # (no truncation is 0, 1.0 by now)
-        raise ValueError("rlkernels.rollout: on a tensor-parallel model (rlkernels.tensor_parallel) the draw is "
-                         "the vocabulary-parallel sampler's, built for the full distribution (sampled or greedy): "
-                         f"got top_k={top_k}, top_p={top_p}")
     # Why the decode step cannot be captured on this model, if it cannot.
     no_graph = ("a tensor-parallel model's sampler runs eagerly" if tensor_parallel
                 else f"the model is on {device}" if device.type != "cuda"

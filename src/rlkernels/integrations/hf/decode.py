@@ -343,13 +343,13 @@ def draw(head: nn.Module, hidden: torch.Tensor, *, temperature: float, greedy: b
          transform: LogitTransform = NO_TRANSFORM) -> Drawn:
     """Each row's next token from the final hidden states [B, D] through ``head`` and the
     model's logit ``transform``: the :func:`rlkernels.linear_sample` draw keyed by (seed,
-    stream, position), or a tensor-parallel model's vocabulary-parallel sampler
-    (untruncated: its callers refuse truncation). Returns (token, logp, entropy), and the
-    threshold where (top_k, top_p) truncate."""
+    stream, position), or a tensor-parallel model's vocabulary-parallel sampler. Returns
+    (token, logp, entropy), and the threshold where (top_k, top_p) truncate."""
     parallel = parallel_modules()
     if parallel is not None and isinstance(head, parallel.VocabParallelHead):
         return head.sample(hidden, temperature=temperature, seed=seed, streams=streams, positions=positions,
-                           greedy=greedy, logit_scale=transform.scale, logit_softcap=transform.softcap)
+                           greedy=greedy, top_k=top_k, top_p=top_p, logit_scale=transform.scale,
+                           logit_softcap=transform.softcap)
     return linear_sample(hidden, head.weight, getattr(head, "bias", None), temperature=temperature,
                          seed=seed, streams=streams, positions=positions,
                          greedy=greedy, return_entropy=True, top_k=top_k, top_p=top_p,

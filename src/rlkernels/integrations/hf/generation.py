@@ -225,10 +225,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                          "logit_threshold), or do_sample=True without top_k/top_p to sample the full distribution")
     if not truncating:
         top_k, top_p = 0, 1.0
-    if vocab_parallel(model.get_output_embeddings()) and (truncating or cuda_graph):
+    if vocab_parallel(model.get_output_embeddings()) and cuda_graph:
         raise ValueError("rlkernels.generate: on a tensor-parallel model (rlkernels.tensor_parallel) the draw is "
-                         "the vocabulary-parallel sampler's, built for the full distribution (sampled or greedy), "
-                         f"eagerly: got top_k={top_k}, top_p={top_p}, cuda_graph={cuda_graph}")
+                         "the vocabulary-parallel sampler's, whose collectives run eagerly: got cuda_graph=True")
     warn_attention("generate", model, batch_invariant, stacklevel=2)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and input_ids.shape[1] + max_new > limit:

@@ -115,6 +115,13 @@ class TorchHeadStatistics:
         """The vocabulary tile a :class:`TileRecord` holds: the LSE order's tile."""
         return LSE_TILE
 
+    @staticmethod
+    def head_scores(h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                    transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
+        """z = transform(h2 W^T + b) / T [N, V], the scores this backend's pass computes,
+        written out (fp32; fp64 for fp64)."""
+        return torch_logits(h2, weight, bias, 0, weight.shape[0], temperature, transform)
+
     def n_tiles(self, vocab: int, dtype: torch.dtype) -> int:
         return cdiv(vocab, LSE_SPLIT) * (LSE_SPLIT // LSE_TILE)
 
@@ -254,6 +261,12 @@ class TritonHeadStatistics:
         bias = bias.contiguous() if bias is not None else None
         return gemm_backend_for(h2.device, "triton").gemm(h2, weight, bias=bias, out_dtype=torch.float32,
                                                           b_transposed=True)
+
+    def head_scores(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                    transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
+        """z = transform(h2 W^T + b) / T [N, V] fp32, the scores this backend's pass computes,
+        written out: :meth:`raw_logits`, then :meth:`scores`."""
+        return self.scores(self.raw_logits(h2, weight, bias), temperature, transform)
 
     @staticmethod
     def scores(raw: torch.Tensor, temperature: float, transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
