@@ -4,20 +4,29 @@ Host side: ``rlkernels.ops.lm_head.truncation``.
 The kernels read the head's raw fp32 logits and score them in registers (``scores``: the
 model's transform, then / T), with the bits every kernel of the statistics pass computes.
 
-A row's candidates are found without a sort of the row: each fixed chunk of it yields its
-own C largest (a bitonic top-k in registers), so the C largest of the candidates are the
-row's C largest. Masses are ``exp(z - top)`` in fp64, ``top`` the row's max, and p is
-taken of the total over the distribution top-p truncates (``z >= floor``, the top-k
-threshold): every logit's, from each chunk's max and fp64 mass, or the top-k set's.
+A row's candidates are found without a sort of the row, in two passes over fixed chunks
+of it. The first takes each chunk's max (and second largest, and fp64 mass). From those
+the second knows a filter f per row below which no logit can be kept: for top-p alone the
+row's max + ln((1 - p) / V) - 1, since all the logits below it together hold less than
+(1 - p) / e of the mass; for top-k the k-th largest of the chunks' two largest each; or
+the top-k threshold itself where it is given. A chunk wholly below f yields nothing and
+is not read again; one with at most C logits >= f yields those (a scan); only the others
+take a bitonic top-C in registers. Each chunk reports a bound: every logit of it above
+the bound is a candidate. So above the largest bound the candidates are the row's values.
+The filter decides only how much work the candidates take: the threshold is searched down
+to the bound, and past it over the whole row.
+Masses are ``exp(z - top)`` in fp64, ``top`` the row's max, and p is taken of the total
+over the distribution top-p truncates (``z >= floor``, the top-k threshold): every
+logit's, from each chunk's max and fp64 mass, or the top-k set's.
 
 The nucleus is the smallest prefix of the sorted values whose mass reaches it; its last
 value is the threshold, and every logit equal to it is kept too. It is looked for first
-in the row's C largest. Where it is wider (or a top-k set reaches past them), all the
-candidates are sorted: every logit above the largest of the chunks' C-th values (the
-bound) is among them, so their prefix masses are the row's down to it. Where those do
-not reach it either, the threshold is searched over the whole row: the largest order key
-t whose mass ``F(t)`` (over z with key >= t) still reaches it, by bisection over the fp32
-order keys. Every sum runs over one row's values in an order fixed by V and the chunk.
+in the C largest candidates, where it ends at or above the bound. Where it is wider (or a
+top-k set reaches past them), all the candidates are sorted: their prefix masses are the
+row's down to the bound. Where those do not reach it either, the threshold is searched
+over the whole row: the largest order key t whose mass ``F(t)`` (over z with key >= t)
+still reaches it, by bisection over the fp32 order keys. Every sum runs over one row's
+values in an order fixed by V and the chunk.
 """
 from __future__ import annotations
 
@@ -59,13 +68,13 @@ if triton is not None:
         return total
 
     @triton.jit
-    def chunk_top_kernel(x_ptr, top_ptr, cm_ptr, cs_ptr, N, L, stride_x, n_chunks, temperature, logit_scale,
-                         cap_arg, cap, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
-                         CHUNK: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, MASS: tl.constexpr):
-        """Grid (row blocks, chunks): the C largest scores of each row's chunk ``x[row, c*CHUNK
-        : (c+1)*CHUNK]`` (raw logits, L of them; -inf beyond), descending, into ``top[row, c*C :
-        (c+1)*C]`` (rows of n_chunks * C). MASS: the chunk's max and fp64 mass exp(z - max)
-        into ``cm`` / ``cs`` [N, n_chunks] (mass 0 where the chunk holds only -inf)."""
+    def chunk_stats_kernel(x_ptr, cmax_ptr, cs_ptr, N, L, stride_x, n_chunks, temperature, logit_scale, cap_arg,
+                           cap, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+                           BLOCK_R: tl.constexpr, SECOND: tl.constexpr, MASS: tl.constexpr):
+        """Grid (row blocks, chunks): each row's chunk ``x[row, c*CHUNK : (c+1)*CHUNK]`` (raw
+        logits, L of them) scored; its max into ``cmax[row, c]`` ([N, 2 * n_chunks]). SECOND:
+        its second largest (another position's: ties count) into ``cmax[row, n_chunks + c]``.
+        MASS: its fp64 mass exp(z - max) into ``cs[row, c]`` (0 where it holds only -inf)."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         chunk = tl.program_id(1)
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -73,15 +82,91 @@ if triton is not None:
         ok = row_ok[:, None] & (cols < L)[None, :]
         z = _row_scores(x_ptr, rows, ok, cols, stride_x, float("-inf"), temperature, logit_scale, cap_arg, cap,
                         TEMP, SCALE, CAP, BLOCK_R, CHUNK)
-        best = tl.topk(z, C)
-        out = top_ptr + rows[:, None] * (n_chunks * C) + chunk * C + tl.arange(0, C)[None, :]
-        tl.store(out, best, mask=row_ok[:, None])
+        mx = tl.max(z, axis=1)
+        tl.store(cmax_ptr + rows * (2 * n_chunks) + chunk, mx, mask=row_ok)
+        if SECOND:
+            at = tl.argmax(z, axis=1)
+            rest = tl.where(tl.arange(0, CHUNK)[None, :] == at[:, None], float("-inf"), z)
+            tl.store(cmax_ptr + rows * (2 * n_chunks) + n_chunks + chunk, tl.max(rest, axis=1), mask=row_ok)
         if MASS:
-            mx = tl.max(z, axis=1)
             ref = tl.where(mx == float("-inf"), 0.0, mx).to(tl.float64)
             mass = tl.sum(tl.exp(z.to(tl.float64) - ref[:, None]), axis=1)
-            tl.store(cm_ptr + rows * n_chunks + chunk, mx, mask=row_ok)
             tl.store(cs_ptr + rows * n_chunks + chunk, mass, mask=row_ok)
+
+    @triton.jit
+    def _just_below(f):
+        """The largest fp32 below f (-inf for -inf): "every logit > it" is "every logit >= f"."""
+        key = order_key(f) - 1
+        below = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        return tl.where(f == float("-inf"), f, below)
+
+    @triton.jit
+    def _row_filter(cmax_ptr, floor_ptr, rows, row_ok, n_chunks, top_k, log_tail, FILTER: tl.constexpr,
+                    CHUNKS: tl.constexpr, KB: tl.constexpr):
+        """Each row's filter f [BLOCK_R]: no logit below it can be kept (-inf: none known).
+        FILTER 1 (top-p alone): the row's max + ``log_tail`` (ln((1 - p) / V) - 1: all the
+        logits below it hold less than (1 - p) / e of the mass). 2 (top-k <= KB): the k-th
+        largest of the chunks' two largest each, at most the row's k-th largest. 3: the
+        given top-k threshold ``floor``."""
+        ch = tl.arange(0, CHUNKS)[None, :]
+        if FILTER == 1:
+            mk = tl.load(cmax_ptr + rows[:, None] * (2 * n_chunks) + ch, mask=row_ok[:, None] & (ch < n_chunks),
+                         other=float("-inf"))
+            f = tl.max(mk, axis=1) + log_tail
+        elif FILTER == 2:
+            both = tl.arange(0, 2 * CHUNKS)[None, :]
+            mk = tl.load(cmax_ptr + rows[:, None] * (2 * n_chunks) + both,
+                         mask=row_ok[:, None] & (both < 2 * n_chunks), other=float("-inf"))
+            kth = tl.topk(mk, KB)
+            f = tl.max(tl.where(tl.arange(0, KB)[None, :] == top_k - 1, kth, float("-inf")), axis=1)
+        elif FILTER == 3:
+            f = tl.load(floor_ptr + rows, mask=row_ok, other=float("-inf"))
+        else:
+            f = tl.full(rows.shape, float("-inf"), tl.float32)
+        return tl.where(f == f, f, float("-inf"))  # a NaN row filters nothing
+
+    @triton.jit
+    def chunk_top_kernel(x_ptr, cmax_ptr, floor_ptr, top_ptr, cb_ptr, N, L, stride_x, n_chunks, top_k, log_tail,
+                         temperature, logit_scale, cap_arg, cap, TEMP: tl.constexpr, SCALE: tl.constexpr,
+                         CAP: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr,
+                         FILTER: tl.constexpr, CHUNKS: tl.constexpr, KB: tl.constexpr):
+        """Grid (row blocks, chunks): each row's candidates from its chunk ``x[row, c*CHUNK :
+        (c+1)*CHUNK]`` (raw logits, L of them) into ``top[row, c*C : (c+1)*C]`` (rows of
+        n_chunks * C; -inf past them), and into ``cb[row, c]`` a bound such that every logit of
+        the chunk above it is among them.
+
+        With the row's filter f (``_row_filter``; ``cmax`` from ``chunk_stats_kernel``): a
+        chunk whose max is below f yields none (no load); one with at most C logits >= f
+        yields those, in index order (a scan, no sort); else its C largest, descending (a
+        bitonic top-k), bounded by its C-th."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        chunk = tl.program_id(1)
+        row_ok = rows < N
+        j = tl.arange(0, C)[None, :]
+        out = top_ptr + rows[:, None] * (n_chunks * C) + chunk * C + j
+        f = _row_filter(cmax_ptr, floor_ptr, rows, row_ok, n_chunks, top_k, log_tail, FILTER, CHUNKS, KB)
+        below_f = _just_below(f)
+        chunk_max = tl.load(cmax_ptr + rows * (2 * n_chunks) + chunk, mask=row_ok, other=float("-inf"))
+        if tl.sum((row_ok & (chunk_max >= f)).to(tl.int32), axis=0) == 0:
+            tl.store(out, tl.full([BLOCK_R, C], float("-inf"), tl.float32), mask=row_ok[:, None])
+            tl.store(cb_ptr + rows * n_chunks + chunk, below_f, mask=row_ok)
+        else:
+            cols = chunk * CHUNK + tl.arange(0, CHUNK)
+            ok = row_ok[:, None] & (cols < L)[None, :]
+            z = _row_scores(x_ptr, rows, ok, cols, stride_x, float("-inf"), temperature, logit_scale, cap_arg, cap,
+                            TEMP, SCALE, CAP, BLOCK_R, CHUNK)
+            keep = ok & (z >= f[:, None])
+            count = tl.sum(keep.to(tl.int32), axis=1)
+            if tl.max(tl.where(row_ok, count, 0), axis=0) <= C:
+                at = tl.cumsum(keep.to(tl.int32), axis=1) - 1
+                tl.store(top_ptr + rows[:, None] * (n_chunks * C) + chunk * C + at, z, mask=keep)
+                tl.store(out, tl.full([BLOCK_R, C], float("-inf"), tl.float32),
+                         mask=row_ok[:, None] & (j >= count[:, None]))
+                tl.store(cb_ptr + rows * n_chunks + chunk, below_f, mask=row_ok)
+            else:
+                best = tl.topk(z, C)
+                tl.store(out, best, mask=row_ok[:, None])
+                tl.store(cb_ptr + rows * n_chunks + chunk, tl.min(best, axis=1), mask=row_ok)
 
     @triton.jit
     def _first_reaching(vals, cum, target, WIDTH: tl.constexpr):
@@ -92,27 +177,32 @@ if triton is not None:
         return first, tl.max(tl.where(j == first[:, None], vals, float("-inf")), axis=1)
 
     @triton.jit
-    def threshold_kernel(top_ptr, cm_ptr, cs_ptr, x_ptr, floor_ptr, out_ptr, N, n_chunks, V, stride_x, top_k,
+    def threshold_kernel(top_ptr, cb_ptr, cmax_ptr, cs_ptr, x_ptr, floor_ptr, out_ptr, N, n_chunks, V, stride_x, top_k,
                          p_hi, p_lo, temperature, logit_scale, cap_arg, cap, TEMP: tl.constexpr,
                          SCALE: tl.constexpr, CAP: tl.constexpr, FINAL: tl.constexpr, CHUNKS: tl.constexpr,
                          C: tl.constexpr, BLOCK_R: tl.constexpr, TOP_P: tl.constexpr, FLOOR_GIVEN: tl.constexpr,
                          BLOCK: tl.constexpr):
         """Grid (row blocks,): each row's threshold into ``out[row]`` (fp32).
 
-        ``top``: [N, n_chunks * C] each chunk's C largest scores, descending (n_chunks * C <=
-        FINAL); ``cm``/``cs``: the chunks' maxima and masses (n_chunks <= CHUNKS); ``x``: the
-        whole rows' raw logits [N, V] (read only where the candidates fall short). ``top_k``:
-        0, or <= C (its threshold is the k-th candidate); FLOOR_GIVEN: ``floor`` [N] holds
-        the top-k threshold instead (a k beyond C). p = p_hi + p_lo (two fp32 scalars
-        holding a double's leading bits). Without TOP_P the threshold is top-k's."""
+        ``top``: [N, n_chunks * C] the chunks' candidates (n_chunks * C <= FINAL) and ``cb``
+        [N, n_chunks] their bounds (``chunk_top_kernel``): every logit above the largest
+        bound is a candidate. ``cmax``/``cs``: the chunks' maxima and masses (n_chunks <=
+        CHUNKS); ``x``: the whole rows' raw logits [N, V] (read only where the candidates
+        fall short). ``top_k``: 0, or <= C (its threshold is the k-th largest candidate);
+        FLOOR_GIVEN: ``floor`` [N] holds the top-k threshold instead (a k beyond C). p =
+        p_hi + p_lo (two fp32 scalars holding a double's leading bits). Without TOP_P the
+        threshold is top-k's."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < N
         cols = tl.arange(0, FINAL)
         width = n_chunks * C
         x = tl.load(top_ptr + rows[:, None] * width + cols[None, :], mask=row_ok[:, None] & (cols < width)[None, :],
                     other=float("-inf"))
-        # The row's C largest: the C largest of the chunks' C largest.
+        # The row's largest candidates: the row's own values down to the bound (above it).
         best = tl.topk(x, C)
+        ch = tl.arange(0, CHUNKS)[None, :]
+        ch_ok = row_ok[:, None] & (ch < n_chunks)
+        bound = tl.max(tl.load(cb_ptr + rows[:, None] * n_chunks + ch, mask=ch_ok, other=float("-inf")), axis=1)
         if FLOOR_GIVEN:
             floor = tl.load(floor_ptr + rows, mask=row_ok, other=float("-inf"))
         elif top_k > 0:
@@ -124,39 +214,37 @@ if triton is not None:
             top64 = tl.where(top == float("-inf"), 0.0, top).to(tl.float64)
             p = (tl.zeros(rows.shape, tl.float64) + p_hi) + p_lo
             # Every logit's mass, from the chunks', in one fixed tree.
-            ch = tl.arange(0, CHUNKS)[None, :]
-            ch_ok = row_ok[:, None] & (ch < n_chunks)
-            mk = tl.load(cm_ptr + rows[:, None] * n_chunks + ch, mask=ch_ok, other=float("-inf"))
+            mk = tl.load(cmax_ptr + rows[:, None] * (2 * n_chunks) + ch, mask=ch_ok, other=float("-inf"))
             sk = tl.load(cs_ptr + rows[:, None] * n_chunks + ch, mask=ch_ok, other=0.0)
             every = tl.sum(tl.where(ch_ok, sk * tl.exp(mk.to(tl.float64) - top64[:, None]), 0.0), axis=1)
-            # The nucleus within the C largest. A top-k set lies within them (its
-            # threshold's ties too) where the C-th is below its threshold: its mass is theirs.
+            # The nucleus within the C largest candidates, where it ends at or above the
+            # bound. A top-k set lies within them (its threshold's ties too) where its
+            # threshold is above the bound and the C-th is below it: its mass is theirs.
             e = tl.where(best >= floor[:, None], tl.exp(best.to(tl.float64) - top64[:, None]), 0.0)
             cum = tl.cumsum(e, axis=1)
-            inside = (floor > float("-inf")) & (tl.min(best, axis=1) < floor)
+            inside = (floor > float("-inf")) & (tl.min(best, axis=1) < floor) & (floor > bound)
             total = tl.where(inside, tl.max(cum, axis=1), every)
             first, tau = _first_reaching(best, cum, p * total, C)
             tau = tl.where(first < C, tau, floor)
-            fast = row_ok & (inside | ((floor == float("-inf")) & (first < C)))
+            fast = row_ok & (inside | ((floor == float("-inf")) & (first < C) & (tau >= bound)))
             slow = row_ok & ~fast
             if tl.sum(slow.to(tl.int32), axis=0) > 0:
-                tau = tl.where(slow, _threshold_over_candidates(x, every, floor, top64, p, x_ptr, rows, slow, stride_x,
-                                                                V, temperature, logit_scale, cap_arg, cap, TEMP, SCALE,
-                                                                CAP, FINAL, C, BLOCK_R, BLOCK), tau)
+                tau = tl.where(slow, _threshold_over_candidates(x, bound, every, floor, top64, p, x_ptr, rows, slow,
+                                                                stride_x, V, temperature, logit_scale, cap_arg, cap,
+                                                                TEMP, SCALE, CAP, FINAL, C, BLOCK_R, BLOCK), tau)
             tau = tl.maximum(tau, floor)
         else:
             tau = floor
         tl.store(out_ptr + rows, tau, mask=row_ok)
 
     @triton.jit
-    def _threshold_over_candidates(x, every, floor, top64, p, x_ptr, rows, row_ok, stride_x, V, temperature,
+    def _threshold_over_candidates(x, bound, every, floor, top64, p, x_ptr, rows, row_ok, stride_x, V, temperature,
                                    logit_scale, cap_arg, cap, TEMP: tl.constexpr, SCALE: tl.constexpr,
                                    CAP: tl.constexpr, FINAL: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr,
                                    BLOCK: tl.constexpr):
         """The threshold [BLOCK_R] of rows whose nucleus is wider than their C largest, from
-        all the candidates ``x`` [BLOCK_R, FINAL] (the chunks' C largest each), else by the
-        whole-row search. ``every``: each row's mass over all its logits."""
-        bound = tl.max(tl.min(tl.reshape(x, [BLOCK_R, FINAL // C, C]), axis=2), axis=1)
+        all the candidates ``x`` [BLOCK_R, FINAL] (every logit above ``bound`` among them),
+        else by the whole-row search. ``every``: each row's mass over all its logits."""
         vals = tl.sort(x, dim=1, descending=True)
         e = tl.where(vals >= floor[:, None], tl.exp(vals.to(tl.float64) - top64[:, None]), 0.0)
         cum = tl.cumsum(e, axis=1)
@@ -201,4 +289,4 @@ if triton is not None:
             tau = tl.where(search, best, tau)
         return tau
 else:  # pragma: no cover - the torch backend still imports without Triton
-    order_key = chunk_top_kernel = threshold_kernel = None
+    order_key = chunk_stats_kernel = chunk_top_kernel = threshold_kernel = None

@@ -84,8 +84,9 @@ def test_the_threshold_is_the_sorted_references(candidates, top_k, top_p, gen, m
                          ids=["plain", "scaled-capped"])
 def test_the_kernels_threshold_is_the_torch_backends(candidates, temperature, transform, gen, monkeypatch):
     _small_chunks(monkeypatch, candidates)
-    raw = _scaled_logits(5, 300, gen)
+    raw = _scaled_logits(6, 300, gen)
     raw[1] *= 0.02  # a flat row: its nucleus is wider than every chunk's candidates
+    raw[5, 10], raw[5, 70:73] = 30.0, 27.0  # a peaked row: most chunks lie below its filter
     raw[3, 5:9] = raw[3].max()  # ties at the top, in one chunk
     # Twelve near-equal largest logits, one per chunk and two in the first: a nucleus wider
     # than the row's `candidates` largest, within the chunks' candidates.
@@ -102,6 +103,46 @@ def test_the_kernels_threshold_is_the_torch_backends(candidates, temperature, tr
         assert torch.equal(got[clear].view(torch.int32), threshold(z, top_k, top_p)[clear].view(torch.int32))
     # Row 4's nucleus at p = 0.9 holds about eleven logits: past the row's largest few.
     assert (z[4] >= TR._triton_threshold(raw, 0, 0.9, temperature, transform)[4]).sum() > candidates
+
+
+@kernels_only
+@pytest.mark.parametrize("top_k, top_p, floor_given, paths_taken", [
+    (0, 0.9, False, {"none", "scan", "top-C"}),  # top-p alone: the row's max - ln(V / (1 - p)) - 1
+    (3, 0.9, False, {"none", "scan"}),  # top-k: the 3rd largest of the chunks' two largest
+    (1, 1.0, False, {"none", "scan"}),
+    (40, 0.9, True, {"scan", "top-C"}),  # the given top-k threshold
+])
+def test_each_chunk_yields_its_largest_logits_and_every_one_above_its_bound(top_k, top_p, floor_given, paths_taken,
+                                                                            gen, monkeypatch):
+    """The chunk pass: a chunk's candidates are its largest logits, every logit of it above
+    its bound among them; chunks wholly below the row's filter yield none, chunks with few
+    logits above it yield those, the others their C largest."""
+    _small_chunks(monkeypatch, 4)
+    raw = _scaled_logits(6, 300, gen)
+    raw[1] *= 0.02  # flat: every chunk holds more than C logits above the filter
+    raw[2, 10] = 60.0  # one logit far above the rest: the other chunks lie below the filter
+    raw[5, 10], raw[5, 70:73] = 30.0, 27.0  # four logits above the filter, in two chunks
+    z = TritonHeadStatistics.scores(raw, 1.0, LogitTransform())
+    floor = top_k_floor(z, top_k) if floor_given else None
+    cand = TR._chunk_candidates(raw, top_k, top_p, floor, 1.0, LogitTransform())
+    C, width = cand.count, TR.CANDIDATE_CHUNK
+    paths = {"none": 0, "scan": 0, "top-C": 0}
+    for r in range(z.shape[0]):
+        for c in range(cand.bounds.shape[1]):
+            mine = z[r, c * width:(c + 1) * width]
+            got = cand.top[r, c * C:(c + 1) * C]
+            got = torch.sort(got[got > -math.inf], descending=True).values
+            assert torch.equal(got, torch.sort(mine, descending=True).values[:len(got)]), (r, c)
+            bound = cand.bounds[r, c]
+            assert int((mine > bound).sum()) <= len(got), (r, c)
+            if not len(got):
+                paths["none"] += 1
+            elif len(got) == C and bound == got[-1]:
+                paths["top-C"] += 1
+            else:
+                paths["scan"] += 1
+        assert cand.cmax[r, 0] == z[r, :width].max()
+    assert {path for path, n in paths.items() if n} == paths_taken, paths
 
 
 BACKENDS = ["torch", pytest.param("kernels", marks=kernels_only)]

@@ -17,7 +17,7 @@ nucleus is resolved to fp64 precision even for p near 1; they are summed over th
 largest values in descending order (the nucleus's candidates, :data:`TOP_P_CANDIDATES`
 of them), and where those do not reach p the threshold is searched over the whole row.
 The Triton backend reads the raw logits, scores them in registers and finds the candidates
-chunk by chunk (``kernels.truncation``: no sort of the row, two launches); the torch
+chunk by chunk (``kernels.truncation``: no sort of the row, three launches); the torch
 backend by ``torch.topk`` over the scores, and it sums by a prefix scan of elementwise adds
 and pairwise trees, whose orders are fixed by the counts.
 """
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
 from ..._env import triton_interpret
 from ...kernels._triton import cdiv, pow2_at_least
-from ...kernels.truncation import chunk_top_kernel, threshold_kernel
+from ...kernels.truncation import chunk_stats_kernel, chunk_top_kernel, threshold_kernel
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .config import NO_TRANSFORM, LogitTransform, to_fp32
 from .lse import tree_rowsum
@@ -54,6 +55,7 @@ SEARCH_BLOCK = 1024
 # at decode sizes).
 ROWS_PER_PROGRAM = 1
 
+_launch_chunk_stats = cached_launcher(chunk_stats_kernel) if chunk_stats_kernel is not None else None
 _launch_chunk_top = cached_launcher(chunk_top_kernel) if chunk_top_kernel is not None else None
 _launch_threshold = cached_launcher(threshold_kernel) if threshold_kernel is not None else None
 
@@ -173,6 +175,78 @@ def threshold_of_logits(raw: torch.Tensor, temperature: float, transform: LogitT
     return _triton_threshold(raw, top_k, top_p, temperature, transform)
 
 
+# ``kernels.truncation._row_filter``'s modes: none, top-p alone's from the row's max, top-k's
+# from the chunks' two largest each, the given top-k threshold.
+_NO_FILTER, _TOP_P_TAIL, _KTH_OF_CHUNKS, _GIVEN_FLOOR = range(4)
+# Top-p alone filters where 1 - p is at least this: its filter's margin (a factor e on the
+# excluded mass) then dwarfs the fp64 rounding of the row's prefix masses.
+_TAIL_FILTER_MIN = 1e-6
+
+
+def _row_filter(k: int, floor_given: bool, top_p: float, vocab: int, n_chunks: int,
+                count: int) -> tuple[int, int, float]:
+    """(the chunk pass's filter mode, the width its top-k of the chunks' two largest takes,
+    top-p's ln((1 - p) / V) - 1)."""
+    kth_width = min(count, 2 * pow2_at_least(n_chunks))
+    if floor_given:
+        return _GIVEN_FLOOR, kth_width, 0.0
+    if k:
+        return (_KTH_OF_CHUNKS if k <= min(kth_width, 2 * n_chunks) else _NO_FILTER), kth_width, 0.0
+    if 1.0 - top_p >= _TAIL_FILTER_MIN:
+        return _TOP_P_TAIL, kth_width, to_fp32(math.log((1.0 - top_p) / vocab) - 1.0)
+    return _NO_FILTER, kth_width, 0.0
+
+
+class _ChunkCandidates(NamedTuple):
+    """The chunk pass's output over raw logits [N, V]: ``top`` [N, n_chunks * count] the
+    candidates (-inf past each chunk's), ``bounds`` [N, n_chunks] (every logit of a chunk
+    above its bound is a candidate), ``cmax`` [N, 2 * n_chunks] the chunks' maxima (then
+    second largest, where the filter reads them), ``mass`` [N, n_chunks] fp64 their masses
+    (with top-p)."""
+
+    top: torch.Tensor
+    bounds: torch.Tensor
+    cmax: torch.Tensor
+    mass: torch.Tensor
+    count: int
+
+
+def _chunk_layout(vocab: int) -> tuple[int, int, int]:
+    """(candidates per chunk, chunk width, chunks): few enough chunks that their candidates
+    fit one sorted tile; a function of V alone."""
+    count = min(TOP_P_CANDIDATES, pow2_at_least(vocab))
+    chunk = max(CANDIDATE_CHUNK, count, pow2_at_least(cdiv(vocab * count, FINAL_CANDIDATES)))
+    chunk = min(chunk, max(count, pow2_at_least(vocab)))
+    return count, chunk, cdiv(vocab, chunk)
+
+
+def _chunk_candidates(raw: torch.Tensor, k: int, top_p: float, floor: torch.Tensor | None, temperature: float,
+                      transform: LogitTransform) -> _ChunkCandidates:
+    """Each chunk's candidates of the raw fp32 logits [N, V] (``kernels.truncation``'s two
+    chunk passes) for top-k ``k`` (0: none; ``floor`` [N]: its threshold, given where k
+    exceeds the candidates) and top-p."""
+    N, V = raw.shape
+    count, chunk, n_chunks = _chunk_layout(V)
+    nucleus = top_p < 1.0
+    top = torch.empty(N, n_chunks * count, dtype=torch.float32, device=raw.device)
+    bounds = torch.empty(N, n_chunks, dtype=torch.float32, device=raw.device)
+    cmax = torch.empty(N, 2 * n_chunks, dtype=torch.float32, device=raw.device)
+    mass = torch.empty(N, n_chunks, dtype=torch.float64, device=raw.device)
+    score_args, score_modes = transform.launch_args(temperature, raw.device)
+    row_filter, kth_width, log_tail = _row_filter(k, floor is not None, top_p, V, n_chunks, count)
+    _launch_chunk_stats((cdiv(N, ROWS_PER_PROGRAM), n_chunks),
+                        (raw, cmax, mass, N, V, raw.stride(0), n_chunks, *score_args),
+                        dict(**score_modes, CHUNK=chunk, BLOCK_R=ROWS_PER_PROGRAM, SECOND=row_filter == _KTH_OF_CHUNKS,
+                             MASS=nucleus), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+    _launch_chunk_top((cdiv(N, ROWS_PER_PROGRAM), n_chunks),
+                      (raw, cmax, floor if floor is not None else bounds, top, bounds, N, V, raw.stride(0), n_chunks, k,
+                       log_tail, *score_args),
+                      dict(**score_modes, CHUNK=chunk, C=count, BLOCK_R=ROWS_PER_PROGRAM, FILTER=row_filter,
+                           CHUNKS=pow2_at_least(n_chunks), KB=kth_width), num_warps=4,
+                      num_stages=DEFAULT_NUM_STAGES)
+    return _ChunkCandidates(top, bounds, cmax, mass, count)
+
+
 def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: float = 1.0,
                       transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
     """:func:`_torch_top_p`'s threshold (or top-k's) by ``kernels.truncation`` from the raw
@@ -184,28 +258,18 @@ def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: 
     out = torch.full((N,), -math.inf, dtype=torch.float32, device=raw.device)
     if not N or not (k or nucleus):
         return out
-    count = min(TOP_P_CANDIDATES, pow2_at_least(V))
-    # Chunks few enough that their candidates fit one sorted tile: a function of V alone.
-    chunk = max(CANDIDATE_CHUNK, count, pow2_at_least(cdiv(V * count, FINAL_CANDIDATES)))
-    chunk = min(chunk, max(count, pow2_at_least(V)))
-    n_chunks = cdiv(V, chunk)
+    count, _, n_chunks = _chunk_layout(V)
     floor_given = k > count
     # A k beyond the candidates: its k-th largest by torch.topk over the scores, written out.
     floor = top_k_floor(TritonHeadStatistics.scores(raw, temperature, transform), k) if floor_given else out
     if floor_given and not nucleus:
         return floor
-    top = torch.empty(N, n_chunks * count, dtype=torch.float32, device=raw.device)
-    cm = torch.empty(N, n_chunks, dtype=torch.float32, device=raw.device)
-    cs = torch.empty(N, n_chunks, dtype=torch.float64, device=raw.device)
+    cand = _chunk_candidates(raw, k, float(top_p), floor if floor_given else None, temperature, transform)
     score_args, score_modes = transform.launch_args(temperature, raw.device)
-    _launch_chunk_top((cdiv(N, ROWS_PER_PROGRAM), n_chunks),
-                      (raw, top, cm, cs, N, V, raw.stride(0), n_chunks, *score_args),
-                      dict(**score_modes, CHUNK=chunk, C=count, BLOCK_R=ROWS_PER_PROGRAM, MASS=nucleus), num_warps=4,
-                      num_stages=DEFAULT_NUM_STAGES)
     hi, lo = split_p(top_p)
     _launch_threshold((cdiv(N, ROWS_PER_PROGRAM),),
-                      (top, cm, cs, raw, floor, out, N, n_chunks, V, raw.stride(0), 0 if floor_given else k, hi, lo,
-                       *score_args),
+                      (cand.top, cand.bounds, cand.cmax, cand.mass, raw, floor, out, N, n_chunks, V, raw.stride(0),
+                       0 if floor_given else k, hi, lo, *score_args),
                       dict(**score_modes, FINAL=pow2_at_least(n_chunks * count), CHUNKS=pow2_at_least(n_chunks),
                            C=count, BLOCK_R=ROWS_PER_PROGRAM, TOP_P=nucleus, FLOOR_GIVEN=floor_given,
                            BLOCK=SEARCH_BLOCK), num_warps=8, num_stages=DEFAULT_NUM_STAGES)
