@@ -15,9 +15,12 @@ TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_lay
 def _tiny(arch: str, dtype=torch.float32, device="cpu", **over):
     cfg = dict(TINY, **over)
     torch.manual_seed(0)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         cfg.setdefault("head_dim", 8 if cfg["hidden_size"] == 32 else 64)
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+        if arch == "qwen3":
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+        else:
+            model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg))
     elif arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg))
     elif arch == "mistral":  # MistralConfig's own sliding_window (4096) unless given

@@ -25,8 +25,10 @@ SIZES = (1, 2, 4, 8)
 # Heads, kv heads, the attention width and the intermediate size divide by 8 (TP up to 8
 # and 8 segments); V = 384 makes 8 vocabulary shards of 48 rows.
 SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=8)
+# A Qwen3-MoE with a dense second layer: its experts replicated, its attention and dense MLP sharded.
+MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
 CASES = [("qwen3", torch.float32, {}), ("llama", torch.float32, dict(attention_bias=True, tie_word_embeddings=False)),
-         ("qwen3", torch.bfloat16, {})]
+         ("qwen3", torch.bfloat16, {}), ("qwen3_moe", torch.float32, MOE)]
 GREEDY_CASE = 1  # the untied Llama: its heads' logits are uncertain, so greedy is not every draw
 
 
@@ -107,6 +109,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
             if i == GREEDY_CASE and not triton_interpret():  # (the interpreter's draws: the op tests')
                 out["greedy"] = (_generate(model, greedy=True), _rollout(model, greedy=True))
             out[f"patched {i}"] = rlkernels.is_patched(model)
+            out[f"held {i}"] = {name: p.numel() for name, p in model.named_parameters()}
             if i == 0:
                 ids, mask = _batch()
                 try:  # a backward across ranks is not built: refused, not wrong
@@ -154,6 +157,20 @@ def test_every_rank_at_every_tp_size_scores_the_one_process_layouts_bits(worlds,
                 assert torch.equal(_bits(got), _bits(ref)), (world, rank)
             for got, ref in zip(out[f"generate {case}"], drawn):
                 assert torch.equal(got, ref) if got.dtype == torch.int64 else torch.equal(_bits(got), _bits(ref))
+
+
+def test_an_moe_models_experts_are_whole_on_every_rank_and_its_attention_and_dense_mlp_sharded(worlds):
+    case = next(i for i, (arch, _, _) in enumerate(CASES) if arch == "qwen3_moe")
+    whole = {name: p.numel() for name, p in _model(*CASES[case]).named_parameters()}
+    experts = [name for name in whole if ".mlp.experts." in name or ".mlp.gate." in name]
+    sharded = [name for name in whole if any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                         "gate_proj", "up_proj", "down_proj"))]
+    assert experts and any(".layers.1.mlp.down_proj" in name for name in sharded)  # the dense second layer
+    for world, ranks in worlds.items():
+        for out in ranks:
+            held = out[f"held {case}"]
+            assert all(held[name] == whole[name] for name in experts), world
+            assert all(held[name] * world == whole[name] for name in sharded), world
 
 
 @pytest.mark.skipif(triton_interpret(), reason="the greedy draw's kernels under the interpreter: "
@@ -262,6 +279,7 @@ def test_the_layouts_log_probs_are_the_models_own(case):
     tol = contract.tolerance("linear_logprob", dtype).tolerance
     if dtype == torch.float32:  # against a float64 stock forward of the same weights
         stock = _model(arch, dtype, over).double()
+        stock.config._experts_implementation = "eager"  # (grouped_mm takes no float64)
         with torch.no_grad():
             logits = stock(input_ids=ids, attention_mask=mask).logits[:, :-1] / 0.7
         assert logits.std() > 4  # a trained model's scale
@@ -303,14 +321,14 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
     assert model.lm_head.weight is weight  # nothing moved
     with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: LlamaForCausalLM is not patched"):
         rlkernels.tensor_parallel(_model("llama", torch.float32, {}), None)
-    moe = rlkernels.patch_model(pytest.importorskip("transformers").Qwen3MoeForCausalLM(
-        pytest.importorskip("transformers").Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=64,
-                                                           moe_intermediate_size=16, num_experts=4,
-                                                           num_experts_per_tok=2, num_hidden_layers=1,
-                                                           num_attention_heads=4, num_key_value_heads=2,
-                                                           head_dim=8)))
-    with pytest.raises(ValueError, match=r"\(qwen3_moe\) is not covered"):
-        rlkernels.tensor_parallel(moe, None)
+    transformers = pytest.importorskip("transformers")
+    olmoe = rlkernels.patch_model(transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+        vocab_size=384, hidden_size=32, intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)))
+    assert rlkernels.is_patched(olmoe)
+    with pytest.raises(ValueError, match=r"\(olmoe\) is not covered: .* with their experts replicated, "
+                                         r"mixtral, qwen2_moe, qwen3_moe"):
+        rlkernels.tensor_parallel(olmoe, None)
     sharded = rlkernels.tensor_parallel(model, None)
     with pytest.raises(ValueError, match=r"rlkernels.tensor_parallel: the model is tensor-parallel already"):
         rlkernels.tensor_parallel(sharded, None)

@@ -14,7 +14,9 @@ Megatron's layout, with the library's TP-invariant layers where a reduction cros
   :class:`~rlkernels.parallel.modules.VocabParallelHead`); ``token_logprobs`` scores the
   head by :func:`~rlkernels.parallel.vocab_parallel_linear_logprob` over ``vocab_shards``
   and ``generate`` draws by :func:`~rlkernels.parallel.vocab_parallel_linear_sample`.
-* Norms, rotary tables and residual adds are replicated.
+* Norms, rotary tables and residual adds are replicated, and so are the mixture-of-experts
+  blocks of the MoE families (:data:`MOE_FAMILIES`): their input is whole on every rank,
+  so every rank computes the same routing and experts, the one-process layout's bits.
 
 ``group=None`` keeps every parameter whole but computes with the same tree and the same
 vocabulary shards: the bits of TP = 2, 4 or 8 on one process, so a trainer there scores
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...nn import SparseMoeBlock
 from ...parallel.modules import TreeRowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from ...parallel.row_parallel import TREE_SEGMENTS
 from ...parallel.tree import is_pow2, process_group_world
@@ -39,6 +42,10 @@ OP = "tensor_parallel"
 # Dense families whose decoder layer is attention (q/k/v/o projections, per-head norms at
 # most) then a gated MLP (gate/up/down): the layout above is their whole forward.
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Mixture-of-experts families whose attention is one of the above (heads split whole, per-head
+# norms at most): their expert blocks are replicated, their dense layers sharded as above.
+# (OLMoE's q/k norms span every head of a projection: a rank's heads cannot be normed alone.)
+MOE_FAMILIES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +98,9 @@ def _check(model: nn.Module, world: int, segments: int, vocab_shards: int) -> No
     _need(layout_of(model) is None, "the model is tensor-parallel already")
     _need(is_patched(model), f"{type(model).__name__} is not patched: call rlkernels.patch_model(model) first")
     family = family_of(model)
-    _need(family in FAMILIES, f"{type(model).__name__} ({family}) is not covered: the layout covers the dense "
-                              f"families {', '.join(sorted(FAMILIES))}")
+    _need(family in FAMILIES | MOE_FAMILIES,
+          f"{type(model).__name__} ({family}) is not covered: the layout covers the dense families "
+          f"{', '.join(sorted(FAMILIES))} and, with their experts replicated, {', '.join(sorted(MOE_FAMILIES))}")
     config = model.config
     _need(is_pow2(world), f"the group's size must be a power of two, got {world}")
     _need(is_pow2(segments) and segments % world == 0,
@@ -101,9 +109,11 @@ def _check(model: nn.Module, world: int, segments: int, vocab_shards: int) -> No
           f"vocab_shards ({vocab_shards}) must be a power of two that the group's size ({world}) divides")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    for name, value, by in (("num_attention_heads", heads, world), ("num_key_value_heads", kv_heads, world),
+    dense = [layer.mlp for layer in decoder_of(model).layers if not isinstance(layer.mlp, SparseMoeBlock)]
+    widths = [("intermediate_size", config.intermediate_size, segments)] if dense else []
+    for name, value, by in [("num_attention_heads", heads, world), ("num_key_value_heads", kv_heads, world),
                             ("the attention output's width (heads x head_dim)", heads * head_dim, segments),
-                            ("intermediate_size", config.intermediate_size, segments)):
+                            *widths]:
         _need(value % by == 0, f"{name} ({value}) must divide by {by} "
                                f"({'the group size' if by == world else 'segments'})")
     head = model.get_output_embeddings()
@@ -115,11 +125,17 @@ def _check(model: nn.Module, world: int, segments: int, vocab_shards: int) -> No
           "the input embedding and the LM head must have the same number of rows")
     for layer in decoder_of(model).layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                             (mlp, ("gate_proj", "up_proj", "down_proj"))):
+        parts = [(attn, ("q_proj", "k_proj", "v_proj", "o_proj"))]
+        if not isinstance(mlp, SparseMoeBlock):
+            parts.append((mlp, ("gate_proj", "up_proj", "down_proj")))
+        for owner, names in parts:
             for name in names:
                 _need(isinstance(getattr(owner, name, None), nn.Linear),
                       f"{type(owner).__name__}.{name} is not a linear layer")
+            if owner is mlp:
+                _need(mlp.down_proj.in_features % segments == 0,
+                      f"{type(mlp).__name__}'s width ({mlp.down_proj.in_features}) must divide by {segments} "
+                      "(segments)")
 
 
 def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *, segments: int = TREE_SEGMENTS,
@@ -136,18 +152,21 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     ``rlkernels.generate`` and ``rollout`` (eager, untruncated, sampled or greedy) draw
     through the head's vocabulary-parallel sampler: the same tokens and bits on every rank
     and at every TP size, their log-probs ``token_logprobs``' bitwise.
+    Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) keep their expert blocks
+    whole on every rank; their attention and dense layers are sharded.
     Refusals (ValueError naming the value) come before any parameter moves: an unpatched
-    model, a family other than Llama, Mistral, Qwen2 and Qwen3 (MoE included), or sizes
-    the group, ``segments`` or ``vocab_shards`` do not divide.
+    model, a family other than Llama, Mistral, Qwen2, Qwen3 and those MoE families, or
+    sizes the group, ``segments`` or ``vocab_shards`` do not divide.
     """
     rank, world = process_group_world(OP, group, True) if group is not None else (0, 1)
     _check(model, world, segments, vocab_shards)
     layout = TensorParallelLayout(group, rank, world, segments, vocab_shards)
     for layer in decoder_of(model).layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        experts = isinstance(mlp, SparseMoeBlock)  # replicated: every rank computes the whole block
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj) + (() if experts else (mlp.gate_proj, mlp.up_proj)):
             _column_parallel(linear, rank, world)
-        for owner, name in ((attn, "o_proj"), (mlp, "down_proj")):
+        for owner, name in ((attn, "o_proj"),) + (() if experts else ((mlp, "down_proj"),)):
             linear = getattr(owner, name)
             weight = _cols(linear.weight, rank, world) if world > 1 else linear.weight
             setattr(owner, name, TreeRowParallelLinear(weight, linear.bias, group, segments))
