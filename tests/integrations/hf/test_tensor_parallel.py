@@ -336,6 +336,36 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
         rlkernels.rollout(sharded, [[1, 2, 3]], max_new_tokens=2, seed=1, cuda_graph=True)
 
 
+def _tp_plan_worker(rank: int, world: int, folder: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    with gloo_group(rank, world, folder):
+        path = os.path.join(folder, "model")
+        if rank == 0:
+            _model("qwen3", torch.float32, {}).save_pretrained(path)
+        dist.barrier()
+        # transformers takes the TP size from the launcher's environment (torchrun's)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+        q = model.model.layers[0].self_attn.q_proj
+        try:
+            rlkernels.patch_model(model)
+            out = {"patch": "patched"}
+        except ValueError as e:
+            out = {"patch": str(e)}
+        out["untouched"] = type(q) is torch.nn.Linear and model.model.layers[0].self_attn.q_proj is q
+        out["q rows"] = q.weight.to_local().shape[0] if hasattr(q.weight, "to_local") else q.weight.shape[0]
+        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+
+
+def test_a_model_sharded_by_transformers_tp_plan_is_refused_pointing_to_tensor_parallel():
+    for out in run_world(2, _tp_plan_worker):
+        assert "rlkernels.patch_model: Qwen3ForCausalLM was sharded by transformers' tensor parallelism " \
+               "(tp_plan, tp_size=2)" in out["patch"]
+        assert "rlkernels.tensor_parallel(model, group)" in out["patch"]
+        assert out["untouched"]  # refused before anything was swapped
+        assert out["q rows"] * 2 == SHAPE["num_attention_heads"] * 64  # each rank held half of q_proj
+
+
 # ---------------------------------------------------------------- several GPUs (NCCL)
 # A Qwen3-1.7B-shaped model in bf16, sharded over NCCL ranks (one GPU each), against the
 # one-process layout on one GPU: scoring, a sampled and a greedy eager generate, and a rollout.

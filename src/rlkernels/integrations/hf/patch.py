@@ -100,6 +100,19 @@ def _layer_norm_swap(module: nn.Module) -> bool:
             and _is_cohere_layer_norm(type(module)))
 
 
+def _refuse_transformers_tensor_parallel(model: nn.Module) -> None:
+    """A model transformers sharded (``from_pretrained(..., tp_plan=...)``) is refused: its
+    row-parallel layers add the ranks' partial sums by an all-reduce, an order that depends
+    on the TP size, and its Linear layers hold DTensor shards."""
+    tp_size = getattr(model, "_tp_size", None)
+    if tp_size is not None and tp_size > 1:
+        raise ValueError(
+            f"rlkernels.patch_model: {type(model).__name__} was sharded by transformers' tensor parallelism "
+            f"(tp_plan, tp_size={tp_size}): its row-parallel layers add the ranks' partial sums by an all-reduce "
+            "whose order depends on the TP size, so no patch keeps one bit pattern. Load the whole model on every "
+            "rank (without tp_plan), patch it, then shard it with rlkernels.tensor_parallel(model, group).")
+
+
 def patch_model(model: nn.Module, *, attn_implementation: str | None = attention.NAME) -> nn.Module:
     """Make an HF causal LM's Linear, RMSNorm and SiLU layers batch-invariant, in place; returns ``model``.
 
@@ -134,11 +147,15 @@ def patch_model(model: nn.Module, *, attn_implementation: str | None = attention
     the post-attention norm and the down projection
     (:mod:`~rlkernels.integrations.hf.decoder_layer`), each with the separate ops' bits.
 
+    A model sharded by transformers' own tensor parallelism (``tp_plan``) is refused with a
+    ValueError that points to :func:`rlkernels.tensor_parallel`.
+
     A model with modules the library does not cover (:mod:`~rlkernels.integrations.hf.coverage`:
     GPT-2's ``Conv1D``, ``nn.LayerNorm``, other mixture-of-experts blocks, families not verified)
     is patched as far as it goes, with a warning naming those modules; :func:`rlkernels.is_patched`
     is then False, so :func:`rlkernels.token_logprobs` and :func:`rlkernels.generate` run it under the mode.
     """
+    _refuse_transformers_tensor_parallel(model)
     if attn_implementation == attention.NAME:
         attention.register()
     # MoE blocks first (a refusal raises before anything else is swapped); the loop below
