@@ -93,6 +93,21 @@ def test_tree_linear_chunking_and_batch_invariance():
     assert not torch.equal(tree_linear(x, w, b, segments=4), full)
 
 
+def test_tree_linear_accumulates_weight_and_bias_gradients_into_main_grad():
+    """Megatron's fp32 buffers: dW and dbias land in main_grad (their chains from zero: the
+    same bits as .grad in fp32), and .grad stays None; dX is unchanged."""
+    x, w, b, _ = W.linear_inputs(torch.float32, m=9, k=64)
+    dy = torch.randn(9, w.shape[0], generator=torch.Generator().manual_seed(2))
+    plain = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    tree_linear(*plain).backward(dy)
+    kept = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    kept[1].main_grad, kept[2].main_grad = torch.zeros_like(w), torch.zeros_like(b)
+    tree_linear(*kept).backward(dy)
+    assert kept[1].grad is None and kept[2].grad is None
+    assert torch.equal(kept[0].grad, plain[0].grad)
+    assert torch.equal(kept[1].main_grad, plain[1].grad) and torch.equal(kept[2].main_grad, plain[2].grad)
+
+
 def test_stack_tree_is_the_pairwise_tree():
     g = torch.Generator().manual_seed(3)
     parts = [torch.randn(5, 7, generator=g) * 10 ** i for i in range(8)]

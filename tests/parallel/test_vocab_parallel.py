@@ -149,6 +149,28 @@ def test_sharded_logprob_batch_invariance():
     assert torch.equal(hs.grad[5:6], one.grad)
 
 
+def test_sharded_logprob_accumulates_head_gradients_into_main_grad():
+    """dW and dbias land in the parameters' fp32 main_grad (from zero: .grad's bits), dhidden
+    unchanged; a main_grad of the wrong shape is refused naming the op."""
+    h, w, b, t = W.logprob_inputs(torch.float32)
+    g_lp, g_ent = W.logprob_grads(t.numel())
+    grads = []
+    for main in (False, True):
+        hs, ws, bs = (x.clone().requires_grad_(True) for x in (h, w, b))
+        if main:
+            ws.main_grad, bs.main_grad = torch.zeros_like(w), torch.zeros_like(b)
+        lp, ent = sharded_linear_logprob(hs, ws, t, bs, shards=W.SHARDS, return_entropy=True)
+        torch.autograd.backward((lp, ent), (g_lp, g_ent))
+        grads.append((hs.grad, ws.grad if not main else ws.main_grad, bs.grad if not main else bs.main_grad))
+        if main:
+            assert ws.grad is None and bs.grad is None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    ws = w.clone().requires_grad_(True)
+    ws.main_grad = torch.zeros(w.shape[0], 3)
+    with pytest.raises(ValueError, match=r"rlkernels.sharded_linear_logprob: weight.main_grad must be"):
+        sharded_linear_logprob(h, ws, t, b, shards=W.SHARDS).sum().backward()
+
+
 def test_ignored_rows_get_zero_gradient():
     h, w, b, t = W.logprob_inputs(torch.float32)
     hs = h.clone().requires_grad_(True)

@@ -103,10 +103,10 @@ class _TreeLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         # Everything is local: dY is replicated (the forward's output is), dX_rank = dY @ W_rank
         # is this rank's columns of dY @ W, dW_rank = dY^T @ X_rank its columns of dW; both
-        # are the GEMM backend's chains over N and over tokens, the same bits as the one-process layer.
+        # are the GEMM backend's chains over N and over tokens, the same bits as the one-process
+        # layer. A parameter's main_grad takes dW / dbias, as rlkernels.linear's does.
         x2, weight, bias = ctx.saved_tensors
-        grads = linear_backward(ctx.gemm_backend, grad_out, x2, weight, bias, ctx.in_shape, ctx.needs_input_grad[:3],
-                                use_main_grad=False)
+        grads = linear_backward(ctx.gemm_backend, grad_out, x2, weight, bias, ctx.in_shape, ctx.needs_input_grad[:3])
         return (*grads, None, None, None, None, None, None)
 
 

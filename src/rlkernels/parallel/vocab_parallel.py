@@ -36,6 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ops import _validate as V
 from ..ops.linear_logprob import backends_for
+from ..ops.matmul import main_grad_target
 from ..ops.lm_head.backward_schedule import backward_chunk
 from ..ops.lm_head.config import NO_TRANSFORM, LogitTransform
 from ..ops.lm_head.validate import (HeadNames, validate_head, validate_targets, validate_threshold,
@@ -129,7 +130,8 @@ class _VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h2, weight, bias, tgt, layout: VocabLayout, temperature: float, group,  # type: ignore[override]
-                logprob_backend, gemm_backend, threshold=None, transform: LogitTransform = NO_TRANSFORM):
+                logprob_backend, gemm_backend, threshold=None, transform: LogitTransform = NO_TRANSFORM,
+                op: str = SHARDED_OP):
         w = layout.width
         local = [shard_stats(logprob_backend, h2, weight[i * w:(i + 1) * w],
                              bias[i * w:(i + 1) * w] if bias is not None else None,
@@ -143,7 +145,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         logp, ent, lse = merge_shards(local, tgt, w)
         ctx.save_for_backward(h2, weight, bias, tgt, lse, ent, threshold)
         ctx.layout, ctx.temperature, ctx.group, ctx.transform = layout, temperature, group, transform
-        ctx.logprob_backend, ctx.gemm_backend = logprob_backend, gemm_backend
+        ctx.logprob_backend, ctx.gemm_backend, ctx.op = logprob_backend, gemm_backend, op
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -153,7 +155,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         h2, weight, bias, tgt, lse, ent, threshold = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        nothing = (None,) * 11
+        nothing = (None,) * 12
         if grad_logp is None and grad_ent is None or not (need_h or need_w or need_b):
             return nothing
         layout, T = ctx.layout, ctx.temperature
@@ -166,8 +168,13 @@ class _VocabParallelFunction(torch.autograd.Function):
         g_logp = torch.where(valid, grad_logp.to(acc_dt), zero) if grad_logp is not None else zero
         g_ent = torch.where(valid, grad_ent.to(acc_dt), zero) if grad_ent is not None else None
         w = layout.width
-        dw = torch.empty_like(weight) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=acc_dt, device=dev) if need_b else None
+        # A parameter's fp32 main_grad takes dW / dbias, their chains continuing from it (as
+        # linear_logprob's do); the returned gradient is then None.
+        w_main = main_grad_target(ctx.op, weight, tuple(weight.shape), "weight", contiguous=True) if need_w else None
+        b_main = main_grad_target(ctx.op, bias, tuple(bias.shape), "bias", contiguous=True) if need_b else None
+        dw = w_main if w_main is not None else (torch.empty_like(weight) if need_w else None)
+        db = (b_main if b_main is not None else torch.zeros(weight.shape[0], dtype=acc_dt, device=dev)) if need_b \
+            else None
         cv = min(w, backward_chunk(N, w, h2.element_size()))
         g_buf = torch.empty(N, cv, dtype=h2.dtype, device=dev)
 
@@ -188,7 +195,8 @@ class _VocabParallelFunction(torch.autograd.Function):
                 rowsum = db[i * w + v0:i * w + v1] if need_b else None
                 if need_w and D > 0:
                     # dW rows: one chain over all tokens, ascending, rounded once (the one-GPU op's).
-                    gemm_backend.gemm(g.t(), h2, out=dw[i * w + v0:i * w + v1], rowsum=rowsum)
+                    gemm_backend.gemm(g.t(), h2, out=dw[i * w + v0:i * w + v1], rowsum=rowsum,
+                                      accumulate=w_main is not None)
                 elif need_b:
                     gemm_backend.gemm(g.t(), h2[:, :1] if D > 0 else g.new_zeros(N, 1), out_dtype=acc_dt,
                                       rowsum=rowsum)
@@ -202,10 +210,11 @@ class _VocabParallelFunction(torch.autograd.Function):
         else:
             for i in range(layout.per_rank):
                 shard_dhidden(i)
-        if need_w and D == 0:
+        if need_w and D == 0 and w_main is None:
             dw.zero_()
-        grad_b = db.to(bias.dtype) if need_b else None
-        return grad_h, dw, grad_b, None, None, None, None, None, None, None, None
+        grad_w = dw if w_main is None else None
+        grad_b = db.to(bias.dtype) if need_b and b_main is None else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def _run(op: str, hidden, weight, target, bias, layout: VocabLayout, temperature, ignore_index, return_entropy,
@@ -219,7 +228,7 @@ def _run(op: str, hidden, weight, target, bias, layout: VocabLayout, temperature
     tgt = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
     threshold = logit_threshold.detach().reshape(-1).contiguous() if logit_threshold is not None else None
     logp, ent = _VocabParallelFunction.apply(h2, weight, bias, tgt, layout, float(temperature), group,
-                                             logprob_backend, gemm_backend, threshold, transform)
+                                             logprob_backend, gemm_backend, threshold, transform, op)
     logp, ent = logp.reshape(target.shape), ent.reshape(target.shape)
     return (logp, ent) if return_entropy else logp
 

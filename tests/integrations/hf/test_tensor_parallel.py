@@ -303,6 +303,64 @@ def test_the_one_process_layout_trains_deterministically_and_as_the_patched_mode
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()))
 
 
+def test_the_one_process_layout_fills_main_grad_where_the_patched_model_does():
+    """Megatron-style fp32 main_grad buffers: every projection's, the K-tree layers' and the
+    head's gradients land in them (the bits .grad gets without them, in fp32), the other
+    parameters' in .grad, as on the patched model."""
+    ids, mask = _batch()
+    base = rlkernels.patch_model(_model("qwen3", torch.float32, {}))
+
+    def train(model, main: bool):
+        if main:
+            for p in model.parameters():
+                p.main_grad = torch.zeros_like(p)
+        rlkernels.token_logprobs(model, ids, mask, temperature=0.7).sum().backward()
+        return {n: p for n, p in model.named_parameters()}
+
+    plain = train(rlkernels.tensor_parallel(copy.deepcopy(base), None), False)
+    kept = train(rlkernels.tensor_parallel(copy.deepcopy(base), None), True)
+    patched = train(copy.deepcopy(base), True)
+    into_main = {n for n, p in kept.items() if bool(p.main_grad.any())}
+    assert into_main == {n for n, p in patched.items() if bool(p.main_grad.any())}
+    assert any("o_proj" in n for n in into_main) and any("down_proj" in n for n in into_main)
+    for name, p in kept.items():
+        got = p.main_grad if p.grad is None else p.grad + p.main_grad  # a tied table gets both
+        want = plain[name].grad
+        assert torch.equal(got, want) if p.grad is None else torch.allclose(got, want), name
+
+
+def _fsdp_layout_worker(rank: int, world: int, folder: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with gloo_group(rank, world, folder):
+        model = rlkernels.tensor_parallel(rlkernels.patch_model(_model("qwen3", torch.float32, {})), None)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ids, mask = _batch()
+        lp = rlkernels.token_logprobs(model, ids[rank::world], mask[rank::world], temperature=0.7)
+        lp.sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        torch.save({"lp": lp.detach(), "grads": grads}, os.path.join(folder, f"rank{rank}.pt"))
+
+
+def test_the_one_process_layout_under_fsdp2_scores_with_its_bits_and_trains_reproducibly():
+    """A trainer sharding the layout with FSDP2 scores its rows with the one-process layout's
+    bits, which are a TP rollout's; its backward gives the same gradients run to run."""
+    runs = [run_world(2, _fsdp_layout_worker) for _ in range(2)]
+    model = rlkernels.tensor_parallel(rlkernels.patch_model(_model("qwen3", torch.float32, {})), None)
+    ids, mask = _batch()
+    with torch.no_grad():
+        want = rlkernels.token_logprobs(model, ids, mask, temperature=0.7)
+    for rank, out in enumerate(runs[0]):
+        assert torch.equal(_bits(out["lp"]), _bits(want[rank::2])), rank
+    for a, b in zip(*runs):
+        assert all(torch.equal(_bits(a["grads"][n]), _bits(b["grads"][n])) for n in a["grads"])
+        assert all(torch.isfinite(g).all() for g in a["grads"].values())
+
+
 def test_refusals_name_the_value_before_anything_moves(worlds):
     for world, ranks in worlds.items():
         for out in ranks:
