@@ -159,6 +159,47 @@ def test_every_rank_at_every_tp_size_scores_the_one_process_layouts_bits(worlds,
                 assert torch.equal(got, ref) if got.dtype == torch.int64 else torch.equal(_bits(got), _bits(ref))
 
 
+def _other_moe(kind: str):
+    """Tiny Qwen2-MoE (a shared expert, q/k/v biases) and Mixtral at a trained logit scale."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                  num_experts_per_tok=2, tie_word_embeddings=False, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if kind == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=4))
+    else:
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, intermediate_size=32, num_local_experts=4, sliding_window=None))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40.0)
+    return rlkernels.patch_model(model.eval())
+
+
+def _other_moe_worker(rank: int, world: int, folder: str) -> None:
+    with gloo_group(rank, world, folder):
+        out = {}
+        for kind in ("qwen2_moe", "mixtral"):
+            model = rlkernels.tensor_parallel(_other_moe(kind), dist.group.WORLD)
+            out[kind] = (_score(model), _generate(model))
+        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+
+
+def test_qwen2_moe_and_mixtral_at_tp_2_and_4_are_the_one_process_layouts_bits():
+    want = {}
+    for kind in ("qwen2_moe", "mixtral"):
+        model = rlkernels.tensor_parallel(_other_moe(kind), None)
+        assert rlkernels.is_patched(model)
+        want[kind] = (_score(model), _generate(model))
+    for world in (2, 4):
+        for rank, out in enumerate(run_world(world, _other_moe_worker)):
+            for kind, (scored, drawn) in want.items():
+                for got, ref in zip(_flat(out[kind]), _flat((scored, drawn))):
+                    assert torch.equal(_bits(got) if got.is_floating_point() else got,
+                                       _bits(ref) if ref.is_floating_point() else ref), (kind, world, rank)
+
+
 def test_an_moe_models_experts_are_whole_on_every_rank_and_its_attention_and_dense_mlp_sharded(worlds):
     case = next(i for i, (arch, _, _) in enumerate(CASES) if arch == "qwen3_moe")
     whole = {name: p.numel() for name, p in _model(*CASES[case]).named_parameters()}
