@@ -296,8 +296,8 @@ class TorchLinearSampleBackend:
         stats_backend = TorchHeadStatistics()
         N, vocab = h2.shape[0], weight.shape[0]
         if threshold is None and truncates(top_k, top_p, vocab):
-            z = torch_logits(h2, weight, bias, 0, vocab, temperature, transform)
-            threshold = truncation.threshold(z, top_k, top_p)
+            threshold = truncation.threshold(stats_backend.head_scores(h2, weight, bias, temperature, transform),
+                                             top_k, top_p)
         checked_positions = positions
         if not greedy and positions is None:
             positions = torch.zeros_like(streams)
