@@ -1,6 +1,7 @@
-"""The layers of a tensor-parallel model as modules: the K-tree's row-parallel linear, and
-the vocabulary-parallel embedding and LM head, each holding this rank's contiguous shard
-(Megatron's layout) and giving every rank the whole result by exact copies.
+"""The layers of a tensor-parallel model as modules: the column-parallel linear (its input
+gradient by the N-tree), the K-tree's row-parallel linear, and the vocabulary-parallel
+embedding and LM head, each holding this rank's contiguous shard (Megatron's layout) and
+giving every rank the whole result by exact copies.
 
 ``group=None`` is the one-process layout: whole parameters, the same K-tree and the same
 vocabulary shards, so its bits are those of every TP size.
@@ -12,12 +13,36 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn import Linear
 from ..ops.lm_head.truncation import truncates
 from ..ops.matmul import linear
+from .column_parallel import column_parallel_tree_linear
 from .row_parallel import TREE_SEGMENTS, row_parallel_tree_linear, tree_linear
 from .tree import all_gather_cat
 from .vocab_parallel import VOCAB_SHARDS
 from .vocab_parallel_sample import sharded_linear_sample, vocab_parallel_linear_sample
+
+
+class TreeColumnParallelLinear(Linear):
+    """q/k/v or gate/up of a tensor-parallel model: the library's Linear over this rank's
+    output rows (weight [N/t, K], bias [N/t]), whose input gradient, where one is taken, is
+    the N-tree's (:func:`~rlkernels.parallel.column_parallel.column_parallel_tree_linear`):
+    the same bits at every TP size. Without gradients it is the plain Linear."""
+
+    group: dist.ProcessGroup | None
+    segments: int
+
+    @classmethod
+    def convert(cls, module: Linear, group: dist.ProcessGroup | None, segments: int) -> "TreeColumnParallelLinear":
+        """``module`` itself, its class changed (its Parameters, hooks and bound forwards kept)."""
+        module.__class__ = cls
+        module.group, module.segments = group, segments
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return column_parallel_tree_linear(x, self.weight, self.bias, segments=self.segments, group=self.group)
+        return linear(x, self.weight, self.bias)
 
 
 class TreeRowParallelLinear(nn.Module):
@@ -55,17 +80,41 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
             return F.embedding(ids, self.weight)
-        rows = self.weight.shape[0]
+        return _VocabParallelLookup.apply(ids, self.weight, self.group, self.rank, self.world)
+
+
+class _VocabParallelLookup(torch.autograd.Function):
+    """Each id's row from the rank holding it (copies), and the backward of ``F.embedding``
+    over this rank's rows: each row's gradient sums its own ids' output gradients in token
+    order, as the one-process lookup's does (the other ranks' ids go to a discarded row)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, group, rank: int, world: int):  # type: ignore[override]
+        rows = weight.shape[0]
         owner = torch.div(ids, rows, rounding_mode="floor")
-        local = ids - self.rank * rows
-        mine = owner == self.rank
-        found = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
-        parts = [torch.empty_like(found) for _ in range(self.world)]
-        dist.all_gather(parts, found.contiguous(), group=self.group)
+        mine = owner == rank
+        local = torch.where(mine, ids - rank * rows, torch.full_like(ids, rows))
+        found = F.embedding(torch.where(mine, local, torch.zeros_like(local)), weight)
+        parts = [torch.empty_like(found) for _ in range(world)]
+        dist.all_gather(parts, found.contiguous(), group=group)
         out = parts[0]
-        for r in range(1, self.world):
+        for r in range(1, world):
             out = torch.where((owner == r)[..., None], parts[r], out)
+        ctx.save_for_backward(local)
+        ctx.rows = rows
         return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (local,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None, None
+        # The output gradient is whole on every rank; row ``rows`` collects the ids this rank
+        # does not hold, and is dropped. F.embedding's own backward, over a table of one more row.
+        with torch.enable_grad():
+            table = grad_out.new_zeros(ctx.rows + 1, grad_out.shape[-1]).requires_grad_(True)
+            (grad,) = torch.autograd.grad(F.embedding(local, table), table, grad_out)
+        return None, grad[:ctx.rows], None, None, None
 
 
 class VocabParallelHead(nn.Module):

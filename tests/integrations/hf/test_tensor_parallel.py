@@ -98,9 +98,28 @@ def _rollout_truncated(model):
                 for r in rlkernels.rollout(model, _prompts(), **dict(ROLLOUT, **TRUNCATION))]
 
 
+# Models whose backward at TP > 1 is built (no weight shared by every head): the untied
+# Llama with biases (fp32), and a tied one in bf16.
+BACKWARD_CASES = [("llama", torch.float32, dict(attention_bias=True, tie_word_embeddings=False)),
+                  ("llama", torch.bfloat16, {})]
+
+
+def _gradients(model) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient of a weighted sum of ``token_logprobs`` and entropies."""
+    ids, mask = _batch()
+    lp, ent = rlkernels.token_logprobs(model, ids, mask, temperature=0.7, return_entropy=True)
+    g = torch.Generator().manual_seed(5)
+    weights = torch.randn(lp.shape, generator=g), torch.randn(lp.shape, generator=g)
+    ((lp.float() * weights[0]).sum() + (ent.float() * weights[1]).sum()).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
 def _worker(rank: int, world: int, folder: str) -> None:
     with gloo_group(rank, world, folder):
         out: dict = {}
+        for i, case in enumerate(BACKWARD_CASES):
+            model = rlkernels.tensor_parallel(rlkernels.patch_model(_model(*case).train()), dist.group.WORLD)
+            out[f"backward {i}"] = _gradients(model)
         for i, (arch, dtype, over) in enumerate(CASES):
             model = rlkernels.tensor_parallel(rlkernels.patch_model(_model(arch, dtype, over)), dist.group.WORLD)
             out[i] = _score(model)
@@ -183,21 +202,27 @@ def _other_moe_worker(rank: int, world: int, folder: str) -> None:
         for kind in ("qwen2_moe", "mixtral"):
             model = rlkernels.tensor_parallel(_other_moe(kind), dist.group.WORLD)
             out[kind] = (_score(model), _generate(model))
+            out[f"backward {kind}"] = _gradients(model)
         torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
 
 
 def test_qwen2_moe_and_mixtral_at_tp_2_and_4_are_the_one_process_layouts_bits():
-    want = {}
+    """Scores, draws and (each rank's shard of) the gradients, experts replicated."""
+    want, grads = {}, {}
     for kind in ("qwen2_moe", "mixtral"):
         model = rlkernels.tensor_parallel(_other_moe(kind), None)
         assert rlkernels.is_patched(model)
         want[kind] = (_score(model), _generate(model))
+        grads[kind] = _gradients(model)
     for world in (2, 4):
         for rank, out in enumerate(run_world(world, _other_moe_worker)):
             for kind, (scored, drawn) in want.items():
                 for got, ref in zip(_flat(out[kind]), _flat((scored, drawn))):
                     assert torch.equal(_bits(got) if got.is_floating_point() else got,
                                        _bits(ref) if ref.is_floating_point() else ref), (kind, world, rank)
+                for name, g in out[f"backward {kind}"].items():
+                    ref = _shard(grads[kind][name], g, rank)
+                    assert torch.equal(_bits(g), _bits(ref.contiguous())), (kind, world, rank, name)
 
 
 def test_an_moe_models_experts_are_whole_on_every_rank_and_its_attention_and_dense_mlp_sharded(worlds):
@@ -212,6 +237,32 @@ def test_an_moe_models_experts_are_whole_on_every_rank_and_its_attention_and_den
             held = out[f"held {case}"]
             assert all(held[name] == whole[name] for name in experts), world
             assert all(held[name] * world == whole[name] for name in sharded), world
+
+
+def _shard(whole: torch.Tensor, part: torch.Tensor, rank: int) -> torch.Tensor:
+    """The block of ``whole`` a rank holding ``part`` holds: contiguous rows or columns."""
+    for dim in range(whole.dim()):
+        if whole.shape[dim] != part.shape[dim]:
+            size = part.shape[dim]
+            return whole.narrow(dim, rank * size, size)
+    return whole
+
+
+@pytest.mark.parametrize("case", range(len(BACKWARD_CASES)))
+def test_the_backward_at_every_tp_size_gives_each_rank_its_shard_of_the_one_process_gradients(worlds, case):
+    want = _gradients(rlkernels.tensor_parallel(rlkernels.patch_model(_model(*BACKWARD_CASES[case]).train()),
+                                                None))
+    assert all(g is not None and bool(g.any()) for g in want.values())
+    for world, ranks in worlds.items():
+        for rank, out in enumerate(ranks):
+            got = out[f"backward {case}"]
+            assert got.keys() == want.keys()
+            for name, g in got.items():
+                ref = _shard(want[name], g, rank)
+                assert g.shape == ref.shape and torch.equal(_bits(g), _bits(ref.contiguous())), (world, rank, name)
+            if world > 1:  # the sharded parameters hold 1/world of the gradient
+                assert got["model.layers.0.self_attn.q_proj.weight"].shape[0] * world == \
+                    want["model.layers.0.self_attn.q_proj.weight"].shape[0]
 
 
 @pytest.mark.skipif(triton_interpret(), reason="the greedy draw's kernels under the interpreter: "
@@ -407,8 +458,9 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
         for out in ranks:
             if world == 1:
                 assert out["grad"] == "ran" and out["kv"] == "sharded"
-            else:
-                assert "backward is not built" in out["grad"]
+            else:  # Qwen3's per-head norms share one weight across the ranks' heads
+                assert f"tensor-parallel over {world} ranks, where its backward is not built " \
+                       "(Qwen3Attention.q_norm holds one weight for every head" in out["grad"]
             if world in (4, 8):
                 assert f"num_key_value_heads (2) must divide by {world}" in out["kv"]
     model = rlkernels.patch_model(_model("qwen3", torch.float32, {}))

@@ -41,9 +41,11 @@ class QkvGroup:
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         self.kept = None
         q, k, v = self.q, self.k, self.v
-        # (Traced by torch.compile, or given a bias since install: the q projection alone.)
-        if torch.compiler.is_compiling() or q.bias is not None or k.bias is not None or v.bias is not None:
-            return Linear.forward(q, x)
+        # (Traced by torch.compile, given a bias since install, or a subclass taking gradients,
+        # as a tensor-parallel layout's column-parallel projection: its own class forward.)
+        if (torch.compiler.is_compiling() or q.bias is not None or k.bias is not None or v.bias is not None
+                or (type(q) is not Linear and torch.is_grad_enabled())):
+            return type(q).forward(q, x)
         out_q, out_k, out_v = linear_group(x, (q.weight, k.weight, v.weight))
         self.kept = (x, x._version, out_k, out_v)
         return out_q
@@ -54,7 +56,7 @@ class QkvGroup:
             if slot == 3:
                 self.kept = None  # v is the last: nothing of x is needed any more
             return kept[slot]
-        return Linear.forward(module, x)
+        return type(module).forward(module, x)
 
 
 class _Projection:

@@ -26,6 +26,7 @@ from ...ops.lm_head.validate import validate_threshold
 from ..trainers import fsdp
 from . import attention, coverage
 from .coverage import attention_implementation, cache_kwargs, decoder_of, mode_for
+from .tensor_parallel import layout_of
 
 IGNORE_INDEX = -100
 
@@ -247,11 +248,12 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     check_mask("token_logprobs", input_ids, attention_mask)
     temperature = require_temperature("token_logprobs", temperature)
     head, _ = check_head("token_logprobs", model)
-    if (vocab_parallel(head) and head.world > 1 and torch.is_grad_enabled()
+    layout = layout_of(model)
+    if (layout is not None and layout.world > 1 and layout.no_backward is not None and torch.is_grad_enabled()
             and any(p.requires_grad for p in model.parameters())):
-        raise ValueError(f"rlkernels.token_logprobs: the model is tensor-parallel over {head.world} ranks, where "
-                         "the backward is not built (its column-parallel inputs' gradients would need a sum "
-                         "across ranks); score under torch.no_grad(), or train the group=None layout")
+        raise ValueError(f"rlkernels.token_logprobs: the model is tensor-parallel over {layout.world} ranks, where "
+                         f"its backward is not built ({layout.no_backward}); score under torch.no_grad(), or "
+                         "train the group=None layout")
     check_ids("token_logprobs", model, input_ids)
     B, L = input_ids.shape
     if logit_threshold is not None:

@@ -5,7 +5,9 @@ Megatron's layout, with the library's TP-invariant layers where a reduction cros
 
 * q/k/v and gate/up are column-parallel: rank r keeps its contiguous heads and
   intermediate columns. Each output column is one chain over the hidden size whatever
-  other columns share the call, so no bit depends on the split.
+  other columns share the call, so no bit depends on the split; their input gradient is
+  the N-tree over fixed segments of the output columns
+  (:class:`~rlkernels.parallel.modules.TreeColumnParallelLinear`).
 * o_proj and down_proj are row-parallel through the K-tree
   (:class:`~rlkernels.parallel.modules.TreeRowParallelLinear`): ``segments`` fixed
   segments of K, combined by one pairwise tree at every TP size.
@@ -32,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...nn import SparseMoeBlock
-from ...parallel.modules import TreeRowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from ...parallel.modules import (TreeColumnParallelLinear, TreeRowParallelLinear, VocabParallelEmbedding,
+                                 VocabParallelHead)
 from ...parallel.row_parallel import TREE_SEGMENTS
 from ...parallel.tree import is_pow2, process_group_world
 from ...parallel.vocab_parallel import VOCAB_SHARDS
@@ -51,13 +54,15 @@ MOE_FAMILIES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral"})
 @dataclasses.dataclass(frozen=True)
 class TensorParallelLayout:
     """How a model was sharded: its group (None: one process), rank and size, the K-tree's
-    segments and the head's vocabulary shards."""
+    segments and the head's vocabulary shards; ``no_backward``: why a backward across
+    ranks is not built for it (None: it is)."""
 
     group: dist.ProcessGroup | None
     rank: int
     world: int
     segments: int
     vocab_shards: int
+    no_backward: str | None = None
 
 
 def layout_of(model: nn.Module) -> TensorParallelLayout | None:
@@ -84,11 +89,26 @@ def _cols(param: torch.Tensor, rank: int, world: int) -> nn.Parameter:
                         requires_grad=param.requires_grad)
 
 
-def _column_parallel(linear: nn.Linear, rank: int, world: int) -> None:
+def _column_parallel(linear: nn.Linear, group: dist.ProcessGroup | None, rank: int, world: int,
+                     segments: int) -> None:
     if world > 1:
         linear.weight = _rows(linear.weight, rank, world)
         linear.bias = _rows(linear.bias, rank, world)
         linear.out_features = linear.weight.shape[0]
+    TreeColumnParallelLinear.convert(linear, group, segments)
+
+
+def _no_backward(model: nn.Module) -> str | None:
+    """Why a backward across ranks is not built for ``model``'s layout: a parameter shared by
+    every head of a projection (Qwen3's per-head q/k norms), whose gradient would be a sum
+    over heads that the ranks split."""
+    for layer in decoder_of(model).layers:
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(layer.self_attn, name, None)
+            if isinstance(norm, nn.Module) and any(True for _ in norm.parameters()):
+                return (f"{type(layer.self_attn).__name__}.{name} holds one weight for every head, and its gradient "
+                        "would need a sum over heads that the ranks split")
+    return None
 
 
 
@@ -113,6 +133,7 @@ def _check(model: nn.Module, world: int, segments: int, vocab_shards: int) -> No
     widths = [("intermediate_size", config.intermediate_size, segments)] if dense else []
     for name, value, by in [("num_attention_heads", heads, world), ("num_key_value_heads", kv_heads, world),
                             ("the attention output's width (heads x head_dim)", heads * head_dim, segments),
+                            ("the key-value width (kv heads x head_dim)", kv_heads * head_dim, segments),
                             *widths]:
         _need(value % by == 0, f"{name} ({value}) must divide by {by} "
                                f"({'the group size' if by == world else 'segments'})")
@@ -147,8 +168,11 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     attention and key-value heads; None keeps one process with the same bits. Then
     :func:`rlkernels.token_logprobs` returns, on every rank, bitwise the ``group=None``
     model's result, at TP = 1, 2, 4 and 8; the model's own forward gives every rank the
-    whole fp32 logits. At TP > 1 scoring runs without gradients (a backward across the
-    ranks is not built: the call refuses one); with ``group=None`` it trains.
+    whole fp32 logits. It trains: ``token_logprobs``' backward gives each rank its shard of
+    the ``group=None`` model's gradients, bitwise (the column-parallel projections' input
+    gradients by the N-tree, :mod:`rlkernels.parallel.column_parallel`), except where a
+    weight is shared by every head of a projection (Qwen3's q/k norms): there, at TP > 1,
+    a backward is refused, naming the module.
     ``rlkernels.generate`` and ``rollout`` (eager, untruncated, sampled or greedy) draw
     through the head's vocabulary-parallel sampler: the same tokens and bits on every rank
     and at every TP size, their log-probs ``token_logprobs``' bitwise.
@@ -160,12 +184,12 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     """
     rank, world = process_group_world(OP, group, True) if group is not None else (0, 1)
     _check(model, world, segments, vocab_shards)
-    layout = TensorParallelLayout(group, rank, world, segments, vocab_shards)
+    layout = TensorParallelLayout(group, rank, world, segments, vocab_shards, _no_backward(model))
     for layer in decoder_of(model).layers:
         attn, mlp = layer.self_attn, layer.mlp
         experts = isinstance(mlp, SparseMoeBlock)  # replicated: every rank computes the whole block
         for linear in (attn.q_proj, attn.k_proj, attn.v_proj) + (() if experts else (mlp.gate_proj, mlp.up_proj)):
-            _column_parallel(linear, rank, world)
+            _column_parallel(linear, group, rank, world, segments)
         for owner, name in ((attn, "o_proj"),) + (() if experts else ((mlp, "down_proj"),)):
             linear = getattr(owner, name)
             weight = _cols(linear.weight, rank, world) if world > 1 else linear.weight
