@@ -13,10 +13,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn import Linear
+from ..nn import Linear, RMSNorm
 from ..ops.lm_head.truncation import truncates
 from ..ops.matmul import linear
 from .column_parallel import column_parallel_tree_linear
+from .head_norm import head_tree_rms_norm
 from .row_parallel import TREE_SEGMENTS, row_parallel_tree_linear, tree_linear
 from .tree import all_gather_cat
 from .vocab_parallel import VOCAB_SHARDS
@@ -43,6 +44,33 @@ class TreeColumnParallelLinear(Linear):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return column_parallel_tree_linear(x, self.weight, self.bias, segments=self.segments, group=self.group)
         return linear(x, self.weight, self.bias)
+
+
+class HeadTreeRMSNorm(RMSNorm):
+    """A per-head norm (Qwen3's q_norm / k_norm, one weight for every head) of a
+    tensor-parallel model over this rank's heads: the library's RMSNorm, whose weight
+    gradient, where one is taken, is the head-segment tree's
+    (:func:`~rlkernels.parallel.head_norm.head_tree_rms_norm`): the same bits at every TP
+    size. Without gradients it is the plain RMSNorm."""
+
+    group: dist.ProcessGroup | None
+    segments: int
+    rank: int
+    world: int
+
+    @classmethod
+    def convert(cls, module: RMSNorm, group: dist.ProcessGroup | None, segments: int, rank: int,
+                world: int) -> "HeadTreeRMSNorm":
+        """``module`` itself, its class changed (its Parameter kept)."""
+        module.__class__ = cls
+        module.group, module.segments, module.rank, module.world = group, segments, rank, world
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return head_tree_rms_norm(x, self.weight, self.variance_epsilon, segments=self.segments,
+                                      group=self.group, rank=self.rank, world=self.world)
+        return super().forward(x)
 
 
 class TreeRowParallelLinear(nn.Module):

@@ -33,7 +33,7 @@ GREEDY_CASE = 1  # the untied Llama: its heads' logits are uncertain, so greedy 
 
 
 def _model(arch: str, dtype: torch.dtype, over: dict):
-    model = _tiny(arch, dtype, **SHAPE, **over)
+    model = _tiny(arch, dtype, **dict(SHAPE, **over))
     with torch.no_grad():  # a trained head's logit scale (std ~6)
         model.get_output_embeddings().weight.mul_(40.0)
     return model
@@ -98,10 +98,10 @@ def _rollout_truncated(model):
                 for r in rlkernels.rollout(model, _prompts(), **dict(ROLLOUT, **TRUNCATION))]
 
 
-# Models whose backward at TP > 1 is built (no weight shared by every head): the untied
-# Llama with biases (fp32), and a tied one in bf16.
+# Backward at TP > 1: the untied Llama with biases (fp32), a tied one in bf16, and Qwen3
+# (its per-head q/k norms' weight shared by the ranks' heads) in fp32 and bf16.
 BACKWARD_CASES = [("llama", torch.float32, dict(attention_bias=True, tie_word_embeddings=False)),
-                  ("llama", torch.bfloat16, {})]
+                  ("llama", torch.bfloat16, {}), ("qwen3", torch.float32, {}), ("qwen3", torch.bfloat16, {})]
 
 
 def _gradients(model) -> dict[str, torch.Tensor]:
@@ -130,13 +130,17 @@ def _worker(rank: int, world: int, folder: str) -> None:
             out[f"patched {i}"] = rlkernels.is_patched(model)
             out[f"held {i}"] = {name: p.numel() for name, p in model.named_parameters()}
             if i == 0:
-                ids, mask = _batch()
-                try:  # a backward across ranks is not built: refused, not wrong
-                    rlkernels.token_logprobs(model, ids, mask)
-                    out["grad"] = "ran"
-                except ValueError as e:
-                    out["grad"] = str(e)
                 out["truncated"] = (_generate_truncated(model), _rollout_truncated(model))
+        if world < 8:  # Qwen3 with 4 kv heads: its k_norm's gradient tree needs 8 head segments
+            model = rlkernels.tensor_parallel(rlkernels.patch_model(_model("qwen3", torch.float32,
+                                                                           dict(num_key_value_heads=4))),
+                                              dist.group.WORLD)
+            ids, mask = _batch()
+            try:  # a backward across ranks is not built: refused, not wrong
+                rlkernels.token_logprobs(model, ids, mask)
+                out["grad"] = "ran"
+            except ValueError as e:
+                out["grad"] = str(e)
         few_kv = rlkernels.patch_model(_tiny("llama", **dict(SHAPE, num_key_value_heads=2)))
         try:
             rlkernels.tensor_parallel(few_kv, dist.group.WORLD)
@@ -458,9 +462,10 @@ def test_refusals_name_the_value_before_anything_moves(worlds):
         for out in ranks:
             if world == 1:
                 assert out["grad"] == "ran" and out["kv"] == "sharded"
-            else:  # Qwen3's per-head norms share one weight across the ranks' heads
+            elif world < 8:
                 assert f"tensor-parallel over {world} ranks, where its backward is not built " \
-                       "(Qwen3Attention.q_norm holds one weight for every head" in out["grad"]
+                       "(Qwen3Attention.k_norm holds one weight for every head, whose gradient is a tree over 8 head " \
+                       "segments, and num_key_value_heads (4) does not divide into them)" in out["grad"]
             if world in (4, 8):
                 assert f"num_key_value_heads (2) must divide by {world}" in out["kv"]
     model = rlkernels.patch_model(_model("qwen3", torch.float32, {}))

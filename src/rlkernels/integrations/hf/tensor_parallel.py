@@ -34,8 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...nn import SparseMoeBlock
-from ...parallel.modules import (TreeColumnParallelLinear, TreeRowParallelLinear, VocabParallelEmbedding,
-                                 VocabParallelHead)
+from ...nn import RMSNorm
+from ...parallel.modules import (HeadTreeRMSNorm, TreeColumnParallelLinear, TreeRowParallelLinear,
+                                 VocabParallelEmbedding, VocabParallelHead)
 from ...parallel.row_parallel import TREE_SEGMENTS
 from ...parallel.tree import is_pow2, process_group_world
 from ...parallel.vocab_parallel import VOCAB_SHARDS
@@ -98,16 +99,30 @@ def _column_parallel(linear: nn.Linear, group: dist.ProcessGroup | None, rank: i
     TreeColumnParallelLinear.convert(linear, group, segments)
 
 
-def _no_backward(model: nn.Module) -> str | None:
-    """Why a backward across ranks is not built for ``model``'s layout: a parameter shared by
-    every head of a projection (Qwen3's per-head q/k norms), whose gradient would be a sum
-    over heads that the ranks split."""
+def _head_norms(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(attention layer, name, module) of every per-head q/k norm holding a weight."""
+    found = []
     for layer in decoder_of(model).layers:
         for name in ("q_norm", "k_norm"):
             norm = getattr(layer.self_attn, name, None)
             if isinstance(norm, nn.Module) and any(True for _ in norm.parameters()):
-                return (f"{type(layer.self_attn).__name__}.{name} holds one weight for every head, and its gradient "
-                        "would need a sum over heads that the ranks split")
+                found.append((layer.self_attn, name, norm))
+    return found
+
+
+def _no_backward(model: nn.Module, segments: int) -> str | None:
+    """Why a backward across ranks is not built for ``model``'s layout (None: it is). A
+    per-head norm's weight gradient sums over heads, by a tree over ``segments`` head
+    segments: the library's plain RMSNorm, and heads that ``segments`` divides."""
+    config = model.config
+    for attn, name, norm in _head_norms(model):
+        if type(norm) is not RMSNorm or norm.weight_in_fp32 or norm.weight_offset:
+            return f"{type(attn).__name__}.{name} is not the library's plain RMSNorm"
+        what = "num_attention_heads" if name == "q_norm" else "num_key_value_heads"
+        heads = getattr(config, what)
+        if heads % segments:
+            return (f"{type(attn).__name__}.{name} holds one weight for every head, whose gradient is a tree over "
+                    f"{segments} head segments, and {what} ({heads}) does not divide into them")
     return None
 
 
@@ -170,9 +185,10 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     model's result, at TP = 1, 2, 4 and 8; the model's own forward gives every rank the
     whole fp32 logits. It trains: ``token_logprobs``' backward gives each rank its shard of
     the ``group=None`` model's gradients, bitwise (the column-parallel projections' input
-    gradients by the N-tree, :mod:`rlkernels.parallel.column_parallel`), except where a
-    weight is shared by every head of a projection (Qwen3's q/k norms): there, at TP > 1,
-    a backward is refused, naming the module.
+    gradients by the N-tree, :mod:`rlkernels.parallel.column_parallel`; Qwen3's per-head
+    q/k norms' weight gradients by a tree over ``segments`` head segments,
+    :mod:`rlkernels.parallel.head_norm`). Where the heads do not divide into ``segments``,
+    a backward at TP > 1 is refused, naming the module.
     ``rlkernels.generate`` and ``rollout`` (eager, untruncated, sampled or greedy) draw
     through the head's vocabulary-parallel sampler: the same tokens and bits on every rank
     and at every TP size, their log-probs ``token_logprobs``' bitwise.
@@ -184,7 +200,11 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     """
     rank, world = process_group_world(OP, group, True) if group is not None else (0, 1)
     _check(model, world, segments, vocab_shards)
-    layout = TensorParallelLayout(group, rank, world, segments, vocab_shards, _no_backward(model))
+    no_backward = _no_backward(model, segments)
+    layout = TensorParallelLayout(group, rank, world, segments, vocab_shards, no_backward)
+    if no_backward is None:
+        for _, _, norm in _head_norms(model):
+            HeadTreeRMSNorm.convert(norm, group, segments, rank, world)
     for layer in decoder_of(model).layers:
         attn, mlp = layer.self_attn, layer.mlp
         experts = isinstance(mlp, SparseMoeBlock)  # replicated: every rank computes the whole block
