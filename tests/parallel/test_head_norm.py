@@ -86,3 +86,11 @@ def test_the_weight_gradient_is_accurate_against_float64():
         if dtype != torch.float32:  # the factor is xhat rounded to x's dtype, as the forward uses it
             xhat = xhat.to(dtype).double()
         contract.check("rms_norm", dtype, dw, (dy.double() * xhat).sum(dim=(0, 1, 2)))
+
+
+def test_heads_that_do_not_divide_into_the_segments_are_refused():
+    x, w, _ = _inputs(torch.float32)
+    with pytest.raises(ValueError, match=r"rlkernels.head_tree_rms_norm: heads=16 is not divisible by segments=32"):
+        head_tree_rms_norm(x, w, 1e-6, segments=32)
+    with pytest.raises(ValueError, match=r"rlkernels.head_tree_rms_norm: segments must be a power of two"):
+        head_tree_rms_norm(x, w, 1e-6, segments=6)

@@ -14,8 +14,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..ops import _validate as V
 from ..ops.norms import rms_norm
-from .tree import combine_across_ranks, stack_tree
+from .tree import combine_across_ranks, leaf_width, stack_tree
+
+HEAD_NORM_OP = "head_tree_rms_norm"
 
 
 class _HeadTreeNormFunction(torch.autograd.Function):
@@ -58,4 +61,9 @@ def head_tree_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, seg
     """``rms_norm(x, weight, eps)`` over x [..., heads, head_dim] holding this rank's heads of
     ``segments`` equal head segments (``segments / world`` of them), with the weight
     gradient by the head-segment tree: the same bits at every TP size."""
+    op = HEAD_NORM_OP
+    V.require_tensor(op, "x", x)
+    V.require_ndim(op, "x", x, 2)
+    leaf_width(op, "heads", x.shape[-2] * world, "segments", segments, world,
+               "the weight gradient's tree is a full binary tree")
     return _HeadTreeNormFunction.apply(x, weight, float(eps), segments // world, group, rank, world)
