@@ -7,9 +7,10 @@ model's modules; :mod:`.scoring` is ``token_logprobs``; :mod:`.generation` is
 ``generate``'s host side and :mod:`.decode` its static-cache decode step and loop;
 :mod:`.continuous_batching` is ``rollout``: that step over a continuously refilled batch of samples;
 :mod:`.tensor_parallel` shards a patched model over a process group (imported on first use,
-as ``rlkernels.tensor_parallel``: it loads ``rlkernels.parallel``).
+as ``rlkernels.tensor_parallel``: it loads ``rlkernels.parallel``); :mod:`.tp_layout` holds
+the layout it records, which scoring reads without loading ``rlkernels.parallel``.
 Calls go downward: generation -> decode -> coverage; continuous_batching -> decode and scoring;
-scoring -> coverage; tensor_parallel -> coverage.
+scoring -> coverage and tp_layout; tensor_parallel -> coverage and tp_layout.
 """
 from .coverage import is_patched
 from .decode import release_decode_graphs

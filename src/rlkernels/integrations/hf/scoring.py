@@ -26,7 +26,7 @@ from ...ops.lm_head.validate import validate_threshold
 from ..trainers import fsdp
 from . import attention, coverage
 from .coverage import attention_implementation, cache_kwargs, decoder_of, mode_for
-from .tensor_parallel import layout_of
+from .tp_layout import layout_of
 
 IGNORE_INDEX = -100
 

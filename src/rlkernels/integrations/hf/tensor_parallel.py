@@ -27,20 +27,18 @@ tree and the shards are other orders of the same sums): an opt-in layout.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...nn import SparseMoeBlock
-from ...nn import RMSNorm
+from ...nn import RMSNorm, SparseMoeBlock
 from ...parallel.modules import (HeadTreeRMSNorm, TreeColumnParallelLinear, TreeRowParallelLinear,
                                  VocabParallelEmbedding, VocabParallelHead)
 from ...parallel.row_parallel import TREE_SEGMENTS
 from ...parallel.tree import is_pow2, process_group_world
 from ...parallel.vocab_parallel import VOCAB_SHARDS
 from .coverage import decoder_of, family_of, is_patched
+from .tp_layout import LAYOUT_ATTRIBUTE, TensorParallelLayout, layout_of
 
 OP = "tensor_parallel"
 # Dense families whose decoder layer is attention (q/k/v/o projections, per-head norms at
@@ -50,25 +48,6 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # norms at most): their expert blocks are replicated, their dense layers sharded as above.
 # (OLMoE's q/k norms span every head of a projection: a rank's heads cannot be normed alone.)
 MOE_FAMILIES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral"})
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorParallelLayout:
-    """How a model was sharded: its group (None: one process), rank and size, the K-tree's
-    segments and the head's vocabulary shards; ``no_backward``: why a backward across
-    ranks is not built for it (None: it is)."""
-
-    group: dist.ProcessGroup | None
-    rank: int
-    world: int
-    segments: int
-    vocab_shards: int
-    no_backward: str | None = None
-
-
-def layout_of(model: nn.Module) -> TensorParallelLayout | None:
-    """The layout :func:`tensor_parallel` gave ``model``, or None."""
-    return getattr(model, "_rlkernels_tensor_parallel", None)
 
 
 def _need(condition: bool, message: str) -> None:
@@ -223,5 +202,5 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     new_head = VocabParallelHead(head_weight, _rows(head.bias, rank, world) if world > 1 else head.bias, vocab,
                                  group, world, vocab_shards)
     model.set_output_embeddings(new_head)
-    model._rlkernels_tensor_parallel = layout
+    setattr(model, LAYOUT_ATTRIBUTE, layout)
     return model
