@@ -84,6 +84,11 @@ def names(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "") + "/"
 
 
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """x's bit pattern as integers of its width (bitwise comparisons of any float dtype)."""
+    return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
 def cols(k: int, world: int, rank: int) -> slice:
     """Rank ``rank``'s contiguous share of ``k`` columns (or rows) at TP = ``world``."""
     return slice(rank * k // world, (rank + 1) * k // world)
@@ -269,6 +274,71 @@ def _stock_vocab_parallel(rank: int, world: int, dtype: torch.dtype, out: dict, 
         out[f"{tag}vocab_ent"] = torch.where(valid, ent, torch.zeros_like(lse))
 
 
+# ---------------------------------------------------------------- column-parallel and per-head norm
+COLUMN_N = 64  # output columns of the column-parallel layer: 8 segments of 8
+NORM_HEADS, NORM_DIM = 16, 24  # the per-head norm's heads (8 segments of 2) and head size
+
+
+def column_inputs(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 48, generator=g).to(dtype)
+    w = (torch.randn(COLUMN_N, 48, generator=g) / 48 ** 0.5).to(dtype)
+    b = torch.randn(COLUMN_N, generator=g).to(dtype)
+    dy = torch.randn(7, COLUMN_N, generator=g).to(dtype)
+    return x, w, b, dy
+
+
+def column_grads(x, w, b, dy, group=None, rank: int = 0, world: int = 1):
+    """(y, dX, dW, dbias) of rank ``rank``'s block of the column-parallel layer."""
+    from rlkernels.parallel import column_parallel_tree_linear
+
+    rows = cols(w.shape[0], world, rank)
+    xs, ws, bs = x.clone().requires_grad_(True), w[rows].clone().requires_grad_(True), b[rows].clone().requires_grad_(True)
+    y = column_parallel_tree_linear(xs, ws, bs, segments=SEGMENTS, group=group)
+    y.backward(dy[:, rows])
+    return y.detach(), xs.grad, ws.grad, bs.grad
+
+
+def head_norm_inputs(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(3, 5, NORM_HEADS, NORM_DIM, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(NORM_DIM, generator=g)).to(dtype)
+    dy = torch.randn(3, 5, NORM_HEADS, NORM_DIM, generator=g).to(dtype)
+    return x, w, dy
+
+
+def head_norm_grads(x, w, dy, group=None, rank: int = 0, world: int = 1):
+    """(y, dX, dW) of the per-head norm over rank ``rank``'s heads."""
+    from rlkernels.parallel.head_norm import head_tree_rms_norm
+
+    heads = cols(x.shape[-2], world, rank)
+    xs, ws = x[..., heads, :].clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = head_tree_rms_norm(xs, ws, 1e-6, segments=SEGMENTS, group=group, rank=rank, world=world)
+    y.backward(dy[..., heads, :])
+    return y.detach(), xs.grad, ws.grad
+
+
+def _column_and_head_norm(rank: int, world: int, out: dict) -> None:
+    """Both layers in fp32 and bf16, and the stock layers' controls: the ranks' partial input
+    gradients, and the norms' own weight gradients, summed by all_reduce."""
+    from rlkernels.ops.norms import rms_norm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, b, dy = column_inputs(dtype)
+        out[f"column/{dtype}"] = column_grads(x, w, b, dy, dist.group.WORLD, rank, world)
+        rows = cols(COLUMN_N, world, rank)
+        partial = dy[:, rows].float() @ w[rows].float()
+        dist.all_reduce(partial)
+        out[f"column/stock {dtype}"] = partial.to(dtype)
+        x, w, dy = head_norm_inputs(dtype)
+        out[f"head_norm/{dtype}"] = head_norm_grads(x, w, dy, dist.group.WORLD, rank, world)
+        heads = cols(NORM_HEADS, world, rank)
+        ws = w.float().clone().requires_grad_(True)
+        rms_norm(x[..., heads, :].float(), ws, 1e-6).backward(dy[..., heads, :].float())
+        dist.all_reduce(ws.grad)
+        out[f"head_norm/stock {dtype}"] = ws.grad
+
+
 def worker(rank: int, world: int, folder: str) -> None:
     with gloo_group(rank, world, folder):
         out: dict = {}
@@ -281,6 +351,7 @@ def worker(rank: int, world: int, folder: str) -> None:
         _vocab_parallel(rank, world, torch.float32, out, "capped/", **CAPPED)
         _vocab_parallel_sample(rank, world, torch.float32, out, "capped/", **CAPPED)
         _empty_batches(rank, world, out)
+        _column_and_head_norm(rank, world, out)
         dtype = torch.float32
         combine, order = tree._combine_ranks, vp._shard_order
         for plant, fn in (("aten_sum", _aten_sum_combine), ("sequential", _sequential_combine),

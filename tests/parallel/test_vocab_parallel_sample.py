@@ -16,19 +16,15 @@ from ..ops.test_linear_sample import _accepts
 from . import _workers as W
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
-
-
 def _every_rank_drew(results: dict, prefix: str, want: tuple) -> None:
     """Every rank at every TP size saved ``want``'s (token, logp, entropy[, tau]), bitwise."""
     for world, ranks in results.items():
         for out in ranks:
             assert torch.equal(out[f"{prefix}_token"], want[0]), world
-            assert torch.equal(_bits(out[f"{prefix}_logp"]), _bits(want[1])), world
-            assert torch.equal(_bits(out[f"{prefix}_ent"]), _bits(want[2])), world
+            assert torch.equal(W.bits(out[f"{prefix}_logp"]), W.bits(want[1])), world
+            assert torch.equal(W.bits(out[f"{prefix}_ent"]), W.bits(want[2])), world
             if len(want) > 3:
-                assert torch.equal(_bits(out[f"{prefix}_tau"]), _bits(want[3])), world
+                assert torch.equal(W.bits(out[f"{prefix}_tau"]), W.bits(want[3])), world
 
 
 @pytest.mark.parametrize("dtype", W.dtypes(), ids=W.names)
@@ -44,7 +40,7 @@ def test_a_transformed_head_draws_the_one_process_tokens_at_every_tp_size(result
     kw = dict(shards=W.SHARDS, temperature=W.TEMPERATURE, return_entropy=True, **W.CAPPED)
     want = sharded_linear_sample(h, w, b, seed=seed, streams=streams, positions=positions, **kw)
     ref_lp, ref_ent = sharded_linear_logprob(h, w, want[0], b, **kw)
-    assert torch.equal(_bits(want[1]), _bits(ref_lp)) and torch.equal(_bits(want[2]), _bits(ref_ent))
+    assert torch.equal(W.bits(want[1]), W.bits(ref_lp)) and torch.equal(W.bits(want[2]), W.bits(ref_ent))
     plain = sharded_linear_sample(h, w, b, seed=seed, streams=streams, positions=positions, shards=W.SHARDS,
                                   temperature=W.TEMPERATURE)
     assert not torch.equal(plain[1], want[1])  # the transform moves the distribution
@@ -62,7 +58,7 @@ def test_a_truncated_draw_at_every_tp_size_is_the_one_process_draw_with_the_scor
     # The kept sets: tau over the whole vocabulary's scores, as linear_sample's torch
     # definition finds it, holding the drawn token; at most top_k, and truncating every row.
     z = TorchHeadStatistics.head_scores(h, w, b, W.TEMPERATURE)
-    assert torch.equal(_bits(tau), _bits(threshold(z, **W.TRUNCATION)))
+    assert torch.equal(W.bits(tau), W.bits(threshold(z, **W.TRUNCATION)))
     kept = z >= tau[:, None]
     assert kept.gather(1, tok[:, None]).all()
     assert (kept.sum(dim=1) <= W.TRUNCATION["top_k"]).all() and (kept.sum(dim=1) < w.shape[0]).all()
@@ -70,14 +66,14 @@ def test_a_truncated_draw_at_every_tp_size_is_the_one_process_draw_with_the_scor
     shards_kept = kept.reshape(h.shape[0], W.SHARDS, -1).any(dim=2).sum(dim=1)
     assert (shards_kept > 1).any()
     ref_lp, ref_ent = sharded_linear_logprob(h, w, tok, b, logit_threshold=tau, **kw)
-    assert torch.equal(_bits(lp), _bits(ref_lp)) and torch.equal(_bits(ent), _bits(ref_ent))
+    assert torch.equal(W.bits(lp), W.bits(ref_lp)) and torch.equal(W.bits(ent), W.bits(ref_ent))
     full = sharded_linear_sample(h, w, b, seed=seed, streams=streams, positions=positions, **kw)
-    assert not torch.equal(_bits(full[1]), _bits(lp))  # truncation moves the log-probs
+    assert not torch.equal(W.bits(full[1]), W.bits(lp))  # truncation moves the log-probs
     for rows in (torch.tensor([3]), torch.tensor([9, 0, 4, 4])):
         got = sharded_linear_sample(h[rows], w, b, seed=seed, streams=streams[rows], positions=positions[rows],
                                     return_threshold=True, **W.TRUNCATION, **kw)
         for x, y in zip(got, want):
-            assert torch.equal(_bits(x), _bits(y[rows]))
+            assert torch.equal(W.bits(x), W.bits(y[rows]))
     _every_rank_drew(results, f"{W.names(dtype)}truncated", want)
 
 
@@ -92,7 +88,7 @@ def test_greedy_takes_the_argmax_with_the_scorers_log_prob_at_every_tp_size(resu
     assert torch.equal(want[0], z.argmax(dim=1))
     ref_lp, ref_ent = sharded_linear_logprob(h, w, want[0], b, shards=W.SHARDS, temperature=W.TEMPERATURE,
                                              return_entropy=True)
-    assert torch.equal(_bits(want[1]), _bits(ref_lp)) and torch.equal(_bits(want[2]), _bits(ref_ent))
+    assert torch.equal(W.bits(want[1]), W.bits(ref_lp)) and torch.equal(W.bits(want[2]), W.bits(ref_ent))
     _every_rank_drew(results, f"{W.names(dtype)}greedy", want)
 
 
@@ -103,11 +99,11 @@ def test_the_log_probs_are_the_sharded_scorers_and_rows_are_invariant(dtype):
     tok, lp, ent = sharded_linear_sample(h, w, b, streams=streams, positions=positions, **kw)
     ref_lp, ref_ent = sharded_linear_logprob(h, w, tok, b, shards=W.SHARDS, temperature=W.TEMPERATURE,
                                              return_entropy=True)
-    assert torch.equal(_bits(lp), _bits(ref_lp)) and torch.equal(_bits(ent), _bits(ref_ent))
+    assert torch.equal(W.bits(lp), W.bits(ref_lp)) and torch.equal(W.bits(ent), W.bits(ref_ent))
     for rows in (torch.tensor([3]), torch.tensor([9, 0, 4, 4])):
         got = sharded_linear_sample(h[rows], w, b, streams=streams[rows], positions=positions[rows], **kw)
         for x, y in zip(got, (tok, lp, ent)):
-            assert torch.equal(_bits(x), _bits(y[rows]))
+            assert torch.equal(W.bits(x), W.bits(y[rows]))
 
 
 def test_the_draws_follow_the_fp64_softmax_and_not_a_flattened_one():
