@@ -293,7 +293,7 @@ def column_grads(x, w, b, dy, group=None, rank: int = 0, world: int = 1):
     from rlkernels.parallel import column_parallel_tree_linear
 
     rows = cols(w.shape[0], world, rank)
-    xs, ws, bs = x.clone().requires_grad_(True), w[rows].clone().requires_grad_(True), b[rows].clone().requires_grad_(True)
+    xs, ws, bs = (t.clone().requires_grad_(True) for t in (x, w[rows], b[rows]))
     y = column_parallel_tree_linear(xs, ws, bs, segments=SEGMENTS, group=group)
     y.backward(dy[:, rows])
     return y.detach(), xs.grad, ws.grad, bs.grad

@@ -29,11 +29,11 @@ class _ColumnTreeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, seg: int, n_seg: int, group, rank: int, world: int,  # type: ignore[override]
-                gemm_backend):
+                gemm_backend, backend: str | None):
         ctx.save_for_backward(x, weight, bias)
         ctx.tree = (seg, n_seg, group, rank, world)
         ctx.gemm_backend = gemm_backend
-        return linear(x, weight, bias)
+        return linear(x, weight, bias, backend=backend)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
@@ -51,7 +51,7 @@ class _ColumnTreeFunction(torch.autograd.Function):
             local = local_tree(ctx.gemm_backend, dy, weight.t(), seg, n_seg)
             grad_x = combine_across_ranks(local, group, rank, world,
                                           lambda root, c0: root.to(x.dtype)).reshape(x.shape)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def column_parallel_tree_linear(x: torch.Tensor, weight_shard: torch.Tensor, bias_shard: torch.Tensor | None = None,
@@ -74,4 +74,4 @@ def column_parallel_tree_linear(x: torch.Tensor, weight_shard: torch.Tensor, bia
                      "the input gradient's tree is a full binary tree")
     gemm_backend = gemm_backend_for(x.device, backend)
     return _ColumnTreeFunction.apply(x, weight_shard, bias_shard, seg, segments // world, group, rank, world,
-                                     gemm_backend)
+                                     gemm_backend, backend)

@@ -147,10 +147,6 @@ def _check(model: nn.Module, world: int, segments: int, vocab_shards: int) -> No
             for name in names:
                 _need(isinstance(getattr(owner, name, None), nn.Linear),
                       f"{type(owner).__name__}.{name} is not a linear layer")
-            if owner is mlp:
-                _need(mlp.down_proj.in_features % segments == 0,
-                      f"{type(mlp).__name__}'s width ({mlp.down_proj.in_features}) must divide by {segments} "
-                      "(segments)")
 
 
 def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *, segments: int = TREE_SEGMENTS,
