@@ -145,6 +145,38 @@ def test_each_chunk_yields_its_largest_logits_and_every_one_above_its_bound(top_
     assert {path for path, n in paths.items() if n} == paths_taken, paths
 
 
+@kernels_only
+@pytest.mark.parametrize("top_p", [0.9, 0.5, 0.999])
+def test_the_top_p_filter_leaves_the_nucleus_whole_and_little_else(top_p, gen, monkeypatch):
+    """Top-p alone's row filter f (the chunks' histograms): the logits below it hold less
+    than 1 - p of the mass, so the nucleus lies above it, whatever the row; on rows at a
+    trained model's scale it lets through few more logits than the nucleus holds."""
+    _small_chunks(monkeypatch, 4)
+    temperature = 0.8
+    raw = _scaled_logits(12, 300, gen)
+    raw[1] *= 0.02  # flat: the nucleus is most of the row
+    raw[2, 10] = 60.0  # one logit holds the mass
+    raw[3, 5:9] = raw[3].max()  # ties at the top
+    raw[4, 100:] = -math.inf  # a masked tail, in the chunks' last bins
+    raw[5] = raw[5] * 0.1 - 20.0
+    raw[5, [0, 64, 128, 192, 256]] = 10.0  # equal maxima, one per chunk
+    raw[6, 250:] = raw[6, 250:] + 12.0  # the mass in the last, partial chunk
+    z = TritonHeadStatistics.scores(raw, temperature, LogitTransform())
+    f = TR._chunk_candidates(raw, 0, top_p, None, temperature, LogitTransform()).row_filter
+    tau, _ = reference_threshold(z, 0, top_p)
+    top = z.max(dim=1).values.double()
+    mass = torch.exp(z.double() - top[:, None])
+    below = torch.where(z < f[:, None], mass, torch.zeros_like(mass)).sum(dim=1) / mass.sum(dim=1)
+    assert (below < 1.0 - top_p).all(), below
+    assert (f.double() <= tau).all()
+    # Never below the bound from the row's max alone.
+    assert (f.double() >= top + math.log((1.0 - top_p) / z.shape[1]) - 1.0 - 1e-5).all()
+    trained = [0] + list(range(7, 12))
+    nucleus = (z >= tau.float()[:, None]).sum(dim=1)[trained]
+    passed = (z >= f[:, None]).sum(dim=1)[trained]
+    assert (passed <= 3 * nucleus + 4).all(), (passed, nucleus)
+
+
 BACKENDS = ["torch", pytest.param("kernels", marks=kernels_only)]
 
 

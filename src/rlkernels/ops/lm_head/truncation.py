@@ -31,7 +31,7 @@ import torch
 
 from ..._env import triton_interpret
 from ...kernels._triton import cdiv, pow2_at_least
-from ...kernels.truncation import chunk_stats_kernel, chunk_top_kernel, threshold_kernel
+from ...kernels.truncation import chunk_stats_kernel, chunk_top_kernel, row_filter_kernel, threshold_kernel
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .config import NO_TRANSFORM, LogitTransform, to_fp32
 from .lse import tree_rowsum
@@ -51,11 +51,18 @@ CANDIDATE_CHUNK = 4096
 # the whole-row search's block.
 FINAL_CANDIDATES = 4096
 SEARCH_BLOCK = 1024
+# Top-p alone's row filter: a histogram of each chunk's scores on a grid of this width (in
+# units of z), this many bins down from the chunk's max (the last holds every lower logit).
+# The filter is the highest edge below which the bins bound the mass under (1 - p) of the
+# row's, so it lies within a bin or two of the nucleus's border.
+FILTER_BIN_WIDTH = 0.5
+FILTER_BINS = 32
 # Rows per program of the Triton kernels (they take a block of rows; one keeps every SM busy
 # at decode sizes).
 ROWS_PER_PROGRAM = 1
 
 _launch_chunk_stats = cached_launcher(chunk_stats_kernel) if chunk_stats_kernel is not None else None
+_launch_row_filter = cached_launcher(row_filter_kernel) if row_filter_kernel is not None else None
 _launch_chunk_top = cached_launcher(chunk_top_kernel) if chunk_top_kernel is not None else None
 _launch_threshold = cached_launcher(threshold_kernel) if threshold_kernel is not None else None
 
@@ -175,26 +182,27 @@ def threshold_of_logits(raw: torch.Tensor, temperature: float, transform: LogitT
     return _triton_threshold(raw, top_k, top_p, temperature, transform)
 
 
-# ``kernels.truncation._row_filter``'s modes: none, top-p alone's from the row's max, top-k's
-# from the chunks' two largest each, the given top-k threshold.
-_NO_FILTER, _TOP_P_TAIL, _KTH_OF_CHUNKS, _GIVEN_FLOOR = range(4)
-# Top-p alone filters where 1 - p is at least this: its filter's margin (a factor e on the
+# ``kernels.truncation``'s row filters: none, top-p alone's from the chunks' histograms,
+# top-k's from the chunks' two largest each, the given top-k threshold.
+_NO_FILTER, _TOP_P_HISTOGRAM, _KTH_OF_CHUNKS, _GIVEN_FLOOR = range(4)
+# Top-p alone filters where 1 - p is at least this: its filter's margin (a share of the
 # excluded mass) then dwarfs the fp64 rounding of the row's prefix masses.
 _TAIL_FILTER_MIN = 1e-6
+# The top-p filter bounds the excluded mass by (1 - p)(1 - this): room for the fp32
+# rounding of the histogram's bound.
+_FILTER_SLACK = 1e-3
 
 
-def _row_filter(k: int, floor_given: bool, top_p: float, vocab: int, n_chunks: int,
-                count: int) -> tuple[int, int, float]:
-    """(the chunk pass's filter mode, the width its top-k of the chunks' two largest takes,
-    top-p's ln((1 - p) / V) - 1)."""
+def _row_filter(k: int, floor_given: bool, top_p: float, n_chunks: int, count: int) -> tuple[int, int]:
+    """(the chunk pass's filter, the width its top-k of the chunks' two largest takes)."""
     kth_width = min(count, 2 * pow2_at_least(n_chunks))
     if floor_given:
-        return _GIVEN_FLOOR, kth_width, 0.0
+        return _GIVEN_FLOOR, kth_width
     if k:
-        return (_KTH_OF_CHUNKS if k <= min(kth_width, 2 * n_chunks) else _NO_FILTER), kth_width, 0.0
+        return (_KTH_OF_CHUNKS if k <= min(kth_width, 2 * n_chunks) else _NO_FILTER), kth_width
     if 1.0 - top_p >= _TAIL_FILTER_MIN:
-        return _TOP_P_TAIL, kth_width, to_fp32(math.log((1.0 - top_p) / vocab) - 1.0)
-    return _NO_FILTER, kth_width, 0.0
+        return _TOP_P_HISTOGRAM, kth_width
+    return _NO_FILTER, kth_width
 
 
 class _ChunkCandidates(NamedTuple):
@@ -202,12 +210,13 @@ class _ChunkCandidates(NamedTuple):
     candidates (-inf past each chunk's), ``bounds`` [N, n_chunks] (every logit of a chunk
     above its bound is a candidate), ``cmax`` [N, 2 * n_chunks] the chunks' maxima (then
     second largest, where the filter reads them), ``mass`` [N, n_chunks] fp64 their masses
-    (with top-p)."""
+    (with top-p), ``row_filter`` [N] each row's filter (no logit below it kept; -inf: none)."""
 
     top: torch.Tensor
     bounds: torch.Tensor
     cmax: torch.Tensor
     mass: torch.Tensor
+    row_filter: torch.Tensor
     count: int
 
 
@@ -222,29 +231,38 @@ def _chunk_layout(vocab: int) -> tuple[int, int, int]:
 
 def _chunk_candidates(raw: torch.Tensor, k: int, top_p: float, floor: torch.Tensor | None, temperature: float,
                       transform: LogitTransform) -> _ChunkCandidates:
-    """Each chunk's candidates of the raw fp32 logits [N, V] (``kernels.truncation``'s two
-    chunk passes) for top-k ``k`` (0: none; ``floor`` [N]: its threshold, given where k
-    exceeds the candidates) and top-p."""
+    """Each chunk's candidates of the raw fp32 logits [N, V] (``kernels.truncation``'s chunk
+    passes) for top-k ``k`` (0: none; ``floor`` [N]: its threshold, given where k exceeds
+    the candidates) and top-p."""
     N, V = raw.shape
     count, chunk, n_chunks = _chunk_layout(V)
     nucleus = top_p < 1.0
+    row_filter, kth_width = _row_filter(k, floor is not None, top_p, n_chunks, count)
+    bins = FILTER_BINS if row_filter == _TOP_P_HISTOGRAM else 0
     top = torch.empty(N, n_chunks * count, dtype=torch.float32, device=raw.device)
     bounds = torch.empty(N, n_chunks, dtype=torch.float32, device=raw.device)
     cmax = torch.empty(N, 2 * n_chunks, dtype=torch.float32, device=raw.device)
     mass = torch.empty(N, n_chunks, dtype=torch.float64, device=raw.device)
+    hist = torch.empty(N, n_chunks, max(bins, 1), dtype=torch.int32, device=raw.device)
     score_args, score_modes = transform.launch_args(temperature, raw.device)
-    row_filter, kth_width, log_tail = _row_filter(k, floor is not None, top_p, V, n_chunks, count)
+    bin_scale = 1.0 / FILTER_BIN_WIDTH
     _launch_chunk_stats((cdiv(N, ROWS_PER_PROGRAM), n_chunks),
-                        (raw, cmax, mass, N, V, raw.stride(0), n_chunks, *score_args),
+                        (raw, cmax, mass, hist, N, V, raw.stride(0), n_chunks, bin_scale, *score_args),
                         dict(**score_modes, CHUNK=chunk, BLOCK_R=ROWS_PER_PROGRAM, SECOND=row_filter == _KTH_OF_CHUNKS,
-                             MASS=nucleus), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+                             MASS=nucleus, BINS=bins), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+    row_f = floor if floor is not None else torch.full((N,), -math.inf, dtype=torch.float32, device=raw.device)
+    if row_filter in (_TOP_P_HISTOGRAM, _KTH_OF_CHUNKS):
+        row_f = torch.empty(N, dtype=torch.float32, device=raw.device)
+        tail = to_fp32((1.0 - top_p) * (1.0 - _FILTER_SLACK))
+        log_tail = to_fp32(math.log((1.0 - top_p) / V) - 1.0) if row_filter == _TOP_P_HISTOGRAM else 0.0
+        _launch_row_filter((N,), (cmax, mass, hist, row_f, n_chunks, k, bin_scale, tail, log_tail),
+                           dict(FILTER=1 if row_filter == _TOP_P_HISTOGRAM else 2, CHUNKS=pow2_at_least(n_chunks),
+                                KB=kth_width, BINS=max(bins, 1)), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
     _launch_chunk_top((cdiv(N, ROWS_PER_PROGRAM), n_chunks),
-                      (raw, cmax, floor if floor is not None else bounds, top, bounds, N, V, raw.stride(0), n_chunks, k,
-                       log_tail, *score_args),
-                      dict(**score_modes, CHUNK=chunk, C=count, BLOCK_R=ROWS_PER_PROGRAM, FILTER=row_filter,
-                           CHUNKS=pow2_at_least(n_chunks), KB=kth_width), num_warps=4,
-                      num_stages=DEFAULT_NUM_STAGES)
-    return _ChunkCandidates(top, bounds, cmax, mass, count)
+                      (raw, cmax, row_f, top, bounds, N, V, raw.stride(0), n_chunks, *score_args),
+                      dict(**score_modes, CHUNK=chunk, C=count, BLOCK_R=ROWS_PER_PROGRAM,
+                           FILTERED=row_filter != _NO_FILTER), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+    return _ChunkCandidates(top, bounds, cmax, mass, row_f, count)
 
 
 def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: float = 1.0,
