@@ -705,6 +705,9 @@ def test_gpu_top_p_kernel_is_the_torch_definition_through_candidates_and_search(
     monkeypatch.setattr(TR, "TOP_P_CANDIDATES", 4)
     assert torch.equal(TR.threshold_of_logits(raw, temperature, transform, top_k, top_p).view(torch.int32),
                        got.view(torch.int32))
+    monkeypatch.setattr(TR, "FIRST_TIER", 4)  # nuclei past the row program's first tier: bisected
+    assert torch.equal(TR.threshold_of_logits(raw, temperature, transform, top_k, top_p).view(torch.int32),
+                       got.view(torch.int32))
 
 
 @pytest.mark.gpu

@@ -23,8 +23,8 @@ logit's, from each chunk's max and fp64 mass, or the top-k set's.
 The nucleus is the smallest prefix of the sorted values whose mass reaches it; its last
 value is the threshold, and every logit equal to it is kept too. Equivalently, the
 threshold is the value whose order key t is the largest with ``F(t) >= p * total``, F(t)
-the mass of the logits whose key is >= t. It is looked for first in the C largest
-candidates (a top-C and a prefix sum), where it ends at or above the bound. Where it is
+the mass of the logits whose key is >= t. It is looked for first in the FIRST largest
+candidates (a bitonic top-k and a prefix sum), where it ends at or above the bound. Where it is
 wider (or a top-k set reaches past them), t is found by bisection over the fp32 order
 keys, F summed over all the candidates in registers: their masses are the row's down to
 the bound. Where F at the bound does not reach it either, the same bisection runs over
@@ -225,8 +225,8 @@ if triton is not None:
     def threshold_kernel(top_ptr, cb_ptr, cmax_ptr, cs_ptr, x_ptr, floor_ptr, out_ptr, N, n_chunks, V, stride_x, top_k,
                          p_hi, p_lo, temperature, logit_scale, cap_arg, cap, TEMP: tl.constexpr,
                          SCALE: tl.constexpr, CAP: tl.constexpr, FINAL: tl.constexpr, CHUNKS: tl.constexpr,
-                         C: tl.constexpr, BLOCK_R: tl.constexpr, TOP_P: tl.constexpr, FLOOR_GIVEN: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         C: tl.constexpr, FIRST: tl.constexpr, BLOCK_R: tl.constexpr, TOP_P: tl.constexpr,
+                         FLOOR_GIVEN: tl.constexpr, BLOCK: tl.constexpr):
         """Grid (row blocks,): each row's threshold into ``out[row]`` (fp32).
 
         ``top``: [N, n_chunks * C] the chunks' candidates (n_chunks * C <= FINAL) and ``cb``
@@ -236,7 +236,8 @@ if triton is not None:
         fall short). ``top_k``: 0, or <= C (its threshold is the k-th largest candidate);
         FLOOR_GIVEN: ``floor`` [N] holds the top-k threshold instead (a k beyond C). p =
         p_hi + p_lo (two fp32 scalars holding a double's leading bits). Without TOP_P the
-        threshold is top-k's."""
+        threshold is top-k's. FIRST (>= C): how many of the largest candidates the nucleus is
+        looked for in first."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < N
         cols = tl.arange(0, FINAL)
@@ -244,14 +245,14 @@ if triton is not None:
         x = tl.load(top_ptr + rows[:, None] * width + cols[None, :], mask=row_ok[:, None] & (cols < width)[None, :],
                     other=float("-inf"))
         # The row's largest candidates: the row's own values down to the bound (above it).
-        best = tl.topk(x, C)
+        best = tl.topk(x, FIRST)
         ch = tl.arange(0, CHUNKS)[None, :]
         ch_ok = row_ok[:, None] & (ch < n_chunks)
         bound = tl.max(tl.load(cb_ptr + rows[:, None] * n_chunks + ch, mask=ch_ok, other=float("-inf")), axis=1)
         if FLOOR_GIVEN:
             floor = tl.load(floor_ptr + rows, mask=row_ok, other=float("-inf"))
         elif top_k > 0:
-            floor = tl.max(tl.where(tl.arange(0, C)[None, :] == top_k - 1, best, float("-inf")), axis=1)
+            floor = tl.max(tl.where(tl.arange(0, FIRST)[None, :] == top_k - 1, best, float("-inf")), axis=1)
         else:
             floor = tl.full(rows.shape, float("-inf"), tl.float32)
         if TOP_P:
@@ -262,16 +263,16 @@ if triton is not None:
             mk = tl.load(cmax_ptr + rows[:, None] * (2 * n_chunks) + ch, mask=ch_ok, other=float("-inf"))
             sk = tl.load(cs_ptr + rows[:, None] * n_chunks + ch, mask=ch_ok, other=0.0)
             every = tl.sum(tl.where(ch_ok, sk * tl.exp(mk.to(tl.float64) - top64[:, None]), 0.0), axis=1)
-            # The nucleus within the C largest candidates, where it ends at or above the
+            # The nucleus within the FIRST largest candidates, where it ends at or above the
             # bound. A top-k set lies within them (its threshold's ties too) where its
-            # threshold is above the bound and the C-th is below it: its mass is theirs.
+            # threshold is above the bound and the FIRST-th is below it: its mass is theirs.
             e = tl.where(best >= floor[:, None], tl.exp(best.to(tl.float64) - top64[:, None]), 0.0)
             cum = tl.cumsum(e, axis=1)
             inside = (floor > float("-inf")) & (tl.min(best, axis=1) < floor) & (floor > bound)
             total = tl.where(inside, tl.max(cum, axis=1), every)
-            first, tau = _first_reaching(best, cum, p * total, C)
-            tau = tl.where(first < C, tau, floor)
-            fast = row_ok & (inside | ((floor == float("-inf")) & (first < C) & (tau >= bound)))
+            first, tau = _first_reaching(best, cum, p * total, FIRST)
+            tau = tl.where(first < FIRST, tau, floor)
+            fast = row_ok & (inside | ((floor == float("-inf")) & (first < FIRST) & (tau >= bound)))
             slow = row_ok & ~fast
             if tl.sum(slow.to(tl.int32), axis=0) > 0:
                 tau = tl.where(slow, _threshold_over_candidates(x, bound, every, floor, top64, p, x_ptr, rows, slow,
@@ -303,7 +304,7 @@ if triton is not None:
     def _threshold_over_candidates(x, bound, every, floor, top64, p, x_ptr, rows, row_ok, stride_x, V, temperature,
                                    logit_scale, cap_arg, cap, TEMP: tl.constexpr, SCALE: tl.constexpr,
                                    CAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
-        """The threshold [BLOCK_R] of rows whose nucleus is wider than their C largest, from
+        """The threshold [BLOCK_R] of rows whose nucleus is wider than their FIRST largest, from
         all the candidates ``x`` [BLOCK_R, FINAL] (every logit above ``bound`` among them),
         else by the whole-row search. ``every``: each row's mass over all its logits."""
         e = tl.where(x >= floor[:, None], tl.exp(x.to(tl.float64) - top64[:, None]), 0.0)

@@ -79,11 +79,15 @@ def test_the_threshold_is_the_sorted_references(candidates, top_k, top_p, gen, m
 
 
 @kernels_only
-@pytest.mark.parametrize("candidates", [4, 8])
+@pytest.mark.parametrize("candidates, first_tier", [(4, 4), (8, 8), (4, 16)])
 @pytest.mark.parametrize("temperature, transform", [(1.0, LogitTransform()), (0.7, LogitTransform(0.5, 20.0))],
                          ids=["plain", "scaled-capped"])
-def test_the_kernels_threshold_is_the_torch_backends(candidates, temperature, transform, gen, monkeypatch):
+def test_the_kernels_threshold_is_the_torch_backends(candidates, first_tier, temperature, transform, gen,
+                                                     monkeypatch):
+    """Nuclei within the row program's first tier, and wider ones, which it bisects over all
+    the candidates (or, past them, over the whole row)."""
     _small_chunks(monkeypatch, candidates)
+    monkeypatch.setattr(TR, "FIRST_TIER", first_tier)
     raw = _scaled_logits(6, 300, gen)
     raw[1] *= 0.02  # a flat row: its nucleus is wider than every chunk's candidates
     raw[5, 10], raw[5, 70:73] = 30.0, 27.0  # a peaked row: most chunks lie below its filter
@@ -103,6 +107,7 @@ def test_the_kernels_threshold_is_the_torch_backends(candidates, temperature, tr
         assert torch.equal(got[clear].view(torch.int32), threshold(z, top_k, top_p)[clear].view(torch.int32))
     # Row 4's nucleus at p = 0.9 holds about eleven logits: past the row's largest few.
     assert (z[4] >= TR._triton_threshold(raw, 0, 0.9, temperature, transform)[4]).sum() > candidates
+    assert TR._first_tier(candidates, 5, True) == first_tier
 
 
 @kernels_only

@@ -39,9 +39,9 @@ from .statistics import TritonHeadStatistics
 
 # How many of a row's largest logits the nucleus is first looked for in (a power of two):
 # the torch backend's candidates, and each Triton chunk's (the kernels look in the row's
-# this many largest, then in all the chunks' candidates); rows whose nucleus is wider are
+# FIRST_TIER largest, then in all the chunks' candidates); rows whose nucleus is wider are
 # searched in full. The threshold does not depend on it (beyond fp64 rounding: the Triton
-# backend's chunk masses, and its prefix sums over this many or over all the candidates).
+# backend's chunk masses, and its sums over the first tier or over all the candidates).
 TOP_P_CANDIDATES = 64
 # The Triton backend's smallest chunk of a row (a power of two): each yields its
 # TOP_P_CANDIDATES largest, and the row's mass is merged from the chunks', so its fp64
@@ -51,6 +51,10 @@ CANDIDATE_CHUNK = 4096
 # the whole-row search's block.
 FINAL_CANDIDATES = 4096
 SEARCH_BLOCK = 1024
+# How many of a row's largest candidates the top-p row program looks for the nucleus in
+# first (a power of two, at least TOP_P_CANDIDATES); a wider nucleus is searched over all
+# the candidates by bisection.
+FIRST_TIER = 256
 # Top-p alone's row filter: a histogram of each chunk's scores on a grid of this width (in
 # units of z), this many bins down from the chunk's max (the last holds every lower logit).
 # The filter is the highest edge below which the bins bound the mass under (1 - p) of the
@@ -265,6 +269,12 @@ def _chunk_candidates(raw: torch.Tensor, k: int, top_p: float, floor: torch.Tens
     return _ChunkCandidates(top, bounds, cmax, mass, row_f, count)
 
 
+def _first_tier(count: int, n_chunks: int, nucleus: bool) -> int:
+    """The row program's first tier: FIRST_TIER of the candidates for top-p (within their
+    tile), ``count`` for top-k alone (its threshold is the k-th of them)."""
+    return max(count, min(FIRST_TIER, pow2_at_least(n_chunks * count))) if nucleus else count
+
+
 def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: float = 1.0,
                       transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
     """:func:`_torch_top_p`'s threshold (or top-k's) by ``kernels.truncation`` from the raw
@@ -289,6 +299,7 @@ def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: 
                       (cand.top, cand.bounds, cand.cmax, cand.mass, raw, floor, out, N, n_chunks, V, raw.stride(0),
                        0 if floor_given else k, hi, lo, *score_args),
                       dict(**score_modes, FINAL=pow2_at_least(n_chunks * count), CHUNKS=pow2_at_least(n_chunks),
-                           C=count, BLOCK_R=ROWS_PER_PROGRAM, TOP_P=nucleus, FLOOR_GIVEN=floor_given,
+                           C=count, FIRST=_first_tier(count, n_chunks, nucleus), BLOCK_R=ROWS_PER_PROGRAM,
+                           TOP_P=nucleus, FLOOR_GIVEN=floor_given,
                            BLOCK=SEARCH_BLOCK), num_warps=8, num_stages=DEFAULT_NUM_STAGES)
     return out
