@@ -269,10 +269,13 @@ def _chunk_candidates(raw: torch.Tensor, k: int, top_p: float, floor: torch.Tens
     return _ChunkCandidates(top, bounds, cmax, mass, row_f, count)
 
 
-def _first_tier(count: int, n_chunks: int, nucleus: bool) -> int:
+def _first_tier(count: int, n_chunks: int, nucleus: bool, k: int = 0) -> int:
     """The row program's first tier: FIRST_TIER of the candidates for top-p (within their
-    tile), ``count`` for top-k alone (its threshold is the k-th of them)."""
-    return max(count, min(FIRST_TIER, pow2_at_least(n_chunks * count))) if nucleus else count
+    tile); ``count`` where a top-k of at most ``count`` bounds the nucleus too, or alone
+    (its threshold is the k-th of them)."""
+    if not nucleus or 0 < k <= count:
+        return count
+    return max(count, min(FIRST_TIER, pow2_at_least(n_chunks * count)))
 
 
 def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: float = 1.0,
@@ -299,7 +302,7 @@ def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: 
                       (cand.top, cand.bounds, cand.cmax, cand.mass, raw, floor, out, N, n_chunks, V, raw.stride(0),
                        0 if floor_given else k, hi, lo, *score_args),
                       dict(**score_modes, FINAL=pow2_at_least(n_chunks * count), CHUNKS=pow2_at_least(n_chunks),
-                           C=count, FIRST=_first_tier(count, n_chunks, nucleus), BLOCK_R=ROWS_PER_PROGRAM,
+                           C=count, FIRST=_first_tier(count, n_chunks, nucleus, 0 if floor_given else k), BLOCK_R=ROWS_PER_PROGRAM,
                            TOP_P=nucleus, FLOOR_GIVEN=floor_given,
                            BLOCK=SEARCH_BLOCK), num_warps=8, num_stages=DEFAULT_NUM_STAGES)
     return out
