@@ -24,11 +24,12 @@ The nucleus is the smallest prefix of the sorted values whose mass reaches it; i
 value is the threshold, and every logit equal to it is kept too. Equivalently, the
 threshold is the value whose order key t is the largest with ``F(t) >= p * total``, F(t)
 the mass of the logits whose key is >= t. It is looked for first in the FIRST largest
-candidates (a bitonic top-k and a prefix sum), where it ends at or above the bound. Where it is
-wider (or a top-k set reaches past them), t is found by bisection over the fp32 order
-keys, F summed over all the candidates in registers: their masses are the row's down to
-the bound. Where F at the bound does not reach it either, the same bisection runs over
-the whole row. Every sum runs over one row's values in an order fixed by V and the chunk.
+candidates (a bitonic top-k and a prefix sum), where it ends at or above the bound.
+Where it is wider (or a top-k set reaches past them), t is found by bisection over the
+fp32 order keys, F summed over all the candidates in registers: their masses are the
+row's down to the bound. Where F at the bound does not reach it either, the same
+bisection runs over the whole row. Every sum runs over one row's values in an order fixed
+by V and the chunk.
 """
 from __future__ import annotations
 

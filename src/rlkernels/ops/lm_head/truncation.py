@@ -298,11 +298,12 @@ def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: 
     cand = _chunk_candidates(raw, k, float(top_p), floor if floor_given else None, temperature, transform)
     score_args, score_modes = transform.launch_args(temperature, raw.device)
     hi, lo = split_p(top_p)
+    k_in_candidates = 0 if floor_given else k
     _launch_threshold((cdiv(N, ROWS_PER_PROGRAM),),
                       (cand.top, cand.bounds, cand.cmax, cand.mass, raw, floor, out, N, n_chunks, V, raw.stride(0),
-                       0 if floor_given else k, hi, lo, *score_args),
+                       k_in_candidates, hi, lo, *score_args),
                       dict(**score_modes, FINAL=pow2_at_least(n_chunks * count), CHUNKS=pow2_at_least(n_chunks),
-                           C=count, FIRST=_first_tier(count, n_chunks, nucleus, 0 if floor_given else k), BLOCK_R=ROWS_PER_PROGRAM,
-                           TOP_P=nucleus, FLOOR_GIVEN=floor_given,
-                           BLOCK=SEARCH_BLOCK), num_warps=8, num_stages=DEFAULT_NUM_STAGES)
+                           C=count, FIRST=_first_tier(count, n_chunks, nucleus, k_in_candidates),
+                           BLOCK_R=ROWS_PER_PROGRAM, TOP_P=nucleus, FLOOR_GIVEN=floor_given, BLOCK=SEARCH_BLOCK),
+                      num_warps=8, num_stages=DEFAULT_NUM_STAGES)
     return out
