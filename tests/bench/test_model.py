@@ -20,8 +20,8 @@ def test_tiny_cpu_suite_writes_every_workload(tmp_path):
     assert doc["benchmark"] == "model" and doc["config"] == "tiny" and doc["bench_device"] == "cpu"
     rows = doc["rows"]
     lens = bench_model.TINY.long_lens
-    want = {"scoring", "training", "generate", "generate (graphed)", "rollout", "rollout (graphed)",
-            *(f"long {n}" for n in lens)}
+    want = {"scoring", "training", "short scoring", "short training", "generate", "generate (graphed)", "rollout",
+            "rollout (graphed)", *(f"long {n}" for n in lens)}
     for side in ("stock", "rlkernels"):
         assert {r["workload"] for r in rows if r["side"] == side} == want, side
     graphed = [r for r in rows if r["workload"].endswith("(graphed)")]
@@ -32,15 +32,18 @@ def test_tiny_cpu_suite_writes_every_workload(tmp_path):
         assert r["time_ms"] > 0 and r["tok_s"] > 0, r
         if r["side"] == "rlkernels":
             assert r["ratio"] > 0, r
-            if r["workload"] != "training":
+            if "training" not in r["workload"] and r["bitwise"] is not None:
                 # The contract, on the CPU backend: batched == alone, sampler == trainer.
                 assert r["bitwise"] == 1.0, r
         else:
             assert r["ratio"] is None
-        if r["workload"] != "training":
+        if "training" not in r["workload"] and not r["workload"].startswith("short"):
             assert 0.0 <= r["bitwise"] <= 1.0
     scoring = next(r for r in rows if r["workload"] == "scoring")
     assert scoring["shape"] == f"{bench_model.TINY.score_batch}x{bench_model.TINY.score_len}"
+    short = [r for r in rows if r["workload"].startswith("short")]
+    assert {(r["shape"], r["tokens"]) for r in short} == {(f"1x{bench_model.TINY.short_len}",
+                                                          bench_model.TINY.short_len)}
     assert doc["environment"]["torch"] == torch.__version__
 
 

@@ -1,7 +1,7 @@
 """Benchmark: a whole Hugging Face model, stock vs rlkernels, on the jobs of an RL step.
 
     rlkernels bench model [--config qwen3-1.7b|qwen3-8b|tiny|PATH.json] [--layers N] [--device cuda|cpu]
-        [--only scoring,training,generate,rollout,long] [--reps R] [--graphed] [--json PATH] [--quick]
+        [--only scoring,training,short,generate,rollout,long] [--reps R] [--graphed] [--json PATH] [--quick]
 
 One random-weight model, built from transformers' own classes (no download) and run
 two ways in the same process:
@@ -13,7 +13,8 @@ two ways in the same process:
   :func:`rlkernels.token_logprobs` and :func:`rlkernels.generate`.
 
 Workloads: ``scoring`` (right-padded batch, no grad), ``training`` (forward + backward of
-a per-token policy-gradient loss), ``generate`` (left-padded prompts, greedy, a fixed
+a per-token policy-gradient loss), ``short`` (both on one unpadded 64-token sequence, where
+the host's per-call path shows), ``generate`` (left-padded prompts, greedy, a fixed
 number of new tokens; on a GPU also ``rlkernels.generate(..., cuda_graph=True)``;
 ``--graphed`` adds transformers' compiled static-cache generate), ``rollout`` (the same
 rows with long prompts, where a decode step's time is the attention reading the KV cache)
@@ -59,7 +60,7 @@ INIT_STD = 0.02
 # Bytes of fp32 logits one scoring call of the bitwise checks may hold (micro-batches beyond).
 LOGITS_BUDGET = 8 << 30
 PAD = 0
-WORKLOADS = ("scoring", "training", "generate", "rollout", "long")
+WORKLOADS = ("scoring", "training", "short", "generate", "rollout", "long")
 
 _QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960,
               rms_norm_eps=1e-6)
@@ -89,10 +90,11 @@ class Sizes:
     roll_prompt_width: int
     roll_new: int
     long_lens: tuple[int, ...]
+    short_len: int  # short: one unpadded sequence, scored and trained, where host time shows
 
 
-FULL = Sizes(8, 1024, 3, 4, 1024, 16, 64, 128, 64, 16, 2048, 4096, 64, (8192, 32768))
-TINY = Sizes(4, 32, 3, 2, 32, 4, 4, 8, 4, 2, 16, 24, 4, (64, 256))
+FULL = Sizes(8, 1024, 3, 4, 1024, 16, 64, 128, 64, 16, 2048, 4096, 64, (8192, 32768), 64)
+TINY = Sizes(4, 32, 3, 2, 32, 4, 4, 8, 4, 2, 16, 24, 4, (64, 256), 16)
 
 
 # ---------------------------------------------------------------- options
@@ -295,12 +297,17 @@ def scoring(b: Bench) -> list[dict[str, Any]]:
     return rows
 
 
-def training(b: Bench) -> list[dict[str, Any]]:
+def training(b: Bench, workload: str = "training", ids: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> list[dict[str, Any]]:
+    """A policy-gradient step's forward and backward on a right-padded batch (``ids``,
+    ``mask``: another batch, named ``workload``)."""
     s = b.sizes
-    ids, mask, _ = _right_padded(b, s.train_batch, s.train_len, seed=2)
+    if ids is None or mask is None:
+        ids, mask, _ = _right_padded(b, s.train_batch, s.train_len, seed=2)
+    batch, width = ids.shape
     valid = (mask[:, 1:] * mask[:, :-1]).float()
     g = torch.Generator().manual_seed(SEED + 3)
-    adv = torch.randn(s.train_batch, s.train_len - 1, generator=g).to(b.device)
+    adv = torch.randn(batch, width - 1, generator=g).to(b.device)
     rows = []
     for side, model, score in b.sides():
         def step(model: nn.Module = model, score: Scorer = score) -> None:
@@ -310,9 +317,24 @@ def training(b: Bench) -> list[dict[str, Any]]:
 
         ms, peak = b.time(side, step, heavy=False)
         model.zero_grad(set_to_none=True)
-        rows.append(_row("training", side, f"{s.train_batch}x{s.train_len}", int(mask.sum()), ms, peak))
+        rows.append(_row(workload, side, f"{batch}x{width}", int(mask.sum()), ms, peak))
         _free(b.device)
     return rows
+
+
+def short(b: Bench) -> list[dict[str, Any]]:
+    """One unpadded sequence of ``short_len`` tokens, scored and trained: the GPU work is
+    small, so the time is mostly the host's per-call path (each side's Python and launches)."""
+    width = b.sizes.short_len
+    ids = b.tokens(1, width, seed=5)
+    mask = torch.ones_like(ids)
+    rows = []
+    for side, model, score in b.sides():
+        with torch.no_grad():
+            ms, peak = b.time(side, lambda: score(model, ids, mask), heavy=False)
+        rows.append(_row("short scoring", side, f"1x{width}", width, ms, peak))
+        _free(b.device)
+    return rows + training(b, "short training", ids, mask)
 
 
 @dataclass(frozen=True)
