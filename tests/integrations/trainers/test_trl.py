@@ -6,7 +6,8 @@ tokenizer built here, two prompts, a trivial reward; no download). With
 generation (no grad, the whole generation batch in chunks) and the training forward
 re-scores the same completions in a shuffled half of that batch; the loss's
 importance ratio is exp(new - old). Under rlkernels both are the same bits (ratio
-exactly 1.0 on every token); under stock TRL on the same setup they are not.
+exactly 1.0 on every token); under stock TRL on the same setup they are not. With
+top_k / top_p the same holds for the truncated distribution the rollout drew from.
 """
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def _trainer(cls, tmp_path, *, max_steps=2, bf16=None, rollout=None, **over):
         # reusing the training forward's: the first step's two micro-batches score the same
         # policy the old log-probs came from, shuffled into other row pairings.
         steps_per_generation=4, gradient_accumulation_steps=2, max_completion_length=8, temperature=0.9,
-        beta=0.0, dataloader_num_workers=0, **({} if bf16 is None else {"bf16": bf16}),
-        **(dict(top_k=0, top_p=1.0) | over))
+        dataloader_num_workers=0, **({} if bf16 is None else {"bf16": bf16}),
+        **(dict(top_k=0, top_p=1.0, beta=0.0) | over))
     return cls(model=_model(tokenizer), reward_funcs=_reward, args=args, train_dataset=dataset,
                processing_class=tokenizer, **({} if rollout is None else {"rollout": rollout}))
 
@@ -143,12 +144,74 @@ def test_completions_come_from_rollout_each_its_prompt_alone(tmp_path, monkeypat
 
 
 def test_rollout_refuses_sampling_options_it_would_not_score(tmp_path):
-    for name, value in (("top_p", 0.9), ("top_k", 20), ("repetition_penalty", 1.1)):
+    for name, value in (("min_p", 0.1), ("repetition_penalty", 1.1)):
         with pytest.raises(ValueError, match=rf"rlkernels.integrations.trainers.trl: {name}={value} is not "
                                              r"supported when completions come from rlkernels.rollout"):
             _trainer(RLKGRPOTrainer, tmp_path, **{name: value})
         # rollout=False keeps TRL's own generation, which takes them.
         assert _trainer(RLKGRPOTrainer, tmp_path, rollout=False, **{name: value}) is not None
+    # A truncated rollout's kept sets are the policy's: a KL term to a reference model has none.
+    trainer = _trainer(trl.GRPOTrainer, tmp_path, top_p=0.9)
+    trainer.args.beta = 0.04  # (a trainer built with beta > 0 would load a reference model by name)
+    with pytest.raises(ValueError, match=r"rlkernels.integrations.trainers.trl: top_k=0, top_p=0.9 with "
+                                         r"beta=0.04: the KL term's reference log-probs have no kept set"):
+        patch_grpo_trainer(trainer)
+    with pytest.raises(ValueError, match=r"rlkernels.integrations.trainers.trl: top_p must lie in \(0, 1\]"):
+        _trainer(RLKGRPOTrainer, tmp_path, top_p=1.5)
+
+
+def test_top_k_and_top_p_train_the_kept_set_the_rollout_drew_from(tmp_path, monkeypatch):
+    """With top_k / top_p, each completion's log-probs in TRL's loss -- the old ones scored after
+    generation and the training forward's -- are those of the truncated distribution the
+    rollout drew it from, bit for bit, so the first update's ratio is exactly 1; the
+    untruncated log-probs of the same tokens differ."""
+    import copy
+
+    import rlkernels
+    from rlkernels.integrations.hf import continuous_batching
+
+    trainer = _trainer(RLKGRPOTrainer, tmp_path, top_k=12, top_p=0.8)
+    with torch.no_grad():
+        trainer.model.lm_head.weight.mul_(40.0)  # a trained model's logit scale (std ~5)
+    initial = copy.deepcopy(trainer.model)
+    drawn = {}  # (prompt, completion) -> (sampler log-probs, thresholds)
+    inner = continuous_batching.rollout
+
+    def spy(model, prompts, **kwargs):
+        assert kwargs["top_k"] == 12 and kwargs["top_p"] == 0.8
+        out = inner(model, prompts, **kwargs)
+        for s in out:
+            drawn[(tuple(prompts[s.prompt]), tuple(s.tokens.tolist()))] = (s.logprobs, s.thresholds)
+        return out
+
+    monkeypatch.setattr(continuous_batching, "rollout", spy)
+    seen = []
+    compute_loss = trainer._compute_loss
+
+    def capture(model, inputs):
+        seen.append({k: inputs[k].clone() for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                     "completion_mask", "old_per_token_logps", "logit_thresholds")})
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = capture
+    pairs = _run_and_capture(trainer)
+    assert len(seen) == 4 and len(pairs) == 4
+    truncated = untruncated_differs = 0
+    for batch, (old, new, mask) in zip(seen[:2], pairs[:2]):  # before the first optimizer step
+        assert torch.equal(new, old)
+        for i in range(old.shape[0]):
+            prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+            keep = batch["completion_mask"][i].bool()
+            tokens = batch["completion_ids"][i][keep]
+            logprobs, thresholds = drawn[(tuple(prompt.tolist()), tuple(tokens.tolist()))]
+            assert torch.equal(old[i][keep], logprobs)
+            assert torch.equal(batch["logit_thresholds"][i][keep], thresholds)
+            assert torch.isneginf(batch["logit_thresholds"][i][~keep]).all()
+            truncated += int(torch.isfinite(thresholds).sum())
+            seq = torch.cat([prompt, tokens])[None]
+            raw = rlkernels.token_logprobs(initial, seq, temperature=0.9)[0, len(prompt) - 1:]
+            untruncated_differs += int((raw != logprobs).sum())
+    assert truncated > 0 and untruncated_differs > 0
 
 
 def test_stock_grpo_on_the_same_setup(tmp_path):

@@ -33,12 +33,19 @@ numbers the padded columns too; RoPE makes the two the same function of the toke
 and the mask's positions are what makes a sequence's log-probs independent of its
 padding.
 
+With ``top_k``/``top_p`` the rollout draws each completion token from the truncated
+distribution and returns its kept set's threshold; the thresholds travel with the
+completions through TRL's batches (``logit_thresholds`` beside ``completion_ids``) into
+every scoring, so the trainer's log-probs are the truncated distribution's, the
+sampler's bits.
+
 Not covered (refused with an error naming the argument): multimodal inputs, MoE
 router outputs, ``cast_lm_head_to_fp32`` (unneeded: the fused head's logits are fp32
 already), PEFT adapters on the LM head.
 """
 from __future__ import annotations
 
+import math
 import types
 from typing import Any
 
@@ -49,6 +56,7 @@ from ..hf.coverage import decoder_of, mode_for
 from ..hf.patch import patch_model
 from ..hf.scoring import IGNORE_INDEX, check_head, hidden_states
 from ...ops.linear_logprob import linear_logprob
+from ...ops.lm_head.truncation import validate_truncation
 
 try:
     import trl
@@ -85,8 +93,12 @@ def _check_trainer(trainer: Any) -> None:
 
 def _fused_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                     labels: torch.Tensor | None, shift_labels: torch.Tensor | None, temperature: float,
-                    num_items_in_batch: Any) -> Any:
-    """TRL's fused-head output, computed by rlkernels: log_probs / entropy [B, L-1] fp32 (or [B, L] pre-shifted)."""
+                    num_items_in_batch: Any, completion_thresholds: torch.Tensor | None = None) -> Any:
+    """TRL's fused-head output, computed by rlkernels: log_probs / entropy [B, L-1] fp32 (or [B, L] pre-shifted).
+
+    ``completion_thresholds`` [B, C] fp32: the kept-set thresholds of the last C scored
+    positions (the completion's tokens; -inf: nothing left out), under which the log-probs
+    and entropies are those of the truncated distribution the rollout drew from."""
     if input_ids is None or input_ids.dim() != 2:
         shape = None if input_ids is None else tuple(input_ids.shape)
         raise ValueError(f"rlkernels.{OP}: the fused log-prob forward needs input_ids [B, L], got {shape}")
@@ -102,11 +114,18 @@ def _fused_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
             target = shift_labels
         target = target.to(hidden.device)
         mask = target != IGNORE_INDEX
+        threshold = None
+        if completion_thresholds is not None:
+            threshold = torch.full(target.shape, -math.inf, dtype=torch.float32, device=hidden.device)
+            width = completion_thresholds.shape[1]
+            threshold[:, threshold.shape[1] - width:] = completion_thresholds.to(hidden.device)
+            threshold = threshold[mask]
         # Only scored positions go through the head: rows are independent in linear_logprob,
         # so selecting them changes no bits and saves the prompt's share of the head.
         logp, ent = linear_logprob(hidden[mask], head.weight, target[mask], getattr(head, "bias", None),
                                    temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=True,
-                                   logit_scale=transform.scale, logit_softcap=transform.softcap)
+                                   logit_threshold=threshold, logit_scale=transform.scale,
+                                   logit_softcap=transform.softcap)
     # masked_scatter keeps an all-ignored chunk connected to the graph (a zero with a gradient).
     log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
     entropy = ent.new_zeros(mask.shape).masked_scatter(mask, ent)
@@ -115,9 +134,31 @@ def _fused_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
                                 label_mask=mask)
 
 
+class _Thresholds:
+    """The kept-set thresholds of the rows TRL is scoring, handed to the fused forward chunk
+    by chunk: ``rows`` [B, C] fp32 for a batch of B sequences whose last C scored positions
+    are its completions, ``taken`` the rows the forward's calls have consumed so far (TRL
+    scores a batch in consecutive chunks of rows, in order)."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
+        self.taken = 0
+
+    def next_chunk(self, batch: int) -> torch.Tensor | None:
+        if self.rows is None:
+            return None
+        if self.taken + batch > self.rows.shape[0]:
+            raise RuntimeError(f"rlkernels.{OP}: the fused log-prob forward was called on more rows than the "
+                               f"{self.rows.shape[0]} completions whose kept sets it holds")
+        chunk = self.rows[self.taken:self.taken + batch]
+        self.taken += batch
+        return chunk
+
+
 def _install_forward(model: nn.Module, temperature: float) -> None:
     """Route ``model(..., fused_lm_head=True)`` to rlkernels; every other call to the forward it had."""
     previous = model.forward
+    thresholds = model.__dict__.setdefault("_rlkernels_thresholds", _Thresholds())
 
     def forward(self, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
                 num_items_in_batch: Any = None, **kwargs: Any) -> Any:
@@ -137,16 +178,26 @@ def _install_forward(model: nn.Module, temperature: float) -> None:
                 raise NotImplementedError(f"rlkernels.{OP}: the fused log-prob forward takes text inputs only "
                                           f"(input_ids, attention_mask, labels); got "
                                           f"{unsupported or 'extra positional arguments'}")
+            chunk = thresholds.next_chunk(input_ids.shape[0]) if input_ids is not None else None
             return _fused_logprobs(self, input_ids, attention_mask, labels, shift_labels, temperature,
-                                   num_items_in_batch)
+                                   num_items_in_batch, chunk)
 
     model.forward = types.MethodType(forward, model)
 
 
-# GRPOConfig's sampling options and the value at which each leaves the distribution alone:
-# anything else draws from a distribution whose log-probs the trainer does not score.
-_NEUTRAL_SAMPLING = {"top_k": (0, None), "top_p": (1.0,), "min_p": (None, 0.0), "repetition_penalty": (1.0, None),
-                     "generation_kwargs": (None, {})}
+# GRPOConfig's sampling options the rollout does not take, and the value at which each
+# leaves the distribution alone: anything else draws from a distribution whose log-probs the
+# trainer does not score. (top_k and top_p are taken: the trainer scores their kept sets.)
+_NEUTRAL_SAMPLING = {"min_p": (None, 0.0), "repetition_penalty": (1.0, None), "generation_kwargs": (None, {})}
+
+
+def _truncation(trainer: Any) -> tuple[int, float]:
+    """The trainer's (top_k, top_p), checked: 0 and 1.0 where off."""
+    top_k = getattr(trainer.args, "top_k", None)
+    top_k = 0 if top_k is None else top_k
+    top_p = getattr(trainer.args, "top_p", 1.0)
+    validate_truncation(OP, top_k, top_p)
+    return int(top_k), float(top_p)
 
 
 def _check_rollout_args(trainer: Any) -> None:
@@ -159,6 +210,17 @@ def _check_rollout_args(trainer: Any) -> None:
     if getattr(trainer, "use_vllm", False):
         raise ValueError(f"rlkernels.{OP}: use_vllm=True and rollout=True: completions come from one of them; "
                          "pass rollout=False to keep vLLM's")
+    top_k, top_p = _truncation(trainer)
+    if top_k > 0 or top_p < 1.0:
+        beta = getattr(trainer.args, "beta", 0.0)
+        if beta:
+            raise ValueError(f"rlkernels.{OP}: top_k={top_k}, top_p={top_p} with beta={beta}: the KL term's "
+                             "reference log-probs have no kept set (a threshold on the policy's logits says "
+                             "nothing of the reference model's); set beta=0.0, or sample without top_k/top_p")
+        if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
+            raise ValueError(f"rlkernels.{OP}: top_k={top_k}, top_p={top_p} with tools: a completion interleaved "
+                             "with tool output has no one kept set per token from the rollout; sample without "
+                             "top_k/top_p, or pass rollout=False")
 
 
 def _generate_by_rollout(self: GRPOTrainer, prompt_ids: list[list[int]], images: Any, multimodal_fields: Any,
@@ -186,10 +248,87 @@ def _generate_by_rollout(self: GRPOTrainer, prompt_ids: list[list[int]], images:
                                      gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
                                      ) as unwrapped, torch.no_grad(), \
             self._dist.summon_full_params(self.model_wrapped, recurse=False):
+        top_k, top_p = _truncation(self)
         samples = rollout(_base(unwrapped), prompt_ids, max_new_tokens=self.max_completion_length,
                           temperature=float(self.temperature), seed=seed,
-                          streams=list(range(first, first + len(prompt_ids))), eos_token_id=list(self.eos_token_ids))
+                          streams=list(range(first, first + len(prompt_ids))), eos_token_id=list(self.eos_token_ids),
+                          top_k=top_k, top_p=top_p)
+    if samples and samples[0].thresholds is not None:
+        # Each completion's kept sets, for every scoring of this generation batch (old
+        # log-probs here, the training forwards later): see _hand_on_thresholds.
+        self._rlkernels_kept = [s.thresholds for s in samples]
     return [s.tokens.tolist() for s in samples], None
+
+
+def _padded(kept: list[torch.Tensor] | torch.Tensor, width: int) -> torch.Tensor:
+    """Completions' thresholds as [B, width] fp32, -inf past each one's end (TRL's right padding)."""
+    if isinstance(kept, torch.Tensor):
+        if kept.shape[1] > width:
+            raise RuntimeError(f"rlkernels.{OP}: the batch's completions are {width} wide, their kept sets "
+                               f"{kept.shape[1]}")
+        kept = list(kept)
+    rows = torch.full((len(kept), width), -math.inf, dtype=torch.float32,
+                      device=kept[0].device if kept else None)
+    for row, t in zip(rows, kept):
+        if t.shape[0] > width:
+            raise RuntimeError(f"rlkernels.{OP}: a completion has {t.shape[0]} kept sets, more than the batch's "
+                               f"width {width}")
+        row[:t.shape[0]] = t
+    return rows
+
+
+def _hand_on_thresholds(trainer: GRPOTrainer, holder: _Thresholds) -> None:
+    """Carry a truncated rollout's kept sets to every scoring of its completions.
+
+    The rollout leaves each completion's thresholds on the trainer (``_rlkernels_kept``).
+    ``_generate_and_score_completions`` then scores the old log-probs under them and adds
+    them to its output as ``logit_thresholds`` [B, C], which TRL shuffles and splits with
+    the other per-completion tensors; ``_compute_loss`` takes its micro-batch's. Each
+    scoring (``_get_per_token_logps_and_entropies``) hands them to the fused forward
+    through ``holder``, chunk by chunk, and checks that every row took its own."""
+    generate_and_score = trainer._generate_and_score_completions
+    compute_loss = trainer._compute_loss
+    logps = trainer._get_per_token_logps_and_entropies
+
+    def _generate_and_score_completions(inputs: Any) -> Any:
+        trainer._rlkernels_kept = None
+        try:
+            output = generate_and_score(inputs)
+            if trainer._rlkernels_kept is not None:
+                output["logit_thresholds"] = _padded(trainer._rlkernels_kept, output["completion_ids"].shape[1])
+            return output
+        finally:
+            trainer._rlkernels_kept = None
+
+    def _compute_loss(model: Any, inputs: Any) -> Any:
+        trainer._rlkernels_kept = inputs.get("logit_thresholds")
+        try:
+            return compute_loss(model, inputs)
+        finally:
+            trainer._rlkernels_kept = None
+
+    def _get_per_token_logps_and_entropies(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                           logits_to_keep: int, *args: Any, **kwargs: Any) -> Any:
+        kept = trainer.__dict__.get("_rlkernels_kept")
+        if kept is None:
+            return logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        rows = _padded(kept, logits_to_keep)
+        if rows.shape[0] != input_ids.shape[0]:
+            raise RuntimeError(f"rlkernels.{OP}: {input_ids.shape[0]} sequences to score, and kept sets for "
+                               f"{rows.shape[0]} completions")
+        holder.rows, holder.taken = rows, 0
+        try:
+            out = logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            if holder.taken != rows.shape[0]:
+                raise RuntimeError(f"rlkernels.{OP}: the fused log-prob forward scored {holder.taken} of the "
+                                   f"{rows.shape[0]} completions whose kept sets it was handed")
+            return out
+        finally:
+            holder.rows, holder.taken = None, 0
+
+    trainer._generate_and_score_completions = _generate_and_score_completions
+    trainer._compute_loss = _compute_loss
+    trainer._get_per_token_logps_and_entropies = _get_per_token_logps_and_entropies
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -209,11 +348,16 @@ def patch_grpo_trainer(trainer: GRPOTrainer, *, rollout: bool = True) -> GRPOTra
     default), TRL's generation (``_generate_single_turn``) becomes continuous batching
     through :func:`rlkernels.rollout` (:func:`_generate_by_rollout`): every completion is
     drawn from the distribution the trainer scores, and is what its prompt alone gives.
+    With ``top_k``/``top_p`` in the config, the rollout draws from the truncated
+    distribution and each completion's kept sets go to every scoring of it
+    (:func:`_hand_on_thresholds`): the old log-probs and the training forward's are that
+    distribution's, bitwise the sampler's.
     ``rollout=False`` keeps TRL's generation (transformers' ``generate``, or vLLM).
     Call it before training starts. Raises RuntimeError for a TRL without that method or
     without its fused LM head, ValueError for ``cast_lm_head_to_fp32=True`` and, with
-    ``rollout``, for a sampling option other than its neutral value (``top_k``, ``top_p``,
-    ``min_p``, ``repetition_penalty``, ``generation_kwargs``) or ``use_vllm``.
+    ``rollout``, for a sampling option other than its neutral value (``min_p``,
+    ``repetition_penalty``, ``generation_kwargs``), ``use_vllm``, and ``top_k``/``top_p``
+    with ``beta`` > 0 (the reference model's log-probs have no kept set) or with tools.
     """
     _check_trainer(trainer)
     _fused_output_type()
@@ -229,6 +373,7 @@ def patch_grpo_trainer(trainer: GRPOTrainer, *, rollout: bool = True) -> GRPOTra
         _install_forward(base, float(trainer.temperature))
     if rollout:
         trainer._generate_single_turn = types.MethodType(_generate_by_rollout, trainer)
+        _hand_on_thresholds(trainer, _base(trainer.model).__dict__["_rlkernels_thresholds"])
     return trainer
 
 
