@@ -90,7 +90,7 @@ class Sizes:
     roll_prompt_width: int
     roll_new: int
     long_lens: tuple[int, ...]
-    short_len: int  # short: one unpadded sequence, scored and trained, where host time shows
+    short_len: int = 64  # short: one unpadded sequence, scored and trained, where host time shows
 
 
 FULL = Sizes(8, 1024, 3, 4, 1024, 16, 64, 128, 64, 16, 2048, 4096, 64, (8192, 32768), 64)
