@@ -50,7 +50,9 @@ import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from ..hf.coverage import decoder_of, mode_for
 from ..hf.patch import patch_model
@@ -262,19 +264,11 @@ def _generate_by_rollout(self: GRPOTrainer, prompt_ids: list[list[int]], images:
 
 def _padded(kept: list[torch.Tensor] | torch.Tensor, width: int) -> torch.Tensor:
     """Completions' thresholds as [B, width] fp32, -inf past each one's end (TRL's right padding)."""
-    if isinstance(kept, torch.Tensor):
-        if kept.shape[1] > width:
-            raise RuntimeError(f"rlkernels.{OP}: the batch's completions are {width} wide, their kept sets "
-                               f"{kept.shape[1]}")
-        kept = list(kept)
-    rows = torch.full((len(kept), width), -math.inf, dtype=torch.float32,
-                      device=kept[0].device if kept else None)
-    for row, t in zip(rows, kept):
-        if t.shape[0] > width:
-            raise RuntimeError(f"rlkernels.{OP}: a completion has {t.shape[0]} kept sets, more than the batch's "
-                               f"width {width}")
-        row[:t.shape[0]] = t
-    return rows
+    rows = kept if isinstance(kept, torch.Tensor) else pad_sequence(kept, batch_first=True, padding_value=-math.inf)
+    if rows.shape[1] > width:
+        raise RuntimeError(f"rlkernels.{OP}: the batch's completions are {width} wide, their kept sets "
+                           f"{rows.shape[1]}")
+    return F.pad(rows, (0, width - rows.shape[1]), value=-math.inf)
 
 
 def _hand_on_thresholds(trainer: GRPOTrainer, holder: _Thresholds) -> None:
