@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -30,3 +31,19 @@ def test_unknown_peer_is_refused(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "rollout", "--device", "cpu", "--peers", "vllm"])
     assert "unknown workload(s) 'vllm'" in capsys.readouterr().err
+
+
+def test_the_decode_floor_counts_the_longest_samples_steps_and_each_tokens_context():
+    from rlkernels.bench import model as whole
+    from rlkernels.bench.rollout import decode_floor_s, step_bytes
+
+    model = whole.build_models(whole.model_config("tiny", None), torch.device("cpu"), torch.float32)[1]
+    params, kv = step_bytes(model)
+    cfg = model.config
+    assert params == sum(p.numel() * 4 for p in model.parameters())
+    assert kv == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    # (L, l): 4 steps (the longest's l - 1); contexts 7+1..7+4, 2+1, none for l = 1.
+    samples = [(7, 5), (2, 2), (9, 1)]
+    keys = (8 + 9 + 10 + 11) + 3
+    assert decode_floor_s(model, samples, 2.0) == pytest.approx((4 * params + keys * kv) / 2e9)
+    assert decode_floor_s(model, [], 2.0) == 0.0

@@ -28,6 +28,10 @@ step time = (graphed greedy ``generate`` of 160 new tokens - of 32) / 128, the m
 three calls each after one of each; bytes = the
 model's parameters + the KV cache the step reads, at the measured device-to-device copy
 bandwidth. Launches per layer: the kernels of one eager decode step (profiler) / layers.
+
+On CUDA the ``rollout`` row also gives its decode floor (:func:`decode_floor_s`: the
+fewest steps any schedule takes, each reading the weights once, and every new token its
+sample's keys and values once, at the measured copy bandwidth) and its wall time over it.
 """
 from __future__ import annotations
 
@@ -190,9 +194,11 @@ def _row(engine: str, samples: int, tokens: int, ms: float, **extra: Any) -> dic
                 tok_per_s=round(tokens / (ms / 1e3), 1), **extra)
 
 
-def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=None) -> dict[str, Any]:
+def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=None,
+                 bandwidth: float | None = None) -> dict[str, Any]:
     """``rollout``'s row; ``spacing``: its step batches' spacing (None: the default), a
-    variant timed beside it."""
+    variant timed beside it. ``bandwidth`` (GB/s): with it, the row's decode floor
+    (:func:`decode_floor_s`) and its wall time over that floor."""
     extra = {} if spacing is None else {"step_spacing": spacing}
 
     def call():
@@ -209,8 +215,12 @@ def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=Non
     release_decode_graphs(model)
     _release(device)
     name = "rollout" if spacing is None else f"rollout, step batches spaced {spacing}"
+    extra = {}
+    if bandwidth is not None:
+        floor_s = decode_floor_s(model, [(len(prompts[r.prompt]), len(r.tokens)) for r in results], bandwidth)
+        extra = dict(decode_floor_s=round(floor_s, 3), floor_ratio=round(ms / 1e3 / floor_s, 2))
     return _row(name, len(results), sum(len(r.tokens) for r in results), ms,
-                finished=sum(r.finished for r in results), max_batch=rows)
+                finished=sum(r.finished for r in results), max_batch=rows, **extra)
 
 
 def _generate_row(model, prompts, n, max_new, eos, device) -> dict[str, Any]:
@@ -300,12 +310,31 @@ def _launches_per_layer(model: nn.Module, device: torch.device) -> float:
     return (kernels(3) - kernels(2)) / model.config.num_hidden_layers
 
 
-def step_rows(model: nn.Module, batches: tuple[int, ...], device: torch.device, vocab: int) -> list[dict[str, Any]]:
+def step_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the model's parameters, bytes of keys and values per cached token): what a
+    decode step reads once, and per key of each row's context."""
     cfg = model.config
-    bandwidth = copy_bandwidth_gbs(device)
     params = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * getattr(
         cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads) * next(model.parameters()).element_size()
+    return params, kv_per_token
+
+
+def decode_floor_s(model: nn.Module, samples: list[tuple[int, int]], bandwidth: float) -> float:
+    """The HBM floor of a rollout's decode steps, in seconds, for ``samples`` (prompt length
+    L, new tokens l) each: the fewest steps any schedule takes (the longest sample's l - 1;
+    the first token comes from the prefill), each reading the weights once, and every
+    token t = 1 .. l - 1 reading its sample's L + t keys and values once, at ``bandwidth``
+    GB/s. Prefills are left out."""
+    params, kv_per_token = step_bytes(model)
+    steps = max((new - 1 for _, new in samples), default=0)
+    keys = sum((new - 1) * L + new * (new - 1) // 2 for L, new in samples if new > 1)
+    return (steps * params + keys * kv_per_token) / (bandwidth * 1e9)
+
+
+def step_rows(model: nn.Module, batches: tuple[int, ...], device: torch.device, vocab: int) -> list[dict[str, Any]]:
+    bandwidth = copy_bandwidth_gbs(device)
+    params, kv_per_token = step_bytes(model)
     per_layer = _launches_per_layer(model, device)
     rows = []
     for batch in batches:
@@ -357,7 +386,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     lengths = torch.randint(lo, hi + 1, (prompts_n,), generator=g).tolist()
     prompts = [torch.randint(3, vocab, (n,), generator=g).to(device) for n in lengths]
     scale = scale_eos_row([patched, stock], prompts[:16], eos, mean_len, max_new)
-    rows = [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device),
+    bandwidth = None if cpu else copy_bandwidth_gbs(device)
+    _release(device)  # the copy's buffers: max_batch=None sizes the cache by the free memory
+    rows = [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device, bandwidth=bandwidth),
             _generate_row(patched, prompts, args.n, max_new, eos, device)]
     rows += [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device, spacing)
              for spacing in args.step_spacing]
@@ -371,7 +402,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             r["rollout_speedup"] = round(base / r["tok_per_s"], 2)
     print_table(f"rollout: {prompts_n} prompts x {args.n}, lengths {lo}-{hi}, <= {max_new} new, mean ~{mean_len} "
                 f"({name}, {device})", [r for r in rows if "tok_per_s" in r or "error" in r],
-                ["engine", "samples", "new_tokens", "wall_s", "tok_per_s", "rollout_speedup", "error"])
+                ["engine", "samples", "new_tokens", "wall_s", "tok_per_s", "rollout_speedup", "decode_floor_s",
+                 "floor_ratio", "error"])
     steps = [r for r in rows if r["engine"] == "decode step"]
     if steps:
         print_table("decode step vs the HBM floor", steps,

@@ -134,13 +134,13 @@ if triton is not None:
     @triton.jit
     def fwd_partial_kernel(
         h_ptr, w_ptr, b_ptr, z_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, tile_m_ptr, tile_s_ptr, threshold_ptr,
-        N, V, D, temperature, logit_scale, cap_arg, cap,
+        tile_max_ptr, N, V, D, temperature, logit_scale, cap_arg, cap,
         stride_hn, stride_hd, stride_wv, stride_wd, stride_zn,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
         IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         TMA: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_TILES: tl.constexpr, ENTROPY: tl.constexpr,
-        LOGITS: tl.constexpr, TARGET: tl.constexpr, THRESHOLD: tl.constexpr,
+        LOGITS: tl.constexpr, TARGET: tl.constexpr, THRESHOLD: tl.constexpr, SKIP: tl.constexpr,
     ):
         """Online (m, s, u) of one token block over one split of SPLIT_V columns, and z_target.
 
@@ -152,7 +152,11 @@ if triton is not None:
         too, at [row, split * SPLIT_V / BLOCK_V + tile] (the sampler's first level).
         Without TARGET (the sampler, which has none yet), ``t_ptr`` and ``zt_ptr`` are unused.
         THRESHOLD: the statistics of the truncated distribution, each row's logits below
-        ``threshold_ptr[row]`` left out (``keep_above``); a target left out has logit -inf."""
+        ``threshold_ptr[row]`` left out (``keep_above``); a target left out has logit -inf.
+        SKIP (with LOGITS and THRESHOLD): ``tile_max_ptr`` [N, ceil(V / BLOCK_V)] holds each
+        tile's largest score (NaN where it holds a NaN); a row's tile whose max lies below
+        the row's threshold is not read, since every logit of it would be left out: it is
+        -inf throughout, as ``keep_above`` makes it, so the bits are the full read's."""
         # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
         pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
 
@@ -170,19 +174,28 @@ if triton is not None:
         s_i = tl.zeros((BLOCK_M,), tl.float32)
         u_i = tl.zeros((BLOCK_M,), tl.float32)
         zt = tl.zeros((BLOCK_M,), tl.float32)
+        if SKIP:
+            tl.static_assert(LOGITS and THRESHOLD, "tiles are skipped only in a truncated read of stored logits")
+            tau = tl.load(threshold_ptr + rm)
+            tile_row = tile_max_ptr + rm * tl.cdiv(V, BLOCK_V) + v_start // BLOCK_V
         # Tiles in ascending column order: the row's statistics are one fixed chain.
         for j in range(0, n_tiles):
             offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
             col_ok = offs_v < V
             if LOGITS:
-                z = tl.load(z_ptr + rm[:, None] * stride_zn + offs_v[None, :].to(tl.int64), mask=col_ok[None, :],
-                            other=0.0)
+                read = col_ok[None, :]
+                if SKIP:
+                    below = tl.load(tile_row + j) < tau  # False for a NaN max or threshold
+                    read = read & ~below[:, None]
+                z = tl.load(z_ptr + rm[:, None] * stride_zn + offs_v[None, :].to(tl.int64), mask=read, other=0.0)
                 z = scores(z, temperature, logit_scale, cap_arg, cap, TEMP, SCALE, CAP, BLOCK_M, BLOCK_V)
             else:
                 z, _ = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
                                    temperature, logit_scale, cap_arg, cap, stride_hn, stride_hd, stride_wv, stride_wd,
                                    HAS_BIAS, TEMP, SCALE, CAP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
             z = keep_above(z, threshold_ptr, rm, THRESHOLD)
+            if SKIP:
+                z = tl.where(below[:, None], float("-inf"), z)
             # At most one column matches: the sum is that logit exactly. Taken first so
             # z's registers can be reused by the statistics below.
             if TARGET:

@@ -14,7 +14,7 @@ at each replay instead of keeping the scalars it recorded.
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .lm_head import finish_row, keep_above, logits_tile, merge_splits
+from .lm_head import finish_row, keep_above, logits_tile, merge_splits, scores
 
 if triton is not None:
 
@@ -149,17 +149,20 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
     def sample_in_block_kernel(
-        h_ptr, w_ptr, b_ptr, block_ptr, stream_ptr, pos_ptr, seed_ptr, m_ptr, s_ptr, u_ptr,
+        h_ptr, w_ptr, b_ptr, z_ptr, block_ptr, stream_ptr, pos_ptr, seed_ptr, m_ptr, s_ptr, u_ptr,
         token_ptr, logp_ptr, ent_ptr, status_ptr, ok_ptr, threshold_ptr,
         N, V, D, n_split, temperature, logit_scale, cap_arg, cap, seed_lo, seed_hi,
-        stride_hn, stride_hd, stride_wv, stride_wd,
+        stride_hn, stride_hd, stride_wv, stride_wd, stride_zn,
         HAS_BIAS: tl.constexpr, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
         IEEE: tl.constexpr, EVEN_D: tl.constexpr,
         NOISE: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, POSITIONS: tl.constexpr, ENTROPY: tl.constexpr,
-        THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        THRESHOLD: tl.constexpr, LOGITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         """One row per program: its sample block's BLOCK_V logits by the same chain (the row in
-        all BLOCK_M lanes of the dot), then the Gumbel-max (or the argmax) inside the block,
+        all BLOCK_M lanes of the dot; with LOGITS, read from the raw logits ``z_ptr`` [N, V]
+        fp32, row stride ``stride_zn``, that the GEMM computed by that chain, and scored as
+        the statistics pass scores them), then the Gumbel-max (or the argmax) inside the block,
         ties to the lowest id. Then the token's log-prob and entropy from the forward's
         per-split (m, s, u) and the token's logit, as linear_logprob's combine finishes a
         target's; and the row's status: 1 where its log-prob is NaN (no distribution to
@@ -174,11 +177,16 @@ if triton is not None:
         rm = tl.zeros((BLOCK_M,), tl.int64) + row
         v_lo = tl.load(block_ptr + row) * BLOCK_V
         offs_v = v_lo + tl.arange(0, BLOCK_V)
-        z, _ = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, 0, v_lo, V, D, temperature, logit_scale, cap_arg, cap,
-                           stride_hn, stride_hd, stride_wv, stride_wd,
-                           HAS_BIAS, TEMP, SCALE, CAP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
-        z = keep_above(z, threshold_ptr, rm, THRESHOLD)
         col_ok = offs_v < V
+        if LOGITS:
+            z = tl.load(z_ptr + rm[:, None] * stride_zn + offs_v[None, :].to(tl.int64), mask=col_ok[None, :],
+                        other=0.0)
+            z = scores(z, temperature, logit_scale, cap_arg, cap, TEMP, SCALE, CAP, BLOCK_M, BLOCK_V)
+        else:
+            z, _ = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, 0, v_lo, V, D, temperature, logit_scale, cap_arg, cap,
+                               stride_hn, stride_hd, stride_wv, stride_wd,
+                               HAS_BIAS, TEMP, SCALE, CAP, IEEE, EVEN_D, False, BLOCK_M, BLOCK_V, BLOCK_K)
+        z = keep_above(z, threshold_ptr, rm, THRESHOLD)
         bad_position = rm < 0  # all False
         if NOISE:
             key_lo, key_hi = _seed_words(seed_ptr, seed_lo, seed_hi, SEED_IN_MEMORY)

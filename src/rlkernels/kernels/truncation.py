@@ -71,17 +71,19 @@ if triton is not None:
         return total
 
     @triton.jit
-    def chunk_stats_kernel(x_ptr, cmax_ptr, cs_ptr, hist_ptr, N, L, stride_x, n_chunks, bin_scale, temperature,
-                           logit_scale, cap_arg, cap, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
-                           CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, SECOND: tl.constexpr, MASS: tl.constexpr,
-                           BINS: tl.constexpr):
+    def chunk_stats_kernel(x_ptr, cmax_ptr, cs_ptr, hist_ptr, tmax_ptr, N, L, stride_x, n_chunks, n_tiles, bin_scale,
+                           temperature, logit_scale, cap_arg, cap, TEMP: tl.constexpr, SCALE: tl.constexpr,
+                           CAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, SECOND: tl.constexpr,
+                           MASS: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr):
         """Grid (row blocks, chunks): each row's chunk ``x[row, c*CHUNK : (c+1)*CHUNK]`` (raw
         logits, L of them) scored; its max into ``cmax[row, c]`` ([N, 2 * n_chunks]). SECOND:
         its second largest (another position's: ties count) into ``cmax[row, n_chunks + c]``.
         MASS: its fp64 mass exp(z - max) into ``cs[row, c]`` (0 where it holds only -inf).
         BINS (0: none; BLOCK_R 1): into ``hist[row, c, :]`` ([N, n_chunks, BINS] int32) how
         many of its logits lie in each bin of the grid ``floor(z * bin_scale)``, counted down
-        from its max's bin; the last bin holds every lower logit (and -inf, NaN)."""
+        from its max's bin; the last bin holds every lower logit (and -inf, NaN).
+        TILE (0: none; it divides CHUNK): each TILE-wide tile's largest score, NaN where the
+        tile holds a NaN, into ``tmax[row, t]`` ([N, n_tiles], t < n_tiles = ceil(L / TILE))."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         chunk = tl.program_id(1)
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -99,6 +101,15 @@ if triton is not None:
             ref = tl.where(mx == float("-inf"), 0.0, mx).to(tl.float64)
             mass = tl.sum(tl.exp(z.to(tl.float64) - ref[:, None]), axis=1)
             tl.store(cs_ptr + rows * n_chunks + chunk, mass, mask=row_ok)
+        if TILE > 0:
+            # Max and NaN flag per tile: a NaN must keep its tile from ever being skipped, and
+            # tl.max does not say whether it saw one.
+            zt = tl.reshape(z, [BLOCK_R, CHUNK // TILE, TILE])
+            tile_max = tl.max(zt, axis=2)
+            has_nan = tl.max((zt != zt).to(tl.int32), axis=2) > 0
+            t = chunk * (CHUNK // TILE) + tl.arange(0, CHUNK // TILE)
+            tl.store(tmax_ptr + rows[:, None] * n_tiles + t[None, :], tl.where(has_nan, float("nan"), tile_max),
+                     mask=row_ok[:, None] & (t < n_tiles)[None, :])
         if BINS > 0:
             tl.static_assert(BLOCK_R == 1, "the chunk histogram takes one row per program")
             below_max = tl.floor(mx * bin_scale)[:, None] - tl.floor(z * bin_scale)
@@ -169,9 +180,10 @@ if triton is not None:
         tl.store(f_ptr + row, tl.where(f == f, f, float("-inf")))
 
     @triton.jit
-    def chunk_top_kernel(x_ptr, cmax_ptr, f_ptr, top_ptr, cb_ptr, N, L, stride_x, n_chunks, temperature, logit_scale,
-                         cap_arg, cap, TEMP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
-                         C: tl.constexpr, BLOCK_R: tl.constexpr, FILTERED: tl.constexpr):
+    def chunk_top_kernel(x_ptr, cmax_ptr, f_ptr, tmax_ptr, top_ptr, cb_ptr, N, L, stride_x, n_chunks, n_tiles,
+                         temperature, logit_scale, cap_arg, cap, TEMP: tl.constexpr, SCALE: tl.constexpr,
+                         CAP: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr,
+                         FILTERED: tl.constexpr, TILE: tl.constexpr):
         """Grid (row blocks, chunks): each row's candidates from its chunk ``x[row, c*CHUNK :
         (c+1)*CHUNK]`` (raw logits, L of them) into ``top[row, c*C : (c+1)*C]`` (rows of
         n_chunks * C; -inf past them), and into ``cb[row, c]`` a bound such that every logit of
@@ -180,7 +192,10 @@ if triton is not None:
         FILTERED: with the row's filter ``f[row]`` (``row_filter_kernel``, or a given top-k
         threshold; ``cmax`` from ``chunk_stats_kernel``), a chunk whose max is below f yields
         none (no load); one with at most C logits >= f yields those, in index order (a scan,
-        no sort); else its C largest, descending (a bitonic top-k), bounded by its C-th."""
+        no sort); else its C largest, descending (a bitonic top-k), bounded by its C-th.
+        TILE (0: none; with FILTERED): ``tmax`` [N, n_tiles] holds each TILE-wide tile's max
+        (``chunk_stats_kernel``'s); a tile whose max is below f is not read either: its
+        logits could neither be yielded nor displace the C largest, all >= f."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         chunk = tl.program_id(1)
         row_ok = rows < N
@@ -199,6 +214,10 @@ if triton is not None:
         else:
             cols = chunk * CHUNK + tl.arange(0, CHUNK)
             ok = row_ok[:, None] & (cols < L)[None, :]
+            if TILE > 0:
+                tile_max = tl.load(tmax_ptr + rows[:, None] * n_tiles + (cols // TILE)[None, :], mask=ok,
+                                   other=float("-inf"))
+                ok = ok & ~(tile_max < f[:, None])  # a NaN max is read
             z = _row_scores(x_ptr, rows, ok, cols, stride_x, float("-inf"), temperature, logit_scale, cap_arg, cap,
                             TEMP, SCALE, CAP, BLOCK_R, CHUNK)
             keep = ok & (z >= f[:, None])

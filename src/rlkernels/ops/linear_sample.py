@@ -380,12 +380,14 @@ class TritonLinearSampleBackend:
         if N == 0:
             return SampleResult(token, logp, ent, status, None,
                                 logp.clone() if truncates(top_k, top_p, vocab) else threshold)
-        raw = None
+        raw = tile_max = None
         if threshold is None and truncates(top_k, top_p, vocab):
             # The [N, V] fp32 logits once, by the GEMM (the fused tiles' chain): the
-            # threshold is found over them and both statistics passes read them.
+            # threshold is found over them, the statistics pass reads the tiles that hold
+            # kept logits, and the draw its block.
             raw = stats_backend.raw_logits(h2, weight, bias)
-            threshold = truncation.threshold_of_logits(raw, temperature, transform, top_k, top_p)
+            tile_max = torch.empty(N, cdiv(vocab, LSE_TILE), dtype=torch.float32, device=dev)
+            threshold = truncation.threshold_of_logits(raw, temperature, transform, top_k, top_p, tile_max=tile_max)
         n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
         n_split = cdiv(vocab, cfg.split_v)
         # fp32 workspace: the forward's per-split (m, s, u) [n_split, N] and each tile's
@@ -394,7 +396,8 @@ class TritonLinearSampleBackend:
         m, s, u, tile_m, tile_s = torch.empty(3 * parts + 2 * tiles, dtype=torch.float32, device=dev).split(
             [parts, parts, parts, tiles, tiles])
         stats_backend.tile_statistics(h2, weight, bias, temperature, TileRecord(tile_m, tile_s), entropy=entropy,
-                                      partials=(m, s, u), threshold=threshold, transform=transform, logits=raw)
+                                      partials=(m, s, u), threshold=threshold, transform=transform, logits=raw,
+                                      tile_max=tile_max)
         # A seed tensor is read by the kernels (a CUDA graph replays with its current value);
         # an int seed goes in as two int32 scalars of the same bits, and the pointer is unread.
         seed_in_memory = isinstance(seed, torch.Tensor)
@@ -415,13 +418,13 @@ class TritonLinearSampleBackend:
         score_args, score_modes = transform.launch_args(temperature, h2.device)
         _launch_in_block(
             (N,),
-            (h2, weight, bias if bias is not None else h2, blocks, stream_arg, pos_arg, seed_ptr, m, s, u,
-             token, logp, ent, status, ok, threshold if threshold is not None else logp,
+            (h2, weight, bias if bias is not None else h2, raw if raw is not None else logp, blocks, stream_arg,
+             pos_arg, seed_ptr, m, s, u, token, logp, ent, status, ok, threshold if threshold is not None else logp,
              N, vocab, D, n_split, *score_args, *seeds,
-             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1)),
+             h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), raw.stride(0) if raw is not None else 0),
             dict(HAS_BIAS=bias is not None, **score_modes, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, NOISE=noise, SEED_IN_MEMORY=seed_in_memory,
-                 POSITIONS=has_positions, ENTROPY=entropy, THRESHOLD=threshold is not None,
+                 POSITIONS=has_positions, ENTROPY=entropy, THRESHOLD=threshold is not None, LOGITS=raw is not None,
                  BLOCK_M=IN_BLOCK_LANES, BLOCK_V=SAMPLE_BLOCK, BLOCK_K=cfg.block_k),
             num_warps=4, num_stages=DEFAULT_NUM_STAGES,
         )

@@ -247,13 +247,16 @@ class TritonHeadStatistics:
                         temperature: float, tiles: TileRecord, entropy: bool = True,
                         partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                         threshold: torch.Tensor | None = None, transform: LogitTransform = NO_TRANSFORM,
-                        logits: torch.Tensor | None = None) -> RowStatistics:
+                        logits: torch.Tensor | None = None, tile_max: torch.Tensor | None = None) -> RowStatistics:
         """The sampler's pass: per-split (m, s, u) as :meth:`statistics` gives them (zt None:
         no target yet, and its kernel code is compiled out), and every tile's running max
         and mass written into ``tiles`` (``STORE_TILES``). ``partials``: flat (m, s, u)
         buffers of n_split * N fp32 to fill instead of new ones (the sampler carves them and
-        ``tiles`` from one allocation)."""
-        return self._pass(h2, weight, bias, None, temperature, entropy, tiles, partials, threshold, transform, logits)
+        ``tiles`` from one allocation). ``tile_max`` [N, ceil(V / LSE_TILE)] fp32, with
+        ``logits`` and ``threshold``: each tile's largest score (NaN where it holds a NaN);
+        the pass does not read a row's tiles wholly below its threshold (same bits)."""
+        return self._pass(h2, weight, bias, None, temperature, entropy, tiles, partials, threshold, transform, logits,
+                          tile_max)
 
     def raw_logits(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """h2 W^T + b [N, V] fp32 by the GEMM backend: the logits the pass reads at N <=
@@ -287,7 +290,7 @@ class TritonHeadStatistics:
               temperature: float, entropy: bool, tiles: TileRecord | None,
               partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
               threshold: torch.Tensor | None = None, transform: LogitTransform = NO_TRANSFORM,
-              logits: torch.Tensor | None = None) -> RowStatistics:
+              logits: torch.Tensor | None = None, tile_max: torch.Tensor | None = None) -> RowStatistics:
         N, D = h2.shape
         vocab = weight.shape[0]
         dev = h2.device
@@ -306,6 +309,10 @@ class TritonHeadStatistics:
         bias = bias.contiguous() if bias is not None else None  # the kernels index it with unit stride
         score_args, score_modes = transform.launch_args(temperature, h2.device)
         tile_m, tile_s = tiles if tiles is not None else (m, m)
+        skip = tile_max is not None and logits is not None and threshold is not None
+        if skip and tuple(tile_max.shape) != (N, cdiv(vocab, LSE_TILE)):
+            raise ValueError(f"rlkernels: tile_max must be [N, ceil(V / {LSE_TILE})] = [{N}, {cdiv(vocab, LSE_TILE)}], "
+                             f"got {tuple(tile_max.shape)}")
         if logits is not None or N <= cfg.small_n:
             if logits is None:
                 logits = self.raw_logits(h2, weight, bias)
@@ -319,12 +326,12 @@ class TritonHeadStatistics:
             (cdiv(N, block_m) * n_split,),
             (h_arg, w_arg, bias if bias is not None else h2, logits, tgt if tgt is not None else m, m, s, u,
              zt if zt is not None else m, tile_m, tile_s, threshold if threshold is not None else m,
-             N, vocab, D, *score_args,
+             tile_max if skip else m, N, vocab, D, *score_args,
              h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1), logits.stride(0)),
             dict(HAS_BIAS=bias is not None, **score_modes, IEEE=h2.dtype == torch.float32,
                  EVEN_D=D % cfg.block_k == 0, TMA=tma, SPLIT_V=cfg.split_v, BLOCK_M=block_m, BLOCK_V=cfg.block_v,
                  BLOCK_K=cfg.block_k, GROUP_M=group_m, STORE_TILES=tiles is not None, ENTROPY=entropy,
-                 LOGITS=logits is not m, TARGET=tgt is not None, THRESHOLD=threshold is not None),
+                 LOGITS=logits is not m, TARGET=tgt is not None, THRESHOLD=threshold is not None, SKIP=skip),
             num_warps=num_warps, num_stages=num_stages,
         )
         return RowStatistics(m, s, u, zt)

@@ -34,7 +34,7 @@ from ...kernels._triton import cdiv, pow2_at_least
 from ...kernels.truncation import chunk_stats_kernel, chunk_top_kernel, row_filter_kernel, threshold_kernel
 from ...runtime.launcher import DEFAULT_NUM_STAGES, cached_launcher
 from .config import NO_TRANSFORM, LogitTransform, to_fp32
-from .lse import tree_rowsum
+from .lse import LSE_TILE, tree_rowsum
 from .statistics import TritonHeadStatistics
 
 # How many of a row's largest logits the nucleus is first looked for in (a power of two):
@@ -175,15 +175,32 @@ def _torch_search(z: torch.Tensor, keys: torch.Tensor, e: torch.Tensor, lo: torc
 
 
 def threshold_of_logits(raw: torch.Tensor, temperature: float, transform: LogitTransform, top_k: int,
-                        top_p: float) -> torch.Tensor:
+                        top_p: float, tile_max: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`threshold` of the scores ``transform(raw) / temperature`` on the Triton backend,
-    from the raw fp32 logits ``raw`` [N, V] (the GEMM's), which it scores in registers."""
+    from the raw fp32 logits ``raw`` [N, V] (the GEMM's), which it scores in registers.
+
+    ``tile_max`` [N, ceil(V / LSE_TILE)] fp32, where given, is filled with each LSE tile's
+    largest score, NaN where the tile holds a NaN (:func:`tile_maxima`), in the same read:
+    the statistics pass then skips a row's tiles wholly below its threshold."""
     if triton_interpret():
         # The interpreter runs the kernels' sorting networks element by element in numpy,
         # about a second per row: it takes the torch definition, whose thresholds are the
         # kernels', over the scores kernel's z.
-        return threshold(TritonHeadStatistics.scores(raw, temperature, transform), top_k, top_p)
-    return _triton_threshold(raw, top_k, top_p, temperature, transform)
+        z = TritonHeadStatistics.scores(raw, temperature, transform)
+        if tile_max is not None:
+            tile_max.copy_(tile_maxima(z))
+        return threshold(z, top_k, top_p)
+    return _triton_threshold(raw, top_k, top_p, temperature, transform, tile_max)
+
+
+def tile_maxima(z: torch.Tensor) -> torch.Tensor:
+    """Each LSE tile's largest score of ``z`` [N, V]: [N, ceil(V / LSE_TILE)] fp32, NaN where
+    the tile holds a NaN (what ``kernels.truncation.chunk_stats_kernel`` writes)."""
+    N, V = z.shape
+    n_tiles = cdiv(V, LSE_TILE)
+    padded = torch.full((N, n_tiles * LSE_TILE), -math.inf, dtype=torch.float32, device=z.device)
+    padded[:, :V] = z
+    return padded.view(N, n_tiles, LSE_TILE).amax(dim=2)  # amax propagates NaN
 
 
 # ``kernels.truncation``'s row filters: none, top-p alone's from the chunks' histograms,
@@ -234,10 +251,11 @@ def _chunk_layout(vocab: int) -> tuple[int, int, int]:
 
 
 def _chunk_candidates(raw: torch.Tensor, k: int, top_p: float, floor: torch.Tensor | None, temperature: float,
-                      transform: LogitTransform) -> _ChunkCandidates:
+                      transform: LogitTransform, tile_max: torch.Tensor | None = None) -> _ChunkCandidates:
     """Each chunk's candidates of the raw fp32 logits [N, V] (``kernels.truncation``'s chunk
     passes) for top-k ``k`` (0: none; ``floor`` [N]: its threshold, given where k exceeds
-    the candidates) and top-p."""
+    the candidates) and top-p; ``tile_max`` filled by the first pass (:func:`tile_maxima`),
+    where given and the chunk is a whole number of tiles (else with NaN: no tile skipped)."""
     N, V = raw.shape
     count, chunk, n_chunks = _chunk_layout(V)
     nucleus = top_p < 1.0
@@ -250,10 +268,15 @@ def _chunk_candidates(raw: torch.Tensor, k: int, top_p: float, floor: torch.Tens
     hist = torch.empty(N, n_chunks, max(bins, 1), dtype=torch.int32, device=raw.device)
     score_args, score_modes = transform.launch_args(temperature, raw.device)
     bin_scale = 1.0 / FILTER_BIN_WIDTH
+    tiles = tile_max is not None and chunk % LSE_TILE == 0
+    if tile_max is not None and not tiles:
+        tile_max.fill_(math.nan)
     _launch_chunk_stats((cdiv(N, ROWS_PER_PROGRAM), n_chunks),
-                        (raw, cmax, mass, hist, N, V, raw.stride(0), n_chunks, bin_scale, *score_args),
+                        (raw, cmax, mass, hist, tile_max if tiles else cmax, N, V, raw.stride(0), n_chunks,
+                         cdiv(V, LSE_TILE), bin_scale, *score_args),
                         dict(**score_modes, CHUNK=chunk, BLOCK_R=ROWS_PER_PROGRAM, SECOND=row_filter == _KTH_OF_CHUNKS,
-                             MASS=nucleus, BINS=bins), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+                             MASS=nucleus, BINS=bins, TILE=LSE_TILE if tiles else 0),
+                        num_warps=4, num_stages=DEFAULT_NUM_STAGES)
     row_f = floor if floor is not None else torch.full((N,), -math.inf, dtype=torch.float32, device=raw.device)
     if row_filter in (_TOP_P_HISTOGRAM, _KTH_OF_CHUNKS):
         row_f = torch.empty(N, dtype=torch.float32, device=raw.device)
@@ -262,10 +285,12 @@ def _chunk_candidates(raw: torch.Tensor, k: int, top_p: float, floor: torch.Tens
         _launch_row_filter((N,), (cmax, mass, hist, row_f, n_chunks, k, bin_scale, tail, log_tail),
                            dict(FILTER=1 if row_filter == _TOP_P_HISTOGRAM else 2, CHUNKS=pow2_at_least(n_chunks),
                                 KB=kth_width, BINS=max(bins, 1)), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+    filtered = row_filter != _NO_FILTER
     _launch_chunk_top((cdiv(N, ROWS_PER_PROGRAM), n_chunks),
-                      (raw, cmax, row_f, top, bounds, N, V, raw.stride(0), n_chunks, *score_args),
-                      dict(**score_modes, CHUNK=chunk, C=count, BLOCK_R=ROWS_PER_PROGRAM,
-                           FILTERED=row_filter != _NO_FILTER), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
+                      (raw, cmax, row_f, tile_max if tiles else cmax, top, bounds, N, V, raw.stride(0), n_chunks,
+                       cdiv(V, LSE_TILE), *score_args),
+                      dict(**score_modes, CHUNK=chunk, C=count, BLOCK_R=ROWS_PER_PROGRAM, FILTERED=filtered,
+                           TILE=LSE_TILE if tiles and filtered else 0), num_warps=4, num_stages=DEFAULT_NUM_STAGES)
     return _ChunkCandidates(top, bounds, cmax, mass, row_f, count)
 
 
@@ -279,23 +304,27 @@ def _first_tier(count: int, n_chunks: int, nucleus: bool, k: int = 0) -> int:
 
 
 def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: float = 1.0,
-                      transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
+                      transform: LogitTransform = NO_TRANSFORM, tile_max: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`_torch_top_p`'s threshold (or top-k's) by ``kernels.truncation`` from the raw
     fp32 logits: each chunk's candidates, then the threshold from the row's largest of them
-    (all of them sorted, or the whole row, where the nucleus is wider)."""
+    (all of them sorted, or the whole row, where the nucleus is wider). ``tile_max``: as
+    :func:`threshold_of_logits` fills it (NaN throughout where the chunk pass does not run)."""
     N, V = raw.shape
     k = top_k if 0 < top_k < V else 0
     nucleus = float(top_p) < 1.0
     out = torch.full((N,), -math.inf, dtype=torch.float32, device=raw.device)
-    if not N or not (k or nucleus):
-        return out
     count, _, n_chunks = _chunk_layout(V)
     floor_given = k > count
+    chunk_pass = N and (nucleus or 0 < k <= count)
+    if tile_max is not None and not chunk_pass:
+        tile_max.fill_(math.nan)  # no tile is known to lie below the threshold
+    if not N or not (k or nucleus):
+        return out
     # A k beyond the candidates: its k-th largest by torch.topk over the scores, written out.
     floor = top_k_floor(TritonHeadStatistics.scores(raw, temperature, transform), k) if floor_given else out
-    if floor_given and not nucleus:
+    if not chunk_pass:
         return floor
-    cand = _chunk_candidates(raw, k, float(top_p), floor if floor_given else None, temperature, transform)
+    cand = _chunk_candidates(raw, k, float(top_p), floor if floor_given else None, temperature, transform, tile_max)
     score_args, score_modes = transform.launch_args(temperature, raw.device)
     hi, lo = split_p(top_p)
     k_in_candidates = 0 if floor_given else k
