@@ -6,12 +6,13 @@ model's transform, then / T), with the bits every kernel of the statistics pass 
 
 A row's candidates are found without a sort of the row, in two passes over fixed chunks
 of it. The first takes each chunk's max (and second largest, fp64 mass and a histogram of
-its logits on a fixed grid). From those a filter f per row follows, below which no logit
+its logits on a fixed grid), and each LSE tile's max, which later passes use to skip the
+tiles a row cannot keep. From those a filter f per row follows, below which no logit
 can be kept: for top-p alone the highest grid edge below which the histograms bound the
 mass under (1 - p) of the row's (and at least the row's max + ln((1 - p) / V) - 1); for
 top-k the k-th largest of the chunks' two largest each; or the top-k threshold itself
 where it is given. In the second pass a chunk wholly below f yields nothing and is not
-read again; one with at most C logits >= f yields those (a scan); only the others take a
+read again, nor is a tile wholly below f; one with at most C logits >= f yields those (a scan); only the others take a
 bitonic top-C in registers. Each chunk reports a bound: every logit of it above the bound
 is a candidate. So above the largest bound the candidates are the row's values. The
 filter decides only how much work the candidates take: the threshold is searched down to

@@ -380,21 +380,26 @@ class TritonLinearSampleBackend:
         if N == 0:
             return SampleResult(token, logp, ent, status, None,
                                 logp.clone() if truncates(top_k, top_p, vocab) else threshold)
-        raw = tile_max = None
-        if threshold is None and truncates(top_k, top_p, vocab):
+        n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
+        n_split = cdiv(vocab, cfg.split_v)
+        finds_threshold = threshold is None and truncates(top_k, top_p, vocab)
+        # fp32 workspace: the forward's per-split (m, s, u) [n_split, N], each tile's
+        # running max and mass [N, n_tiles], flat (the kernels index them), and where the
+        # call finds a threshold each tile's largest score [N, ceil(V / LSE_TILE)].
+        parts, tiles = _aligned(n_split * N), _aligned(N * n_tiles)
+        maxima = N * cdiv(vocab, LSE_TILE) if finds_threshold else 0
+        m, s, u, tile_m, tile_s, tile_max = torch.empty(3 * parts + 2 * tiles + maxima, dtype=torch.float32,
+                                                        device=dev).split([parts, parts, parts, tiles, tiles, maxima])
+        raw = None
+        if finds_threshold:
             # The [N, V] fp32 logits once, by the GEMM (the fused tiles' chain): the
             # threshold is found over them, the statistics pass reads the tiles that hold
             # kept logits, and the draw its block.
             raw = stats_backend.raw_logits(h2, weight, bias)
-            tile_max = torch.empty(N, cdiv(vocab, LSE_TILE), dtype=torch.float32, device=dev)
+            tile_max = tile_max.view(N, -1)
             threshold = truncation.threshold_of_logits(raw, temperature, transform, top_k, top_p, tile_max=tile_max)
-        n_tiles = stats_backend.n_tiles(vocab, h2.dtype)
-        n_split = cdiv(vocab, cfg.split_v)
-        # fp32 workspace: the forward's per-split (m, s, u) [n_split, N] and each tile's
-        # running max and mass [N, n_tiles], flat (the kernels index them).
-        parts, tiles = _aligned(n_split * N), _aligned(N * n_tiles)
-        m, s, u, tile_m, tile_s = torch.empty(3 * parts + 2 * tiles, dtype=torch.float32, device=dev).split(
-            [parts, parts, parts, tiles, tiles])
+        else:
+            tile_max = None
         stats_backend.tile_statistics(h2, weight, bias, temperature, TileRecord(tile_m, tile_s), entropy=entropy,
                                       partials=(m, s, u), threshold=threshold, transform=transform, logits=raw,
                                       tile_max=tile_max)
