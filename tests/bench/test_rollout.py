@@ -47,3 +47,21 @@ def test_the_decode_floor_counts_the_longest_samples_steps_and_each_tokens_conte
     keys = (8 + 9 + 10 + 11) + 3
     assert decode_floor_s(model, samples, 2.0) == pytest.approx((4 * params + keys * kv) / 2e9)
     assert decode_floor_s(model, [], 2.0) == 0.0
+
+
+def test_phases_time_every_decode_step_by_step_batch(tmp_path):
+    path = tmp_path / "rollout.json"
+    assert cli.main(["bench", "rollout", "--device", "cpu", "--config", "tiny", "--peers", "none",
+                     "--prompts", "3", "--n", "2", "--phases", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    groups = [r for r in rows if r["engine"] == "rollout step"]
+    total = [r for r in rows if r["engine"] == "rollout steps"]
+    assert groups and len(total) == 1 and total[0]["batch"] is None
+    assert sum(r["steps"] for r in groups) == total[0]["steps"] > 0
+    assert abs(sum(r["total_ms"] for r in groups) - total[0]["total_ms"]) < 0.05 * len(groups)
+    rollout = rows[0]
+    # Every sample's first token comes from its prefill; each decode step runs its longest
+    # sample one token further, so the steps number at least the longest sample's tokens - 1.
+    assert total[0]["steps"] >= max(1, rollout["new_tokens"] // rollout["samples"]) - 1
+    for r in groups:
+        assert 0 < r["rows_in_use"] <= r["batch"] and "floor_ms" not in r  # no bandwidth on the CPU

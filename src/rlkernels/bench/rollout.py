@@ -3,7 +3,7 @@
     rlkernels bench rollout [--config qwen3-1.7b|qwen3-8b|tiny|PATH.json] [--layers N] [--device cuda|cpu]
         [--prompts P] [--n N] [--prompt-lens LO,HI] [--max-new T] [--mean-len M] [--max-batch B]
         [--peers generate_batch,compiled] [--peer-prompts P] [--step-batches 16,64,256] [--step-spacing 256]
-        [--json PATH] [--quick]
+        [--phases] [--json PATH] [--quick]
 
 The workload is an RL step's: P prompts (lengths uniform in [LO, HI]) × N samples each,
 drawn at T = 1 until EOS or T new tokens. A random-weight model's EOS token would almost
@@ -29,6 +29,11 @@ three calls each after one of each; bytes = the
 model's parameters + the KV cache the step reads, at the measured device-to-device copy
 bandwidth. Launches per layer: the kernels of one eager decode step (profiler) / layers.
 
+``--phases`` runs the rollout once more with each decode step timed (CUDA events around
+its launch): by step batch, the steps' median time and rows in use, and on CUDA each
+step's floor (the weights and the keys of the rows in use read once) and the group's
+time over its floor.
+
 On CUDA the ``rollout`` row also gives its decode floor (:func:`decode_floor_s`: the
 fewest steps any schedule takes, each reading the weights once, and every new token its
 sample's keys and values once, at the measured copy bandwidth) and its wall time over it.
@@ -36,6 +41,7 @@ sample's keys and values once, at the measured copy bandwidth) and its wall time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import statistics
@@ -91,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-batches", type=_ints, default=(16, 64, 256), help="decode-step batches (CUDA)")
     parser.add_argument("--step-spacing", type=_ints, default=(), help="rollout variants timed beside the default: "
                         "its step batches spaced by each of these (e.g. 256 for powers of two up to 256)")
+    parser.add_argument("--phases", action="store_true", help="time the rollout's decode steps one by one, each "
+                        "against the floor of the rows it runs (by step batch)")
 
 
 # ---------------------------------------------------------------- the workload
@@ -273,6 +281,78 @@ def _peer_rows(stock, prompts, n, max_new, eos, device, peers) -> list[dict[str,
     return rows
 
 
+# ---------------------------------------------------------------- the rollout's steps, one by one
+
+
+@contextlib.contextmanager
+def _timing_steps(device: torch.device, records: list[tuple]):
+    """Within it, every decode step of a rollout appends (step batch b, rows in use, keys the
+    rows in use attend to, start, end) to ``records``: CUDA events around the step's
+    launch (or host clocks on the CPU). The keys of a row are its prompt and every token
+    drawn so far, the one fed at this step included."""
+    from ..integrations.hf import continuous_batching
+
+    engine = continuous_batching._Rollout
+    forward = engine._forward
+
+    def mark():
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def timed(self, b: int):
+        samples = self.row_sample[:b][self.row_sample[:b] >= 0]
+        keys = int((self.length[samples] + self.drawn[samples]).sum())
+        start = mark()
+        out = forward(self, b)
+        records.append((b, samples.size, keys, start, mark()))
+        return out
+
+    engine._forward = timed
+    try:
+        yield
+    finally:
+        engine._forward = forward
+
+
+def phase_rows(model, prompts, n, max_new, eos, max_batch, device, bandwidth: float | None) -> list[dict[str, Any]]:
+    """The rollout's decode steps by step batch: how many, their median time, rows in use and
+    (on CUDA) their floor (the weights and the keys of the rows in use, read once at
+    ``bandwidth`` GB/s), and the group's total time over its total floor; then every step."""
+    def call():
+        return rlk_rollout_impl(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
+                                max_batch=max_batch)
+    call()  # compile, capture
+    _release(device)
+    records: list[tuple] = []
+    with _timing_steps(device, records):
+        call()
+    _sync(device)
+    release_decode_graphs(model)
+    _release(device)
+    params, kv_per_token = step_bytes(model)
+    steps = []
+    for b, rows, keys, start, end in records:
+        ms = start.elapsed_time(end) if device.type == "cuda" else (end - start) * 1e3
+        floor = (params + keys * kv_per_token) / (bandwidth * 1e9) * 1e3 if bandwidth else None
+        steps.append((b, rows, ms, floor))
+    out = []
+    for b in sorted({s[0] for s in steps}) + [None]:
+        group = [s for s in steps if b is None or s[0] == b]
+        total = sum(s[2] for s in group)
+        row = dict(engine="rollout steps" if b is None else "rollout step", batch=b, steps=len(group),
+                   rows_in_use=statistics.median(s[1] for s in group), step_ms=round(statistics.median(
+                       s[2] for s in group), 4), total_ms=round(total, 2))
+        if bandwidth:
+            floor = sum(s[3] for s in group)
+            row.update(floor_ms=round(statistics.median(s[3] for s in group), 4), total_floor_ms=round(floor, 2),
+                       floor_ratio=round(total / floor, 3))
+        out.append(row)
+    return out
+
+
 # ---------------------------------------------------------------- the decode step
 
 
@@ -392,6 +472,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             _generate_row(patched, prompts, args.n, max_new, eos, device)]
     rows += [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device, spacing)
              for spacing in args.step_spacing]
+    if args.phases:
+        rows += phase_rows(patched, prompts, args.n, max_new, eos, args.max_batch, device, bandwidth)
     if args.peers:
         rows += _peer_rows(stock, prompts[: args.peer_prompts], args.n, max_new, eos, device, args.peers)
     if not cpu and args.step_batches:
@@ -404,6 +486,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"({name}, {device})", [r for r in rows if "tok_per_s" in r or "error" in r],
                 ["engine", "samples", "new_tokens", "wall_s", "tok_per_s", "rollout_speedup", "decode_floor_s",
                  "floor_ratio", "error"])
+    phases = [r for r in rows if r["engine"] in ("rollout step", "rollout steps")]
+    if phases:
+        print_table("the rollout's decode steps by step batch (the last row: all of them)", phases,
+                    ["batch", "steps", "rows_in_use", "step_ms", "floor_ms", "total_ms", "total_floor_ms",
+                     "floor_ratio"])
     steps = [r for r in rows if r["engine"] == "decode step"]
     if steps:
         print_table("decode step vs the HBM floor", steps,
