@@ -52,7 +52,8 @@ def test_the_decode_floor_counts_the_longest_samples_steps_and_each_tokens_conte
 def test_phases_time_every_decode_step_by_step_batch(tmp_path):
     path = tmp_path / "rollout.json"
     assert cli.main(["bench", "rollout", "--device", "cpu", "--config", "tiny", "--peers", "none",
-                     "--prompts", "3", "--n", "2", "--phases", "--json", str(path)]) == 0
+                     "--prompts", "2", "--n", "2", "--prompt-lens", "4,8", "--max-new", "8", "--mean-len", "4",
+                     "--phases", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     groups = [r for r in rows if r["engine"] == "rollout step"]
     total = [r for r in rows if r["engine"] == "rollout steps"]
