@@ -320,7 +320,8 @@ def _timing_steps(device: torch.device, records: list[tuple]):
 def phase_rows(model, prompts, n, max_new, eos, max_batch, device, bandwidth: float | None) -> list[dict[str, Any]]:
     """The rollout's decode steps by step batch: how many, their median time, rows in use and
     (on CUDA) their floor (the weights and the keys of the rows in use, read once at
-    ``bandwidth`` GB/s), and the group's total time over its total floor; then every step."""
+    ``bandwidth`` GB/s), and the group's total time over its total floor; then all the steps
+    together."""
     def call():
         return rlk_rollout_impl(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
                                 max_batch=max_batch)
