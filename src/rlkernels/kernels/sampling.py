@@ -4,8 +4,9 @@ A token is drawn in two levels over the LM head's statistics pass (:mod:`.lm_hea
 records each vocabulary tile's mass beside the softmax statistics; a first draw picks a
 block of 256 ids with probability proportional to its mass (:func:`sample_block_kernel`);
 the block's logits are recomputed by the same D-chain (or read from the logits the GEMM
-stored, where a truncated call has them) and a Gumbel-max picks the token inside it (:func:`sample_in_block_kernel`), which also finishes the token's log-prob and
-entropy from the forward's per-split statistics. Every random number comes from Philox keyed by
+stored, where a truncated call has them) and a Gumbel-max picks the token inside it
+(:func:`sample_in_block_kernel`), which also finishes the token's log-prob and entropy
+from the forward's per-split statistics. Every random number comes from Philox keyed by
 (seed, stream, position): what the row is, never where it sits. The seed is two int32
 scalars (a Python int seed) or, with ``SEED_IN_MEMORY``, the int64 at ``seed_ptr`` (a seed
 tensor): the same key words either way, and a captured CUDA graph reads the tensor anew

@@ -12,8 +12,8 @@ can be kept: for top-p alone the highest grid edge below which the histograms bo
 mass under (1 - p) of the row's (and at least the row's max + ln((1 - p) / V) - 1); for
 top-k the k-th largest of the chunks' two largest each; or the top-k threshold itself
 where it is given. In the second pass a chunk wholly below f yields nothing and is not
-read again, nor is a tile wholly below f; one with at most C logits >= f yields those (a scan); only the others take a
-bitonic top-C in registers. Each chunk reports a bound: every logit of it above the bound
+read again, nor is a tile wholly below f; one with at most C logits >= f yields those (a
+scan); only the others take a bitonic top-C in registers. Each chunk reports a bound: every logit of it above the bound
 is a candidate. So above the largest bound the candidates are the row's values. The
 filter decides only how much work the candidates take: the threshold is searched down to
 the bound, and past it over the whole row.
