@@ -132,11 +132,14 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
             num_warps=cfg.split.num_warps, num_stages=cfg.split.num_stages)
         if not finish_here:
             # The combine's tile is launch detail (an elementwise merge per row and column):
-            # the real rows only (a decode step's G heads), BLOCK_DC columns per program.
+            # the real rows only (a decode step's G heads), BLOCK_DC columns per program, and
+            # tiles over the rows a sequence can have (max_q * g), not the split tile's
+            # padding: a tile past them would return at once, a block scheduled for nothing
+            # (seven of eight at a decode step of G = 2, per layer and step).
             cm = min(bm, _pow2(max_q * g, floor=2))
             dc = min(bd, COMBINE_BLOCK_D)
             _launch_combine(
-                (cdiv(rows_pad, cm), nb * hkv, bd // dc),
+                (cdiv(max_q * g, cm), nb * hkv, bd // dc),
                 (ws, out, lse, sink_ptr, q_start, q_len, k_start, k_len,
                  out.stride(0), out.stride(1), lse.stride(0),
                  hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, k_add),
