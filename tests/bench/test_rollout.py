@@ -66,3 +66,18 @@ def test_phases_time_every_decode_step_by_step_batch(tmp_path):
     assert total[0]["steps"] >= max(1, rollout["new_tokens"] // rollout["samples"]) - 1
     for r in groups:
         assert 0 < r["rows_in_use"] <= r["batch"] and "floor_ms" not in r  # no bandwidth on the CPU
+
+
+def test_kernels_report_where_the_rollouts_time_goes(tmp_path):
+    path = tmp_path / "rollout.json"
+    assert cli.main(["bench", "rollout", "--device", "cpu", "--config", "tiny", "--peers", "none",
+                     "--prompts", "2", "--n", "2", "--prompt-lens", "4,8", "--max-new", "8", "--mean-len", "4",
+                     "--kernels", "400", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    top = [r for r in rows if r["engine"] == "rollout kernel"]
+    total = [r for r in rows if r["engine"] == "rollout kernels"]
+    assert 5 <= len(top) <= 400 and len(total) == 1
+    times = [r["total_ms"] for r in top]
+    assert times == sorted(times, reverse=True) and all(t > 0 for t in times)
+    assert sum(times) <= total[0]["total_ms"] + 1e-3 and 0 < sum(r["share"] for r in top) <= 1 + 1e-3
+    assert any("RMSNorm" in r["kernel"] for r in top)  # run by every layer of a decode step

@@ -3,7 +3,7 @@
     rlkernels bench rollout [--config qwen3-1.7b|qwen3-8b|tiny|PATH.json] [--layers N] [--device cuda|cpu]
         [--prompts P] [--n N] [--prompt-lens LO,HI] [--max-new T] [--mean-len M] [--max-batch B]
         [--peers generate_batch,compiled] [--peer-prompts P] [--step-batches 16,64,256] [--step-spacing 256]
-        [--phases] [--json PATH] [--quick]
+        [--phases] [--kernels K] [--json PATH] [--quick]
 
 The workload is an RL step's: P prompts (lengths uniform in [LO, HI]) × N samples each,
 drawn at T = 1 until EOS or T new tokens. A random-weight model's EOS token would almost
@@ -28,6 +28,9 @@ step time = (graphed greedy ``generate`` of 160 new tokens - of 32) / 128, the m
 three calls each after one of each; bytes = the
 model's parameters + the KV cache the step reads, at the measured device-to-device copy
 bandwidth. Launches per layer: the kernels of one eager decode step (profiler) / layers.
+
+``--kernels K`` profiles one more rollout and reports its K kernels of most device time
+(launches, total, share of all kernel time; on the CPU, the operators of most self time).
 
 ``--phases`` runs the rollout once more with each decode step timed (CUDA events around
 its launch): by step batch, the steps' median time and rows in use, and on CUDA each
@@ -99,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its step batches spaced by each of these (e.g. 256 for powers of two up to 256)")
     parser.add_argument("--phases", action="store_true", help="time the rollout's decode steps one by one, each "
                         "against the floor of the rows it runs (by step batch)")
+    parser.add_argument("--kernels", type=int, default=0, metavar="K", help="profile one rollout and report its K "
+                        "kernels of most device time (the CPU: operators of most self time)")
 
 
 # ---------------------------------------------------------------- the workload
@@ -354,6 +359,35 @@ def phase_rows(model, prompts, n, max_new, eos, max_batch, device, bandwidth: fl
     return out
 
 
+def kernel_rows(model, prompts, n, max_new, eos, max_batch, device, top: int) -> list[dict[str, Any]]:
+    """Where one rollout's device time goes: its ``top`` kernels by total device time
+    (torch.profiler, after a call that compiles and captures; graph replays included), each
+    with its launches and share of all kernel time, then one row of the total. On the CPU
+    the operators' self time stands in for kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def call():
+        return rlk_rollout_impl(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
+                                max_batch=max_batch)
+    call()  # compile, capture
+    _release(device)
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        call()
+        _sync(device)
+    release_decode_graphs(model)
+    _release(device)
+    spent = [(e.key, e.count, e.self_device_time_total if cuda else e.self_cpu_time_total)
+             for e in prof.key_averages()]
+    spent = sorted((k for k in spent if k[2] > 0), key=lambda k: -k[2])
+    total_us = sum(us for _, _, us in spent)
+    rows = [dict(engine="rollout kernel", kernel=name, launches=count, total_ms=round(us / 1e3, 3),
+                 share=round(us / total_us, 4)) for name, count, us in spent[:top]]
+    rows.append(dict(engine="rollout kernels", kernel=None, launches=sum(c for _, c, _ in spent),
+                     total_ms=round(total_us / 1e3, 3), share=1.0))
+    return rows
+
+
 # ---------------------------------------------------------------- the decode step
 
 
@@ -475,6 +509,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
              for spacing in args.step_spacing]
     if args.phases:
         rows += phase_rows(patched, prompts, args.n, max_new, eos, args.max_batch, device, bandwidth)
+    if args.kernels:
+        rows += kernel_rows(patched, prompts, args.n, max_new, eos, args.max_batch, device, args.kernels)
     if args.peers:
         rows += _peer_rows(stock, prompts[: args.peer_prompts], args.n, max_new, eos, device, args.peers)
     if not cpu and args.step_batches:
@@ -492,6 +528,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print_table("the rollout's decode steps by step batch (the last row: all of them)", phases,
                     ["batch", "steps", "rows_in_use", "step_ms", "floor_ms", "total_ms", "total_floor_ms",
                      "floor_ratio"])
+    kernels = [r for r in rows if r["engine"] in ("rollout kernel", "rollout kernels")]
+    if kernels:
+        print_table("the rollout's device time by kernel (the last row: every kernel)", kernels,
+                    ["kernel", "launches", "total_ms", "share"])
     steps = [r for r in rows if r["engine"] == "decode step"]
     if steps:
         print_table("decode step vs the HBM floor", steps,
