@@ -102,8 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its step batches spaced by each of these (e.g. 256 for powers of two up to 256)")
     parser.add_argument("--phases", action="store_true", help="time the rollout's decode steps one by one, each "
                         "against the floor of the rows it runs (by step batch)")
-    parser.add_argument("--kernels", type=whole._positive, default=None, metavar="K", help="profile one rollout and report its K "
-                        "kernels of most device time (the CPU: operators of most self time)")
+    parser.add_argument("--kernels", type=whole._positive, default=None, metavar="K",
+                        help="profile one rollout and report its K kernels of most device time (the CPU: "
+                        "operators of most self time)")
 
 
 # ---------------------------------------------------------------- the workload
