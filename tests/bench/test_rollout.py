@@ -79,5 +79,7 @@ def test_kernels_report_where_the_rollouts_time_goes(tmp_path):
     assert 5 <= len(top) <= 400 and len(total) == 1
     times = [r["total_ms"] for r in top]
     assert times == sorted(times, reverse=True) and all(t > 0 for t in times)
-    assert sum(times) <= total[0]["total_ms"] + 1e-3 and 0 < sum(r["share"] for r in top) <= 1 + 1e-3
+    # (each time rounded to a microsecond: the sum may pass the total by half of one per row)
+    assert sum(times) <= total[0]["total_ms"] + 5e-4 * (len(top) + 1)
+    assert 0 < sum(r["share"] for r in top) <= 1 + 5e-5 * len(top)
     assert any("RMSNorm" in r["kernel"] for r in top)  # run by every layer of a decode step
