@@ -49,12 +49,13 @@ def test_the_decode_floor_counts_the_longest_samples_steps_and_each_tokens_conte
     assert decode_floor_s(model, [], 2.0) == 0.0
 
 
-def test_phases_time_every_decode_step_by_step_batch(tmp_path):
+def test_phases_time_every_decode_step_by_step_batch_and_kernels_where_the_time_goes(tmp_path):
     path = tmp_path / "rollout.json"
     assert cli.main(["bench", "rollout", "--device", "cpu", "--config", "tiny", "--peers", "none",
                      "--prompts", "2", "--n", "2", "--prompt-lens", "4,8", "--max-new", "8", "--mean-len", "4",
-                     "--phases", "--json", str(path)]) == 0
+                     "--phases", "--kernels", "400", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
+    _check_kernel_rows(rows)
     groups = [r for r in rows if r["engine"] == "rollout step"]
     total = [r for r in rows if r["engine"] == "rollout steps"]
     assert groups and len(total) == 1 and total[0]["batch"] is None
@@ -68,12 +69,8 @@ def test_phases_time_every_decode_step_by_step_batch(tmp_path):
         assert 0 < r["rows_in_use"] <= r["batch"] and "floor_ms" not in r  # no bandwidth on the CPU
 
 
-def test_kernels_report_where_the_rollouts_time_goes(tmp_path):
-    path = tmp_path / "rollout.json"
-    assert cli.main(["bench", "rollout", "--device", "cpu", "--config", "tiny", "--peers", "none",
-                     "--prompts", "2", "--n", "2", "--prompt-lens", "4,8", "--max-new", "8", "--mean-len", "4",
-                     "--kernels", "400", "--json", str(path)]) == 0
-    rows = json.loads(path.read_text())["rows"]
+def _check_kernel_rows(rows: list[dict]) -> None:
+    """--kernels' rows: the top kernels by time, descending, and one total row."""
     top = [r for r in rows if r["engine"] == "rollout kernel"]
     total = [r for r in rows if r["engine"] == "rollout kernels"]
     assert 5 <= len(top) <= 400 and len(total) == 1
