@@ -208,6 +208,15 @@ def _row(engine: str, samples: int, tokens: int, ms: float, **extra: Any) -> dic
                 tok_per_s=round(tokens / (ms / 1e3), 1), **extra)
 
 
+def _warm_rollout(model, prompts, n, max_new, eos, max_batch, **variant: Any):
+    """The workload's rollout call (seed 0), after one call that compiles and captures."""
+    def call():
+        return rlk_rollout_impl(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
+                                max_batch=max_batch, **variant)
+    call()
+    return call
+
+
 def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=None,
                  bandwidth: float | None = None) -> dict[str, Any]:
     """``rollout``'s row; ``spacing``: its step batches' spacing (None: the default), a
@@ -215,10 +224,7 @@ def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=Non
     (:func:`decode_floor_s`) and its wall time over that floor."""
     extra = {} if spacing is None else {"step_spacing": spacing}
 
-    def call():
-        return rlk_rollout_impl(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
-                                max_batch=max_batch, **extra)
-    call()  # compile, capture
+    call = _warm_rollout(model, prompts, n, max_new, eos, max_batch, **extra)
     _release(device)  # the warm-up's cache, before the timed call allocates its own
     results, ms = _timed(device, call)
     kept = decode.kept_state("rollout", model)  # a graphed call's engine: the rows it chose
@@ -328,10 +334,7 @@ def phase_rows(model, prompts, n, max_new, eos, max_batch, device, bandwidth: fl
     (on CUDA) their floor (the weights and the keys of the rows in use, read once at
     ``bandwidth`` GB/s), and the group's total time over its total floor; then all the steps
     together."""
-    def call():
-        return rlk_rollout_impl(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
-                                max_batch=max_batch)
-    call()  # compile, capture
+    call = _warm_rollout(model, prompts, n, max_new, eos, max_batch)
     _release(device)
     records: list[tuple] = []
     with _timing_steps(device, records):
@@ -367,10 +370,7 @@ def kernel_rows(model, prompts, n, max_new, eos, max_batch, device, top: int) ->
     the operators' self time stands in for kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    def call():
-        return rlk_rollout_impl(model, prompts, n=n, max_new_tokens=max_new, seed=0, eos_token_id=eos,
-                                max_batch=max_batch)
-    call()  # compile, capture
+    call = _warm_rollout(model, prompts, n, max_new, eos, max_batch)
     _release(device)
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
