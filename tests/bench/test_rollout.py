@@ -47,6 +47,11 @@ def test_the_decode_floor_counts_the_longest_samples_steps_and_each_tokens_conte
     keys = (8 + 9 + 10 + 11) + 3
     assert decode_floor_s(model, samples, 2.0) == pytest.approx((4 * params + keys * kv) / 2e9)
     assert decode_floor_s(model, [], 2.0) == 0.0
+    # Samples 0 and 1 share a prompt of 7 keys, read once at steps 1..4 (sample 0's); sample 2 alone.
+    samples = [(7, 5), (7, 3), (2, 2)]
+    own = (1 + 2 + 3 + 4) + (1 + 2) + (2 + 1)
+    assert decode_floor_s(model, samples, 2.0, [0, 0, 1]) == pytest.approx((4 * params + (4 * 7 + own) * kv) / 2e9)
+    assert decode_floor_s(model, samples, 2.0, [0, 1, 2]) == pytest.approx(decode_floor_s(model, samples, 2.0))
 
 
 def test_phases_time_every_decode_step_by_step_batch_and_kernels_where_the_time_goes(tmp_path):

@@ -39,7 +39,9 @@ time over its floor.
 
 On CUDA the ``rollout`` row also gives its decode floor (:func:`decode_floor_s`: the
 fewest steps any schedule takes, each reading the weights once, and every new token its
-sample's keys and values once, at the measured copy bandwidth) and its wall time over it.
+sample's keys and values once, at the measured copy bandwidth) and its wall time over it,
+and the same floor with each prompt's keys read once per step for all its samples
+(``shared_floor_s``), as the rollout's attention reads them.
 """
 from __future__ import annotations
 
@@ -237,8 +239,11 @@ def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=Non
     name = "rollout" if spacing is None else f"rollout, step batches spaced {spacing}"
     extra = {}
     if bandwidth is not None:
-        floor_s = decode_floor_s(model, [(len(prompts[r.prompt]), len(r.tokens)) for r in results], bandwidth)
-        extra = dict(decode_floor_s=round(floor_s, 3), floor_ratio=round(ms / 1e3 / floor_s, 2))
+        samples = [(len(prompts[r.prompt]), len(r.tokens)) for r in results]
+        floor_s = decode_floor_s(model, samples, bandwidth)
+        shared_s = decode_floor_s(model, samples, bandwidth, [r.prompt for r in results])
+        extra = dict(decode_floor_s=round(floor_s, 3), floor_ratio=round(ms / 1e3 / floor_s, 2),
+                     shared_floor_s=round(shared_s, 3))
     return _row(name, len(results), sum(len(r.tokens) for r in results), ms,
                 finished=sum(r.finished for r in results), max_batch=rows, **extra)
 
@@ -436,15 +441,25 @@ def step_bytes(model: nn.Module) -> tuple[int, int]:
     return params, kv_per_token
 
 
-def decode_floor_s(model: nn.Module, samples: list[tuple[int, int]], bandwidth: float) -> float:
+def decode_floor_s(model: nn.Module, samples: list[tuple[int, int]], bandwidth: float,
+                   prompts: list[int] | None = None) -> float:
     """The HBM floor of a rollout's decode steps, in seconds, for ``samples`` (prompt length
     L, new tokens l) each: the fewest steps any schedule takes (the longest sample's l - 1;
     the first token comes from the prefill), each reading the weights once, and every
     token t = 1 .. l - 1 reading its sample's L + t keys and values once, at ``bandwidth``
-    GB/s. Prefills are left out."""
+    GB/s. Prefills are left out. ``prompts`` (each sample's prompt): a prompt's L keys are
+    read once per step for all its samples still decoding (the rollout's shared prompt
+    reads), each sample's t keys of its own as before."""
     params, kv_per_token = step_bytes(model)
     steps = max((new - 1 for _, new in samples), default=0)
     keys = sum((new - 1) * L + new * (new - 1) // 2 for L, new in samples if new > 1)
+    if prompts is not None:
+        # A prompt's keys are read at each step t <= its longest sample's l - 1, not once per sample.
+        longest: dict[int, tuple[int, int]] = {}
+        for p, (L, new) in zip(prompts, samples):
+            longest[p] = (L, max(new, longest.get(p, (L, 0))[1]))
+        keys -= sum((new - 1) * L for L, new in samples if new > 1)
+        keys += sum((new - 1) * L for L, new in longest.values() if new > 1)
     return (steps * params + keys * kv_per_token) / (bandwidth * 1e9)
 
 
@@ -523,7 +538,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     print_table(f"rollout: {prompts_n} prompts x {args.n}, lengths {lo}-{hi}, <= {max_new} new, mean ~{mean_len} "
                 f"({name}, {device})", [r for r in rows if "tok_per_s" in r or "error" in r],
                 ["engine", "samples", "new_tokens", "wall_s", "tok_per_s", "rollout_speedup", "decode_floor_s",
-                 "floor_ratio", "error"])
+                 "floor_ratio", "shared_floor_s", "error"])
     phases = [r for r in rows if r["engine"] in ("rollout step", "rollout steps")]
     if phases:
         print_table("the rollout's decode steps by step batch (the last row: all of them)", phases,

@@ -4,6 +4,8 @@ rows and where TMA pays.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -54,6 +56,54 @@ def test_keys_read_in_place_in_a_batched_layout(backend, dtype, gen, attn):
         free = torch.ones(slots, dtype=torch.bool)
         free[s0:s0 + n] = False
         assert (dk[b, free] == 0).all() and (dv[b, free] == 0).all()
+
+
+def check_shared_keys(attn, backend: str, sizes_: tuple[int, int, int], dtype, device, gen, prompt: int,
+                      own: list[int], stranger: int, starts: list[int], slots: int) -> None:
+    """Samples of one prompt (``prompt`` keys, then ``own[i]`` of their own), each holding its
+    copy at slot ``starts[i]``, and a stranger, decode with ``shared_keys`` naming one
+    sibling's copy: every sequence's bits are those of its own keys, alone and in the
+    batch. Control: a src whose first keys differ changes the Triton result, so the split-KV
+    kernel reads there (the torch backend reads each sequence's own keys)."""
+    hq, hkv, d = sizes_
+    new = functools.partial(randn, dtype=dtype, generator=gen)
+    kp, vp = new(prompt, hkv, d), new(prompt, hkv, d)
+    rows_k = [torch.cat([kp, new(n, hkv, d)]) for n in own] + [new(stranger, hkv, d)]
+    rows_v = [torch.cat([vp, new(n, hkv, d)]) for n in own] + [new(stranger, hkv, d)]
+    lens = [prompt + n for n in own] + [stranger]
+    nb = len(lens)
+    kb, vb = (hf_layout([r.to(device) for r in rows], starts, slots) for rows in (rows_k, rows_v))
+    q = new(nb, hq, d).to(device)
+    i32 = dict(dtype=torch.int32, device=device)
+    bounds = (torch.arange(nb, **i32), torch.ones(nb, **i32), torch.tensor(starts, **i32), torch.tensor(lens, **i32))
+
+    def step(src=None, length=None):
+        shared = None if src is None else (torch.tensor(src, **i32), torch.tensor(length, **i32))
+        return attn.attention_by_bounds("test", q, kb, vb, *bounds, 1, slots, backend=backend, shared_keys=shared)
+
+    own_keys = step()
+    for b in range(nb):
+        alone = attn.attention_by_bounds("test", q[b:b + 1], kb[b:b + 1], vb[b:b + 1], torch.zeros(1, **i32),
+                                         *(t[b:b + 1] for t in bounds[1:]), 1, slots, backend=backend)
+        assert bits_equal(own_keys[b], alone[0]), f"sequence {b} in the batch"
+    siblings = list(range(len(own)))
+    lengths = [prompt] * len(own) + [0]
+    for src in ([1] * len(own), [0] * len(own), siblings[::-1]):
+        assert bits_equal(step(src + [nb - 1], lengths), own_keys), f"shared from {src}"
+    assert bits_equal(step(list(range(nb)), lens), own_keys), "each its own"
+    wrong = step([nb - 1] * nb, lengths)
+    if backend == "triton":
+        assert not any(bits_equal(wrong[b], own_keys[b]) for b in siblings), "the stranger's keys were not read"
+        assert bits_equal(wrong[nb - 1], own_keys[nb - 1])
+    else:
+        assert bits_equal(wrong, own_keys)
+
+
+@pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
+def test_shared_keys_read_one_copy_of_a_prompt_with_each_sequences_own_bits(backend, dtype, gen, attn):
+    """:func:`check_shared_keys` across a split boundary: a prompt of 53 keys, whole blocks
+    to 48, splits of 32."""
+    check_shared_keys(attn, backend, sizes(backend), dtype, "cpu", gen, 53, [7, 1, 12], 61, [3, 0, 9, 1], 80)
 
 
 @pytest.mark.parametrize("backend,dtype", cpu_backend_cases((torch.float32,)))
@@ -126,6 +176,15 @@ def test_tma_only_where_the_call_is_large():
     assert layout.tma_pays(16, 16, 1024, 1024, 128, True)              # 69 GFLOP
     assert layout.tma_pays(1, 16, 16384, 16384, 128, True)
     assert not layout.tma_pays(64, 16, 1, 1024, 128, True)             # a decode step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_shared_keys_read_one_copy_of_a_prompt_with_each_sequences_own_bits(dtype, gen):
+    """:func:`check_shared_keys` on the library's chain, Qwen3's heads: a prompt of 1,100
+    keys (whole blocks to 1,088, splits of 1,024), samples 7, 1 and 300 keys past it."""
+    check_shared_keys(A, "triton", (16, 8, 128), dtype, "cuda", gen, 1100, [7, 1, 300], 900, [40, 0, 333, 2],
+                      1500)
 
 
 @pytest.mark.gpu

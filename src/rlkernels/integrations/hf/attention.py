@@ -177,6 +177,7 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
         q_start = k_start = cu[:-1]
         q_len = k_len = cu[1:] - cu[:-1]
         valid_rows = None
+        shared = None
     else:
         # Keys before the first query (a cache): the last lq keys are the queries', unless
         # the mask hook said where they start (a static cache's slots).
@@ -190,8 +191,10 @@ def rlkernels_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
                              "hook made lost its attribute); pass the 2-D padding mask instead")
         q_start, q_len, k_start, k_len, valid_rows = _bounds_of(attention_mask, offset, b, lq, s, dev,
                                                                 kwargs.get(QUERIES_REAL) is True)
+        shared = kwargs.get(SHARED_KEYS)
     # transformers' window: a query sees keys fewer than `window` positions before it.
     out = attention_by_bounds("attention (Hugging Face)", q_rows, k_rows, v_rows, q_start, q_len, k_start, k_len, lq, s,
+                              shared_keys=shared,
                               causal=True, scale=scale, window_size=(-1 if window is None else window - 1, -1),
                               sinks=kwargs.get("s_aux"),  # GPT-OSS's per-head attention sinks
                               softcap=kwargs.get("softcap") or 0.0)  # Gemma 2's attention logit soft-cap
@@ -207,6 +210,10 @@ Q_OFFSET = "rlkernels_q_offset"
 # that every query it feeds is a real token whose slot its mask holds: no padding row to
 # zero, so no ``where`` per layer. The library's decode steps pass it; nothing else should.
 QUERIES_REAL = "rlkernels_queries_real"
+# The forward keyword with which a decode loop names, per batch row, another row holding the
+# same prompt's keys and the prompt's length (``attention_by_bounds``' ``shared_keys``): the
+# rollout's samples of one prompt read one copy of it. Same bits; the rollout alone passes it.
+SHARED_KEYS = "rlkernels_shared_keys"
 
 
 def _pass_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, q_offset: Any = None,

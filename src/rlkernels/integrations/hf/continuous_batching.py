@@ -360,11 +360,16 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
                  return_entropy=bool(return_entropy), top_k=int(top_k), top_p=float(top_p), transform=transform)
 
 
+# The step's input rows, int64 [len, max_batch]: each row's fed token, its position, its
+# stream, whether a sample holds it, and its shared prompt (:meth:`_Rollout._prompt_copies`).
+_INPUT_ROWS = ("token", "position", "stream", "in_use", "prompt_src", "prompt_len")
+
+
 class _Engine:
     """What a rollout decodes on, kept across graphed calls (``decode.acquire("rollout",
     ...)``, keyed by :func:`~rlkernels.integrations.hf.decode.decode_key` of its rows and
-    slots): the slot cache, the step's input buffers (token, position, stream and in-use
-    rows, filled from a pinned staging tensor; the mask over every slot; the seed), and per
+    slots): the slot cache, the step's input buffers (token, position, stream, in-use and
+    shared-prompt rows, filled from a pinned staging tensor; the mask over every slot; the seed), and per
     step batch b the cache's first b rows and, once captured, the step's graph, every
     graph in one memory pool."""
 
@@ -375,8 +380,8 @@ class _Engine:
         self.max_batch, self.slots = B, S
         self.cache = decode.new_cache(model, S)
         self.counters: list[torch.Tensor] = []  # the cache's shared write counter, once it has storage
-        self.inputs = torch.zeros(4, B, dtype=torch.long, device=dev)
-        self.staging = torch.zeros(4, B, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.inputs = torch.zeros(len(_INPUT_ROWS), B, dtype=torch.long, device=dev)
+        self.staging = torch.zeros(len(_INPUT_ROWS), B, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.mask = torch.zeros(B, S, dtype=torch.long, device=dev)
         self.seed = torch.zeros((), dtype=torch.long, device=dev)
         self.caches: dict[int, Any] = {}
@@ -408,6 +413,7 @@ class _Rollout:
         self.positions = self.inputs[1].view(B, 1)
         self.streams = self.inputs[2]
         self.in_use = self.inputs[3]
+        self.shared = self.inputs[4:6]  # (the row whose prompt copy to read, its length)
         # The last prefill: its cache, and each of its prompts' (row there, length).
         self.prefill_cache: Any = None
         self.prefilled: dict[int, tuple[int, int]] = {}
@@ -622,6 +628,8 @@ class _Rollout:
         staging[1, used] = self.length[samples] + self.drawn[samples] - 1
         staging[2, used] = self.stream[samples]
         staging[3, used] = 1
+        staging[4] = np.arange(b)
+        staging[4, used], staging[5, used] = self._prompt_copies(np.flatnonzero(used), samples)
         self.inputs[:, :b].copy_(self.staging[:, :b], non_blocking=True)
         c = self.counter
         self.mask[:b].mul_(self.in_use[:b, None])  # rows not in use: only the slot written now
@@ -631,6 +639,15 @@ class _Rollout:
         self._take(drawn, owner)
         ended = np.flatnonzero(used)[self.done[samples]]
         self.row_sample[ended] = -1
+
+    def _prompt_copies(self, rows: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(src, length) of the samples in ``rows`` (ascending): the lowest of those rows
+        holding a sample of the same prompt, and the prompt's length. Every sample's row holds
+        its prompt's keys and values bit for bit (one prefill's, copied), so the attention
+        reads those of a prompt's samples once, from one row (``attention_by_bounds``'
+        ``shared_keys``)."""
+        _, first, group = np.unique(self.prompt_of[samples], return_index=True, return_inverse=True)
+        return rows[first][group], self.length[samples]
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decode step of the cache's first ``b`` rows: eager, or replayed from the graph
@@ -644,7 +661,8 @@ class _Rollout:
             return decode.decode_step(self.decoder, self.head, cache, self.ids[:b], self.mask[:b],
                                       self.positions[:b], temperature=plan.temperature, greedy=plan.greedy,
                                       seed=self.seed, streams=self.streams[:b], top_k=plan.top_k, top_p=plan.top_p,
-                                      transform=plan.transform, queries_real=True)  # slot c is set in every row
+                                      transform=plan.transform, queries_real=True,  # slot c is set in every row
+                                      shared_keys=self.shared[:, :b].to(torch.int32).unbind(0))
 
         if not plan.cuda_graph:
             return step()

@@ -84,7 +84,7 @@ from ...ops.lm_head.config import NO_TRANSFORM, LogitTransform
 from ...ops.lm_head.truncation import truncates
 from ..aten_mode import is_batch_invariant_mode_enabled
 from . import static_cache
-from .attention import QUERIES_REAL
+from .attention import QUERIES_REAL, SHARED_KEYS
 from .coverage import cache_kwargs, decoder_of, logit_transform, mode_for, parallel_modules
 
 OP = "generate"
@@ -299,13 +299,16 @@ def new_cache(model: nn.Module, length: int) -> Any:
 
 
 def last_hidden(decoder: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                cache_position: torch.Tensor | None = None, queries_real: bool = False) -> torch.Tensor:
+                cache_position: torch.Tensor | None = None, queries_real: bool = False,
+                shared_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The forward half of :func:`decode_step`: the final hidden state [B, H] of each row's
     last fed token, the keys and values of ``ids`` [B, Lq] written into ``cache`` (the
     arguments as there)."""
     extra = {"cache_position": cache_position} if cache_position is not None else {}
     if queries_real:
         extra[QUERIES_REAL] = True
+    if shared_keys is not None:
+        extra[SHARED_KEYS] = shared_keys
     out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                   **cache_kwargs(decoder, cache), **extra)
     return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1]
@@ -314,7 +317,8 @@ def last_hidden(decoder: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.T
 def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tensor, mask: torch.Tensor,
                 positions: torch.Tensor, *, temperature: float, greedy: bool, seed: torch.Tensor,
                 streams: torch.Tensor, cache_position: torch.Tensor | None = None, top_k: int = 0,
-                top_p: float = 1.0, transform: LogitTransform = NO_TRANSFORM, queries_real: bool = False) -> Drawn:
+                top_p: float = 1.0, transform: LogitTransform = NO_TRANSFORM, queries_real: bool = False,
+                shared_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> Drawn:
     """One forward of a patched decoder on a static cache, then the draw of each row's next token.
 
     ``ids`` [B, Lq] long are fed at ``positions`` [B, Lq] long; their keys and values are
@@ -328,11 +332,13 @@ def decode_step(decoder: nn.Module, head: nn.Module, cache: Any, ids: torch.Tens
     ``transform``: the model's logits from the head's (Gemma's final soft-cap, Cohere's scale).
     ``queries_real``: every fed token is real and its slot is 1 in ``mask`` (a decode step's,
     never a left-padded prefill's), so the attention has no padding row to zero.
+    ``shared_keys``: rows that hold the same prompt's keys, read once
+    (:func:`rlkernels.ops.attention.attention_by_bounds`' argument; same bits).
     Returns (token [B] int64, logp [B] fp32, entropy [B] fp32), and each row's threshold
     [B] fp32 where (top_k, top_p) truncate. No host sync: the step can be captured into a
     CUDA graph whose inputs are these tensors.
     """
-    hidden = last_hidden(decoder, cache, ids, mask, positions, cache_position, queries_real)
+    hidden = last_hidden(decoder, cache, ids, mask, positions, cache_position, queries_real, shared_keys)
     # The token drawn here is the row's next one: its position follows the last fed token's.
     return draw(head, hidden, temperature=temperature, greedy=greedy, seed=seed, streams=streams,
                 positions=positions[:, -1] + 1, top_k=top_k, top_p=top_p, transform=transform)

@@ -58,8 +58,9 @@ if triton is not None:
         if ONE_SPLIT:
             m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, k_desc, v_desc, k_row,
                                          kvh * K_HEAD_COLS, v_row, kvh * V_HEAD_COLS, offs_d, row_ok, pos, 0, n_end,
-                                         n_full, n_lo, n_win, k_len, D, qk_scale, softcap, ONES, WINDOW, CAUSAL,
-                                         SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, TMA, SOFTCAP)
+                                         n_full, n_lo, n_win, k_len, D, qk_scale, softcap, ONES, WINDOW, k_base,
+                                         v_base, 0, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE,
+                                         EVEN_D, TMA, SOFTCAP, False)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
         else:
             s_first = 0
@@ -69,8 +70,8 @@ if triton is not None:
                 m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, k_desc, v_desc, k_row,
                                              kvh * K_HEAD_COLS, v_row, kvh * V_HEAD_COLS, offs_d, row_ok, pos, s0,
                                              n_end, n_full, n_lo, n_win, k_len, D, qk_scale, softcap, ONES, WINDOW,
-                                             CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, TMA,
-                                             SOFTCAP)
+                                             k_base, v_base, 0, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT,
+                                             IEEE, EVEN_D, TMA, SOFTCAP, False)
                 m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
         sink = m
         if SINK:

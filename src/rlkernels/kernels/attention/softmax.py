@@ -116,9 +116,10 @@ if triton is not None:
     @triton.jit
     def split_walk(q, k_base, v_base, stride_kt, stride_vt, k_desc, v_desc, k_row, k_col, v_row, v_col, offs_d,
                    row_ok, pos, s0, n_end, n_full, n_lo, n_win, k_len, D, qk_scale, softcap, ONES, WINDOW,
+                   ks_base, vs_base, n_shared,
                    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-                   TMA: tl.constexpr, SOFTCAP: tl.constexpr):
+                   TMA: tl.constexpr, SOFTCAP: tl.constexpr, SHARED: tl.constexpr):
         """One split's online-softmax state (m, l, acc), from the empty state, over its key
         blocks ascending: keys [s0, min(s0 + S_SPLIT, n_end)) of a tile whose rows have
         query positions ``pos`` (row_ok: the row exists). Blocks below n_full (a multiple of
@@ -126,6 +127,11 @@ if triton is not None:
         descriptors where TMA: (k_row + n, k_col) is key n); the rest with it. SLIDING
         (each row sees keys no more than WINDOW positions back; ``window_range``'s n_lo,
         n_win): the blocks below n_lo are left out, those below n_win take the mask.
+
+        SHARED: the unmasked blocks wholly below key ``n_shared`` are read from ``ks_base`` /
+        ``vs_base`` instead, another sequence's copy of the same keys (the same loads and
+        steps from another address, so the same bits): sequences that share a prompt read
+        one copy of it, which the L2 cache can serve to all of them.
 
         The full kernel (each split in turn) and the split kernel (one split per program)
         both walk a split here, so the two compute one chain.
@@ -141,6 +147,14 @@ if triton is not None:
                                                D, qk_scale, softcap, ONES, m_s, l_s, acc_s, WINDOW, CAUSAL, SLIDING,
                                                BLOCK_N, IEEE, EVEN_D, SOFTCAP)
         s_mid = tl.minimum(tl.maximum(n_full, s_low), s_end)
+        if SHARED:
+            s_shared = tl.minimum(tl.maximum(n_shared // BLOCK_N * BLOCK_N, s_low), s_mid)
+            for n0 in range(s_low, s_shared, BLOCK_N):
+                k, v = load_pair(k_desc, v_desc, k_row, k_col, v_row, v_col, ks_base, vs_base, stride_kt, stride_vt,
+                                 n0, n0 + tl.arange(0, BLOCK_N), offs_d, k_len, D, EVEN_D, False, TMA)
+                m_s, l_s, acc_s = block_step(q, k, v, None, m_s, l_s, acc_s, qk_scale, softcap, ONES, IEEE, False,
+                                             SOFTCAP)
+            s_low = s_shared
         for n0 in range(s_low, s_mid, BLOCK_N):
             k, v = load_pair(k_desc, v_desc, k_row, k_col, v_row, v_col, k_base, v_base, stride_kt, stride_vt, n0,
                              n0 + tl.arange(0, BLOCK_N), offs_d, k_len, D, EVEN_D, False, TMA)

@@ -7,20 +7,20 @@ from __future__ import annotations
 from .._triton import tl, triton
 
 if triton is not None:
-    from .prologue import group_rows, key_base, tile_bounds, window_range
+    from .prologue import group_rows, key_base, key_rows, tile_bounds, window_range
     from .softmax import ROWSUM_COLS, empty_state, finish, merge_states, split_walk
 
     @triton.jit
     def attn_split_kernel(
         q_ptr, k_ptr, v_ptr, ws_ptr, o_ptr, lse_ptr, sink_ptr,
-        q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr,
+        q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, share_src_ptr, share_len_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         HKV, G, D, qk_scale, softcap, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, KV_ROWS, WINDOW,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, SINK: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, S_SPLIT: tl.constexpr, IEEE: tl.constexpr,
         EVEN_D: tl.constexpr, DENSE: tl.constexpr, KLEN_PTR: tl.constexpr, FINISH: tl.constexpr,
-        SOFTCAP: tl.constexpr,
+        SOFTCAP: tl.constexpr, SHARED: tl.constexpr,
     ):
         """One split of S_SPLIT keys for a tile of (query, head of the GQA group) rows.
 
@@ -33,6 +33,9 @@ if triton is not None:
         SLIDING: each row sees keys no more than WINDOW positions back (a split below
         every row's window writes the empty state). SINK: each row's head's sink logit
         (``sink_ptr``, log2 units) joins its normalizer where FINISH (``finish``).
+        SHARED (bounds form): sequence b's first ``share_len_ptr[b]`` keys are also those of
+        sequence ``share_src_ptr[b]``, bit for bit, and its whole key blocks among them are
+        read there (``split_walk``'s SHARED): same bits, one copy of a shared prompt read.
         """
         pid_m, bk, sp, kvh, q_start, q_len, k_start, k_len = tile_bounds(
             HKV, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD, KV_ROWS, False, DENSE, KLEN_PTR)
@@ -62,12 +65,20 @@ if triton is not None:
         ONES = tl.full((BLOCK_N, ROWSUM_COLS), 1.0, dtype=q_ptr.dtype.element_ty)
         k_base = key_base(k_ptr, k_start, kvh, stride_kt, stride_kh)
         v_base = key_base(v_ptr, k_start, kvh, stride_vt, stride_vh)
+        ks_base, vs_base, n_shared = k_base, v_base, 0
+        if SHARED:
+            tl.static_assert(not DENSE, "shared keys are given in the bounds form")
+            src = tl.load(share_src_ptr + bk // HKV)
+            n_shared = tl.load(share_len_ptr + bk // HKV)
+            src_start = key_rows(src, tl.load(k_start_ptr + src), KV_ROWS)
+            ks_base = key_base(k_ptr, src_start, kvh, stride_kt, stride_kh)
+            vs_base = key_base(v_ptr, src_start, kvh, stride_vt, stride_vh)
         # Pointer loads only: TMA reads measured the same GPU time here (a step is bound by
         # its KV bytes, not the loads' address arithmetic) and cost host time per step.
         m_s, l_s, acc_s = split_walk(q, k_base, v_base, stride_kt, stride_vt, None, None, 0, 0, 0, 0, offs_d, row_ok,
                                      pos, sp * S_SPLIT, n_end, n_full, n_lo, n_win, k_len, D, qk_scale, softcap, ONES,
-                                     WINDOW, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D, S_SPLIT, IEEE, EVEN_D, False,
-                                     SOFTCAP)
+                                     WINDOW, ks_base, vs_base, n_shared, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D,
+                                     S_SPLIT, IEEE, EVEN_D, False, SOFTCAP, SHARED)
         if FINISH:
             m, l, acc = empty_state(BLOCK_M, BLOCK_D)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)

@@ -110,6 +110,7 @@ def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                         q_len: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, max_q: int, max_k: int, *,
                         causal: bool = True, scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                         sinks: torch.Tensor | None = None, softcap: float = 0.0, backend: str | None = None,
+                        shared_keys: tuple[torch.Tensor, torch.Tensor] | None = None,
                         _tuning: AttnTuning = DEFAULT_TUNING) -> torch.Tensor:
     """The op over sequences given by their bounds, for integrations that hold padded rows.
 
@@ -122,8 +123,13 @@ def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     public entry point. max_q / max_k: ints >= every q_len / k_len. Rows outside every
     sequence are not written. Decode-like calls take the split-KV kernels (same bits).
     window_size, sinks and softcap as :func:`flash_attn_func`'s, positions counted from
-    ``k_start[b]``. Returns [Tq, Hq, D] in q's dtype; differentiable wrt q, k, v. ``op``
-    names the caller in errors.
+    ``k_start[b]``. ``shared_keys = (src, length)`` (int32 [B] device tensors, or None):
+    the caller vouches that sequence b's first ``length[b]`` keys and values are sequence
+    ``src[b]``'s first ``length[b]``, bit for bit (samples of one prompt, each holding its
+    copy); the split-KV kernel then reads them from ``src[b]``, so sequences that share a
+    prompt read one copy of it. A read placement: the bits are those of each sequence's
+    own keys, which every other path reads. Returns [Tq, Hq, D] in q's dtype;
+    differentiable wrt q, k, v. ``op`` names the caller in errors.
     """
     check_qkv(op, q, k, v, 3, k_ranks=(3, 4))
     window = check_window(op, window_size, causal)
@@ -132,6 +138,12 @@ def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     nb = q_start.shape[0]
     for name, t in (("q_start", q_start), ("q_len", q_len), ("k_start", k_start), ("k_len", k_len)):
         check_index(op, name, t, nb, q.device)
+    if shared_keys is not None:
+        if not isinstance(shared_keys, (tuple, list)) or len(shared_keys) != 2:
+            raise TypeError(f"rlkernels.{op}: shared_keys must be a pair (src, length) of int32 tensors, got "
+                            f"{type(shared_keys).__name__}")
+        for name, t in zip(("shared_keys' src", "shared_keys' length"), shared_keys):
+            check_index(op, name, t, nb, q.device)
     if k.dim() == 4 and k.shape[0] not in (1, nb):
         raise ValueError(f"rlkernels.{op}: batched keys [B, S, Hkv, D] need B = 1 or one row per sequence "
                          f"({nb}), got {tuple(k.shape)}")
@@ -144,7 +156,7 @@ def attention_by_bounds(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     max_q, max_k = int(max_q), int(max_k)
     split_kv = _takes_split_kv(name, max_q, q.shape[1] // k.shape[-2])
     return attend(last_dim_unit(q), k, v, sinks, q_start, q_len, k_start, k_len, None, max_q, max_k, bool(causal),
-                  window, softcap, scale, _tuning, name, split_kv)
+                  window, softcap, scale, _tuning, name, split_kv, shared_keys)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

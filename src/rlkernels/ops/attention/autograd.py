@@ -34,16 +34,17 @@ from .triton_host import triton_bwd, triton_fwd
 
 def forward(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool,
             window: int, softcap: float, scale: float, tuning: AttnTuning, backend: str,
-            split_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            split_kv: bool, shared=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward core: q rows [Tq, Hq, D], k/v [NB, S, Hkv, D] (unit last strides), either
     index form -> (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32, fp64 for fp64).
     ``sinks`` [Hq] or None: each head's sink logit in its rows' normalizers. ``window`` >= 0:
     each query sees keys no more than that many positions back (-1: no window). ``softcap``
     > 0: scores are softcap * tanh(score / softcap) (0: none). ``tuning``: the chain (both
-    backends) and the Triton launch."""
+    backends) and the Triton launch. ``shared``: where a sequence may read keys another
+    one holds too (:func:`~.triton_host.triton_fwd`; a read placement, no effect on the bits)."""
     if backend == "triton":
         return triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, causal, scale, tuning, split_kv,
-                          dense, window, sinks, softcap)
+                          dense, window, sinks, softcap, shared)
     return torch_fwd(q, k, v, q_start, q_len, k_start, k_len, causal, scale, tuning.chain, dense, window, sinks,
                      softcap)
 
@@ -207,13 +208,15 @@ def traced(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, ma
 
 
 def attend(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, max_k: int, causal: bool, window: int,
-           softcap: float, scale: float, tuning: AttnTuning, backend: str, split_kv: bool) -> torch.Tensor:
+           softcap: float, scale: float, tuning: AttnTuning, backend: str, split_kv: bool,
+           shared=None) -> torch.Tensor:
     """The op on validated inputs, by the one route for the call's context: traced by
     torch.compile (:func:`traced`: ``tuning``'s chain, the default launch), with autograd
     (:class:`AttnFunction`, which keeps ``tuning`` for the backward), or without (the
     forward core alone: no autograd node's host time). q rows [Tq, Hq, D] (bounds form) or a
     padded batch [B, Lq, Hq, D] (dense form); k, v [NB, S, Hkv, D] with unit last strides;
-    out in q's shape and dtype."""
+    out in q's shape and dtype. ``shared`` (:func:`forward`) is a read placement the forward
+    core alone takes; the other routes read every sequence's own keys, the same bits."""
     if torch.compiler.is_compiling():
         return traced(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window, softcap,
                       scale, tuning.chain, backend, split_kv)
@@ -222,5 +225,5 @@ def attend(q, k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q: int, ma
         return AttnFunction.apply(q, k, v, sinks, (q_start, q_len, k_start, k_len),
                                   (dense, max_q, max_k, causal, window, softcap, scale, tuning, backend, split_kv))
     out, _ = forward(_rows(q), k, v, sinks, q_start, q_len, k_start, k_len, dense, max_q, max_k, causal, window,
-                     softcap, scale, tuning, backend, split_kv)
+                     softcap, scale, tuning, backend, split_kv, shared)
     return out if q.dim() == 3 else out.view_as(q)

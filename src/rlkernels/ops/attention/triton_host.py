@@ -65,7 +65,8 @@ def score_scales(scale: float, softcap: float) -> tuple[float, float]:
 
 def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, causal: bool, scale: float,
                tuning: AttnTuning, split_kv: bool, dense: tuple[int, int] | None = None, window: int = -1,
-               sinks: torch.Tensor | None = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               sinks: torch.Tensor | None = None, softcap: float = 0.0,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernels (full kernel, or split-KV + combine); no host sync.
 
     q [Tq, Hq, D]; k, v [NB, S, Hkv, D] (``key_rows``). ``dense = (Lq, k_add)``: a padded
@@ -76,7 +77,10 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
     (``tuning.fwd``, None for :func:`~.launch.default_fwd_launch`). ``window`` >= 0: each
     query sees keys no more than that many positions back (-1: no window). ``sinks`` [Hq]
     (natural-log units) or None: each head's sink logit in its rows' normalizers.
-    ``softcap`` > 0: scores become softcap * tanh(score / softcap) (0: none). Returns
+    ``softcap`` > 0: scores become softcap * tanh(score / softcap) (0: none). ``shared``
+    (bounds form; int32 [B] each, or None): (src, length), sequence b's first length[b]
+    keys being sequence src[b]'s too: the split-KV kernel reads them there (same bits;
+    the full kernel reads every sequence's own). Returns
     (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32); rows outside every sequence are not
     written (with sinks their LSE is +inf, which the backward's sink gradient reads as no row).
     """
@@ -121,14 +125,15 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
         finish_here = n_splits == 1
         ws_rows = nb * hkv * n_splits * rows_pad
         ws = lse if finish_here else torch.empty(ws_rows * (bd + 2), dtype=torch.float32, device=q.device)
+        share_src, share_len = shared if shared is not None and not is_dense else (lse, lse)
         _launch_split(
             (rows_pad // bm, nb * hkv, n_splits),
-            (q, k, v, ws, out, lse, sink_ptr, q_start, q_len, k_start, k_len,
+            (q, k, v, ws, out, lse, sink_ptr, q_start, q_len, k_start, k_len, share_src, share_len,
              q.stride(0), q.stride(1), *k_strides, out.stride(0), out.stride(1), lse.stride(0),
              hkv, g, d, qk_scale, cap_log2, n_splits, rows_pad, ws_rows, lq_d, k_add, rows, max(window, 0)),
             dict(CAUSAL=causal, SLIDING=sliding, SINK=sinks is not None, BLOCK_M=bm, BLOCK_N=chain.block_n,
                  BLOCK_D=bd, S_SPLIT=chain.split, IEEE=ieee, EVEN_D=even_d, DENSE=is_dense, KLEN_PTR=klen_ptr,
-                 FINISH=finish_here, SOFTCAP=softcap > 0),
+                 FINISH=finish_here, SOFTCAP=softcap > 0, SHARED=shared is not None and not is_dense),
             num_warps=cfg.split.num_warps, num_stages=cfg.split.num_stages)
         if not finish_here:
             # The combine's tile is launch detail (an elementwise merge per row and column):
