@@ -227,6 +227,56 @@ def test_shrinking_the_step_batch_and_moving_rows_change_no_bit(monkeypatch):
     assert len(moves) <= len(set(steps)) - 1
 
 
+def test_a_prompts_samples_name_one_row_whose_keys_they_hold(monkeypatch):
+    """Every decode step names, per row, the lowest row holding a sample of its prompt and the
+    prompt's length (``shared_keys``), and the promise holds: the row's first keys and values
+    are that row's, bit for bit, in every layer, also once rows end, move and take others."""
+    from rlkernels.integrations.hf import attention as hf_attention
+    from rlkernels.integrations.hf.attention import SHARED_KEYS
+
+    model = _model("qwen3")
+    prompts = _prompts()
+    calls = []
+    original = hf_attention.attention_by_bounds
+
+    def recording(op, q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, **kw):
+        shared = kw.get("shared_keys")
+        if shared is not None:
+            src, length = (t.tolist() for t in shared)
+            for b, (s, n) in enumerate(zip(src, length)):
+                a, c = int(k_start[b]), int(k_start[s])
+                assert n <= min(int(k_len[b]), int(k_len[s]))
+                for t in (k, v):
+                    assert torch.equal(t[b, a:a + n].view(torch.int32), t[s, c:c + n].view(torch.int32)), (b, s, n)
+            calls.append((src, length))
+        return original(op, q, k, v, q_start, q_len, k_start, k_len, max_q, max_k, **kw)
+
+    monkeypatch.setattr(hf_attention, "attention_by_bounds", recording)
+    steps = []
+    forward = _Rollout._forward
+
+    def step(self, b):
+        owner = self.row_sample[:b].copy()
+        steps.append((owner, self.prompt_of[np.maximum(owner, 0)], self.length[np.maximum(owner, 0)]))
+        return forward(self, b)
+
+    monkeypatch.setattr(_Rollout, "_forward", step)
+    got = _by_key(_rollout(model, prompts, max_batch=8, smallest_step_batch=1, **KW), prompts)
+    assert _same(got, _by_key(_reference("qwen3"), prompts))
+    layers = model.config.num_hidden_layers
+    assert len(calls) == layers * len(steps)
+    shared = 0
+    for (owner, prompt, length), (src, n) in zip(steps, calls[::layers]):
+        for r, sample in enumerate(owner):
+            if sample < 0:
+                assert (src[r], n[r]) == (r, 0)
+                continue
+            siblings = [i for i in range(len(owner)) if owner[i] >= 0 and prompt[i] == prompt[r]]
+            assert (src[r], n[r]) == (siblings[0], length[r])
+            shared += src[r] != r
+    assert shared > 0  # some steps read a sibling's copy
+
+
 def test_prefilling_prompts_together_changes_no_bit(monkeypatch):
     model = _model("qwen3")
     prompts = _prompts()
