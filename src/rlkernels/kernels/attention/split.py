@@ -27,9 +27,13 @@ if triton is not None:
         Rows r = i * G + g pack a KV head's G query heads into the tile (decode: one
         query, G heads, padded to the minimum tile). Writes the split's (m, l, acc) to
         the workspace ws = [m | l | acc] over [B, HKV, N_SPLITS, ROWS_PAD] (acc with
-        BLOCK_D per row); a split with nothing to do writes the empty state, which the
-        combine merges exactly as a no-op. FINISH (N_SPLITS == 1): merge the one state
-        onto the empty state and finish here, the combine kernel's expressions exactly.
+        BLOCK_D per row, the real rows only); a split past the sequence's keys returns at
+        once and the combine reads none of it, and one with nothing to do inside them (below
+        a sliding window) writes the empty state, which the combine merges as a no-op.
+        FINISH (N_SPLITS == 1), or a sequence whose keys all lie in split 0: merge the one
+        state onto the empty state and finish here, the combine kernel's expressions
+        exactly (``finish_split``), so the path a sequence takes is a function of its own
+        key count.
         SLIDING: each row sees keys no more than WINDOW positions back (a split below
         every row's window writes the empty state). SINK: each row's head's sink logit
         (``sink_ptr``, log2 units) joins its normalizer where FINISH (``finish``).
@@ -41,6 +45,8 @@ if triton is not None:
             HKV, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD, KV_ROWS, False, DENSE, KLEN_PTR)
         if pid_m * BLOCK_M >= q_len * G:
             return
+        if sp * S_SPLIT >= tl.maximum(k_len, 1):
+            return  # a split past the sequence's keys: the combine reads no state of it
         r, i, h = group_rows(pid_m, kvh, G, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
@@ -80,24 +86,39 @@ if triton is not None:
                                      WINDOW, ks_base, vs_base, n_shared, CAUSAL, SLIDING, BLOCK_M, BLOCK_N, BLOCK_D,
                                      S_SPLIT, IEEE, EVEN_D, False, SOFTCAP, SHARED)
         if FINISH:
-            m, l, acc = empty_state(BLOCK_M, BLOCK_D)
-            m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
-            sink = m
-            if SINK:
-                sink = tl.load(sink_ptr + h)
-            out, lse = finish(m, l, acc, sink, SINK)
-            if EVEN_D:
-                o_mask = row_ok[:, None]
-            else:
-                o_mask = row_ok[:, None] & d_ok[None, :]
-            tl.store(o_ptr + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-                     out.to(o_ptr.dtype.element_ty), mask=o_mask)
-            tl.store(lse_ptr + h * stride_lh + q_start + i, lse, mask=row_ok)
+            finish_split(m_s, l_s, acc_s, o_ptr, lse_ptr, sink_ptr, q_start, i, h, offs_d, d_ok, row_ok, stride_ot,
+                         stride_oh, stride_lh, SINK, BLOCK_M, BLOCK_D, EVEN_D)
+        elif k_len <= S_SPLIT:
+            # Every key in split 0: finished here, as where the call has one split, so a
+            # sequence's path follows its own key count, not the call's longest.
+            finish_split(m_s, l_s, acc_s, o_ptr, lse_ptr, sink_ptr, q_start, i, h, offs_d, d_ok, row_ok, stride_ot,
+                         stride_oh, stride_lh, SINK, BLOCK_M, BLOCK_D, EVEN_D)
         else:
+            # The real rows only: a decode tile pads a KV head's G rows to BLOCK_M.
             base = (bk.to(tl.int64) * N_SPLITS + sp) * ROWS_PAD + r
-            tl.store(ws_ptr + base, m_s)
-            tl.store(ws_ptr + WS_ROWS + base, l_s)
-            tl.store(ws_ptr + 2 * WS_ROWS + base[:, None] * BLOCK_D + offs_d[None, :], acc_s)
+            tl.store(ws_ptr + base, m_s, mask=row_ok)
+            tl.store(ws_ptr + WS_ROWS + base, l_s, mask=row_ok)
+            tl.store(ws_ptr + 2 * WS_ROWS + base[:, None] * BLOCK_D + offs_d[None, :], acc_s, mask=row_ok[:, None])
+
+    @triton.jit
+    def finish_split(m_s, l_s, acc_s, o_ptr, lse_ptr, sink_ptr, q_start, i, h, offs_d, d_ok, row_ok, stride_ot,
+                     stride_oh, stride_lh, SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                     EVEN_D: tl.constexpr):
+        """A sequence's one split state, finished and stored: merged onto the empty state and
+        finished by the combine kernel's expressions exactly (its rows' out and LSE)."""
+        m, l, acc = empty_state(BLOCK_M, BLOCK_D)
+        m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
+        sink = m
+        if SINK:
+            sink = tl.load(sink_ptr + h)
+        out, lse = finish(m, l, acc, sink, SINK)
+        if EVEN_D:
+            o_mask = row_ok[:, None]
+        else:
+            o_mask = row_ok[:, None] & d_ok[None, :]
+        tl.store(o_ptr + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(lse_ptr + h * stride_lh + q_start + i, lse, mask=row_ok)
 
     @triton.jit
     def attn_combine_kernel(
@@ -105,9 +126,10 @@ if triton is not None:
         stride_ot, stride_oh, stride_lh,
         HKV, G, D, N_SPLITS, ROWS_PAD, WS_ROWS, LQ, K_ADD, SINK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr, EVEN_D: tl.constexpr,
-        DENSE: tl.constexpr, KLEN_PTR: tl.constexpr,
+        DENSE: tl.constexpr, KLEN_PTR: tl.constexpr, S_SPLIT: tl.constexpr,
     ):
-        """Merges a tile's split states in ascending split order from the empty state.
+        """Merges a tile's split states in ascending split order from the empty state: the
+        splits that hold its sequence's keys, of a sequence with keys past split 0.
 
         Each program takes BLOCK_M rows and BLOCK_DC of the BLOCK_D columns (the merge
         is elementwise per row and column, so the column chunking leaves the bits alone):
@@ -119,11 +141,14 @@ if triton is not None:
             HKV, q_start_ptr, q_len_ptr, k_start_ptr, k_len_ptr, LQ, K_ADD, 0, False, DENSE, KLEN_PTR)
         if pid_m * BLOCK_M >= q_len * G:
             return
+        if k_len <= S_SPLIT:
+            return  # keys in split 0 only: the split kernel finished the sequence
         r, i, h = group_rows(pid_m, kvh, G, BLOCK_M)
         offs_d = pid_d * BLOCK_DC + tl.arange(0, BLOCK_DC)
         row_ok = i < q_len
         m, l, acc = empty_state(BLOCK_M, BLOCK_DC)
-        for sp in range(0, N_SPLITS):
+        # The splits that hold the sequence's keys: a function of its key count alone.
+        for sp in range(0, tl.cdiv(k_len, S_SPLIT)):
             base = (bk.to(tl.int64) * N_SPLITS + sp) * ROWS_PAD + r
             m_s = tl.load(ws_ptr + base, mask=row_ok, other=float("-inf"))
             l_s = tl.load(ws_ptr + WS_ROWS + base, mask=row_ok, other=0.0)

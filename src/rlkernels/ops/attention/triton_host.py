@@ -149,7 +149,7 @@ def triton_fwd(q, k, v, q_start, q_len, k_start, k_len, max_q: int, max_k: int, 
                  out.stride(0), out.stride(1), lse.stride(0),
                  hkv, g, d, n_splits, rows_pad, ws_rows, lq_d, k_add),
                 dict(SINK=sinks is not None, BLOCK_M=cm, BLOCK_D=bd, BLOCK_DC=dc, EVEN_D=even_d, DENSE=is_dense,
-                     KLEN_PTR=klen_ptr),
+                     KLEN_PTR=klen_ptr, S_SPLIT=chain.split),
                 num_warps=COMBINE_WARPS, num_stages=COMBINE_STAGES)
         return out, lse
     # Not the dense form with per-sequence key counts (k_len + K_ADD, the KV-cache path's):
