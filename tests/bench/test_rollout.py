@@ -54,13 +54,16 @@ def test_the_decode_floor_counts_the_longest_samples_steps_and_each_tokens_conte
     assert decode_floor_s(model, samples, 2.0, [0, 1, 2]) == pytest.approx(decode_floor_s(model, samples, 2.0))
 
 
-def test_phases_time_every_decode_step_by_step_batch_and_kernels_where_the_time_goes(tmp_path):
+def test_phases_time_every_decode_step_the_kernels_and_own_prompt_reads_are_reported(tmp_path):
     path = tmp_path / "rollout.json"
     assert cli.main(["bench", "rollout", "--device", "cpu", "--config", "tiny", "--peers", "none",
                      "--prompts", "2", "--n", "2", "--prompt-lens", "4,8", "--max-new", "8", "--mean-len", "4",
-                     "--phases", "--kernels", "400", "--json", str(path)]) == 0
+                     "--phases", "--kernels", "400", "--own-prompt-reads", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     _check_kernel_rows(rows)
+    own = [r for r in rows if r["engine"] == "rollout, own prompt reads"]
+    assert len(own) == 1 and own[0]["shared_prompt_reads"] is False
+    assert own[0]["new_tokens"] == rows[0]["new_tokens"]  # the same samples
     groups = [r for r in rows if r["engine"] == "rollout step"]
     total = [r for r in rows if r["engine"] == "rollout steps"]
     assert groups and len(total) == 1 and total[0]["batch"] is None

@@ -3,7 +3,7 @@
     rlkernels bench rollout [--config qwen3-1.7b|qwen3-8b|tiny|PATH.json] [--layers N] [--device cuda|cpu]
         [--prompts P] [--n N] [--prompt-lens LO,HI] [--max-new T] [--mean-len M] [--max-batch B]
         [--peers generate_batch,compiled] [--peer-prompts P] [--step-batches 16,64,256] [--step-spacing 256]
-        [--phases] [--kernels K] [--json PATH] [--quick]
+        [--own-prompt-reads] [--phases] [--kernels K] [--json PATH] [--quick]
 
 The workload is an RL step's: P prompts (lengths uniform in [LO, HI]) × N samples each,
 drawn at T = 1 until EOS or T new tokens. A random-weight model's EOS token would almost
@@ -102,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-batches", type=_ints, default=(16, 64, 256), help="decode-step batches (CUDA)")
     parser.add_argument("--step-spacing", type=_ints, default=(), help="rollout variants timed beside the default: "
                         "its step batches spaced by each of these (e.g. 256 for powers of two up to 256)")
+    parser.add_argument("--own-prompt-reads", action="store_true", help="also time the rollout with every row "
+                        "reading its own copy of its prompt's keys (shared prompt reads off; the same bits)")
     parser.add_argument("--phases", action="store_true", help="time the rollout's decode steps one by one, each "
                         "against the floor of the rows it runs (by step batch)")
     parser.add_argument("--kernels", type=whole._positive, default=None, metavar="K",
@@ -220,13 +222,16 @@ def _warm_rollout(model, prompts, n, max_new, eos, max_batch, **variant: Any):
 
 
 def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=None,
-                 bandwidth: float | None = None) -> dict[str, Any]:
-    """``rollout``'s row; ``spacing``: its step batches' spacing (None: the default), a
-    variant timed beside it. ``bandwidth`` (GB/s): with it, the row's decode floor
-    (:func:`decode_floor_s`) and its wall time over that floor."""
-    extra = {} if spacing is None else {"step_spacing": spacing}
+                 bandwidth: float | None = None, shared_reads: bool = True) -> dict[str, Any]:
+    """``rollout``'s row; ``spacing``: its step batches' spacing (None: the default), or
+    ``shared_reads=False`` (every row reads its own prompt copy): a variant timed beside
+    it. ``bandwidth`` (GB/s): with it, the row's decode floor (:func:`decode_floor_s`) and
+    its wall time over that floor."""
+    variant: dict[str, Any] = {} if spacing is None else {"step_spacing": spacing}
+    if not shared_reads:
+        variant["shared_prompt_reads"] = False
 
-    call = _warm_rollout(model, prompts, n, max_new, eos, max_batch, **extra)
+    call = _warm_rollout(model, prompts, n, max_new, eos, max_batch, **variant)
     _release(device)  # the warm-up's cache, before the timed call allocates its own
     results, ms = _timed(device, call)
     kept = decode.kept_state("rollout", model)  # a graphed call's engine: the rows it chose
@@ -236,13 +241,14 @@ def _rollout_row(model, prompts, n, max_new, eos, max_batch, device, spacing=Non
     del kept
     release_decode_graphs(model)
     _release(device)
-    name = "rollout" if spacing is None else f"rollout, step batches spaced {spacing}"
-    extra = {}
+    name = ("rollout" if spacing is None else f"rollout, step batches spaced {spacing}") + (
+        "" if shared_reads else ", own prompt reads")
+    extra = dict(variant)
     if bandwidth is not None:
         samples = [(len(prompts[r.prompt]), len(r.tokens)) for r in results]
         floor_s = decode_floor_s(model, samples, bandwidth)
         shared_s = decode_floor_s(model, samples, bandwidth, [r.prompt for r in results])
-        extra = dict(decode_floor_s=round(floor_s, 3), floor_ratio=round(ms / 1e3 / floor_s, 2),
+        extra.update(decode_floor_s=round(floor_s, 3), floor_ratio=round(ms / 1e3 / floor_s, 2),
                      shared_floor_s=round(shared_s, 3))
     return _row(name, len(results), sum(len(r.tokens) for r in results), ms,
                 finished=sum(r.finished for r in results), max_batch=rows, **extra)
@@ -523,6 +529,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             _generate_row(patched, prompts, args.n, max_new, eos, device)]
     rows += [_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device, spacing)
              for spacing in args.step_spacing]
+    if args.own_prompt_reads:
+        rows.append(_rollout_row(patched, prompts, args.n, max_new, eos, args.max_batch, device, bandwidth=bandwidth,
+                                 shared_reads=False))
     if args.phases:
         rows += phase_rows(patched, prompts, args.n, max_new, eos, args.max_batch, device, bandwidth)
     if args.kernels:

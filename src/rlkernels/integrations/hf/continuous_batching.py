@@ -130,6 +130,7 @@ class _Plan:
     top_k: int = 0
     top_p: float = 1.0
     transform: LogitTransform = NO_TRANSFORM  # the model's logits from its head's (check_head)
+    shared_prompt_reads: bool = True  # a prompt's samples read one copy of its keys (_prompt_copies)
 
     @property
     def truncating(self) -> bool:
@@ -289,7 +290,7 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
           seed: int | None, streams: object, eos_token_id: object, max_batch: int | None, cuda_graph: bool | None,
           return_entropy: bool, slots: int | None, smallest_step_batch: int = 8, step_spacing: int = 32,
           prefill_tokens: int = 8192, admit_rows: int | None = None, keep: bool | None = None, top_k: int = 0,
-          top_p: float = 1.0) -> _Plan:
+          top_p: float = 1.0, shared_prompt_reads: bool = True) -> _Plan:
     """Every argument checked (errors name ``rlkernels.rollout``), before any compute."""
     head, transform = check_head(OP, model)
     validate_truncation(OP, top_k, top_p)
@@ -357,7 +358,8 @@ def _plan(model: nn.Module, prompts: object, *, n: int, max_new_tokens: int, tem
                  admit_rows=max(1, admit_rows),
                  step_batches=step_batches(max_batch, smallest_step_batch, step_spacing), slots=slots,
                  cuda_graph=graphed, keep=keep, device=device,
-                 return_entropy=bool(return_entropy), top_k=int(top_k), top_p=float(top_p), transform=transform)
+                 return_entropy=bool(return_entropy), top_k=int(top_k), top_p=float(top_p), transform=transform,
+                 shared_prompt_reads=bool(shared_prompt_reads))
 
 
 # The step's input rows, int64 [len, max_batch]: each row's fed token, its position, its
@@ -629,7 +631,8 @@ class _Rollout:
         staging[2, used] = self.stream[samples]
         staging[3, used] = 1
         staging[4] = np.arange(b)
-        staging[4, used], staging[5, used] = self._prompt_copies(np.flatnonzero(used), samples)
+        if self.plan.shared_prompt_reads:
+            staging[4, used], staging[5, used] = self._prompt_copies(np.flatnonzero(used), samples)
         self.inputs[:, :b].copy_(self.staging[:, :b], non_blocking=True)
         c = self.counter
         self.mask[:b].mul_(self.in_use[:b, None])  # rows not in use: only the slot written now
@@ -743,7 +746,8 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
              max_batch: int | None = None, cuda_graph: bool | None = None, return_entropy: bool = False,
              slots: int | None = None, smallest_step_batch: int = 8, step_spacing: int = 32,
              prefill_tokens: int = 8192, admit_rows: int | None = None, keep: bool | None = None,
-             batch_invariant: bool | None = None, top_k: int = 0, top_p: float = 1.0) -> list[RolloutSample]:
+             batch_invariant: bool | None = None, top_k: int = 0, top_p: float = 1.0,
+             shared_prompt_reads: bool = True) -> list[RolloutSample]:
     """:func:`rollout` on any model, patched or not (``batch_invariant`` as in
     :func:`rlkernels.token_logprobs`), with the slot cache's length ``slots`` (None:
     :func:`default_slots`; at least the longest prompt plus
@@ -753,13 +757,15 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
     waiting samples are admitted while others decode (None: max(n, max_batch // 16)).
     ``keep`` (None: as the step is graphed): decode on the engine kept for the model and
     keep it for the next call (:class:`_Engine`); on the CPU, for tests of that reuse.
-    For comparisons and tuning: only a patched model's samples are their prompts' decodes
+    ``shared_prompt_reads=False``: every row reads its own copy of its prompt's keys (the
+    same bits; for comparisons). For comparisons and tuning: only a patched model's samples are their prompts' decodes
     alone."""
     plan = _plan(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
                  seed=seed, streams=streams, eos_token_id=eos_token_id, max_batch=max_batch,
                  cuda_graph=cuda_graph, return_entropy=return_entropy, slots=slots,
                  smallest_step_batch=smallest_step_batch, step_spacing=step_spacing,
-                 prefill_tokens=prefill_tokens, admit_rows=admit_rows, keep=keep, top_k=top_k, top_p=top_p)
+                 prefill_tokens=prefill_tokens, admit_rows=admit_rows, keep=keep, top_k=top_k, top_p=top_p,
+                 shared_prompt_reads=shared_prompt_reads)
     if not plan.prompts:
         return []
     return fsdp.run_as_forward(model, _run, model, plan, batch_invariant)
