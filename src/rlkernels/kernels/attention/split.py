@@ -104,21 +104,29 @@ if triton is not None:
     def finish_split(m_s, l_s, acc_s, o_ptr, lse_ptr, sink_ptr, q_start, i, h, offs_d, d_ok, row_ok, stride_ot,
                      stride_oh, stride_lh, SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                      EVEN_D: tl.constexpr):
-        """A sequence's one split state, finished and stored: merged onto the empty state and
-        finished by the combine kernel's expressions exactly (its rows' out and LSE)."""
+        """A sequence's one split state merged onto the empty state, finished and stored: the
+        combine kernel's expressions exactly (its rows' out and LSE)."""
         m, l, acc = empty_state(BLOCK_M, BLOCK_D)
         m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
-        sink = m
-        if SINK:
-            sink = tl.load(sink_ptr + h)
-        out, lse = finish(m, l, acc, sink, SINK)
         if EVEN_D:
             o_mask = row_ok[:, None]
         else:
             o_mask = row_ok[:, None] & d_ok[None, :]
+        store_finished(m, l, acc, o_ptr, lse_ptr, sink_ptr, q_start, i, h, offs_d, o_mask, row_ok, stride_ot,
+                       stride_oh, stride_lh, SINK)
+
+    @triton.jit
+    def store_finished(m, l, acc, o_ptr, lse_ptr, sink_ptr, q_start, i, h, offs_d, o_mask, lse_mask, stride_ot,
+                       stride_oh, stride_lh, SINK: tl.constexpr):
+        """A merged state finished (``finish``; SINK: with each row's head's sink logit) and
+        stored: out where ``o_mask``, the LSE where ``lse_mask``."""
+        sink = m
+        if SINK:
+            sink = tl.load(sink_ptr + h)
+        out, lse = finish(m, l, acc, sink, SINK)
         tl.store(o_ptr + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=o_mask)
-        tl.store(lse_ptr + h * stride_lh + q_start + i, lse, mask=row_ok)
+        tl.store(lse_ptr + h * stride_lh + q_start + i, lse, mask=lse_mask)
 
     @triton.jit
     def attn_combine_kernel(
@@ -155,17 +163,13 @@ if triton is not None:
             acc_s = tl.load(ws_ptr + 2 * WS_ROWS + base[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
                             other=0.0)
             m, l, acc = merge_states(m, l, acc, m_s, l_s, acc_s)
-        sink = m
-        if SINK:
-            sink = tl.load(sink_ptr + h)
-        out, lse = finish(m, l, acc, sink, SINK)
         if EVEN_D:
             o_mask = row_ok[:, None]
         else:
             o_mask = row_ok[:, None] & (offs_d[None, :] < D)
-        tl.store(o_ptr + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=o_mask)
-        if pid_d == 0:
-            tl.store(lse_ptr + h * stride_lh + q_start + i, lse, mask=row_ok)
+        # The chunk-0 program writes the LSE (the test as a vector: a mask takes no scalar).
+        lse_mask = row_ok & (i * 0 + pid_d == 0)
+        store_finished(m, l, acc, o_ptr, lse_ptr, sink_ptr, q_start, i, h, offs_d, o_mask, lse_mask, stride_ot,
+                       stride_oh, stride_lh, SINK)
 else:  # pragma: no cover - the torch backend still imports without Triton
     attn_split_kernel = attn_combine_kernel = None
