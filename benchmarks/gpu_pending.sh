@@ -23,8 +23,8 @@ run_tests gpu_tests_rollout.log 180 tests/integrations/hf/test_continuous_batchi
 run_tests gpu_tests_truncation.log 150 tests/ops/test_linear_sample.py -k "truncated or top_p_kernel or soft_capped"
 fi
 if [ "$stage" = bench ]; then
-timeout 440 python3 -m rlkernels.bench rollout --peers none --phases --own-prompt-reads --json $OUT/rollout.json > $OUT/rollout.log 2>&1
-grep -v Warn $OUT/rollout.log | tail -30
+timeout 440 python3 -m rlkernels.bench rollout --peers none --phases --own-prompt-reads --kernels 30 --json $OUT/rollout.json > $OUT/rollout.log 2>&1
+grep -v Warn $OUT/rollout.log | tail -75
 timeout 120 python3 -m rlkernels.bench sample --json $OUT/sample.json > $OUT/sample.log 2>&1
 grep -A16 "top-k / top-p" $OUT/sample.log | head -20
 fi
