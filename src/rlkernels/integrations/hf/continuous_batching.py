@@ -370,10 +370,10 @@ _INPUT_ROWS = ("token", "position", "stream", "in_use", "prompt_src", "prompt_le
 class _Engine:
     """What a rollout decodes on, kept across graphed calls (``decode.acquire("rollout",
     ...)``, keyed by :func:`~rlkernels.integrations.hf.decode.decode_key` of its rows and
-    slots): the slot cache, the step's input buffers (token, position, stream, in-use and
-    shared-prompt rows, filled from a pinned staging tensor; the mask over every slot; the seed), and per
-    step batch b the cache's first b rows and, once captured, the step's graph, every
-    graph in one memory pool."""
+    slots): the slot cache, the step's input buffers (the rows of ``_INPUT_ROWS``, filled
+    from a pinned staging tensor; the mask over every slot; the seed), and per step batch b
+    the cache's first b rows and, once captured, the step's graph, every graph in one
+    memory pool."""
 
     def __init__(self, key: tuple | None, model: nn.Module, plan: _Plan) -> None:
         dev, B, S = plan.device, plan.max_batch, plan.slots
