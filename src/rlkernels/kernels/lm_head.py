@@ -132,26 +132,6 @@ if triton is not None:
         return m_new, s_new, u_i, mass
 
     @triton.jit
-    def tile_step(m_i, s_i, u_i, zt, z, offs_v, col_ok, tgt, TARGET: tl.constexpr, ENTROPY: tl.constexpr,
-                  THRESHOLD: tl.constexpr):
-        """One tile of the forward's chain: (m, s, u, zt, the tile's own mass) after the scores
-        ``z`` [BLOCK_M, BLOCK_V] (-inf where left out) of the columns ``offs_v``."""
-        # At most one column matches: the sum is that logit exactly. Taken first so
-        # z's registers can be reused by the statistics below.
-        if TARGET:
-            zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
-        z = tl.where(col_ok[None, :], z, float("-inf"))
-        if ENTROPY:
-            if THRESHOLD:
-                live = col_ok[None, :] & (z != float("-inf"))
-            else:
-                live = col_ok[None, :]
-            m_i, s_i, u_i, tile_sum = online_stats(m_i, s_i, u_i, z, live)
-        else:
-            m_i, m_ref, alpha, e, d, tile_sum, s_i = lse_step(m_i, s_i, z)
-        return m_i, s_i, u_i, zt, tile_sum
-
-    @triton.jit
     def fwd_partial_kernel(
         h_ptr, w_ptr, b_ptr, z_ptr, t_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, tile_m_ptr, tile_s_ptr, threshold_ptr,
         tile_max_ptr, N, V, D, temperature, logit_scale, cap_arg, cap,
@@ -173,12 +153,10 @@ if triton is not None:
         Without TARGET (the sampler, which has none yet), ``t_ptr`` and ``zt_ptr`` are unused.
         THRESHOLD: the statistics of the truncated distribution, each row's logits below
         ``threshold_ptr[row]`` left out (``keep_above``); a target left out has logit -inf.
-        SKIP (with LOGITS and THRESHOLD, no TARGET): ``tile_max_ptr`` [N, ceil(V / BLOCK_V)]
-        holds each tile's largest score (+inf where it holds a NaN); a row's tile whose max
-        lies below the row's threshold is not read, since every logit of it would be left
-        out: it is -inf throughout, as ``keep_above`` makes it, so the bits are the full
-        read's. A tile that every row of the block skips takes no step at all: a tile of
-        -inf leaves (m, s, u) as they are, with a mass of 0."""
+        SKIP (with LOGITS and THRESHOLD): ``tile_max_ptr`` [N, ceil(V / BLOCK_V)] holds each
+        tile's largest score (NaN where it holds a NaN); a row's tile whose max lies below
+        the row's threshold is not read, since every logit of it would be left out: it is
+        -inf throughout, as ``keep_above`` makes it, so the bits are the full read's."""
         # Grouped order: GROUP_M token blocks share the streamed W tiles in L2.
         pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
 
@@ -197,40 +175,40 @@ if triton is not None:
         u_i = tl.zeros((BLOCK_M,), tl.float32)
         zt = tl.zeros((BLOCK_M,), tl.float32)
         if SKIP:
-            tl.static_assert(LOGITS and THRESHOLD and not TARGET,
-                             "tiles are skipped only in the sampler's truncated read of stored logits")
+            tl.static_assert(LOGITS and THRESHOLD, "tiles are skipped only in a truncated read of stored logits")
             tau = tl.load(threshold_ptr + rm)
             tile_row = tile_max_ptr + rm * tl.cdiv(V, BLOCK_V) + v_start // BLOCK_V
         # Tiles in ascending column order: the row's statistics are one fixed chain.
         for j in range(0, n_tiles):
             offs_v = v_start + j * BLOCK_V + tl.arange(0, BLOCK_V)
             col_ok = offs_v < V
-            if SKIP:
-                below = tl.load(tile_row + j) < tau  # False for a NaN max or threshold
-                if tl.min(below.to(tl.int32), axis=0) == 0:
-                    z = tl.load(z_ptr + rm[:, None] * stride_zn + offs_v[None, :].to(tl.int64),
-                                mask=col_ok[None, :] & ~below[:, None], other=0.0)
-                    z = scores(z, temperature, logit_scale, cap_arg, cap, TEMP, SCALE, CAP, BLOCK_M, BLOCK_V)
-                    z = tl.where(below[:, None], float("-inf"), keep_above(z, threshold_ptr, rm, THRESHOLD))
-                    m_i, s_i, u_i, zt, tile_sum = tile_step(m_i, s_i, u_i, zt, z, offs_v, col_ok, tgt, TARGET,
-                                                            ENTROPY, THRESHOLD)
-                else:
-                    # Every row's tile is -inf throughout: the step leaves (m, s, u) as they
-                    # are and its own mass is 0.
-                    tile_sum = tl.zeros((BLOCK_M,), tl.float32)
+            if LOGITS:
+                read = col_ok[None, :]
+                if SKIP:
+                    below = tl.load(tile_row + j) < tau  # False for a NaN max or threshold
+                    read = read & ~below[:, None]
+                z = tl.load(z_ptr + rm[:, None] * stride_zn + offs_v[None, :].to(tl.int64), mask=read, other=0.0)
+                z = scores(z, temperature, logit_scale, cap_arg, cap, TEMP, SCALE, CAP, BLOCK_M, BLOCK_V)
             else:
-                if LOGITS:
-                    z = tl.load(z_ptr + rm[:, None] * stride_zn + offs_v[None, :].to(tl.int64),
-                                mask=col_ok[None, :], other=0.0)
-                    z = scores(z, temperature, logit_scale, cap_arg, cap, TEMP, SCALE, CAP, BLOCK_M, BLOCK_V)
+                z, _ = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V, D,
+                                   temperature, logit_scale, cap_arg, cap, stride_hn, stride_hd, stride_wv, stride_wd,
+                                   HAS_BIAS, TEMP, SCALE, CAP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V, BLOCK_K)
+            z = keep_above(z, threshold_ptr, rm, THRESHOLD)
+            if SKIP:
+                z = tl.where(below[:, None], float("-inf"), z)
+            # At most one column matches: the sum is that logit exactly. Taken first so
+            # z's registers can be reused by the statistics below.
+            if TARGET:
+                zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+            z = tl.where(col_ok[None, :], z, float("-inf"))
+            if ENTROPY:
+                if THRESHOLD:
+                    live = col_ok[None, :] & (z != float("-inf"))
                 else:
-                    z, _ = logits_tile(h_ptr, w_ptr, b_ptr, rm, offs_v, pid_m * BLOCK_M, v_start + j * BLOCK_V, V,
-                                       D, temperature, logit_scale, cap_arg, cap, stride_hn, stride_hd, stride_wv,
-                                       stride_wd, HAS_BIAS, TEMP, SCALE, CAP, IEEE, EVEN_D, TMA, BLOCK_M, BLOCK_V,
-                                       BLOCK_K)
-                z = keep_above(z, threshold_ptr, rm, THRESHOLD)
-                m_i, s_i, u_i, zt, tile_sum = tile_step(m_i, s_i, u_i, zt, z, offs_v, col_ok, tgt, TARGET, ENTROPY,
-                                                        THRESHOLD)
+                    live = col_ok[None, :]
+                m_i, s_i, u_i, tile_sum = online_stats(m_i, s_i, u_i, z, live)
+            else:
+                m_i, m_ref, alpha, e, d, tile_sum, s_i = lse_step(m_i, s_i, z)
             if STORE_TILES:
                 n_tiles = tl.cdiv(V, SPLIT_V) * (SPLIT_V // BLOCK_V)
                 tile = offs_m.to(tl.int64) * n_tiles + pid_s * (SPLIT_V // BLOCK_V) + j

@@ -83,7 +83,7 @@ if triton is not None:
         BINS (0: none; BLOCK_R 1): into ``hist[row, c, :]`` ([N, n_chunks, BINS] int32) how
         many of its logits lie in each bin of the grid ``floor(z * bin_scale)``, counted down
         from its max's bin; the last bin holds every lower logit (and -inf, NaN).
-        TILE (0: none; it divides CHUNK): each TILE-wide tile's largest score, +inf where the
+        TILE (0: none; it divides CHUNK): each TILE-wide tile's largest score, NaN where the
         tile holds a NaN, into ``tmax[row, t]`` ([N, n_tiles], t < n_tiles = ceil(L / TILE))."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         chunk = tl.program_id(1)
@@ -103,11 +103,13 @@ if triton is not None:
             mass = tl.sum(tl.exp(z.to(tl.float64) - ref[:, None]), axis=1)
             tl.store(cs_ptr + rows * n_chunks + chunk, mass, mask=row_ok)
         if TILE > 0:
-            # A NaN counts as +inf: it must keep its tile from ever being skipped, and tl.max
-            # may pass over a NaN.
-            zt = tl.reshape(tl.where(z == z, z, float("inf")), [BLOCK_R, CHUNK // TILE, TILE])
+            # Max and NaN flag per tile: a NaN must keep its tile from ever being skipped, and
+            # tl.max does not say whether it saw one.
+            zt = tl.reshape(z, [BLOCK_R, CHUNK // TILE, TILE])
+            tile_max = tl.max(zt, axis=2)
+            has_nan = tl.max((zt != zt).to(tl.int32), axis=2) > 0
             t = chunk * (CHUNK // TILE) + tl.arange(0, CHUNK // TILE)
-            tl.store(tmax_ptr + rows[:, None] * n_tiles + t[None, :], tl.max(zt, axis=2),
+            tl.store(tmax_ptr + rows[:, None] * n_tiles + t[None, :], tl.where(has_nan, float("nan"), tile_max),
                      mask=row_ok[:, None] & (t < n_tiles)[None, :])
         if BINS > 0:
             tl.static_assert(BLOCK_R == 1, "the chunk histogram takes one row per program")
@@ -216,7 +218,7 @@ if triton is not None:
             if TILE > 0:
                 tile_max = tl.load(tmax_ptr + rows[:, None] * n_tiles + (cols // TILE)[None, :], mask=ok,
                                    other=float("-inf"))
-                ok = ok & (tile_max >= f[:, None])
+                ok = ok & ~(tile_max < f[:, None])  # a NaN max is read
             z = _row_scores(x_ptr, rows, ok, cols, stride_x, float("-inf"), temperature, logit_scale, cap_arg, cap,
                             TEMP, SCALE, CAP, BLOCK_R, CHUNK)
             keep = ok & (z >= f[:, None])

@@ -253,7 +253,7 @@ class TritonHeadStatistics:
         and mass written into ``tiles`` (``STORE_TILES``). ``partials``: flat (m, s, u)
         buffers of n_split * N fp32 to fill instead of new ones (the sampler carves them and
         ``tiles`` from one allocation). ``tile_max`` [N, ceil(V / LSE_TILE)] fp32, with
-        ``logits`` and ``threshold``: each tile's largest score (+inf where it holds a NaN);
+        ``logits`` and ``threshold``: each tile's largest score (NaN where it holds a NaN);
         the pass does not read a row's tiles wholly below its threshold (same bits)."""
         return self._pass(h2, weight, bias, None, temperature, entropy, tiles, partials, threshold, transform, logits,
                           tile_max)

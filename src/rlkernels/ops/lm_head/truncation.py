@@ -180,7 +180,7 @@ def threshold_of_logits(raw: torch.Tensor, temperature: float, transform: LogitT
     from the raw fp32 logits ``raw`` [N, V] (the GEMM's), which it scores in registers.
 
     ``tile_max`` [N, ceil(V / LSE_TILE)] fp32, where given, is filled with each LSE tile's
-    largest score, +inf where the tile holds a NaN (:func:`tile_maxima`), in the same read:
+    largest score, NaN where the tile holds a NaN (:func:`tile_maxima`), in the same read:
     the statistics pass then skips a row's tiles wholly below its threshold."""
     if triton_interpret():
         # The interpreter runs the kernels' sorting networks element by element in numpy,
@@ -194,14 +194,13 @@ def threshold_of_logits(raw: torch.Tensor, temperature: float, transform: LogitT
 
 
 def tile_maxima(z: torch.Tensor) -> torch.Tensor:
-    """Each LSE tile's largest score of ``z`` [N, V]: [N, ceil(V / LSE_TILE)] fp32, +inf where
-    the tile holds a NaN, so no pass skips it (what ``kernels.truncation.chunk_stats_kernel``
-    writes)."""
+    """Each LSE tile's largest score of ``z`` [N, V]: [N, ceil(V / LSE_TILE)] fp32, NaN where
+    the tile holds a NaN (what ``kernels.truncation.chunk_stats_kernel`` writes)."""
     N, V = z.shape
     n_tiles = cdiv(V, LSE_TILE)
     padded = torch.full((N, n_tiles * LSE_TILE), -math.inf, dtype=torch.float32, device=z.device)
-    padded[:, :V] = torch.where(torch.isnan(z), math.inf, z)
-    return padded.view(N, n_tiles, LSE_TILE).amax(dim=2)
+    padded[:, :V] = z
+    return padded.view(N, n_tiles, LSE_TILE).amax(dim=2)  # amax propagates NaN
 
 
 # ``kernels.truncation``'s row filters: none, top-p alone's from the chunks' histograms,
@@ -256,7 +255,7 @@ def _chunk_candidates(raw: torch.Tensor, k: int, top_p: float, floor: torch.Tens
     """Each chunk's candidates of the raw fp32 logits [N, V] (``kernels.truncation``'s chunk
     passes) for top-k ``k`` (0: none; ``floor`` [N]: its threshold, given where k exceeds
     the candidates) and top-p; ``tile_max`` filled by the first pass (:func:`tile_maxima`),
-    where given and the chunk is a whole number of tiles (else with +inf: no tile skipped)."""
+    where given and the chunk is a whole number of tiles (else with NaN: no tile skipped)."""
     N, V = raw.shape
     count, chunk, n_chunks = _chunk_layout(V)
     nucleus = top_p < 1.0
@@ -271,7 +270,7 @@ def _chunk_candidates(raw: torch.Tensor, k: int, top_p: float, floor: torch.Tens
     bin_scale = 1.0 / FILTER_BIN_WIDTH
     tiles = tile_max is not None and chunk % LSE_TILE == 0
     if tile_max is not None and not tiles:
-        tile_max.fill_(math.inf)
+        tile_max.fill_(math.nan)
     _launch_chunk_stats((cdiv(N, ROWS_PER_PROGRAM), n_chunks),
                         (raw, cmax, mass, hist, tile_max if tiles else cmax, N, V, raw.stride(0), n_chunks,
                          cdiv(V, LSE_TILE), bin_scale, *score_args),
@@ -309,7 +308,7 @@ def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: 
     """:func:`_torch_top_p`'s threshold (or top-k's) by ``kernels.truncation`` from the raw
     fp32 logits: each chunk's candidates, then the threshold from the row's largest of them
     (all of them sorted, or the whole row, where the nucleus is wider). ``tile_max``: as
-    :func:`threshold_of_logits` fills it (+inf throughout where the chunk pass does not run)."""
+    :func:`threshold_of_logits` fills it (NaN throughout where the chunk pass does not run)."""
     N, V = raw.shape
     k = top_k if 0 < top_k < V else 0
     nucleus = float(top_p) < 1.0
@@ -318,7 +317,7 @@ def _triton_threshold(raw: torch.Tensor, top_k: int, top_p: float, temperature: 
     floor_given = k > count
     chunk_pass = N and (nucleus or 0 < k <= count)
     if tile_max is not None and not chunk_pass:
-        tile_max.fill_(math.inf)  # no tile is known to lie below the threshold
+        tile_max.fill_(math.nan)  # no tile is known to lie below the threshold
     if not N or not (k or nucleus):
         return out
     # A k beyond the candidates: its k-th largest by torch.topk over the scores, written out.
