@@ -758,8 +758,8 @@ def _rollout(model: nn.Module, prompts: Sequence[Sequence[int] | torch.Tensor], 
     ``keep`` (None: as the step is graphed): decode on the engine kept for the model and
     keep it for the next call (:class:`_Engine`); on the CPU, for tests of that reuse.
     ``shared_prompt_reads=False``: every row reads its own copy of its prompt's keys (the
-    same bits; for comparisons). For comparisons and tuning: only a patched model's samples are their prompts' decodes
-    alone."""
+    same bits). For comparisons and tuning: only a patched model's samples are their
+    prompts' decodes alone."""
     plan = _plan(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
                  seed=seed, streams=streams, eos_token_id=eos_token_id, max_batch=max_batch,
                  cuda_graph=cuda_graph, return_entropy=return_entropy, slots=slots,
